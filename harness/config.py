@@ -1,0 +1,291 @@
+"""Run configuration: typed sections, YAML files, dotted command-line overrides.
+
+Precedence (lowest to highest), written down once:
+
+    dataclass defaults  <  the YAML file given with --config  <  `section.key=value` overrides
+
+Every key is declared below with a type and a help text. An unknown key, a value of the wrong type or an
+invalid choice raises `ConfigError`, whose message names the key; the entry points turn it into one line
+on stderr and exit status 2. The fully resolved config (every default filled in) is written to
+`<output_dir>/config.yaml` by the training run, and loading that file reproduces the run.
+
+    python -c "from harness.config import load_config; print(load_config('configs/default.yaml', ['train.max_steps=5']))"
+
+This module must stay light: it imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from harness.errors import ConfigError
+
+# ----------------------------------------------------------------------------------------------- sections
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field with a help text (mutable defaults go through a factory)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: Optional[str] = _f(None, "Hugging Face model id or local folder. Null: build from `config`.")
+    config: dict = _f(
+        {},
+        "transformers config kwargs for a randomly initialised model (needs `model_type`, e.g. llama). "
+        "With name_or_path set, these override the loaded config.",
+    )
+    random_init: bool = _f(False, "With name_or_path: take its architecture but initialise the weights randomly.")
+    tokenizer: Optional[str] = _f(
+        None, "Tokenizer id or folder; `bundled` = the offline tokenizer shipped in harness/assets. "
+        "Null: name_or_path, or the bundled one when building from `config`."
+    )
+    attn_implementation: str = _f("sdpa", "Attention kernel: sdpa, eager, flash_attention_2, ...")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward (non-reentrant) to save memory.")
+    trust_remote_code: bool = _f(False, "Allow model code from the model's repository.")
+
+
+@dataclass
+class DataConfig:
+    train_files: list = _f([], "JSONL files or folders of *.jsonl with generative records ({text} or {messages}).")
+    eval_files: list = _f([], "Held-out JSONL files or folders; evaluated every train.eval_every steps and at the end.")
+    max_len: int = _f(512, "Tokens per sample; longer samples are truncated (and counted in the log).")
+    shuffle: bool = _f(True, "Shuffle the training samples each epoch (seeded by train.seed and the epoch).")
+    num_workers: int = _f(0, "DataLoader worker processes.")
+    cache_dir: Optional[str] = _f(None, "datasets cache folder for the tokenized data. Null: the datasets default.")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(3e-4, "Peak learning rate.")
+    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to biases and norm weights).")
+    beta1: float = _f(0.9, "AdamW beta1.")
+    beta2: float = _f(0.95, "AdamW beta2.")
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
+    scheduler: Literal["cosine", "linear", "constant"] = _f("cosine", "Learning-rate decay after warmup.")
+    warmup_steps: int = _f(0, "Linear warmup steps (takes precedence over warmup_ratio when > 0).")
+    warmup_ratio: float = _f(0.0, "Warmup as a fraction of the total optimizer steps.")
+    min_lr_ratio: float = _f(0.0, "Cosine/linear decay ends at lr * min_lr_ratio.")
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = _f("runs/default", "Run folder: config.yaml, metrics.jsonl, tensorboard/, final/, report.json.")
+    seed: int = _f(42, "Seed for model init, data order and dropout.")
+    max_steps: int = _f(-1, "Optimizer steps to run; -1: run `epochs` epochs.")
+    epochs: float = _f(1.0, "Passes over the training data when max_steps is -1 (fractions allowed).")
+    micro_batch_size: int = _f(8, "Samples per process per forward/backward.")
+    grad_accum: int = _f(1, "Micro-batches accumulated per optimizer step.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = _f(
+        "auto", "auto: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU."
+    )
+    tf32: bool = _f(True, "Allow TF32 matmuls on Ampere or newer GPUs.")
+    log_every: int = _f(10, "Log metrics every N optimizer steps (and always at the last step).")
+    eval_every: int = _f(0, "Evaluate on data.eval_files every N steps; 0: only at the end.")
+    report_to: list = _f(["tensorboard"], "accelerate trackers to log to; [] for none.")
+    progress_bar: bool = _f(True, "Show a tqdm progress bar on the main process.")
+    save_final: bool = _f(True, "Export the trained model and tokenizer to <output_dir>/final in HF format.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+# ----------------------------------------------------------------------------------------------- typing
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check `value` against the declared type `tp`; return it (ints are accepted where floats are)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, value, a)
+            except ConfigError:
+                pass
+        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+        return value
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+        list: lambda v: isinstance(v, list),
+        dict: lambda v: isinstance(v, dict),
+    }[tp]
+    if not ok(value):
+        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+    return float(value) if tp is float else value
+
+
+def _section_fields(section_cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def _unknown(kind: str, key: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key.split(".")[-1], known, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return ConfigError(f"unknown config {kind} '{key}'{hint}")
+
+
+def _apply(raw: dict, key: str, value: Any) -> None:
+    """Set `raw[section][name] = value` after checking that section.name exists and the type fits."""
+    parts = key.split(".")
+    section = parts[0]
+    if section not in SECTIONS:
+        raise _unknown("section", section, list(SECTIONS))
+    if len(parts) == 1:
+        raise ConfigError(f"config key '{key}': give section.key=value")
+    fields = _section_fields(SECTIONS[section])
+    name = parts[1]
+    if name not in fields:
+        raise _unknown("key", key, list(fields))
+    if len(parts) > 2:  # a key inside a dict-valued field, e.g. model.config.hidden_size=64
+        if fields[name] is not dict:
+            raise ConfigError(f"config key '{key}': '{section}.{name}' has no sub-keys")
+        d = raw.setdefault(section, {}).setdefault(name, {})
+        for p in parts[2:-1]:
+            d = d.setdefault(p, {})
+        d[parts[-1]] = value
+        return
+    raw.setdefault(section, {})[name] = _coerce(key, value, fields[name])
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`train.max_steps=20` -> ("train.max_steps", 20); the value is read as YAML (numbers, bools, lists)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}': expected section.key=value")
+    key, _, value = text.partition("=")
+    key = key.strip().lstrip("-")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value  # a plain string such as a path with a colon
+    return key, parsed
+
+
+def _flatten(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    return [(f"{prefix}{k}", v) for k, v in d.items()]
+
+
+def load_config(path: Optional[str | Path] = None, overrides: list[str] | None = None) -> Config:
+    """Build a Config from defaults, then the YAML file at `path`, then `overrides` (see module docstring)."""
+    raw: dict[str, dict] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{p}:{mark.line + 1}" if mark else str(p)
+            raise ConfigError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: expected a mapping of sections (model:, data:, optim:, train:)")
+        for section, values in loaded.items():
+            if section not in SECTIONS:
+                raise _unknown("section", str(section), list(SECTIONS))
+            if not isinstance(values, dict):
+                raise ConfigError(f"{p}: section '{section}' must be a mapping of keys")
+            for name, value in values.items():
+                _apply(raw, f"{section}.{name}", value)
+    for text in overrides or []:
+        _apply(raw, *parse_override(text))
+    cfg = Config(**{s: SECTIONS[s](**raw.get(s, {})) for s in SECTIONS})
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks across keys that types alone cannot express."""
+    t, d, o = cfg.train, cfg.data, cfg.optim
+    positive = {
+        "train.micro_batch_size": t.micro_batch_size,
+        "train.grad_accum": t.grad_accum,
+        "train.log_every": t.log_every,
+        "data.max_len": d.max_len,
+    }
+    for key, v in positive.items():
+        if v < 1:
+            raise ConfigError(f"config key '{key}': must be >= 1, got {v}")
+    if t.max_steps == 0 or t.max_steps < -1:
+        raise ConfigError(f"config key 'train.max_steps': must be -1 (use epochs) or >= 1, got {t.max_steps}")
+    if t.max_steps == -1 and t.epochs <= 0:
+        raise ConfigError(f"config key 'train.epochs': must be > 0 when train.max_steps is -1, got {t.epochs}")
+    if o.lr <= 0:
+        raise ConfigError(f"config key 'optim.lr': must be > 0, got {o.lr}")
+    if not 0 <= o.warmup_ratio < 1:
+        raise ConfigError(f"config key 'optim.warmup_ratio': must be in [0, 1), got {o.warmup_ratio}")
+    if o.warmup_steps < 0 or o.max_grad_norm < 0 or d.num_workers < 0 or t.eval_every < 0:
+        bad = next(k for k, v in [("optim.warmup_steps", o.warmup_steps), ("optim.max_grad_norm", o.max_grad_norm),
+                                  ("data.num_workers", d.num_workers), ("train.eval_every", t.eval_every)] if v < 0)
+        raise ConfigError(f"config key '{bad}': must be >= 0")
+    if not d.train_files:
+        raise ConfigError("config key 'data.train_files': give at least one JSONL file or folder")
+    if cfg.model.name_or_path is None and not cfg.model.config:
+        raise ConfigError("config key 'model.name_or_path': set it, or give model.config (with model_type) for random init")
+    if cfg.model.name_or_path is None and "model_type" not in cfg.model.config:
+        raise ConfigError("config key 'model.config.model_type': required to build a model from config (e.g. llama)")
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config; `load_config(path)` gives the same Config back."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def describe() -> str:
+    """Every key with its type, default and help, for `harness train --help-config`."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"{section}:")
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            tp = _type_name(typing.get_type_hints(cls)[f.name])
+            lines.append(f"  {f.name} ({tp}, default {default!r}): {f.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,126 @@
+"""Device facts: what the hardware supports, peak FLOP/s by GPU name, the environment report.
+
+    python -m harness.hardware        # print the environment report as JSON
+
+Facts only; the one policy here is `resolve_precision`, the documented mapping from `train.precision: auto`
+to a concrete precision.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from importlib import metadata
+from typing import Optional
+
+import torch
+
+from harness.errors import ConfigError
+
+# Dense (no sparsity) peak tensor-core FLOP/s for bf16/fp16 with fp32 accumulation, per GPU, from the vendors'
+# data sheets. Matched on the lower-cased device name, most specific pattern first.
+PEAK_FLOPS_BF16: list[tuple[tuple[str, ...], float, str]] = [
+    (("h200",), 989e12, "H200"),
+    (("gh200",), 989e12, "GH200"),
+    (("h100", "nvl"), 835e12, "H100 NVL"),
+    (("h100", "pcie"), 756e12, "H100 PCIe"),
+    (("h100",), 989e12, "H100 SXM"),
+    (("h800",), 989e12, "H800"),
+    (("a100",), 312e12, "A100"),
+    (("a800",), 312e12, "A800"),
+    (("l40s",), 362e12, "L40S"),
+    (("l40",), 181e12, "L40"),
+    (("a6000", "ada"), 364e12, "RTX 6000 Ada"),
+    (("a6000",), 155e12, "RTX A6000"),
+    (("a10g",), 70e12, "A10G"),
+    (("a10",), 125e12, "A10"),
+    (("4090",), 165e12, "RTX 4090"),
+    (("3090",), 71e12, "RTX 3090"),
+    (("v100",), 125e12, "V100 (fp16)"),
+    (("t4",), 65e12, "T4 (fp16)"),
+]
+
+
+def peak_flops(device_name: str) -> tuple[Optional[float], str]:
+    """(peak bf16/fp16 FLOP/s, matched name) for a CUDA device name; (None, reason) when unknown."""
+    name = device_name.lower()
+    for keys, flops, label in PEAK_FLOPS_BF16:
+        if all(k in name for k in keys):
+            return flops, label
+    return None, f"unknown GPU '{device_name}': MFU not reported"
+
+
+def bf16_supported() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def resolve_precision(requested: str) -> str:
+    """`auto` -> bf16 on GPUs with bf16, fp16 on older GPUs, fp32 on CPU. Explicit requests are checked."""
+    cuda = torch.cuda.is_available()
+    if requested == "auto":
+        if not cuda:
+            return "fp32"
+        return "bf16" if bf16_supported() else "fp16"
+    if requested == "fp16" and not cuda:
+        raise ConfigError("config key 'train.precision': fp16 needs a CUDA GPU; use fp32 or bf16 on CPU")
+    if requested == "bf16" and cuda and not bf16_supported():
+        raise ConfigError(
+            f"config key 'train.precision': {torch.cuda.get_device_name()} has no bf16; use fp16 or auto"
+        )
+    return requested
+
+
+def accelerate_mixed_precision(precision: str) -> str:
+    return {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision]
+
+
+def enable_tf32(enabled: bool) -> bool:
+    """Allow TF32 matmuls/convolutions on Ampere or newer; returns whether TF32 is now in use."""
+    if not torch.cuda.is_available():
+        return False
+    ampere = torch.cuda.get_device_capability()[0] >= 8
+    on = bool(enabled and ampere)
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+    return on
+
+
+def _version(pkg: str) -> Optional[str]:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment_report() -> dict:
+    """Versions, devices and memory, for report.json and the start-of-run log."""
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            flops, label = peak_flops(p.name)
+            gpus.append({
+                "name": p.name,
+                "memory_gb": round(p.total_memory / 2**30, 1),
+                "capability": f"{p.major}.{p.minor}",
+                "peak_bf16_tflops": flops / 1e12 if flops else None,
+                "matched": label,
+            })
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpus": gpus,
+        "bf16_supported": bf16_supported(),
+        "versions": {
+            p: _version(p)
+            for p in ("harness", "accelerate", "transformers", "deepspeed", "peft", "datasets", "tensorboard", "tokenizers")
+        },
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(environment_report(), indent=2))

@@ -1,0 +1,104 @@
+"""Run metrics: metrics.jsonl, accelerate trackers (tensorboard), throughput, MFU, memory, the progress bar.
+
+Every logged step becomes one JSON object in `<output_dir>/metrics.jsonl` (main process only) with at least:
+step, loss, lr, grad_norm, tokens_per_s, mfu (null where the peak FLOP/s is unknown, e.g. CPU), mem_gb,
+elapsed_s, eta_s. The same scalars go to the accelerate trackers (tensorboard by default).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the dense matmuls (forward 2N + backward 4N) plus attention scores and
+    values, 12 * layers * hidden * seq_len (PaLM, appendix B). Embedding parameters are included in N."""
+    return 6.0 * n_params + 12.0 * n_layers * hidden * seq_len
+
+
+def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops_total: Optional[float]) -> Optional[float]:
+    """Model FLOPs utilisation in [0, 1]; None when the hardware peak is unknown (CPU, unlisted GPU)."""
+    if not peak_flops_total:
+        return None
+    return tokens_per_s * flops_per_tok / peak_flops_total
+
+
+def memory_gb() -> float:
+    """Peak allocated accelerator memory on this process (GB); resident set size on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    except Exception:  # noqa: BLE001 - resource is Unix-only
+        return float("nan")
+
+
+class MetricsLogger:
+    """Writes metrics.jsonl and forwards scalars to accelerate's trackers. Call on every process; only the main
+    process writes."""
+
+    def __init__(self, accelerator, output_dir: str | Path):
+        self.accelerator = accelerator
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self._fh = open(self.path, "a", encoding="utf-8") if accelerator.is_main_process else None
+
+    def log(self, record: dict) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        if self._fh is not None:
+            self._fh.write(json.dumps(clean) + "\n")
+            self._fh.flush()
+        scalars = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and k != "step" and v is not None}
+        self.accelerator.log(scalars, step=record["step"])
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+class Throughput:
+    """Tokens and time between two logging points, and the overall training rate for the ETA."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.mark = self.start
+        self.tokens = 0
+        self.total_tokens = 0
+        self.samples = 0
+
+    def add(self, tokens: int, samples: int) -> None:
+        self.tokens += tokens
+        self.samples += samples
+        self.total_tokens += tokens
+
+    def interval(self) -> dict:
+        """Rates since the previous call; resets the interval."""
+        now = time.perf_counter()
+        dt = max(now - self.mark, 1e-9)
+        out = {"tokens_per_s": self.tokens / dt, "samples_per_s": self.samples / dt, "interval_s": dt}
+        self.mark, self.tokens, self.samples = now, 0, 0
+        return out
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def eta_seconds(elapsed_s: float, steps_done: int, steps_total: int) -> Optional[float]:
+    if steps_done <= 0:
+        return None
+    return elapsed_s / steps_done * (steps_total - steps_done)
+
+
+def progress_bar(total: int, initial: int, enabled: bool):
+    """A tqdm bar (main process only); its postfix carries loss and tokens/s, tqdm itself shows the ETA."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="step", dynamic_ncols=True)
