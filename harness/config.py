@@ -97,6 +97,18 @@ class TrainConfig:
     report_to: list = _f(["tensorboard"], "accelerate trackers to log to; [] for none.")
     progress_bar: bool = _f(True, "Show a tqdm progress bar on the main process.")
     save_final: bool = _f(True, "Export the trained model and tokenizer to <output_dir>/final in HF format.")
+    stop_at_step: int = _f(0, "End this attempt after this many steps of the planned run, with a checkpoint and "
+                            "no export (split a run across sessions; continue with train.resume=auto); 0: off.")
+    save_every_steps: int = _f(0, "Write a full training checkpoint every N optimizer steps; 0: never.")
+    save_total_limit: int = _f(2, "Keep only the newest N complete checkpoints; 0: keep all.")
+    resume: Optional[str] = _f(
+        "auto", "auto: continue from the newest complete checkpoint in output_dir if there is one; "
+        "a checkpoint folder; or null to start fresh (refused when output_dir already holds checkpoints)."
+    )
+    deepspeed: Optional[str] = _f(
+        None, "DeepSpeed config for runs without a DeepSpeed accelerate launcher: a JSON path or a shipped name "
+        "(zero0, zero1, zero2, zero2_offload, zero3, zero3_offload)."
+    )
 
 
 @dataclass
@@ -261,6 +273,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'optim.lr': must be > 0, got {o.lr}")
     if not 0 <= o.warmup_ratio < 1:
         raise ConfigError(f"config key 'optim.warmup_ratio': must be in [0, 1), got {o.warmup_ratio}")
+    if min(t.save_every_steps, t.save_total_limit, t.stop_at_step) < 0:
+        bad = next(k for k, v in [("train.save_every_steps", t.save_every_steps), ("train.save_total_limit",
+                   t.save_total_limit), ("train.stop_at_step", t.stop_at_step)] if v < 0)
+        raise ConfigError(f"config key '{bad}': must be >= 0")
     if o.warmup_steps < 0 or o.max_grad_norm < 0 or d.num_workers < 0 or t.eval_every < 0:
         bad = next(k for k, v in [("optim.warmup_steps", o.warmup_steps), ("optim.max_grad_norm", o.max_grad_norm),
                                   ("data.num_workers", d.num_workers), ("train.eval_every", t.eval_every)] if v < 0)

@@ -45,10 +45,20 @@ class MetricsLogger:
     """Writes metrics.jsonl and forwards scalars to accelerate's trackers. Call on every process; only the main
     process writes."""
 
-    def __init__(self, accelerator, output_dir: str | Path):
+    def __init__(self, accelerator, output_dir: str | Path, resume_step: Optional[int] = None):
+        """A fresh run starts an empty metrics.jsonl; a resumed one keeps the records up to `resume_step` (later
+        ones belong to the interrupted attempt and are logged again)."""
         self.accelerator = accelerator
         self.path = Path(output_dir) / "metrics.jsonl"
-        self._fh = open(self.path, "a", encoding="utf-8") if accelerator.is_main_process else None
+        self._fh = None
+        if accelerator.is_main_process:
+            kept = []
+            if resume_step is not None and self.path.exists():
+                lines = self.path.read_text(encoding="utf-8").splitlines()
+                kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            self._fh = open(self.path, "w", encoding="utf-8")
+            self._fh.writelines(ln + "\n" for ln in kept)
+            self._fh.flush()
 
     def log(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}

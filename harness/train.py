@@ -22,62 +22,51 @@ if __name__ == "__main__" and not __package__:
 import argparse
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
-from harness import checkpoint, hardware, losses, metrics
+from harness import checkpoint, distributed, hardware, losses, metrics
 from harness.config import Config, describe, load_config, save_config
 from harness.errors import HarnessError
+
+# DeepSpeed still calls collectives that torch deprecated; the warning repeats every step and says nothing to users.
+warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
 
 
 @dataclass
 class LoopState:
-    """Where the loop is; everything needed (with the accelerate state) to continue a run exactly."""
+    """Where the loop is; with the accelerate state this is everything needed to continue a run exactly."""
 
     step: int = 0  # optimizer steps done
     epoch: int = 0  # current epoch
     batches_in_epoch: int = 0  # micro-batches of `epoch` already consumed on each process
-    tokens: int = 0  # non-padding input tokens processed, all processes
-    elapsed_s: float = 0.0  # training wall time before this process started (resume)
+    tokens: int = 0  # non-padding input tokens processed, all processes, up to the last log
+    elapsed_s: float = 0.0  # training wall time of earlier attempts (resume)
+    log_acc: tuple = (0.0, 0.0, 0.0, 0.0)  # unlogged sums since the last log (all ranks): loss, trained, tokens, samples
+    first_loss: Optional[float] = None
 
 
 # ----------------------------------------------------------------------------------------------- building blocks
 
 
-def make_accelerator(cfg: Config, precision: str):
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, InitProcessGroupKwargs
-
-    handlers = []
-    if not torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
-        # Without a GPU accelerate leaves the backend unset and each rank may believe it is alone; gloo is the CPU one.
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
-    return Accelerator(
-        mixed_precision=hardware.accelerate_mixed_precision(precision),
-        # Optimizer steps are always `grad_accum` micro-batches (the data stream runs across epoch ends), so the
-        # sync point follows the micro-step count, not the end of the dataloader.
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=cfg.train.grad_accum, sync_with_dataloader=False
-        ),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        step_scheduler_with_optimizer=False,
-        log_with=cfg.train.report_to or None,
-        project_dir=cfg.train.output_dir,
-        kwargs_handlers=handlers,
-    )
-
-
-def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not on biases and norm weights); fused on CUDA."""
+def build_optimizer(model: torch.nn.Module, cfg: Config, offload: bool = False) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on biases and norm weights); fused on CUDA; DeepSpeed's
+    CPU Adam (AdamW mode) when ZeRO offloads the optimizer to the CPU."""
     o = cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    is_matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]  # ds_shape: full shape under ZeRO-3
+    decay = [p for p, m in zip(params, is_matrix) if m]
+    no_decay = [p for p, m in zip(params, is_matrix) if not m]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = torch.cuda.is_available()
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused)
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=torch.cuda.is_available())
 
 
 def lr_lambda(cfg: Config, total_steps: int):
@@ -99,7 +88,7 @@ def lr_lambda(cfg: Config, total_steps: int):
 
 def micro_batches(accelerator, loader, state: LoopState):
     """Endless stream of micro-batches across epochs, keeping state.epoch / state.batches_in_epoch current.
-    On resume the first epoch skips the micro-batches it has already seen."""
+    On resume the first epoch skips the micro-batches it has already seen (same seeded order: exact data)."""
     while True:
         loader.set_epoch(state.epoch)
         skip = state.batches_in_epoch
@@ -137,17 +126,16 @@ def run(cfg: Config) -> dict:
     from harness import model as model_lib
 
     t_start = time.time()
-    precision = hardware.resolve_precision(cfg.train.precision)
-    accelerator = make_accelerator(cfg, precision)
-    tf32 = hardware.enable_tf32(cfg.train.tf32)
     out = Path(cfg.train.output_dir)
+    resume_from, incomplete = checkpoint.resolve_resume(out, cfg.train.resume)
+    precision = hardware.resolve_precision(cfg.train.precision)
+    accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision))
+    tf32 = hardware.enable_tf32(cfg.train.tf32)
     say = accelerator.print
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
-        if not accelerator.is_local_main_process:
-            pass
-    if not accelerator.is_main_process:
+    else:
         import datasets
         import transformers
 
@@ -155,8 +143,11 @@ def run(cfg: Config) -> dict:
         datasets.disable_progress_bars()
     world = accelerator.num_processes
     env = hardware.environment_report()
-    say(f"[harness] {world} process(es), {accelerator.distributed_type.value}, device {accelerator.device}, "
-        f"precision {precision}, tf32 {tf32}, torch {env['torch']}")
+    zero = distributed.zero_info(accelerator)
+    say(f"[harness] {world} process(es), {accelerator.distributed_type.value}, ZeRO stage {zero['zero_stage']}, "
+        f"device {accelerator.device}, precision {precision}, tf32 {tf32}, torch {env['torch']}")
+    for p in incomplete:
+        say(f"[harness] warning: {p} is an incomplete checkpoint (no {checkpoint.MARKER} marker): not resumed from")
 
     # ---- data: validate, tokenize (rank 0 first, the others read its cache), batch
     tokenizer = model_lib.load_tokenizer(cfg.model)
@@ -178,26 +169,30 @@ def run(cfg: Config) -> dict:
     train_loader = DataLoader(train_ds, shuffle=cfg.data.shuffle, **loader_kw)
     eval_loader = DataLoader(eval_ds, shuffle=False, **loader_kw) if eval_ds is not None else None
 
-    # ---- model and optimizer (same seed on every rank: identical initial weights)
+    # ---- model, optimizer, schedule (same seed on every rank: identical initial weights)
     set_seed(cfg.train.seed)
-    model = model_lib.build_model(cfg.model, tokenizer)
+    with distributed.model_init_context(accelerator, cfg.model.name_or_path is None or cfg.model.random_init):
+        model = model_lib.build_model(cfg.model, tokenizer)
     n_params = model_lib.count_parameters(model)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg, offload=zero["offload_optimizer"] not in (None, "none"))
+    accum = cfg.train.grad_accum
+    micro_per_epoch = math.ceil(len(train_loader) / world)  # what each process gets once prepared
+    steps_per_epoch = max(1, micro_per_epoch // accum)
+    total_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else max(1, math.ceil(cfg.train.epochs * micro_per_epoch / accum))
+    # The schedule acts on the raw optimizer's param groups, which DeepSpeed's ZeRO optimizers keep using. It is not
+    # prepared (accelerate would step it once per process) but stepped once per optimizer step, and checkpointed.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+    accelerator.register_for_checkpointing(scheduler)
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
-    micro_per_epoch = len(train_loader)
-    accum = cfg.train.grad_accum
-    steps_per_epoch = max(1, micro_per_epoch // accum)
-    total_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else max(1, math.ceil(cfg.train.epochs * micro_per_epoch / accum))
-    # Not prepared: accelerate would step a prepared scheduler once per process. We step it once per optimizer step.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer,
-                                                  lr_lambda(cfg, total_steps))
-    accelerator.register_for_checkpointing(scheduler)
+    if len(train_loader) != micro_per_epoch:
+        raise RuntimeError(f"prepared loader has {len(train_loader)} batches per process, expected {micro_per_epoch}")
     global_batch = cfg.train.micro_batch_size * accum * world
-    say(f"[harness] model: {n_params / 1e6:.2f}M parameters; global batch {global_batch} = micro-batch "
-        f"{cfg.train.micro_batch_size} x accumulation {accum} x {world} process(es); {steps_per_epoch} steps/epoch; "
-        f"{total_steps} steps ({total_steps / steps_per_epoch:.2f} epochs)")
+    held = accelerator.gather(torch.tensor([distributed.parameters_held(model)], device=accelerator.device)).tolist()
+    say(f"[harness] model: {n_params / 1e6:.2f}M parameters ({', '.join(f'{h / 1e6:.2f}M' for h in held)} held per "
+        f"rank); global batch {global_batch} = micro-batch {cfg.train.micro_batch_size} x accumulation {accum} x "
+        f"{world} process(es); {steps_per_epoch} steps/epoch; {total_steps} steps ({total_steps / steps_per_epoch:.2f} epochs)")
 
     mconf = accelerator.unwrap_model(model).config
     flops_tok = metrics.flops_per_token(n_params, getattr(mconf, "num_hidden_layers", 0),
@@ -207,19 +202,34 @@ def run(cfg: Config) -> dict:
         peak_one, _ = hardware.peak_flops(torch.cuda.get_device_name())
         peak = peak_one * world if peak_one else None
 
-    if cfg.train.report_to:
-        accelerator.init_trackers("tensorboard", config={k: v for k, v in _flat(cfg.to_dict()).items()})
-    logger = metrics.MetricsLogger(accelerator, out)
+    # ---- resume: accelerate state (weights, optimizer, scheduler, RNG) + loop state (step, data position, time)
     state = LoopState()
+    if resume_from is not None:
+        saved = checkpoint.load_checkpoint(accelerator, resume_from)
+        state = LoopState(**{**saved, "log_acc": tuple(saved["log_acc"])})
+        say(f"[harness] resumed from {resume_from}: step {state.step}, epoch {state.epoch}, "
+            f"{state.batches_in_epoch} micro-batches into it")
+    if cfg.train.report_to:
+        accelerator.init_trackers("tensorboard", config=_flat(cfg.to_dict()))
+    logger = metrics.MetricsLogger(accelerator, out, resume_step=state.step if resume_from else None)
+    start_step = state.step
     stream = micro_batches(accelerator, train_loader, state)
     meter = metrics.Throughput()
     bar = metrics.progress_bar(total_steps, state.step, cfg.train.progress_bar and accelerator.is_main_process)
-    log_acc = torch.zeros(4, dtype=torch.float64, device=accelerator.device)  # loss sum, trained tokens, tokens, samples
-    first_loss = last_loss = eval_loss = None
+    # sums since the last log on this rank: loss, trained tokens, tokens, samples (rank 0 carries a resumed remainder)
+    log_acc = torch.tensor(state.log_acc if accelerator.is_main_process else (0.0,) * 4,
+                           dtype=torch.float64, device=accelerator.device)
+    last_loss = eval_loss = None
     model.train()
 
+    def loop_state() -> dict:
+        """The loop state to checkpoint, with the unlogged sums of every rank folded into rank 0's copy."""
+        acc = accelerator.reduce(log_acc.clone(), "sum")
+        return {**asdict(state), "elapsed_s": state.elapsed_s + meter.elapsed(), "log_acc": acc.tolist()}
+
     # ---- the loop: one iteration = one optimizer step over `accum` micro-batches on every process
-    while state.step < total_steps:
+    stop_at = cfg.train.stop_at_step if 0 < cfg.train.stop_at_step < total_steps else total_steps
+    while state.step < stop_at:
         # fetch the step's micro-batches first: the per-token loss needs the step's global trained-token count
         batches = [next(stream) for _ in range(accum)]
         local = torch.stack([losses.trained_tokens(b["labels"]) for b in batches]).sum()
@@ -237,7 +247,7 @@ def run(cfg: Config) -> dict:
                                     dtype=torch.float64, device=accelerator.device)
             meter.add(n_tok, b["input_ids"].shape[0])
 
-        # optimizer step: clip, step, schedule
+        # optimizer step: clip (DeepSpeed clips inside its engine and reports the norm), step, schedule
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm) \
             if cfg.optim.max_grad_norm > 0 else None
         optimizer.step()
@@ -247,19 +257,19 @@ def run(cfg: Config) -> dict:
         state.step += 1
         bar.update(1)
 
-        # logging every log_every steps and at the end
+        # log every log_every steps and at the end
         if state.step % cfg.train.log_every == 0 or state.step == total_steps:
             tot = accelerator.reduce(log_acc, "sum")
             log_acc.zero_()
             rate = meter.interval()
             world_tok_s = tot[2].item() / rate["interval_s"]
-            loss = tot[0].item() / max(tot[1].item(), 1)
+            last_loss = tot[0].item() / max(tot[1].item(), 1)
+            state.first_loss = last_loss if state.first_loss is None else state.first_loss
             state.tokens += int(tot[2].item())
-            elapsed = state.elapsed_s + meter.elapsed()
             record = {
                 "step": state.step,
                 "epoch": round(state.epoch + state.batches_in_epoch / micro_per_epoch, 4),
-                "loss": loss,
+                "loss": last_loss,
                 "lr": scheduler.get_last_lr()[0],
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "tokens_per_s": world_tok_s,
@@ -267,22 +277,31 @@ def run(cfg: Config) -> dict:
                 "mfu": metrics.mfu(world_tok_s, flops_tok, peak),
                 "mem_gb": metrics.memory_gb(),
                 "tokens": state.tokens,
-                "elapsed_s": elapsed,
-                "eta_s": metrics.eta_seconds(meter.elapsed(), state.step, total_steps),
+                "elapsed_s": state.elapsed_s + meter.elapsed(),
+                "eta_s": metrics.eta_seconds(meter.elapsed(), state.step - start_step, total_steps - start_step),
             }
             if cfg.train.eval_every and eval_loader is not None and state.step % cfg.train.eval_every == 0:
                 record["eval_loss"] = eval_loss = evaluate(accelerator, model, eval_loader)
             logger.log(record)
-            first_loss = loss if first_loss is None else first_loss
-            last_loss = loss
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{world_tok_s:,.0f}")
-            if not bar.disable:
-                pass
-            else:
-                say(f"[harness] step {state.step}/{total_steps} loss {loss:.4f} lr {record['lr']:.2e} "
-                    f"tokens/s {world_tok_s:,.0f}")
+            bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{world_tok_s:,.0f}")
+            line = (f"[harness] step {state.step}/{total_steps} loss {last_loss:.4f} lr {record['lr']:.2e} "
+                    f"grad_norm {record['grad_norm'] or 0:.3f} tokens/s {world_tok_s:,.0f}")
+            bar.write(line) if not bar.disable else say(line)
+
+        # checkpoint every save_every_steps
+        if cfg.train.save_every_steps and state.step % cfg.train.save_every_steps == 0:
+            path = checkpoint.save_checkpoint(accelerator, out, loop_state(), cfg.train.save_total_limit)
+            say(f"[harness] checkpoint: {path}")
     bar.close()
     train_time = meter.elapsed()
+    if state.step < total_steps:  # this attempt ends early (train.stop_at_step): keep the state, export nothing
+        if not cfg.train.save_every_steps or state.step % cfg.train.save_every_steps:
+            path = checkpoint.save_checkpoint(accelerator, out, loop_state(), cfg.train.save_total_limit)
+        say(f"[harness] stopped at step {state.step}/{total_steps} with checkpoint "
+            f"{checkpoint.checkpoints_root(out) / f'step-{state.step}'}; continue with train.resume=auto")
+        logger.close()
+        accelerator.end_training()
+        return {"steps": state.step, "stopped_early": True}
 
     # ---- the end: final evaluation, export, report
     if eval_loader is not None:
@@ -297,17 +316,20 @@ def run(cfg: Config) -> dict:
     report = {
         "world_size": world,
         "distributed_type": accelerator.distributed_type.value,
+        **zero,
+        "parameters": n_params,
+        "parameters_per_rank": held,
         "precision": precision,
         "tf32": tf32,
-        "parameters": n_params,
         "steps": state.step,
+        "resumed_from": str(resume_from) if resume_from else None,
         "epochs": round(state.epoch + state.batches_in_epoch / micro_per_epoch, 4),
         "global_batch": global_batch,
         "tokens": state.tokens,
-        "train_time_s": train_time,
+        "train_time_s": state.elapsed_s + train_time,
         "wall_time_s": time.time() - t_start,
-        "tokens_per_s": state.tokens / max(train_time, 1e-9),
-        "first_loss": first_loss,
+        "tokens_per_s": state.tokens / max(state.elapsed_s + train_time, 1e-9),
+        "first_loss": state.first_loss,
         "final_loss": last_loss,
         "eval_loss": eval_loss,
         "data": data_stats,
@@ -317,8 +339,9 @@ def run(cfg: Config) -> dict:
     if accelerator.is_main_process:
         checkpoint.write_json(out / "report.json", report)
     accelerator.end_training()
-    say(f"[harness] done: {state.step} steps in {train_time:.1f}s, loss {first_loss:.4f} -> {last_loss:.4f}; "
-        f"report {out / 'report.json'}")
+    say(f"[harness] done: step {state.step}, {train_time:.1f}s this attempt, loss "
+        f"{state.first_loss if state.first_loss is not None else float('nan'):.4f} -> "
+        f"{last_loss if last_loss is not None else float('nan'):.4f}; report {out / 'report.json'}")
     return report
 
 

@@ -1,0 +1,151 @@
+"""Process setup: the Accelerator, DeepSpeed ZeRO selection, and facts about how the model is sharded.
+
+How a run becomes distributed, in order of precedence:
+  1. The launcher: `accelerate launch --config_file accelerate_configs/zero2.yaml harness/train.py ...` (the YAML names
+     a DeepSpeed JSON in ds_configs/). Switching ZeRO stage = choosing another accelerate config file.
+  2. `train.deepspeed` in the run config (a JSON path, or a shipped name: zero0, zero1, zero2, zero2_offload, zero3,
+     zero3_offload). This is how plain `python -m harness.train` uses DeepSpeed: for a single process the rendezvous
+     variables are filled in here, so DeepSpeed does not look for mpi4py.
+Giving both is an error. The DeepSpeed JSONs leave batch, accumulation, clipping and precision on "auto"; accelerate
+fills them from the run config at prepare(), and `train.py` fills the clipping value from optim.max_grad_norm.
+
+CPU: two ranks need `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2` (accelerate's `--cpu`
+silently runs one process), and the gloo backend, which `make_accelerator` selects when there is no GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from harness.config import Config
+from harness.errors import ConfigError
+
+DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+
+
+def launcher_uses_deepspeed() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def resolve_ds_config(value: str) -> Path:
+    """`zero2` -> ds_configs/zero2.json; a path is taken as given. Checked to exist and to be valid JSON."""
+    path = DS_CONFIG_DIR / f"{value}.json" if "/" not in value and not value.endswith(".json") else Path(value)
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.stem for p in DS_CONFIG_DIR.glob("*.json")))
+        raise ConfigError(f"config key 'train.deepspeed': no DeepSpeed config '{value}' (shipped: {shipped})")
+    try:
+        json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{e.lineno}: invalid JSON in DeepSpeed config ({e.msg})") from None
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_single_process_env() -> None:
+    """Plain `python` (no launcher): give DeepSpeed a one-process rendezvous so it does not try mpi4py."""
+    if "LOCAL_RANK" in os.environ or "RANK" in os.environ:
+        return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def make_accelerator(cfg: Config, mixed_precision: str):
+    from accelerate import Accelerator
+    from accelerate.utils import (
+        DataLoaderConfiguration,
+        DeepSpeedPlugin,
+        GradientAccumulationPlugin,
+        InitProcessGroupKwargs,
+    )
+
+    plugin = None
+    if cfg.train.deepspeed:
+        if launcher_uses_deepspeed():
+            raise ConfigError(
+                "config key 'train.deepspeed': the accelerate launcher already configures DeepSpeed; "
+                "drop train.deepspeed or launch without a DeepSpeed accelerate config"
+            )
+        path = resolve_ds_config(cfg.train.deepspeed)
+        ensure_single_process_env()
+        plugin = DeepSpeedPlugin(hf_ds_config=str(path))
+    handlers = []
+    if not torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        # Without a GPU accelerate leaves the backend unset and each rank may believe it is alone; gloo is the CPU one.
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    accelerator = Accelerator(
+        mixed_precision=mixed_precision,
+        deepspeed_plugin=plugin,
+        # Optimizer steps are always `grad_accum` micro-batches (the data stream runs across epoch ends), so the
+        # sync point follows the micro-step count, not the end of the dataloader.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=cfg.train.grad_accum, sync_with_dataloader=False
+        ),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        step_scheduler_with_optimizer=False,
+        log_with=cfg.train.report_to or None,
+        project_dir=cfg.train.output_dir,
+        kwargs_handlers=handlers,
+    )
+    ds = deepspeed_config(accelerator)
+    if ds is not None and ds.get("gradient_clipping", "auto") == "auto":
+        ds["gradient_clipping"] = cfg.optim.max_grad_norm
+    return accelerator
+
+
+def deepspeed_config(accelerator) -> Optional[dict]:
+    """The live DeepSpeed config dict (auto values filled at prepare), or None without DeepSpeed."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin.deepspeed_config if plugin is not None else None
+
+
+def zero_info(accelerator) -> dict:
+    """ZeRO stage and offload targets, for the report (stage None without DeepSpeed)."""
+    ds = deepspeed_config(accelerator)
+    if ds is None:
+        return {"zero_stage": None, "offload_optimizer": None, "offload_param": None}
+    z = ds.get("zero_optimization", {})
+    device = lambda key: (z.get(key) or {}).get("device", "none")  # noqa: E731
+    return {"zero_stage": z.get("stage", 0), "offload_optimizer": device("offload_optimizer"),
+            "offload_param": device("offload_param")}
+
+
+def parameters_held(model: torch.nn.Module) -> int:
+    """Parameter elements stored on this rank: the local shard under ZeRO-3, everything otherwise."""
+    return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+
+
+def model_init_context(accelerator, random_init: bool):
+    """Context for building the model. Under ZeRO-3 transformers builds models inside `deepspeed.zero.Init`
+    (partitioned as they are created), which initialises random weights differently from a plain build. For a
+    random init we build outside it, so every ZeRO stage starts from the same weights for the same seed (switching
+    stage changes memory, not results; the cost is one full copy in CPU memory per process while building);
+    pretrained weights keep zero.Init's partitioned loading."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if random_init and plugin is not None and plugin.is_zero3_init_enabled():
+        return _without_zero3_init(plugin)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _without_zero3_init(plugin):
+    # accelerate's zero3_init_context_manager(enable=False) re-registers the same ZeRO-3 config with transformers
+    # (accelerate 1.15), so it does not switch zero.Init off; unregistering it with transformers does.
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
