@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,6 +28,24 @@ from typing import Any, Literal, Optional
 import yaml
 
 from harness.errors import ConfigError
+
+# ----------------------------------------------------------------------------------------------- YAML
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads 1e-3 / 3E-4 as floats (YAML 1.2; PyYAML's 1.1 rules want a dot: 1.0e-3)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)
+
 
 # ----------------------------------------------------------------------------------------------- sections
 
@@ -197,8 +216,10 @@ def _apply(raw: dict, key: str, value: Any) -> None:
         if fields[name] is not dict:
             raise ConfigError(f"config key '{key}': '{section}.{name}' has no sub-keys")
         d = raw.setdefault(section, {}).setdefault(name, {})
-        for p in parts[2:-1]:
+        for i, p in enumerate(parts[2:-1], start=2):
             d = d.setdefault(p, {})
+            if not isinstance(d, dict):
+                raise ConfigError(f"config key '{key}': '{'.'.join(parts[:i + 1])}' is {d!r}, not a mapping")
         d[parts[-1]] = value
         return
     raw.setdefault(section, {})[name] = _coerce(key, value, fields[name])
@@ -214,7 +235,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, _, value = text.partition("=")
     key = key.strip().lstrip("-")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = _yaml(value) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value  # a plain string such as a path with a colon
     return key, parsed
@@ -232,7 +253,7 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = _yaml(p.read_text()) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f"{p}:{mark.line + 1}" if mark else str(p)

@@ -63,9 +63,9 @@ def read_jsonl(path: str) -> Iterator[tuple[int, dict]]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+                raise DataError(f"{path}:{lineno}: invalid JSON, column {e.colno}: {e.msg}") from None
             if not isinstance(obj, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
             n += 1
@@ -133,6 +133,7 @@ def load_generative_rows(paths: list[str], cache_dir: str | None = None, what: s
     """Validate the files and return a `datasets.Dataset` of rows {segments: [{role, content}], origin}."""
     import datasets
 
+    datasets.disable_progress_bars()  # one-line errors stay one line; the run prints its own data summary
     files = expand_files(paths, what)
     stamps = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
     features = datasets.Features({
@@ -199,9 +200,10 @@ def tokenize_generative(batch: dict, tokenizer, max_len: int, fmt: ChatFormat = 
     return out
 
 
-def tokenize_dataset(rows, tokenizer, max_len: int, cache_dir: str | None = None):
-    """Tokenize rows (cached by datasets); returns (dataset, stats). Samples left with no trained token are
-    removed and counted in stats['dropped_no_labels']."""
+def tokenize_dataset(rows, tokenizer, max_len: int):
+    """Tokenize rows (cached by datasets next to the rows' Arrow files); returns (dataset, stats). Samples left
+    with no trained token are removed and counted in stats['dropped_no_labels'] (the other stats describe the
+    kept samples)."""
     ds = rows.map(
         tokenize_generative,
         batched=True,

@@ -153,11 +153,11 @@ def run(cfg: Config) -> dict:
     tokenizer = model_lib.load_tokenizer(cfg.model)
     with accelerator.main_process_first():
         rows = data_lib.load_generative_rows(cfg.data.train_files, cfg.data.cache_dir)
-        train_ds, data_stats = data_lib.tokenize_dataset(rows, tokenizer, cfg.data.max_len, cfg.data.cache_dir)
+        train_ds, data_stats = data_lib.tokenize_dataset(rows, tokenizer, cfg.data.max_len)
         eval_ds = None
         if cfg.data.eval_files:
             eval_rows = data_lib.load_generative_rows(cfg.data.eval_files, cfg.data.cache_dir, "data.eval_files")
-            eval_ds, _ = data_lib.tokenize_dataset(eval_rows, tokenizer, cfg.data.max_len, cfg.data.cache_dir)
+            eval_ds, _ = data_lib.tokenize_dataset(eval_rows, tokenizer, cfg.data.max_len)
     say(f"[harness] data: {data_stats['samples']} samples, {data_stats['tokens']} tokens, mean length "
         f"{data_stats['mean_len']:.1f}, p95 {data_stats['p95_len']}, truncated to {cfg.data.max_len}: "
         f"{data_stats['truncated']}, dropped (no trained token left): {data_stats['dropped_no_labels']}")

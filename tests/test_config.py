@@ -156,32 +156,17 @@ def test_parse_override():
     assert parse_override("train.output_dir=a=b") == ("train.output_dir", "a=b")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ConfigError,
-    reason="BUG: PyYAML (YAML 1.1) reads '1e-3' as the string '1e-3' (its float pattern needs a dot), so "
-    "optim.lr=1e-3 is rejected with \"expected float, got '1e-3'\"",
-)
 @pytest.mark.parametrize("text", ["1e-3", "3e-4", "1E-3", "2e+1"])
 def test_override_float_in_e_notation(text):
     cfg = load_config(None, [*VALID, f"optim.lr={text}"])
     assert cfg.optim.lr == float(text)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=ConfigError, reason="BUG: same YAML 1.1 float issue in a config file ('lr: 1e-3' is a string)"
-)
 def test_yaml_file_float_in_e_notation(tmp_path):
     path = write(tmp_path / "c.yaml", "optim:\n  lr: 1e-3\n")
     assert load_config(path, VALID).optim.lr == 1e-3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="BUG: same YAML 1.1 float issue inside model.config, where nothing checks types: "
-    "model.config.rms_norm_eps=1e-6 silently becomes the string '1e-6' and reaches the transformers config",
-)
 def test_dict_field_float_in_e_notation():
     cfg = load_config(None, [*VALID, "model.config.rms_norm_eps=1e-6"])
     assert cfg.model.config["rms_norm_eps"] == 1e-6
@@ -323,12 +308,6 @@ def test_empty_yaml_file_means_defaults(tmp_path):
     assert load_config(path, VALID) == load_config(None, VALID)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="BUG: a dotted override below a non-dict value inside a dict field "
-    "(model.config.rope=5 then model.config.rope.x=1) raises TypeError with a traceback instead of ConfigError",
-)
 def test_dotted_override_below_scalar_in_dict_field():
     with pytest.raises(ConfigError):
         load_config(None, [*VALID, "model.config.rope=5", "model.config.rope.x=1"])

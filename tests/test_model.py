@@ -145,7 +145,7 @@ def test_build_model_from_config(tok):
     assert model.config.eos_token_id == tok.eos_token_id == 2
     assert count_parameters(model) == sum(p.numel() for p in model.parameters())
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    assert not model.is_gradient_checkpointing
+    assert not model.is_activation_checkpointing
     out = model(input_ids=torch.tensor([[1, 5, 6, 2]]))
     assert out.logits.shape == (1, 4, len(tok))
 
@@ -162,7 +162,7 @@ def test_config_vocab_size_can_be_overridden(tok):
 
 def test_gradient_checkpointing(tok):
     model = build_model(ModelConfig(config=dict(TINY), gradient_checkpointing=True), tok)
-    assert model.is_gradient_checkpointing
+    assert model.is_activation_checkpointing
     assert model.config.use_cache is False
     model.train()
     loss = model(input_ids=torch.tensor([[1, 10, 11, 12]]), labels=torch.tensor([[1, 10, 11, 12]])).loss

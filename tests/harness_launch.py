@@ -1,0 +1,76 @@
+"""Run the real entry points in subprocesses for the end-to-end tests (one process or two CPU ranks).
+
+Two CPU ranks use accelerate's multi-GPU path with ACCELERATE_USE_CPU=1 (accelerate's --cpu / MULTI_CPU silently
+runs one process); DeepSpeed configs run as they are (no --cpu, which would turn DeepSpeed off).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT = str(ROOT / "configs" / "default.yaml")
+# Small, fast settings shared by the end-to-end runs (the default recipe's model and data, fewer steps).
+FAST = ["train.progress_bar=false", "train.log_every=1", "data.eval_files=[]", "train.report_to=[]"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_train(overrides: list[str], nproc: int = 1, accel: str | None = None, config: str = DEFAULT,
+              python_module: bool = False, timeout: int = 600, check: bool = True,
+              extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    """Train with `overrides`. accel: None (plain python -m harness.train when nproc == 1, else DDP),
+    or the name of a file in accelerate_configs/ (ddp = multi_gpu)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           **(extra_env or {})}
+    env.pop("ACCELERATE_USE_CPU", None)
+    if python_module or (accel is None and nproc == 1):
+        cmd = [sys.executable, "-m", "harness.train"]
+    else:
+        name = {None: "multi_gpu", "ddp": "multi_gpu"}.get(accel, accel)
+        if name in ("multi_gpu", "cpu"):
+            env["ACCELERATE_USE_CPU"] = "1"
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "accelerate_configs" / f"{name}.yaml"), "--num_processes", str(nproc),
+               "--main_process_port", str(free_port()), str(ROOT / "harness" / "train.py")]
+    cmd += ["--config", config, *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+                             f"--- stderr\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def metrics(run_dir: str | Path) -> list[dict]:
+    """Training records of metrics.jsonl (those with a loss), in order."""
+    lines = Path(run_dir, "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def report(run_dir: str | Path) -> dict:
+    return json.loads(Path(run_dir, "report.json").read_text())
+
+
+def final_weights(run_dir: str | Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(run_dir, "final", "model.safetensors")))
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), set(a) ^ set(b)
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def rel_close(a: float, b: float, rel: float) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b))

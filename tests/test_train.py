@@ -1,0 +1,115 @@
+"""The training loop end to end: the default job, 1 vs 2 processes, entry points, accumulation, schedule."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from harness.config import load_config
+from harness.train import lr_lambda
+from harness_launch import FAST, ROOT, final_weights, max_abs_diff, metrics, rel_close, report, run_train
+
+
+def test_lr_schedule_warmup_then_cosine_to_min():
+    cfg = load_config(ROOT / "configs" / "default.yaml",
+                      ["optim.warmup_steps=4", "optim.min_lr_ratio=0.1", "optim.scheduler=cosine"])
+    f = lr_lambda(cfg, total_steps=20)
+    assert [f(s) for s in range(4)] == pytest.approx([0.2, 0.4, 0.6, 0.8])
+    assert f(4) == pytest.approx(1.0)
+    assert f(12) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert f(20) == pytest.approx(0.1)
+    lin = lr_lambda(load_config(ROOT / "configs" / "default.yaml", ["optim.warmup_steps=0", "optim.scheduler=linear",
+                                                                    "optim.min_lr_ratio=0"]), total_steps=10)
+    assert [lin(s) for s in (0, 5, 10)] == pytest.approx([1.0, 0.5, 0.0])
+
+
+@pytest.mark.slow
+def test_default_job_trains_exports_and_reports(tmp_path):
+    out = tmp_path / "run"
+    run_train([f"train.output_dir={out}", "train.max_steps=40", "train.log_every=10", "train.progress_bar=false"])
+    # outputs of the contract
+    for name in ("config.yaml", "metrics.jsonl", "report.json", "final/model.safetensors", "final/tokenizer.json"):
+        assert (out / name).is_file(), name
+    assert list((out / "tensorboard").rglob("events.out.tfevents.*")), "no tensorboard event file"
+    # the resolved config reloads to the same run
+    saved = load_config(out / "config.yaml")
+    assert saved.train.max_steps == 40 and saved.train.output_dir == str(out)
+    assert yaml.safe_load((out / "config.yaml").read_text())["optim"]["lr"] == 2.0e-3
+    # the loss falls; each record has the contract's fields
+    recs = metrics(out)
+    assert [r["step"] for r in recs] == [10, 20, 30, 40]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gb", "elapsed_s", "eta_s"):
+        assert key in recs[0], key
+    assert recs[-1]["loss"] < 0.7 * recs[0]["loss"], [r["loss"] for r in recs]
+    rep = report(out)
+    assert rep["world_size"] == 1 and rep["precision"] == "fp32" and rep["steps"] == 40
+    assert rep["hardware"]["versions"]["accelerate"] and rep["tokens_per_s"] > 0 and rep["eval_loss"] is not None
+    # final/ reloads offline and generates
+    code = (
+        "import sys; from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(out / 'final')!r})\n"
+        f"t = AutoTokenizer.from_pretrained({str(out / 'final')!r})\n"
+        "ids = t('<s><|user|>\\nWhat is 3 + 4?\\n<|assistant|>\\n', return_tensors='pt', add_special_tokens=False)\n"
+        "gen = m.generate(**ids, max_new_tokens=12, do_sample=False)\n"
+        "assert gen.shape[1] > ids['input_ids'].shape[1]\n"
+        "print('GEN:' + t.decode(gen[0, ids['input_ids'].shape[1]:]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1",
+                          "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "GEN:" in proc.stdout and len(proc.stdout.split("GEN:")[1].strip()) > 0
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_with_twice_the_micro_batch(tmp_path):
+    two, one = tmp_path / "two", tmp_path / "one"
+    run_train([f"train.output_dir={two}", "train.max_steps=2", "train.micro_batch_size=8", *FAST], nproc=2)
+    run_train([f"train.output_dir={one}", "train.max_steps=2", "train.micro_batch_size=16", *FAST])
+    assert report(two)["world_size"] == 2 and report(one)["world_size"] == 1
+    l2, l1 = metrics(two), metrics(one)
+    assert rel_close(l2[0]["loss"], l1[0]["loss"], 1e-5), (l2[0]["loss"], l1[0]["loss"])
+    assert rel_close(l2[1]["loss"], l1[1]["loss"], 1e-5), (l2[1]["loss"], l1[1]["loss"])
+
+
+@pytest.mark.slow
+def test_entry_points_run_the_same_loop(tmp_path):
+    """python -m harness.train, the `harness train` console script and `accelerate launch harness/train.py`."""
+    args = ["train.max_steps=1", *FAST, "train.save_final=false"]
+    run_train([f"train.output_dir={tmp_path / 'module'}", *args])
+    run_train([f"train.output_dir={tmp_path / 'launch'}", *args], nproc=1, accel="cpu")
+    script = Path(sys.executable).with_name("harness")
+    proc = subprocess.run([str(script), "train", str(ROOT / "configs" / "default.yaml"),
+                           f"train.output_dir={tmp_path / 'cli'}", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [metrics(tmp_path / d)[0]["loss"] for d in ("module", "launch", "cli")]
+    assert max(losses) - min(losses) < 1e-9, losses
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    """accum 2 x micro-batch 8 == accum 1 x micro-batch 16: same loss and the same first update (per-token mean)."""
+    acc, big = tmp_path / "acc", tmp_path / "big"
+    run_train([f"train.output_dir={acc}", "train.max_steps=2", "train.micro_batch_size=8", "train.grad_accum=2",
+               *FAST])
+    run_train([f"train.output_dir={big}", "train.max_steps=2", "train.micro_batch_size=16", *FAST])
+    ma, mb = metrics(acc), metrics(big)
+    for a, b in zip(ma, mb):
+        assert rel_close(a["loss"], b["loss"], 1e-5) and rel_close(a["grad_norm"], b["grad_norm"], 1e-4), (a, b)
+    assert max_abs_diff(final_weights(acc), final_weights(big)) < 1e-6
+
+
+@pytest.mark.slow
+def test_malformed_data_line_stops_the_run_with_one_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "broken\n')
+    proc = run_train([f"train.output_dir={tmp_path / 'out'}", f"data.train_files=[{bad}]", *FAST], check=False)
+    assert proc.returncode == 1
+    err = [ln for ln in proc.stderr.splitlines() if ln.startswith("harness: error:")]
+    assert err == [f"harness: error: {bad}:2: invalid JSON, column 10: Unterminated string starting at"], proc.stderr
+    assert "Traceback" not in proc.stderr
