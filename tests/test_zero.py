@@ -1,0 +1,110 @@
+"""DeepSpeed ZeRO stages and exact resume, with two real CPU ranks (gloo).
+
+One set of 2-process runs of the default recipe (16 steps, crossing an epoch boundary at step 13) serves several
+checks: equal losses under DDP and ZeRO-1/2/3, ZeRO-3's partitioned parameters, the ZeRO-3 export, and the
+uninterrupted baselines for the resume tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from harness_launch import FAST, final_weights, max_abs_diff, metrics, rel_close, report, run_train
+
+pytestmark = pytest.mark.slow
+
+STEPS = ["train.max_steps=16", "train.micro_batch_size=16", *FAST]
+STAGES = {"ddp": "multi_gpu", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3"}
+
+
+@pytest.fixture(scope="module")
+def stage_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stages")
+    for name, accel in STAGES.items():
+        run_train([f"train.output_dir={root / name}", *STEPS], nproc=2, accel=accel)
+    return root
+
+
+def test_first_ten_losses_equal_across_ddp_and_zero_stages(stage_runs):
+    ref = [r["loss"] for r in metrics(stage_runs / "ddp")][:10]
+    assert len(ref) == 10 and ref[-1] < ref[0]
+    for name in ("zero1", "zero2", "zero3"):
+        got = [r["loss"] for r in metrics(stage_runs / name)][:10]
+        bad = [(i + 1, a, b) for i, (a, b) in enumerate(zip(ref, got)) if not rel_close(a, b, 1e-4)]
+        assert not bad, f"{name} differs from DDP at (step, ddp, {name}): {bad}"
+        rep = report(stage_runs / name)
+        assert rep["world_size"] == 2 and rep["zero_stage"] == int(name[-1])
+    assert report(stage_runs / "ddp")["zero_stage"] is None
+
+
+def test_zero3_partitions_parameters_across_ranks(stage_runs):
+    rep = report(stage_runs / "zero3")
+    total, held = rep["parameters"], rep["parameters_per_rank"]
+    assert len(held) == 2
+    for h in held:
+        assert 0.45 * total <= h <= 0.55 * total, (held, total)
+    assert report(stage_runs / "zero2")["parameters_per_rank"] == [total, total]
+
+
+def test_zero3_export_reloads_and_matches_the_trained_weights(stage_runs):
+    """final/ under ZeRO-3 (weights gathered from both ranks) reloads with AutoModelForCausalLM and equals the
+    DDP run's weights (the same training, unpartitioned)."""
+    model = AutoModelForCausalLM.from_pretrained(stage_runs / "zero3" / "final")
+    z3 = {k: v for k, v in model.state_dict().items()}
+    exported = final_weights(stage_runs / "zero3")
+    assert max_abs_diff({k: z3[k] for k in exported}, exported) == 0.0
+    assert max_abs_diff(exported, final_weights(stage_runs / "ddp")) < 1e-4
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero3"])
+def test_stopped_and_resumed_run_ends_with_the_same_weights(stage, stage_runs, tmp_path):
+    """Stop after step 10 (checkpoint), resume with train.resume=auto: same final weights (<= 1e-6) and the same
+    metrics for the steps after the resume (which cross the epoch boundary at step 13)."""
+    out = tmp_path / stage
+    args = [f"train.output_dir={out}", *STEPS, "train.save_every_steps=5"]
+    first = run_train([*args, "train.stop_at_step=10"], nproc=2, accel=STAGES[stage])
+    assert "stopped at step 10/16" in first.stdout
+    assert not (out / "final").exists()
+    second = run_train([*args, "train.resume=auto"], nproc=2, accel=STAGES[stage])
+    assert "resumed from" in second.stdout and "step-10" in second.stdout
+    assert report(out)["resumed_from"].endswith("step-10")
+
+    diff = max_abs_diff(final_weights(out), final_weights(stage_runs / stage))
+    assert diff <= 1e-6, f"{stage}: resumed weights differ from the uninterrupted run by {diff}"
+    resumed = {r["step"]: r for r in metrics(out)}
+    baseline = {r["step"]: r for r in metrics(stage_runs / stage)}
+    assert sorted(resumed) == sorted(baseline) == list(range(1, 17))
+    for step in range(11, 17):
+        for key in ("loss", "lr", "grad_norm", "epoch"):
+            assert rel_close(resumed[step][key], baseline[step][key], 1e-6), (step, key, resumed[step], baseline[step])
+
+
+@pytest.mark.parametrize("launcher", ["python", "accelerate"])
+def test_single_process_deepspeed(launcher, tmp_path):
+    """ZeRO-2 with one process under plain `python -m harness.train` (no mpi4py) and under accelerate launch."""
+    out = tmp_path / launcher
+    args = [f"train.output_dir={out}", "train.max_steps=3", *FAST]
+    if launcher == "python":
+        proc = run_train([*args, "train.deepspeed=zero2"])
+    else:
+        proc = run_train(args, nproc=1, accel="zero2")
+    assert "mpi4py" not in proc.stderr
+    rep = report(out)
+    assert rep["distributed_type"] == "DEEPSPEED" and rep["zero_stage"] == 2 and rep["world_size"] == 1
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_deepspeed_bf16_on_cpu_and_zero2_optimizer_offload(tmp_path):
+    """Smoke: bf16 under ZeRO-2 with 2 ranks; ZeRO-2 with the optimizer offloaded to the CPU (DeepSpeed CPU Adam)."""
+    bf16 = tmp_path / "bf16"
+    run_train([f"train.output_dir={bf16}", "train.max_steps=3", "train.precision=bf16", *FAST], nproc=2,
+              accel="zero2")
+    rep = report(bf16)
+    assert rep["precision"] == "bf16" and rep["world_size"] == 2
+    assert all(r["loss"] == r["loss"] for r in metrics(bf16))  # finite, not NaN
+    off = tmp_path / "offload"
+    run_train([f"train.output_dir={off}", "train.max_steps=3", "train.deepspeed=zero2_offload", *FAST], timeout=900)
+    rep = report(off)
+    assert rep["zero_stage"] == 2 and rep["offload_optimizer"] == "cpu"
+    assert metrics(off)[-1]["loss"] < metrics(off)[0]["loss"]
