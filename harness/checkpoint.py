@@ -35,7 +35,7 @@ def _replace_dir(tmp: Path, dest: Path) -> None:
         shutil.rmtree(old)
 
 
-def export_final(accelerator, model, tokenizer, dest: str | Path) -> Path:
+def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optional[dict] = None) -> Path:
     """Save the unwrapped model (weights gathered from every rank) and tokenizer in HF format to `dest`.
 
     Call on every process: under DeepSpeed ZeRO-3 gathering the weights is a collective operation.
@@ -49,6 +49,8 @@ def export_final(accelerator, model, tokenizer, dest: str | Path) -> Path:
         unwrapped = accelerator.unwrap_model(model)
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        for name, obj in (extra or {}).items():  # small JSON side files, e.g. harness.json
+            (tmp / name).write_text(json.dumps(obj, indent=2))
         _replace_dir(tmp, dest)
     accelerator.wait_for_everyone()
     return dest

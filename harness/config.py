@@ -73,6 +73,12 @@ class ModelConfig:
     attn_implementation: str = _f("sdpa", "Attention kernel: sdpa, eager, flash_attention_2, ...")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward (non-reentrant) to save memory.")
     trust_remote_code: bool = _f(False, "Allow model code from the model's repository.")
+    pooling: Literal["mean", "weightedmean", "lasttoken"] = _f(
+        "mean", "Embedding pooling over the text tokens (instruction tokens excluded): mean, weightedmean "
+        "(position-weighted, GritLM), lasttoken (an eos is appended).")
+    embed_attention: Literal["bidirectional", "causal"] = _f(
+        "bidirectional", "Attention in embedding passes (generation is always causal). bidirectional: "
+        "llama, mistral, qwen2, qwen3 with sdpa or eager attention.")
 
 
 @dataclass
@@ -80,9 +86,35 @@ class DataConfig:
     train_files: list = _f([], "JSONL files or folders of *.jsonl with generative records ({text} or {messages}).")
     eval_files: list = _f([], "Held-out JSONL files or folders; evaluated every train.eval_every steps and at the end.")
     max_len: int = _f(512, "Tokens per sample; longer samples are truncated (and counted in the log).")
+    emb_train_files: list = _f([], "Embedding JSONL files/folders: {query, pos, neg} (loss.mode embedding or unified).")
+    emb_eval_files: list = _f([], "Held-out embedding files: retrieval recall@1 and MRR every train.eval_every steps "
+                                  "and at the end.")
+    train_group_size: int = _f(2, "Passages per query in training: 1 positive + (n-1) sampled hard negatives.")
+    query_max_len: int = _f(64, "Tokens per query, instruction included (the text is truncated, not the instruction).")
+    passage_max_len: int = _f(128, "Tokens per passage, instruction included.")
+    emb_instruction_template: str = _f("<|user|>\n{instruction}\n<|embed|>\n",
+                                       "Text before an embedded text that has an instruction.")
+    emb_plain_template: str = _f("<|embed|>\n", "Text before an embedded text without instruction.")
     shuffle: bool = _f(True, "Shuffle the training samples each epoch (seeded by train.seed and the epoch).")
     num_workers: int = _f(0, "DataLoader worker processes.")
     cache_dir: Optional[str] = _f(None, "datasets cache folder for the tokenized data. Null: the datasets default.")
+
+
+@dataclass
+class LossConfig:
+    mode: Literal["generative", "embedding", "unified"] = _f(
+        "generative", "generative: next-token loss; embedding: contrastive loss; unified: their weighted sum "
+        "(GritLM), one generative and one embedding micro-batch per micro-step.")
+    temperature: float = _f(0.02, "Contrastive softmax temperature on cosine similarities.")
+    gen_averaging: Literal["token", "mixed"] = _f(
+        "token", "token: mean over every trained token of the whole (global, accumulated) step; mixed: mean of the "
+        "per-micro-batch token means (GritLM's 'mixed').")
+    gen_weight: float = _f(1.0, "Weight of the generative loss (GritLM loss_gen_factor).")
+    emb_weight: float = _f(1.0, "Weight of the contrastive loss.")
+    gather_negatives: bool = _f(True, "Use every process's passages as negatives (gathered with their gradient).")
+    grad_cache_chunks: int = _f(
+        1, "Cached-representation mode (GradCache): embed each embedding micro-batch in this many chunks without "
+        "graph, compute the loss on the whole batch, then back-propagate chunk by chunk. 1: off.")
 
 
 @dataclass
@@ -106,13 +138,15 @@ class TrainConfig:
     max_steps: int = _f(-1, "Optimizer steps to run; -1: run `epochs` epochs.")
     epochs: float = _f(1.0, "Passes over the training data when max_steps is -1 (fractions allowed).")
     micro_batch_size: int = _f(8, "Samples per process per forward/backward.")
+    emb_micro_batch_size: int = _f(8, "Embedding queries per process per micro-step (each with train_group_size passages).")
     grad_accum: int = _f(1, "Micro-batches accumulated per optimizer step.")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = _f(
         "auto", "auto: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU."
     )
     tf32: bool = _f(True, "Allow TF32 matmuls on Ampere or newer GPUs.")
     log_every: int = _f(10, "Log metrics every N optimizer steps (and always at the last step).")
-    eval_every: int = _f(0, "Evaluate on data.eval_files every N steps; 0: only at the end.")
+    eval_every: int = _f(0, "Evaluate (eval files, retrieval) every N steps; 0: only at the end.")
+    eval_at_start: bool = _f(True, "Also evaluate before the first step of a fresh run (the step-0 baseline).")
     report_to: list = _f(["tensorboard"], "accelerate trackers to log to; [] for none.")
     progress_bar: bool = _f(True, "Show a tqdm progress bar on the main process.")
     save_final: bool = _f(True, "Export the trained model and tokenizer to <output_dir>/final in HF format.")
@@ -134,6 +168,7 @@ class TrainConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -302,8 +337,23 @@ def validate(cfg: Config) -> None:
         bad = next(k for k, v in [("optim.warmup_steps", o.warmup_steps), ("optim.max_grad_norm", o.max_grad_norm),
                                   ("data.num_workers", d.num_workers), ("train.eval_every", t.eval_every)] if v < 0)
         raise ConfigError(f"config key '{bad}': must be >= 0")
-    if not d.train_files:
-        raise ConfigError("config key 'data.train_files': give at least one JSONL file or folder")
+    mode = cfg.loss.mode
+    if mode in ("generative", "unified") and not d.train_files:
+        raise ConfigError(f"config key 'data.train_files': loss.mode={mode} needs generative JSONL files or folders")
+    if mode in ("embedding", "unified") and not d.emb_train_files:
+        raise ConfigError(f"config key 'data.emb_train_files': loss.mode={mode} needs embedding JSONL files or folders")
+    for key, v in {"data.train_group_size": d.train_group_size, "data.query_max_len": d.query_max_len,
+                   "data.passage_max_len": d.passage_max_len, "train.emb_micro_batch_size": t.emb_micro_batch_size,
+                   "loss.grad_cache_chunks": cfg.loss.grad_cache_chunks}.items():
+        if v < 1:
+            raise ConfigError(f"config key '{key}': must be >= 1, got {v}")
+    if cfg.loss.temperature <= 0:
+        raise ConfigError(f"config key 'loss.temperature': must be > 0, got {cfg.loss.temperature}")
+    if t.emb_micro_batch_size % cfg.loss.grad_cache_chunks:
+        raise ConfigError(f"config key 'loss.grad_cache_chunks': must divide train.emb_micro_batch_size "
+                          f"({t.emb_micro_batch_size}), got {cfg.loss.grad_cache_chunks}")
+    if "{instruction}" not in d.emb_instruction_template:
+        raise ConfigError("config key 'data.emb_instruction_template': must contain {instruction}")
     if cfg.model.name_or_path is None and not cfg.model.config:
         raise ConfigError("config key 'model.name_or_path': set it, or give model.config (with model_type) for random init")
     if cfg.model.name_or_path is None and "model_type" not in cfg.model.config:

@@ -259,6 +259,195 @@ class GenerativeCollator:
         return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
 
 
+# ----------------------------------------------------------------------------------------------- embedding data
+#
+# Records: {"query": str | [instruction, str], "pos": [str | [instruction, str], ...], "neg": [...]}
+# Each text is laid out as  <s>{template}{text}  where template is data.emb_instruction_template (with the
+# instruction) or data.emb_plain_template; only the text's tokens are pooled (instr_len marks where they start).
+
+
+def _embed_text(value: Any, where: str, field: str) -> dict:
+    if isinstance(value, str):
+        return {"instruction": "", "text": _string(value, where, field)}
+    if isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value):
+        return {"instruction": value[0], "text": _string(value[1], where, f"{field}[1]")}
+    raise DataError(f"{where}: field '{field}' must be a string or [instruction, text], got {json.dumps(value)[:60]}")
+
+
+def embedding_record(obj: dict, where: str, need_negatives: int) -> dict:
+    """Validate one embedding record; `need_negatives` > 0 requires at least one hard negative."""
+    for key in ("query", "pos"):
+        if key not in obj:
+            raise DataError(f"{where}: missing field '{key}' (keys: {', '.join(obj) or 'none'})")
+    pos, neg = obj["pos"], obj.get("neg", [])
+    for key, val in (("pos", pos), ("neg", neg)):
+        if not isinstance(val, list):
+            raise DataError(f"{where}: field '{key}' must be a list")
+    if not pos:
+        raise DataError(f"{where}: field 'pos' is empty (each query needs a positive)")
+    if need_negatives and not neg:
+        raise DataError(f"{where}: field 'neg' is empty but data.train_group_size={need_negatives + 1} needs "
+                        f"hard negatives")
+    return {
+        "query": _embed_text(obj["query"], where, "query"),
+        "pos": [_embed_text(v, where, f"pos[{i}]") for i, v in enumerate(pos)],
+        "neg": [_embed_text(v, where, f"neg[{i}]") for i, v in enumerate(neg)],
+        "origin": where,
+    }
+
+
+def _generate_embedding_rows(files: list[str], stamps: list, need_negatives: int) -> Iterator[dict]:
+    for path in files:
+        for lineno, obj in read_jsonl(path):
+            yield embedding_record(obj, f"{path}:{lineno}", need_negatives)
+
+
+def load_embedding_rows(paths: list[str], need_negatives: int, cache_dir: str | None = None,
+                        what: str = "data.emb_train_files"):
+    """Validate embedding files into a `datasets.Dataset` of {query, pos, neg, origin} (texts as {instruction, text})."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    files = expand_files(paths, what)
+    stamps = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
+    text = {"instruction": datasets.Value("string"), "text": datasets.Value("string")}
+    features = datasets.Features({"query": text, "pos": datasets.List(text), "neg": datasets.List(text),
+                                  "origin": datasets.Value("string")})
+    try:
+        return datasets.Dataset.from_generator(
+            _generate_embedding_rows, gen_kwargs={"files": files, "stamps": stamps, "need_negatives": need_negatives},
+            features=features, cache_dir=cache_dir)
+    except Exception as e:  # noqa: BLE001 - re-raised unless it wraps a DataError
+        err = _unwrap(e)
+        if isinstance(err, DataError):
+            raise err from None
+        raise
+
+
+@dataclass(frozen=True)
+class EmbedFormat:
+    instruction_template: str = "<|user|>\n{instruction}\n<|embed|>\n"
+    plain_template: str = "<|embed|>\n"
+    append_eos: bool = False  # lasttoken pooling pools the eos
+
+
+def tokenize_embed_texts(texts: list[dict], tokenizer, max_len: int, fmt: EmbedFormat) -> tuple[list, list, int]:
+    """[{instruction, text}] -> (input_ids, instr_lens, truncated count). The text is cut to fit max_len; the
+    prefix (bos + template) is kept whole and excluded from pooling."""
+    prefixes = [fmt.instruction_template.format(instruction=t["instruction"]) if t["instruction"]
+                else fmt.plain_template for t in texts]
+    enc = tokenizer(prefixes + [t["text"] for t in texts], add_special_tokens=False)["input_ids"]
+    pre, body = enc[: len(texts)], enc[len(texts):]
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if fmt.append_eos else []
+    ids, instr, truncated = [], [], 0
+    for p, b in zip(pre, body):
+        head = bos + p
+        room = max_len - len(head) - len(eos)
+        if room < 1:
+            raise DataError(f"instruction '{prefixes[len(ids)][:40]}...' takes {len(head)} tokens: no room for the "
+                            f"text within {max_len} (raise data.query_max_len / data.passage_max_len)")
+        truncated += len(b) > room
+        ids.append(head + b[:room] + eos)
+        instr.append(len(head))
+    return ids, instr, truncated
+
+
+def tokenize_embedding(batch: dict, tokenizer, query_max_len: int, passage_max_len: int, fmt: EmbedFormat) -> dict:
+    """Batched `map` function for embedding rows: token ids and instruction lengths of query, pos and neg."""
+    q_ids, q_instr, _ = tokenize_embed_texts(batch["query"], tokenizer, query_max_len, fmt)
+    out = {"q_ids": q_ids, "q_instr": q_instr}
+    for key in ("pos", "neg"):
+        flat = [t for texts in batch[key] for t in texts]
+        ids, instr, _ = tokenize_embed_texts(flat, tokenizer, passage_max_len, fmt) if flat else ([], [], 0)
+        out[f"{key}_ids"], out[f"{key}_instr"], k = [], [], 0
+        for texts in batch[key]:
+            out[f"{key}_ids"].append(ids[k: k + len(texts)])
+            out[f"{key}_instr"].append(instr[k: k + len(texts)])
+            k += len(texts)
+    return out
+
+
+def tokenize_embedding_dataset(rows, tokenizer, query_max_len: int, passage_max_len: int, fmt: EmbedFormat):
+    ds = rows.map(tokenize_embedding, batched=True, batch_size=1000, remove_columns=["query", "pos", "neg"],
+                  fn_kwargs={"tokenizer": tokenizer, "query_max_len": query_max_len,
+                             "passage_max_len": passage_max_len, "fmt": fmt})
+    q_len = [len(x) for x in ds["q_ids"]]
+    p_len = [len(x) for col in ("pos_ids", "neg_ids") for group in ds[col] for x in group]
+    stats = {"samples": len(ds), "mean_query_len": sum(q_len) / len(q_len),
+             "mean_passage_len": sum(p_len) / max(1, len(p_len)),
+             "query_at_max_len": sum(n >= query_max_len for n in q_len),
+             "passage_at_max_len": sum(n >= passage_max_len for n in p_len)}
+    return ds.remove_columns(["origin"]), stats
+
+
+class EmbeddingGroups(torch.utils.data.Dataset):
+    """Training view of tokenized embedding rows: item i = its query, one positive and group_size-1 hard negatives,
+    sampled from a generator seeded by (seed, epoch, i). accelerate's prepared DataLoader calls set_epoch, so every
+    process and a resumed run draw the same groups."""
+
+    def __init__(self, ds, group_size: int, seed: int):
+        self.ds, self.group_size, self.seed, self.epoch = ds, group_size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict:
+        import random
+
+        row = self.ds[i]
+        rng = random.Random(f"{self.seed}/{self.epoch}/{i}")
+        p = rng.randrange(len(row["pos_ids"]))
+        n_neg = self.group_size - 1
+        negs = list(range(len(row["neg_ids"])))
+        chosen = rng.sample(negs, n_neg) if len(negs) >= n_neg else [rng.choice(negs) for _ in range(n_neg)]
+        passages = [(row["pos_ids"][p], row["pos_instr"][p])] + [(row["neg_ids"][j], row["neg_instr"][j]) for j in chosen]
+        return {"query": (row["q_ids"], row["q_instr"]), "passages": passages}
+
+
+def pad_embed(items: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """[(ids, instr_len)] -> input_ids, attention_mask (1 on tokens), pool_mask (1 on text tokens only)."""
+    width = max(len(ids) for ids, _ in items)
+    input_ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(items), width), dtype=torch.long)
+    pool = torch.zeros((len(items), width), dtype=torch.long)
+    for i, (ids, instr) in enumerate(items):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attn[i, : len(ids)] = 1
+        pool[i, instr: len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": attn, "pool_mask": pool}
+
+
+class EmbeddingCollator:
+    """Groups -> {"query": padded queries [B, Lq], "passage": padded passages [B * group_size, Lp]} where the
+    passages of query b are rows b*G .. b*G+G-1, the positive first."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad = pad_token_id
+
+    def __call__(self, groups: list[dict]) -> dict:
+        return {"query": pad_embed([g["query"] for g in groups], self.pad),
+                "passage": pad_embed([p for g in groups for p in g["passages"]], self.pad)}
+
+
+def retrieval_eval_set(rows, tokenizer, query_max_len: int, passage_max_len: int, fmt: EmbedFormat) -> dict:
+    """Held-out retrieval: every query ranks the corpus of all distinct pos+neg passages of the file.
+    Returns tokenized queries, corpus and, per query, the corpus indices of its positives."""
+    corpus: dict[tuple[str, str], int] = {}
+    positives = []
+    for row in rows:
+        for t in row["pos"] + row["neg"]:
+            corpus.setdefault((t["instruction"], t["text"]), len(corpus))
+        positives.append(sorted({corpus[(t["instruction"], t["text"])] for t in row["pos"]}))
+    texts = [{"instruction": k[0], "text": k[1]} for k in corpus]
+    q_ids, q_instr, _ = tokenize_embed_texts([r["query"] for r in rows], tokenizer, query_max_len, fmt)
+    c_ids, c_instr, _ = tokenize_embed_texts(texts, tokenizer, passage_max_len, fmt)
+    return {"queries": list(zip(q_ids, q_instr)), "corpus": list(zip(c_ids, c_instr)), "positives": positives}
+
+
 if __name__ == "__main__":
     from harness.config import ModelConfig
     from harness.model import load_tokenizer

@@ -43,3 +43,62 @@ def trained_tokens(labels: torch.Tensor) -> torch.Tensor:
 def step_scale(world_size: int, accum: int, global_tokens: torch.Tensor | int) -> torch.Tensor | float:
     """Factor that turns a micro-batch's loss sum into its share of the step's per-token mean (see docstring)."""
     return world_size * accum / global_tokens
+
+
+def mixed_scale(count: torch.Tensor | int) -> torch.Tensor | float:
+    """`loss.gen_averaging=mixed`: each micro-batch back-propagates its own token mean (sum / its count); DDP and
+    accumulation then average those means (GritLM's 'mixed' weighting)."""
+    return 1.0 / max(int(count), 1)
+
+
+# ----------------------------------------------------------------------------------------------- embeddings
+#
+# Contrastive loss across processes
+# ---------------------------------
+# With loss.gather_negatives, every process gathers the queries and passages of all processes (its own tensors put
+# back in their slot so they keep their graph) and computes the *same* global loss L over the global batch. Backward
+# on a process then yields only the part of dL/dθ that flows through its own embeddings; the sum over processes is
+# the full dL/dθ. DDP and ZeRO *average* gradients over the W processes, so each process back-propagates W * L: the
+# update is then exactly that of one process holding the whole batch, whatever the split. (GritLM's reference code
+# omits the factor and so scales the embedding gradient by 1/W.)
+
+
+def pool(hidden: torch.Tensor, pool_mask: torch.Tensor, method: str) -> torch.Tensor:
+    """L2-normalised fp32 embeddings [B, H] from hidden states [B, S, H] over the positions where pool_mask is 1
+    (text tokens; instruction and padding excluded). weightedmean weights the k-th pooled token by k (GritLM)."""
+    h = hidden.float()
+    m = pool_mask.to(h.dtype)
+    if method == "mean":
+        emb = (h * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp(min=1)
+    elif method == "weightedmean":
+        w = m.cumsum(1) * m
+        emb = (h * w.unsqueeze(-1)).sum(1) / w.sum(1, keepdim=True).clamp(min=1)
+    elif method == "lasttoken":
+        pos = torch.arange(m.size(1), device=m.device).expand_as(m)
+        last = (pos * m).argmax(1)
+        emb = h[torch.arange(h.size(0), device=h.device), last]
+    else:
+        raise ValueError(f"unknown pooling {method!r}")
+    return F.normalize(emb, dim=-1)
+
+
+def contrastive_loss(q: torch.Tensor, p: torch.Tensor, temperature: float) -> torch.Tensor:
+    """InfoNCE over cosine similarities / temperature, in fp32. q: [B, H]; p: [B * G, H] where rows b*G..b*G+G-1
+    are query b's positive (first) and hard negatives; every other row is an in-batch negative for b."""
+    group = p.size(0) // q.size(0)
+    scores = q.float() @ p.float().T / temperature
+    labels = torch.arange(q.size(0), device=q.device) * group
+    return F.cross_entropy(scores, labels)
+
+
+def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate `x` from every process in rank order; the local slot is `x` itself, so gradients flow into it.
+    Every process must pass the same shape."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.detach().contiguous())
+    parts[dist.get_rank()] = x
+    return torch.cat(parts)

@@ -112,3 +112,16 @@ def progress_bar(total: int, initial: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="step", dynamic_ncols=True)
+
+
+def retrieval_metrics(queries: torch.Tensor, corpus: torch.Tensor, positives: list[list[int]]) -> dict:
+    """recall@1 and MRR of ranking `corpus` (normalised [C, H]) for each query ([Q, H]) by cosine similarity;
+    positives[i] lists the corpus rows that answer query i. A query's rank is 1 + the number of corpus rows that
+    score above its best positive (ties count in its favour)."""
+    scores = queries.float() @ corpus.float().T
+    ranks = []
+    for i, pos in enumerate(positives):
+        best = scores[i, pos].max()
+        ranks.append(1 + int((scores[i] > best).sum()))
+    r = torch.tensor(ranks, dtype=torch.float64)
+    return {"recall_at_1": float((r == 1).double().mean()), "mrr": float((1.0 / r).mean())}

@@ -80,3 +80,58 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
 def count_parameters(model: torch.nn.Module) -> int:
     """Total parameters, also under ZeRO-3 where each rank holds a shard (`ds_numel` is the full size)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------------------------- embedding passes
+#
+# Bidirectional attention without copied modeling files: the model families below build their attention mask with
+# transformers' masking_utils, which passes a 4-D mask through unchanged. An embedding pass hands them a 4-D
+# additive mask that hides only padding keys, so every token sees every other token; generation passes keep the
+# usual 2-D padding mask and stay causal. Verified by tests/test_model.py for each family listed.
+BIDIRECTIONAL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+BIDIRECTIONAL_KERNELS = ("sdpa", "eager")
+
+
+def check_embedding_support(model_type: str, attn_implementation: str, attention: str) -> None:
+    if attention != "bidirectional":
+        return
+    if model_type not in BIDIRECTIONAL_FAMILIES:
+        raise ConfigError(
+            f"config key 'model.embed_attention': bidirectional attention is not available for model type "
+            f"'{model_type}' (supported: {', '.join(BIDIRECTIONAL_FAMILIES)}); use model.embed_attention=causal"
+        )
+    if attn_implementation not in BIDIRECTIONAL_KERNELS:
+        raise ConfigError(
+            f"config key 'model.attn_implementation': bidirectional embedding passes need sdpa or eager, "
+            f"got {attn_implementation}"
+        )
+
+
+def bidirectional_mask(attention_mask: torch.Tensor, attn_implementation: str) -> torch.Tensor:
+    """[B, S] padding mask -> [B, 1, S, S] mask that hides only padding keys: boolean (True = attend) for sdpa,
+    additive fp32 (0 or the minimum) for eager attention."""
+    keys = attention_mask[:, None, None, :].to(torch.bool).expand(-1, 1, attention_mask.size(1), -1)
+    if attn_implementation == "sdpa":
+        return keys
+    return torch.zeros(keys.shape, device=keys.device).masked_fill(~keys, torch.finfo(torch.float32).min)
+
+
+def embed(model, batch: dict, pooling: str, bidirectional: bool) -> torch.Tensor:
+    """Normalised fp32 embeddings of a padded batch {input_ids, attention_mask, pool_mask}. Goes through the
+    (possibly DDP/DeepSpeed-wrapped) model's own forward; logits only for the last position (cheap)."""
+    from harness.losses import pool
+
+    mask = batch["attention_mask"]
+    if bidirectional:
+        impl = getattr(_config_of(model), "_attn_implementation", "sdpa")
+        mask = bidirectional_mask(mask, impl)
+    out = model(input_ids=batch["input_ids"], attention_mask=mask, output_hidden_states=True, logits_to_keep=1,
+                use_cache=False)
+    return pool(out.hidden_states[-1], batch["pool_mask"], pooling)
+
+
+def _config_of(model):
+    """The HF config of a model, through DDP (.module) or DeepSpeed (.module) wrappers."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return model.config

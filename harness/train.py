@@ -23,7 +23,7 @@ import argparse
 import math
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -37,16 +37,18 @@ from harness.errors import HarnessError
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
 
 
+LOG_KEYS = ("gen_sum", "gen_count", "gen_mean_sum", "gen_micro", "emb_sum", "emb_count", "tokens", "samples")
+
+
 @dataclass
 class LoopState:
     """Where the loop is; with the accelerate state this is everything needed to continue a run exactly."""
 
     step: int = 0  # optimizer steps done
-    epoch: int = 0  # current epoch
-    batches_in_epoch: int = 0  # micro-batches of `epoch` already consumed on each process
+    streams: dict = field(default_factory=dict)  # per data stream: {"epoch": e, "batches": micro-batches of e consumed}
     tokens: int = 0  # non-padding input tokens processed, all processes, up to the last log
     elapsed_s: float = 0.0  # training wall time of earlier attempts (resume)
-    log_acc: tuple = (0.0, 0.0, 0.0, 0.0)  # unlogged sums since the last log (all ranks): loss, trained, tokens, samples
+    log_acc: list = field(default_factory=lambda: [0.0] * len(LOG_KEYS))  # unlogged sums, all ranks (LOG_KEYS)
     first_loss: Optional[float] = None
 
 
@@ -86,22 +88,23 @@ def lr_lambda(cfg: Config, total_steps: int):
     return fn
 
 
-def micro_batches(accelerator, loader, state: LoopState):
-    """Endless stream of micro-batches across epochs, keeping state.epoch / state.batches_in_epoch current.
-    On resume the first epoch skips the micro-batches it has already seen (same seeded order: exact data)."""
+def micro_batches(accelerator, loader, pos: dict):
+    """Endless stream of micro-batches across epochs; pos = {"epoch", "batches"} is kept current. A resumed epoch
+    skips the micro-batches it has already seen (same seeded order and groups: exactly the same data)."""
     while True:
-        loader.set_epoch(state.epoch)
-        skip = state.batches_in_epoch
-        it = accelerator.skip_first_batches(loader, skip) if skip else loader
-        for batch in it:
-            state.batches_in_epoch += 1
+        loader.set_epoch(pos["epoch"])
+        if hasattr(loader.dataset, "set_epoch"):  # accelerate does not forward it when the sampler has one
+            loader.dataset.set_epoch(pos["epoch"])
+        skip = pos["batches"]
+        for batch in (accelerator.skip_first_batches(loader, skip) if skip else loader):
+            pos["batches"] += 1
             yield batch
-        state.epoch += 1
-        state.batches_in_epoch = 0
+        pos["epoch"] += 1
+        pos["batches"] = 0
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, loader) -> float:
+def evaluate_generative(accelerator, model, loader) -> float:
     """Per-token generative loss on the eval set, over all processes."""
     model.eval()
     acc = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
@@ -114,16 +117,78 @@ def evaluate(accelerator, model, loader) -> float:
     return (acc[0] / acc[1].clamp(min=1)).item()
 
 
+@torch.no_grad()
+def encode_items(accelerator, objective, items: list, batch_size: int, pad_id: int) -> torch.Tensor:
+    """Embeddings of tokenized items [(ids, instr_len)], each process encoding an equal shard (ZeRO-3 needs every
+    process in every forward), gathered in order."""
+    from harness.data import pad_embed
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    per = math.ceil(len(items) / world)
+    shard = items[rank * per:(rank + 1) * per]
+    shard += [items[0]] * (per - len(shard))
+    parts = []
+    for i in range(0, per, batch_size):
+        batch = {k: v.to(accelerator.device) for k, v in pad_embed(shard[i:i + batch_size], pad_id).items()}
+        parts.append(objective.embed(batch))
+    return accelerator.gather(torch.cat(parts))[: len(items)]
+
+
+def evaluate_retrieval(accelerator, model, objective, eval_set: dict, batch_size: int, pad_id: int) -> dict:
+    """recall@1 and MRR of the held-out queries against the corpus of all their passages."""
+    model.eval()
+    q = encode_items(accelerator, objective, eval_set["queries"], batch_size, pad_id)
+    c = encode_items(accelerator, objective, eval_set["corpus"], batch_size, pad_id)
+    model.train()
+    return metrics.retrieval_metrics(q, c, eval_set["positives"])
+
+
+def build_data(cfg: Config, accelerator, tokenizer) -> dict:
+    """Validated, tokenized data sets and their loaders (not yet prepared) for the configured loss.mode."""
+    from torch.utils.data import DataLoader
+
+    from harness import data as data_lib
+
+    d, mode, cuda = cfg.data, cfg.loss.mode, torch.cuda.is_available()
+    out: dict = {"stats": {}}
+    common = dict(num_workers=d.num_workers, pin_memory=cuda)
+    with accelerator.main_process_first():  # rank 0 validates and tokenizes; the others read its cache
+        if mode in ("generative", "unified"):
+            rows = data_lib.load_generative_rows(d.train_files, d.cache_dir)
+            ds, out["stats"]["generative"] = data_lib.tokenize_dataset(rows, tokenizer, d.max_len)
+            collate = data_lib.GenerativeCollator(tokenizer.pad_token_id, pad_to_multiple_of=8 if cuda else 1)
+            out["gen"] = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=d.shuffle, collate_fn=collate,
+                                    **common)
+            if d.eval_files:
+                rows = data_lib.load_generative_rows(d.eval_files, d.cache_dir, "data.eval_files")
+                ds, _ = data_lib.tokenize_dataset(rows, tokenizer, d.max_len)
+                out["gen_eval"] = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=False,
+                                             collate_fn=collate, **common)
+        if mode in ("embedding", "unified"):
+            fmt = data_lib.EmbedFormat(d.emb_instruction_template, d.emb_plain_template,
+                                       append_eos=cfg.model.pooling == "lasttoken")
+            rows = data_lib.load_embedding_rows(d.emb_train_files, d.train_group_size - 1, d.cache_dir)
+            ds, out["stats"]["embedding"] = data_lib.tokenize_embedding_dataset(
+                rows, tokenizer, d.query_max_len, d.passage_max_len, fmt)
+            groups = data_lib.EmbeddingGroups(ds, d.train_group_size, cfg.train.seed)
+            out["emb"] = DataLoader(groups, batch_size=cfg.train.emb_micro_batch_size, shuffle=d.shuffle,
+                                    collate_fn=data_lib.EmbeddingCollator(tokenizer.pad_token_id), **common)
+            if d.emb_eval_files:
+                rows = data_lib.load_embedding_rows(d.emb_eval_files, 0, d.cache_dir, "data.emb_eval_files")
+                out["emb_eval"] = data_lib.retrieval_eval_set(rows, tokenizer, d.query_max_len, d.passage_max_len,
+                                                              fmt)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- the run
 
 
 def run(cfg: Config) -> dict:
     """Train according to `cfg`; returns the report (also written to <output_dir>/report.json)."""
     from accelerate.utils import set_seed
-    from torch.utils.data import DataLoader
 
-    from harness import data as data_lib
     from harness import model as model_lib
+    from harness.objective import Objective
 
     t_start = time.time()
     out = Path(cfg.train.output_dir)
@@ -141,111 +206,126 @@ def run(cfg: Config) -> dict:
 
         transformers.logging.set_verbosity_error()
         datasets.disable_progress_bars()
-    world = accelerator.num_processes
+    world, mode = accelerator.num_processes, cfg.loss.mode
     env = hardware.environment_report()
     zero = distributed.zero_info(accelerator)
     say(f"[harness] {world} process(es), {accelerator.distributed_type.value}, ZeRO stage {zero['zero_stage']}, "
-        f"device {accelerator.device}, precision {precision}, tf32 {tf32}, torch {env['torch']}")
+        f"device {accelerator.device}, precision {precision}, tf32 {tf32}, torch {env['torch']}, loss {mode}")
     for p in incomplete:
         say(f"[harness] warning: {p} is an incomplete checkpoint (no {checkpoint.MARKER} marker): not resumed from")
 
-    # ---- data: validate, tokenize (rank 0 first, the others read its cache), batch
+    # ---- data
     tokenizer = model_lib.load_tokenizer(cfg.model)
-    with accelerator.main_process_first():
-        rows = data_lib.load_generative_rows(cfg.data.train_files, cfg.data.cache_dir)
-        train_ds, data_stats = data_lib.tokenize_dataset(rows, tokenizer, cfg.data.max_len)
-        eval_ds = None
-        if cfg.data.eval_files:
-            eval_rows = data_lib.load_generative_rows(cfg.data.eval_files, cfg.data.cache_dir, "data.eval_files")
-            eval_ds, _ = data_lib.tokenize_dataset(eval_rows, tokenizer, cfg.data.max_len)
-    say(f"[harness] data: {data_stats['samples']} samples, {data_stats['tokens']} tokens, mean length "
-        f"{data_stats['mean_len']:.1f}, p95 {data_stats['p95_len']}, truncated to {cfg.data.max_len}: "
-        f"{data_stats['truncated']}, dropped (no trained token left): {data_stats['dropped_no_labels']}")
-    if data_stats["dropped_no_labels"]:
-        say(f"[harness] warning: dropped samples, e.g. {', '.join(data_stats['dropped_examples'])}")
-    collate = data_lib.GenerativeCollator(tokenizer.pad_token_id, pad_to_multiple_of=8 if torch.cuda.is_available() else 1)
-    loader_kw = dict(batch_size=cfg.train.micro_batch_size, collate_fn=collate, num_workers=cfg.data.num_workers,
-                     pin_memory=torch.cuda.is_available())
-    train_loader = DataLoader(train_ds, shuffle=cfg.data.shuffle, **loader_kw)
-    eval_loader = DataLoader(eval_ds, shuffle=False, **loader_kw) if eval_ds is not None else None
+    data = build_data(cfg, accelerator, tokenizer)
+    for kind, st in data["stats"].items():
+        say(f"[harness] {kind} data: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                                    for k, v in st.items() if k != "dropped_examples"))
+        if st.get("dropped_no_labels"):
+            say(f"[harness] warning: dropped samples with no trained token, e.g. {', '.join(st['dropped_examples'])}")
 
     # ---- model, optimizer, schedule (same seed on every rank: identical initial weights)
     set_seed(cfg.train.seed)
     with distributed.model_init_context(accelerator, cfg.model.name_or_path is None or cfg.model.random_init):
         model = model_lib.build_model(cfg.model, tokenizer)
+    if mode != "generative":
+        model_lib.check_embedding_support(model.config.model_type, cfg.model.attn_implementation,
+                                          cfg.model.embed_attention)
     n_params = model_lib.count_parameters(model)
     optimizer = build_optimizer(model, cfg, offload=zero["offload_optimizer"] not in (None, "none"))
+    names = [n for n in ("emb", "gen") if n in data]  # the first is the primary stream: it defines epochs
     accum = cfg.train.grad_accum
-    micro_per_epoch = math.ceil(len(train_loader) / world)  # what each process gets once prepared
+    micro_per_epoch = math.ceil(len(data[names[0]]) / world)  # what each process gets once prepared
     steps_per_epoch = max(1, micro_per_epoch // accum)
     total_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else max(1, math.ceil(cfg.train.epochs * micro_per_epoch / accum))
     # The schedule acts on the raw optimizer's param groups, which DeepSpeed's ZeRO optimizers keep using. It is not
     # prepared (accelerate would step it once per process) but stepped once per optimizer step, and checkpointed.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
     accelerator.register_for_checkpointing(scheduler)
-    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    if eval_loader is not None:
-        eval_loader = accelerator.prepare(eval_loader)
-    if len(train_loader) != micro_per_epoch:
-        raise RuntimeError(f"prepared loader has {len(train_loader)} batches per process, expected {micro_per_epoch}")
-    global_batch = cfg.train.micro_batch_size * accum * world
+    model, optimizer, *loaders = accelerator.prepare(model, optimizer, *[data[n] for n in names])
+    loaders = dict(zip(names, loaders))
+    gen_eval = accelerator.prepare(data["gen_eval"]) if "gen_eval" in data else None
+    objective = Objective(cfg, accelerator, model)
     held = accelerator.gather(torch.tensor([distributed.parameters_held(model)], device=accelerator.device)).tolist()
+    batch_desc = []
+    if "gen" in loaders:
+        batch_desc.append(f"{cfg.train.micro_batch_size * accum * world} sequences")
+    if "emb" in loaders:
+        batch_desc.append(f"{cfg.train.emb_micro_batch_size * accum * world} queries x {cfg.data.train_group_size} "
+                          f"passages (contrastive batch {cfg.train.emb_micro_batch_size * (world if cfg.loss.gather_negatives else 1)} queries)")
     say(f"[harness] model: {n_params / 1e6:.2f}M parameters ({', '.join(f'{h / 1e6:.2f}M' for h in held)} held per "
-        f"rank); global batch {global_batch} = micro-batch {cfg.train.micro_batch_size} x accumulation {accum} x "
-        f"{world} process(es); {steps_per_epoch} steps/epoch; {total_steps} steps ({total_steps / steps_per_epoch:.2f} epochs)")
+        f"rank); global batch per step: {' + '.join(batch_desc)} = micro-batch x accumulation {accum} x {world} "
+        f"process(es); {steps_per_epoch} steps/epoch of {names[0]} data; {total_steps} steps "
+        f"({total_steps / steps_per_epoch:.2f} epochs)")
 
     mconf = accelerator.unwrap_model(model).config
+    mean_len = next(iter(data["stats"].values())).get("mean_len") or cfg.data.passage_max_len
     flops_tok = metrics.flops_per_token(n_params, getattr(mconf, "num_hidden_layers", 0),
-                                        getattr(mconf, "hidden_size", 0), round(data_stats["mean_len"]))
+                                        getattr(mconf, "hidden_size", 0), round(mean_len))
     peak = None
     if torch.cuda.is_available():
         peak_one, _ = hardware.peak_flops(torch.cuda.get_device_name())
         peak = peak_one * world if peak_one else None
 
     # ---- resume: accelerate state (weights, optimizer, scheduler, RNG) + loop state (step, data position, time)
-    state = LoopState()
+    state = LoopState(streams={n: {"epoch": 0, "batches": 0} for n in names})
     if resume_from is not None:
-        saved = checkpoint.load_checkpoint(accelerator, resume_from)
-        state = LoopState(**{**saved, "log_acc": tuple(saved["log_acc"])})
-        say(f"[harness] resumed from {resume_from}: step {state.step}, epoch {state.epoch}, "
-            f"{state.batches_in_epoch} micro-batches into it")
+        state = LoopState(**checkpoint.load_checkpoint(accelerator, resume_from))
+        say(f"[harness] resumed from {resume_from}: step {state.step}, data position {state.streams}")
     if cfg.train.report_to:
         accelerator.init_trackers("tensorboard", config=_flat(cfg.to_dict()))
     logger = metrics.MetricsLogger(accelerator, out, resume_step=state.step if resume_from else None)
     start_step = state.step
-    stream = micro_batches(accelerator, train_loader, state)
+    streams = {n: micro_batches(accelerator, loaders[n], state.streams[n]) for n in names}
     meter = metrics.Throughput()
     bar = metrics.progress_bar(total_steps, state.step, cfg.train.progress_bar and accelerator.is_main_process)
-    # sums since the last log on this rank: loss, trained tokens, tokens, samples (rank 0 carries a resumed remainder)
-    log_acc = torch.tensor(state.log_acc if accelerator.is_main_process else (0.0,) * 4,
+    # sums since the last log on this rank (LOG_KEYS); rank 0 carries the remainder saved with a checkpoint
+    log_acc = torch.tensor(state.log_acc if accelerator.is_main_process else [0.0] * len(LOG_KEYS),
                            dtype=torch.float64, device=accelerator.device)
-    last_loss = eval_loss = None
+    last: dict = {}
     model.train()
+
+    def epoch_now() -> float:
+        pos = state.streams[names[0]]
+        return round(pos["epoch"] + pos["batches"] / micro_per_epoch, 4)
+
+    def evaluate(step: int) -> dict:
+        res = {}
+        if gen_eval is not None:
+            res["eval_loss"] = evaluate_generative(accelerator, model, gen_eval)
+        if "emb_eval" in data:
+            r = evaluate_retrieval(accelerator, model, objective, data["emb_eval"], cfg.train.emb_micro_batch_size * 4,
+                                   tokenizer.pad_token_id)
+            res.update(eval_recall_at_1=r["recall_at_1"], eval_mrr=r["mrr"])
+        if res:
+            say(f"[harness] eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()))
+        return res
 
     def loop_state() -> dict:
         """The loop state to checkpoint, with the unlogged sums of every rank folded into rank 0's copy."""
         acc = accelerator.reduce(log_acc.clone(), "sum")
         return {**asdict(state), "elapsed_s": state.elapsed_s + meter.elapsed(), "log_acc": acc.tolist()}
 
-    # ---- the loop: one iteration = one optimizer step over `accum` micro-batches on every process
+    if cfg.train.eval_at_start and resume_from is None:
+        first_eval = evaluate(0)
+        if first_eval:
+            logger.log({"step": 0, **first_eval})
+            last.update(first_eval_at_0=first_eval)
+
+    # ---- the loop: one iteration = one optimizer step over `accum` micro-steps on every process
     stop_at = cfg.train.stop_at_step if 0 < cfg.train.stop_at_step < total_steps else total_steps
     while state.step < stop_at:
-        # fetch the step's micro-batches first: the per-token loss needs the step's global trained-token count
-        batches = [next(stream) for _ in range(accum)]
-        local = torch.stack([losses.trained_tokens(b["labels"]) for b in batches]).sum()
-        global_tokens = accelerator.reduce(local.to(accelerator.device), "sum").item()
-        scale = losses.step_scale(world, accum, global_tokens)
+        # fetch the step's micro-batches first: token averaging needs the step's global trained-token count
+        gen_batches = [next(streams["gen"]) for _ in range(accum)] if "gen" in streams else [None] * accum
+        emb_batches = [next(streams["emb"]) for _ in range(accum)] if "emb" in streams else [None] * accum
+        gen_scale = objective.gen_scale(gen_batches) if "gen" in streams else 0.0
 
-        # forward / backward, accumulated (accelerate skips the gradient sync until the last micro-batch)
-        for b in batches:
+        # forward / backward per micro-step (accelerate defers the gradient sync to the last one)
+        for gen, emb in zip(gen_batches, emb_batches):
             with accelerator.accumulate(model):
-                logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False).logits
-                loss_sum, count = losses.token_loss_sum(logits, b["labels"])
-                accelerator.backward(loss_sum * scale)
-            n_tok = int(b["attention_mask"].sum())
-            log_acc += torch.tensor([loss_sum.item(), count.item(), n_tok, b["input_ids"].shape[0]],
-                                    dtype=torch.float64, device=accelerator.device)
-            meter.add(n_tok, b["input_ids"].shape[0])
+                sums = objective.micro_step(gen, emb, gen_scale)
+            log_acc += torch.tensor([float(sums.get(k, 0.0)) for k in LOG_KEYS], dtype=torch.float64,
+                                    device=accelerator.device)
+            meter.add(sums["tokens"], sums["samples"])
 
         # optimizer step: clip (DeepSpeed clips inside its engine and reports the norm), step, schedule
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm) \
@@ -259,33 +339,42 @@ def run(cfg: Config) -> dict:
 
         # log every log_every steps and at the end
         if state.step % cfg.train.log_every == 0 or state.step == total_steps:
-            tot = accelerator.reduce(log_acc, "sum")
+            tot = dict(zip(LOG_KEYS, accelerator.reduce(log_acc, "sum").tolist()))
             log_acc.zero_()
             rate = meter.interval()
-            world_tok_s = tot[2].item() / rate["interval_s"]
-            last_loss = tot[0].item() / max(tot[1].item(), 1)
-            state.first_loss = last_loss if state.first_loss is None else state.first_loss
-            state.tokens += int(tot[2].item())
-            record = {
-                "step": state.step,
-                "epoch": round(state.epoch + state.batches_in_epoch / micro_per_epoch, 4),
-                "loss": last_loss,
+            tok_s = tot["tokens"] / rate["interval_s"]
+            record = {"step": state.step, "epoch": epoch_now()}
+            parts = {}
+            if tot["gen_micro"]:
+                parts["loss_gen"] = (tot["gen_sum"] / max(tot["gen_count"], 1) if cfg.loss.gen_averaging == "token"
+                                     else tot["gen_mean_sum"] / tot["gen_micro"])
+            if tot["emb_count"]:
+                parts["loss_emb"] = tot["emb_sum"] / tot["emb_count"]
+            record["loss"] = (cfg.loss.gen_weight * parts["loss_gen"] + cfg.loss.emb_weight * parts["loss_emb"]
+                              if mode == "unified" else next(iter(parts.values())))
+            if mode == "unified":
+                record.update(parts)
+            state.first_loss = record["loss"] if state.first_loss is None else state.first_loss
+            state.tokens += int(tot["tokens"])
+            record.update({
                 "lr": scheduler.get_last_lr()[0],
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "tokens_per_s": world_tok_s,
-                "samples_per_s": tot[3].item() / rate["interval_s"],
-                "mfu": metrics.mfu(world_tok_s, flops_tok, peak),
+                "tokens_per_s": tok_s,
+                "samples_per_s": tot["samples"] / rate["interval_s"],
+                "mfu": metrics.mfu(tok_s, flops_tok, peak),
                 "mem_gb": metrics.memory_gb(),
                 "tokens": state.tokens,
                 "elapsed_s": state.elapsed_s + meter.elapsed(),
                 "eta_s": metrics.eta_seconds(meter.elapsed(), state.step - start_step, total_steps - start_step),
-            }
-            if cfg.train.eval_every and eval_loader is not None and state.step % cfg.train.eval_every == 0:
-                record["eval_loss"] = eval_loss = evaluate(accelerator, model, eval_loader)
+            })
+            if cfg.train.eval_every and state.step % cfg.train.eval_every == 0 and state.step != total_steps:
+                record.update(evaluate(state.step))
             logger.log(record)
-            bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{world_tok_s:,.0f}")
-            line = (f"[harness] step {state.step}/{total_steps} loss {last_loss:.4f} lr {record['lr']:.2e} "
-                    f"grad_norm {record['grad_norm'] or 0:.3f} tokens/s {world_tok_s:,.0f}")
+            last.update(record)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tok_s:,.0f}")
+            line = (f"[harness] step {state.step}/{total_steps} loss {record['loss']:.4f}"
+                    + "".join(f" {k} {v:.4f}" for k, v in parts.items() if mode == "unified")
+                    + f" lr {record['lr']:.2e} grad_norm {record['grad_norm'] or 0:.3f} tokens/s {tok_s:,.0f}")
             bar.write(line) if not bar.disable else say(line)
 
         # checkpoint every save_every_steps
@@ -296,7 +385,7 @@ def run(cfg: Config) -> dict:
     train_time = meter.elapsed()
     if state.step < total_steps:  # this attempt ends early (train.stop_at_step): keep the state, export nothing
         if not cfg.train.save_every_steps or state.step % cfg.train.save_every_steps:
-            path = checkpoint.save_checkpoint(accelerator, out, loop_state(), cfg.train.save_total_limit)
+            checkpoint.save_checkpoint(accelerator, out, loop_state(), cfg.train.save_total_limit)
         say(f"[harness] stopped at step {state.step}/{total_steps} with checkpoint "
             f"{checkpoint.checkpoints_root(out) / f'step-{state.step}'}; continue with train.resume=auto")
         logger.close()
@@ -304,35 +393,39 @@ def run(cfg: Config) -> dict:
         return {"steps": state.step, "stopped_early": True}
 
     # ---- the end: final evaluation, export, report
-    if eval_loader is not None:
-        eval_loss = evaluate(accelerator, model, eval_loader)
-        logger.log({"step": state.step, "eval_loss": eval_loss})
-        say(f"[harness] eval loss {eval_loss:.4f}")
+    final_eval = evaluate(state.step)
+    if final_eval:
+        logger.log({"step": state.step, **final_eval})
     final_dir = None
     if cfg.train.save_final:
-        final_dir = checkpoint.export_final(accelerator, model, tokenizer, out / "final")
+        final_dir = checkpoint.export_final(accelerator, model, tokenizer, out / "final",
+                                            extra={"harness.json": embedding_settings(cfg)})
         say(f"[harness] final model: {final_dir}")
     logger.close()
+    pos = state.streams[names[0]]
     report = {
         "world_size": world,
         "distributed_type": accelerator.distributed_type.value,
         **zero,
+        "loss_mode": mode,
         "parameters": n_params,
         "parameters_per_rank": held,
         "precision": precision,
         "tf32": tf32,
         "steps": state.step,
         "resumed_from": str(resume_from) if resume_from else None,
-        "epochs": round(state.epoch + state.batches_in_epoch / micro_per_epoch, 4),
-        "global_batch": global_batch,
+        "epochs": round(pos["epoch"] + pos["batches"] / micro_per_epoch, 4),
         "tokens": state.tokens,
         "train_time_s": state.elapsed_s + train_time,
         "wall_time_s": time.time() - t_start,
         "tokens_per_s": state.tokens / max(state.elapsed_s + train_time, 1e-9),
         "first_loss": state.first_loss,
-        "final_loss": last_loss,
-        "eval_loss": eval_loss,
-        "data": data_stats,
+        "final_loss": last.get("loss"),
+        "final_loss_gen": last.get("loss_gen"),
+        "final_loss_emb": last.get("loss_emb"),
+        "eval_at_start": last.get("first_eval_at_0"),
+        "eval": final_eval,
+        "data": data["stats"],
         "final_dir": str(final_dir) if final_dir else None,
         "hardware": env,
     }
@@ -341,8 +434,22 @@ def run(cfg: Config) -> dict:
     accelerator.end_training()
     say(f"[harness] done: step {state.step}, {train_time:.1f}s this attempt, loss "
         f"{state.first_loss if state.first_loss is not None else float('nan'):.4f} -> "
-        f"{last_loss if last_loss is not None else float('nan'):.4f}; report {out / 'report.json'}")
+        f"{last.get('loss', float('nan')):.4f}; report {out / 'report.json'}")
     return report
+
+
+def embedding_settings(cfg: Config) -> dict:
+    """What harness.encode needs to embed like training did, saved as final/harness.json."""
+    return {
+        "loss_mode": cfg.loss.mode,
+        "pooling": cfg.model.pooling,
+        "embed_attention": cfg.model.embed_attention,
+        "instruction_template": cfg.data.emb_instruction_template,
+        "plain_template": cfg.data.emb_plain_template,
+        "query_max_len": cfg.data.query_max_len,
+        "passage_max_len": cfg.data.passage_max_len,
+        "append_eos": cfg.model.pooling == "lasttoken",
+    }
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -198,7 +198,7 @@ def test_save_config_round_trip(tmp_path, recipe):
     assert dataclasses.asdict(loaded) == dataclasses.asdict(original)
     # Every key is written (the fully resolved config), not only the ones that were set.
     saved = yaml.safe_load(path.read_text())
-    assert set(saved) == {"model", "data", "optim", "train"}
+    assert set(saved) == {"model", "data", "loss", "optim", "train"}
     assert set(saved["train"]) == {f.name for f in dataclasses.fields(TrainConfig)}
 
 
@@ -260,9 +260,19 @@ BAD = [
     ("warmup-ratio-1", None, [*VALID, "optim.warmup_ratio=1"], "config key 'optim.warmup_ratio': must be in [0, 1), got 1.0"),
     ("negative-workers", None, [*VALID, "data.num_workers=-1"], "config key 'data.num_workers': must be >= 0"),
     ("missing-train-files", None, ["model.config.model_type=llama"],
-     "config key 'data.train_files': give at least one JSONL file or folder"),
+     "config key 'data.train_files': loss.mode=generative needs generative JSONL files or folders"),
+    ("unified-without-embedding-files", None, ["model.config.model_type=llama", "data.train_files=[a]",
+                                               "loss.mode=unified"],
+     "config key 'data.emb_train_files': loss.mode=unified needs embedding JSONL files or folders"),
+    ("grad-cache-chunks-not-dividing", None, ["model.config.model_type=llama", "data.train_files=[a]",
+                                              "train.emb_micro_batch_size=6", "loss.grad_cache_chunks=4"],
+     "config key 'loss.grad_cache_chunks': must divide train.emb_micro_batch_size (6), got 4"),
+    ("bad-loss-mode", None, ["model.config.model_type=llama", "data.train_files=[a]", "loss.mode=contrastive"],
+     "config key 'loss.mode': expected one of 'generative', 'embedding', 'unified', got 'contrastive'"),
+    ("zero-temperature", None, ["model.config.model_type=llama", "data.train_files=[a]", "loss.temperature=0"],
+     "config key 'loss.temperature': must be > 0, got 0.0"),
     ("empty-train-files", None, ["model.config.model_type=llama", "data.train_files=[]"],
-     "config key 'data.train_files': give at least one JSONL file or folder"),
+     "config key 'data.train_files': loss.mode=generative needs generative JSONL files or folders"),
     ("no-model", None, ["data.train_files=[a.jsonl]"],
      "config key 'model.name_or_path': set it, or give model.config (with model_type) for random init"),
     ("missing-model-type", None, ["data.train_files=[a.jsonl]", "model.config.hidden_size=64"],

@@ -1,0 +1,174 @@
+"""The objective of one micro-step (GritLM-style): forward passes, the weighted losses, their backward passes.
+
+    loss = gen_weight * L_gen + emb_weight * L_emb          (loss.mode=unified; one term alone in the other modes)
+
+A micro-step is one generative micro-batch and/or one embedding micro-batch on each process. Its backward passes
+are "units", each a forward and the backward of its own loss: the generative unit first, then the embedding unit
+(or, in cached-representation mode, one unit per chunk). Every unit but the last runs with the cross-process
+gradient reduction deferred (DDP no_sync; DeepSpeed off the accumulation boundary), so a micro-step reduces once,
+and the generative activations are freed before the embedding passes start.
+
+Scales (see harness/losses.py): the generative sum is multiplied by W * A / N (token averaging) or 1 / n (mixed);
+the contrastive loss, computed on the batch gathered from every process, by W. accelerate (or DeepSpeed) divides by
+A and DDP/ZeRO average over W, so the update equals that of one process holding the whole global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from harness import losses
+from harness.config import Config
+from harness.model import embed
+
+
+@contextlib.contextmanager
+def deferred_sync(accelerator, model):
+    """Backward passes inside add to the gradients without the cross-process reduction; the micro-step's last
+    backward pass (outside) reduces everything accumulated."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # accelerate tells DeepSpeed whether a backward is on the accumulation boundary from sync_gradients.
+        state = accelerator.gradient_state
+        previous = state.sync_gradients
+        state._set_sync_gradients(False)
+        try:
+            yield
+        finally:
+            state._set_sync_gradients(previous)
+    else:
+        with accelerator.no_sync(model):
+            yield
+
+
+def _rows(batch: dict, start: int, stop: int) -> dict:
+    """Rows start:stop of a padded batch, trimmed to its longest sequence."""
+    part = {k: v[start:stop] for k, v in batch.items()}
+    width = int(part["attention_mask"].sum(1).max())
+    return {k: v[:, :width] for k, v in part.items()}
+
+
+class _RngReplay:
+    """Record the RNG state before each no-grad chunk pass and replay it for the chunk's gradient pass, so dropout
+    masks match between the two (GradCache's RandContext)."""
+
+    def __init__(self) -> None:
+        self.states: list = []
+
+    @staticmethod
+    def _get():
+        return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+    @staticmethod
+    def _set(state) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state_all(state[1])
+
+    def record(self) -> None:
+        self.states.append(self._get())
+
+    @contextlib.contextmanager
+    def replay(self, i: int):
+        after = self._get()
+        self._set(self.states[i])
+        try:
+            yield
+        finally:
+            self._set(after)
+
+
+class Objective:
+    def __init__(self, cfg: Config, accelerator, model):
+        self.accelerator, self.model = accelerator, model
+        self.loss = cfg.loss
+        self.mode = cfg.loss.mode
+        self.pooling = cfg.model.pooling
+        self.bidirectional = cfg.model.embed_attention == "bidirectional"
+        self.world = accelerator.num_processes
+        self.accum = cfg.train.grad_accum
+
+    # ---- pieces
+
+    def gen_scale(self, gen_batches: list[dict]) -> float:
+        """Token averaging: W * A / N with N the step's trained tokens over every process (one all-reduce)."""
+        if self.loss.gen_averaging != "token":
+            return 0.0
+        local = torch.stack([losses.trained_tokens(b["labels"]) for b in gen_batches]).sum()
+        total = self.accelerator.reduce(local.to(self.accelerator.device), "sum").item()
+        return losses.step_scale(self.world, self.accum, total)
+
+    def contrastive(self, q: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(contrastive loss, factor to back-propagate it with): W with gathered negatives, else 1."""
+        if self.loss.gather_negatives and self.world > 1:
+            q, p = losses.gather_with_grad(q), losses.gather_with_grad(p)
+            return losses.contrastive_loss(q, p, self.loss.temperature), self.world
+        return losses.contrastive_loss(q, p, self.loss.temperature), 1
+
+    def embed(self, batch: dict) -> torch.Tensor:
+        return embed(self.model, batch, self.pooling, self.bidirectional)
+
+    # ---- one micro-step
+
+    def micro_step(self, gen: dict | None, emb: dict | None, gen_scale: float) -> dict:
+        """Run the micro-step's forward and backward passes; returns sums for logging (keys of train.LOG_KEYS)."""
+        acc, model = self.accelerator, self.model
+        out: dict = {}
+        if gen is not None:
+            deferred = deferred_sync(acc, model) if emb is not None else contextlib.nullcontext()
+            with deferred:
+                logits = model(input_ids=gen["input_ids"], attention_mask=gen["attention_mask"], use_cache=False).logits
+                total, count = losses.token_loss_sum(logits, gen["labels"])
+                scale = gen_scale if self.loss.gen_averaging == "token" else losses.mixed_scale(count)
+                acc.backward(self.loss.gen_weight * total * scale)
+            out.update(gen_sum=total.item(), gen_count=count.item(), gen_mean_sum=(total / count.clamp(min=1)).item(),
+                       gen_micro=1, tokens=int(gen["attention_mask"].sum()), samples=gen["input_ids"].shape[0])
+            del logits
+        if emb is not None:
+            chunks = self.loss.grad_cache_chunks
+            loss_emb = self._embedding_plain(emb) if chunks == 1 else self._embedding_cached(emb, chunks)
+            out.update(emb_sum=loss_emb, emb_count=1,
+                       tokens=out.get("tokens", 0) + int(emb["query"]["attention_mask"].sum())
+                       + int(emb["passage"]["attention_mask"].sum()),
+                       samples=out.get("samples", 0) + emb["query"]["input_ids"].shape[0])
+        return out
+
+    def _embedding_plain(self, emb: dict) -> float:
+        q, p = self.embed(emb["query"]), self.embed(emb["passage"])
+        loss, factor = self.contrastive(q, p)
+        self.accelerator.backward(self.loss.emb_weight * loss * factor)
+        return loss.item()
+
+    def _embedding_cached(self, emb: dict, chunks: int) -> float:
+        """GradCache: embed the chunks without graph, take the loss and its gradient with respect to the
+        embeddings on the whole batch, then re-embed chunk by chunk with graph and back-propagate
+        sum(embedding * its gradient). Same loss and same gradient as one pass over the batch; activation memory
+        of one chunk."""
+        acc = self.accelerator
+        n_q = emb["query"]["input_ids"].shape[0]
+        group = emb["passage"]["input_ids"].shape[0] // n_q
+        size = n_q // chunks
+        q_parts = [_rows(emb["query"], i * size, (i + 1) * size) for i in range(chunks)]
+        p_parts = [_rows(emb["passage"], i * size * group, (i + 1) * size * group) for i in range(chunks)]
+        rng = _RngReplay()
+        with torch.no_grad():
+            reps_q, reps_p = [], []
+            for qb, pb in zip(q_parts, p_parts):
+                rng.record()
+                reps_q.append(self.embed(qb))
+                reps_p.append(self.embed(pb))
+        reps_q = torch.cat(reps_q).requires_grad_()
+        reps_p = torch.cat(reps_p).requires_grad_()
+        loss, factor = self.contrastive(reps_q, reps_p)
+        grad_q, grad_p = torch.autograd.grad(self.loss.emb_weight * loss * factor, [reps_q, reps_p])
+        for i, (qb, pb) in enumerate(zip(q_parts, p_parts)):
+            last = i == chunks - 1
+            with rng.replay(i), (contextlib.nullcontext() if last else deferred_sync(acc, self.model)):
+                q, p = self.embed(qb), self.embed(pb)
+                surrogate = (q * grad_q[i * size:(i + 1) * size]).sum() \
+                    + (p * grad_p[i * size * group:(i + 1) * size * group]).sum()
+                acc.backward(surrogate)
+        return loss.item()
