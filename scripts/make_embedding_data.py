@@ -54,7 +54,7 @@ N_TRAIN = {"fact": 240, "qa": 120, "para": 120}
 N_EVAL = {"fact": 60, "qa": 30, "para": 30}
 QA_ARITH_SHARE = 0.6  # of the question->answer records; the rest are country questions
 
-INSTR_FACT = "Given a question that names two facts, retrieve the passage about the matching town, person or object."
+INSTR_FACT = "Given two facts, retrieve the matching description."
 INSTR_QA = "Given a question, retrieve the sentence that answers it."
 INSTR_PARA = "Retrieve semantically similar text."
 
@@ -88,13 +88,9 @@ COUNTRY_ROOTS = [
     "Crem", "Fald", "Grov", "Jesp", "Karn", "Lisk", "Murv", "Nald", "Ostr", "Perv", "Rusk", "Tolm",
 ]
 COUNTRY_SUFFIXES = ["onia", "avia", "land", "mark", "eria", "ovia"]
-FIRST_NAMES = [
-    "Anna", "Tom", "Mira", "Leo", "Nora", "Sam", "Ida", "Ben", "Lina", "Otto", "Rosa", "Finn", "Clara",
-    "Hugo", "Ella", "Max", "Vera", "Paul", "Greta", "Oscar", "Lucy", "Felix", "Alma", "Jonas", "Emma",
-    "Karl", "Sofia", "Elias", "Hanna", "Milo",
-]
+FIRST_NAMES = ["Anna", "Tom", "Mira", "Leo", "Nora", "Sam", "Ida", "Ben", "Lina", "Otto", "Rosa", "Finn"]
 SURNAMES = [
-    "Holt", "Marsh", "Reed", "Fletcher", "Hale", "Moss", "Wren", "Finch", "Crane", "Dale", "Hart",
+    "Holt", "Marsh", "Reed", "Lund", "Hale", "Moss", "Wren", "Finch", "Crane", "Dale", "Hart",
     "Lane", "Mills", "Nash", "Park", "Rowe", "Shaw", "Tate", "Vale", "Webb", "Ward", "York", "Ames",
     "Birch", "Cole", "Drake", "Flint", "Grove", "Heath", "Kemp", "Lowe", "Marlow", "Pike", "Quinn",
     "Royce", "Sands", "Thorne", "Upton", "Voss", "Wilde",
@@ -155,7 +151,9 @@ TOWN_SENTENCES = {
     "bridges": ["It has {v} bridges.", "There are {v} bridges in the town.", "{V} old bridges cross the town."],
     "market": ["Its market is on {v}.", "The market opens every {v}.", "Market day there is {v}."],
     "trade": ["Its people make {v}.", "The town is known for its {v}.", "Most of its people sell {v}."],
-    "roof": ["Most houses have {v} roofs.", "The roofs there are painted {v}.", "Nearly every roof in the town is {v}."],
+    "roof": [
+        "Most houses have {v} roofs.", "The roofs there are painted {v}.", "Nearly every roof in the town is {v}.",
+    ],
 }
 TOWN_QUERY = {
     "river": ["lies on the river {v}", "stands by the river {v}", "is near the river {v}"],
@@ -449,7 +447,9 @@ PARA_TEMPLATES = [
     },
     {
         "keys": {"p": FIRST_NAMES, "q": FIRST_NAMES,
-                 "topic": ["harvest", "storm", "new school", "wedding", "old bridge", "summer fair", "lost dog", "flood"]},
+                 "topic": [
+                     "harvest", "storm", "new school", "wedding", "old bridge", "summer fair", "lost dog", "flood",
+                 ]},
         "syn": {"long": ["long", "lengthy"], "get": ["got", "received"]},
         "frames": [
             "{p} wrote a {long} letter to {q} about the {topic}.",
@@ -460,7 +460,8 @@ PARA_TEMPLATES = [
     },
     {
         "keys": {"p": FIRST_NAMES, "n": [NUM[k] for k in range(2, 10)],
-                 "veg": ["beans", "peas", "carrots", "onions", "turnips", "leeks", "beets", "cabbages"], "month": MONTHS},
+                 "veg": ["beans", "peas", "carrots", "onions", "turnips", "leeks", "beets", "cabbages"],
+                 "month": MONTHS},
         "syn": {"plant": ["planted", "sowed"], "big": ["big", "large"]},
         "frames": [
             "In {month}, {p} {plant} {n} rows of {veg} in the {big} garden.",
