@@ -74,3 +74,25 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 def rel_close(a: float, b: float, rel: float) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b))
+
+
+def initial_weights(config: str = DEFAULT, overrides: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The weights a run starts from (same seed, same build as harness.train)."""
+    from accelerate.utils import set_seed
+
+    from harness.config import load_config
+    from harness.model import build_model, load_tokenizer
+
+    cfg = load_config(config, overrides or [])
+    tok = load_tokenizer(cfg.model)
+    set_seed(cfg.train.seed)
+    return {k: v.detach().clone() for k, v in build_model(cfg.model, tok).state_dict().items()}
+
+
+def update_rel_diff(a: dict, b: dict, start: dict) -> float:
+    """||(a - start) - (b - start)|| / ||b - start|| over all tensors of `a`: how far two updates differ. Adam's
+    first step moves each weight by about lr * sign(gradient), so weights whose gradient is ~0 can differ by a few
+    ulps of the gradient without the update differing in any meaningful way; the relative norm measures that."""
+    num = sum(((a[k].double() - b[k].double()) ** 2).sum() for k in a)
+    den = sum(((b[k].double() - start[k].double()) ** 2).sum() for k in a)
+    return float((num / den).sqrt())

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness_launch import FAST, ROOT, final_weights, max_abs_diff, metrics, rel_close, report, run_train
+from harness_launch import (FAST, ROOT, final_weights, initial_weights, max_abs_diff, metrics, rel_close, report,
+                            run_train, update_rel_diff)
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +30,7 @@ def test_two_processes_equal_one_process_with_twice_the_batch(mode, tmp_path):
     for k in keys:
         assert rel_close(m2[k], m1[k], 1e-4), (k, m2[k], m1[k])
     assert rel_close(m2["grad_norm"], m1["grad_norm"], 1e-4), (m2["grad_norm"], m1["grad_norm"])
-    assert max_abs_diff(w2, w1) < 1e-6
+    assert update_rel_diff(w2, w1, initial_weights()) < 1e-4
 
 
 def test_without_gathering_the_split_changes_the_loss(tmp_path):
@@ -39,7 +40,8 @@ def test_without_gathering_the_split_changes_the_loss(tmp_path):
     assert not rel_close(m2["loss"], m1["loss"], 1e-3)
 
 
-@pytest.mark.parametrize("nproc, accel, chunks", [(1, None, 4), (2, "ddp", 2), (2, "zero1", 2), (2, "zero2", 2)])
+@pytest.mark.parametrize("nproc, accel, chunks", [(1, None, 4), (2, "ddp", 2), (2, "zero1", 2), (2, "zero2", 2),
+                                                 (2, "zero3", 2)])
 def test_cached_representations_match_the_full_batch(nproc, accel, chunks, tmp_path):
     """GradCache with k chunks = one pass over the batch: same loss, same update (unified: the generative unit too)."""
     mb = 8 // nproc
@@ -48,7 +50,8 @@ def test_cached_representations_match_the_full_batch(nproc, accel, chunks, tmp_p
     mf, wf = one_step(tmp_path / "full", "unified", nproc, emb_mb=mb, gen_mb=8, accel=accel)
     for k in ("loss", "loss_emb", "loss_gen", "grad_norm"):
         assert rel_close(mc[k], mf[k], 1e-5), (k, mc[k], mf[k])
-    assert max_abs_diff(wc, wf) < 1e-6
+    assert update_rel_diff(wc, wf, initial_weights()) < 1e-4
+    assert max_abs_diff(wc, wf) < 1e-5
 
 
 def test_unified_zero3_with_accumulation_matches_ddp(tmp_path):
