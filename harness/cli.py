@@ -3,6 +3,8 @@
     harness train FILE [section.key=value ...]    train (same loop as python -m harness.train --config FILE)
     harness env                                   print the environment report (versions, devices)
     harness data-check FILE_OR_DIR ...            validate generative JSONL files and print token-length statistics
+    harness data-stats FILE_OR_DIR ... [--max-len N]  token-length distribution, truncation, what max_len=auto picks
+    harness bench FILE [overrides] [--profiles ...]  harness vs raw PyTorch vs HF Trainer (or profiles), tokens/s
 
 For several processes use accelerate's launcher on harness/train.py (see README.md).
 """
@@ -41,6 +43,35 @@ def _data_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_stats(args: argparse.Namespace) -> int:
+    """Token-length distribution of generative data, what a max_len would cut, and what max_len=auto would pick."""
+    from harness import data
+    from harness.config import ModelConfig
+    from harness.model import load_tokenizer
+
+    rows = data.load_generative_rows(args.paths, what="paths")
+    tok = load_tokenizer(ModelConfig(tokenizer=args.tokenizer))
+    ds, stats = data.tokenize_dataset(rows, tok, max_len=1 << 30)
+    lengths = sorted(ds["length"])
+    pct = {p: lengths[min(len(lengths) - 1, max(0, -(-p * len(lengths) // 100) - 1))] for p in (50, 90, 95, 99, 100)}
+    print(f"{len(lengths)} samples, {sum(lengths)} tokens; mean {sum(lengths) / len(lengths):.1f}; "
+          + ", ".join(f"p{p} {v}" if p < 100 else f"max {v}" for p, v in pct.items()))
+    top = lengths[-1]
+    edges = [0] + [2 ** k for k in range(3, max(4, top.bit_length() + 1))]
+    print("length range     samples")
+    for lo, hi in zip(edges, edges[1:]):
+        n = sum(lo < x <= hi for x in lengths)
+        if n:
+            print(f"{lo + 1:>6}-{hi:<8} {n:>7}  {'#' * max(1, round(50 * n / len(lengths)))}")
+    auto = data.auto_max_len(lengths, args.percentile)
+    for name, m in (("--max-len", args.max_len), (f"max_len=auto (p{args.percentile:g})", auto)):
+        if m:
+            cut = sum(max(0, x - m) for x in lengths)
+            print(f"{name} {m}: {sum(x > m for x in lengths)} samples truncated, {cut} tokens "
+                  f"({100 * cut / sum(lengths):.2f}%) cut")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="harness", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -52,6 +83,13 @@ def main(argv: list[str] | None = None) -> int:
 
     e = sub.add_parser("env", help="environment report")
     e.set_defaults(fn=_env)
+
+    st = sub.add_parser("data-stats", help="token-length distribution of generative JSONL data")
+    st.add_argument("paths", nargs="+")
+    st.add_argument("--tokenizer", default="bundled")
+    st.add_argument("--max-len", type=int, default=0, help="report what this max_len would truncate")
+    st.add_argument("--percentile", type=float, default=99.0, help="percentile used by data.max_len=auto")
+    st.set_defaults(fn=_data_stats)
 
     d = sub.add_parser("data-check", help="validate generative JSONL data")
     d.add_argument("paths", nargs="+")

@@ -2,7 +2,8 @@
 
 Precedence (lowest to highest), written down once:
 
-    dataclass defaults  <  the YAML file given with --config  <  `section.key=value` overrides
+    dataclass defaults  <  the profile named by train.profile  <  the YAML file given with --config
+                        <  `section.key=value` overrides
 
 Every key is declared below with a type and a help text. An unknown key, a value of the wrong type or an
 invalid choice raises `ConfigError`, whose message names the key; the entry points turn it into one line
@@ -23,7 +24,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
@@ -85,7 +86,13 @@ class ModelConfig:
 class DataConfig:
     train_files: list = _f([], "JSONL files or folders of *.jsonl with generative records ({text} or {messages}).")
     eval_files: list = _f([], "Held-out JSONL files or folders; evaluated every train.eval_every steps and at the end.")
-    max_len: int = _f(512, "Tokens per sample; longer samples are truncated (and counted in the log).")
+    max_len: Union[int, Literal["auto"]] = _f(
+        512, "Tokens per sample; longer samples are truncated (and counted in the log). auto: the "
+        "max_len_percentile of the data's token lengths, rounded up to a multiple of 8.")
+    max_len_percentile: float = _f(99.0, "Percentile of sample lengths that data.max_len=auto covers.")
+    packing: bool = _f(False, "Pack generative samples into rows of max_len (best-fit; no attention across "
+                              "documents: per-document position ids).")
+    group_by_length: bool = _f(False, "Embedding data: batch queries of similar length together (less padding).")
     emb_train_files: list = _f([], "Embedding JSONL files/folders: {query, pos, neg} (loss.mode embedding or unified).")
     emb_eval_files: list = _f([], "Held-out embedding files: retrieval recall@1 and MRR every train.eval_every steps "
                                   "and at the end.")
@@ -97,6 +104,9 @@ class DataConfig:
     emb_plain_template: str = _f("<|embed|>\n", "Text before an embedded text without instruction.")
     shuffle: bool = _f(True, "Shuffle the training samples each epoch (seeded by train.seed and the epoch).")
     num_workers: int = _f(0, "DataLoader worker processes.")
+    pin_memory: Union[bool, Literal["auto"]] = _f("auto", "Pin host memory for faster copies (auto: on with a GPU).")
+    prefetch_factor: int = _f(2, "Batches each worker prepares ahead (with num_workers > 0).")
+    persistent_workers: bool = _f(False, "Keep workers alive between epochs (with num_workers > 0).")
     cache_dir: Optional[str] = _f(None, "datasets cache folder for the tokenized data. Null: the datasets default.")
 
 
@@ -144,6 +154,11 @@ class TrainConfig:
         "auto", "auto: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU."
     )
     tf32: bool = _f(True, "Allow TF32 matmuls on Ampere or newer GPUs.")
+    profile: Optional[str] = _f(None, "Speed profile (harness/profiles.py): conservative, balanced, aggressive, "
+                                      "memory_efficient; applied below the recipe file and the overrides.")
+    compile: Literal["auto", "regional", "full", "none"] = _f(
+        "auto", "torch.compile through accelerate: regional (each repeated block; fast cold start), full, none. "
+        "auto: regional on CUDA, none on CPU.")
     log_every: int = _f(10, "Log metrics every N optimizer steps (and always at the last step).")
     eval_every: int = _f(0, "Evaluate (eval files, retrieval) every N steps; 0: only at the end.")
     eval_at_start: bool = _f(True, "Also evaluate before the first step of a fresh run (the step-0 baseline).")
@@ -188,7 +203,8 @@ def _type_name(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return " or ".join(_type_name(a) for a in args) + " or null"
+        null = " or null" if type(None) in typing.get_args(tp) else ""
+        return " or ".join(_type_name(a) for a in args) + null
     return getattr(tp, "__name__", str(tp))
 
 
@@ -282,7 +298,7 @@ def _flatten(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
 
 def load_config(path: Optional[str | Path] = None, overrides: list[str] | None = None) -> Config:
     """Build a Config from defaults, then the YAML file at `path`, then `overrides` (see module docstring)."""
-    raw: dict[str, dict] = {}
+    pairs: list[tuple[str, Any]] = []  # (key, value) from the file, then from the overrides
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -300,10 +316,17 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
                 raise _unknown("section", str(section), list(SECTIONS))
             if not isinstance(values, dict):
                 raise ConfigError(f"{p}: section '{section}' must be a mapping of keys")
-            for name, value in values.items():
-                _apply(raw, f"{section}.{name}", value)
-    for text in overrides or []:
-        _apply(raw, *parse_override(text))
+            pairs += [(f"{section}.{name}", value) for name, value in values.items()]
+    pairs += [parse_override(text) for text in overrides or []]
+    raw: dict[str, dict] = {}
+    profile = next((v for k, v in reversed(pairs) if k == "train.profile"), None)
+    if profile is not None:
+        from harness.profiles import profile_overrides
+
+        for key, value in profile_overrides(str(profile)).items():
+            _apply(raw, key, value)
+    for key, value in pairs:
+        _apply(raw, key, value)
     cfg = Config(**{s: SECTIONS[s](**raw.get(s, {})) for s in SECTIONS})
     validate(cfg)
     return cfg
@@ -316,7 +339,8 @@ def validate(cfg: Config) -> None:
         "train.micro_batch_size": t.micro_batch_size,
         "train.grad_accum": t.grad_accum,
         "train.log_every": t.log_every,
-        "data.max_len": d.max_len,
+        "data.max_len": d.max_len if d.max_len != "auto" else 1,
+        "data.prefetch_factor": d.prefetch_factor,
     }
     for key, v in positive.items():
         if v < 1:

@@ -21,6 +21,7 @@ The loss covers `{assistant}</s>` of every assistant turn.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -259,6 +260,91 @@ class GenerativeCollator:
         return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
 
 
+def model_inputs(batch: dict) -> dict:
+    """The keyword arguments a generative batch passes to the model: a padding mask, or (packed rows) per-document
+    position ids without a mask."""
+    if "position_ids" in batch:
+        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def real_tokens(batch: dict) -> int:
+    """Non-padding tokens of a batch (generative, packed, or an embedding side {input_ids, attention_mask})."""
+    return int((batch["token_mask"] if "token_mask" in batch else batch["attention_mask"]).sum())
+
+
+# ----------------------------------------------------------------------------------------------- packing
+
+
+def auto_max_len(lengths: list[int], percentile: float, multiple: int = 8) -> int:
+    """The `percentile` of the full (untruncated) sample lengths, rounded up to a multiple of 8."""
+    ordered = sorted(lengths)
+    k = min(len(ordered) - 1, max(0, math.ceil(percentile / 100 * len(ordered)) - 1))
+    return -(-ordered[k] // multiple) * multiple
+
+
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing: sample indices grouped into rows of at most `capacity` tokens, longest first, each
+    sample into the row with the least room that still fits it. Deterministic."""
+    import bisect
+
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, row index), sorted
+    for i in order:
+        k = bisect.bisect_left(free, (lengths[i], -1))
+        if k < len(free):
+            room, r = free.pop(k)
+        else:
+            room, r = capacity, len(rows)
+            rows.append([])
+        rows[r].append(i)
+        if room - lengths[i] > 0:
+            bisect.insort(free, (room - lengths[i], r))
+    return [sorted(r) for r in rows]
+
+
+def pack_dataset(ds, max_len: int):
+    """Tokenized samples -> packed rows of input_ids, labels and per-document position_ids (0.. restarting at each
+    document). With position_ids and no attention mask, transformers' masking builds a block-diagonal causal mask
+    (no attention across documents); flash-attention backends use the same ids as varlen boundaries."""
+    import datasets
+
+    rows = pack_rows(list(ds["length"]), max_len)
+    ids, labels = ds["input_ids"], ds["labels"]
+    out = {"input_ids": [], "labels": [], "position_ids": [], "length": []}
+    for row in rows:
+        out["input_ids"].append([t for i in row for t in ids[i]])
+        out["labels"].append([t for i in row for t in labels[i]])
+        out["position_ids"].append([p for i in row for p in range(len(ids[i]))])
+        out["length"].append(sum(len(ids[i]) for i in row))
+    return datasets.Dataset.from_dict(out)
+
+
+class PackedCollator:
+    """Packed rows -> input_ids, labels, position_ids (no attention_mask: documents are separated by their position
+    ids). Row tails are padded with pad tokens that form their own "document" (positions 0..k, labels ignored)."""
+
+    def __init__(self, pad_token_id: int, width: int):
+        self.pad_token_id, self.width = pad_token_id, width
+
+    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        n, w = len(samples), self.width
+        input_ids = torch.full((n, w), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((n, w), IGNORE_INDEX, dtype=torch.long)
+        position_ids = torch.arange(w).repeat(n, 1)
+        real = torch.zeros((n, w), dtype=torch.long)
+        for i, s in enumerate(samples):
+            k = len(s["input_ids"])
+            input_ids[i, :k] = torch.tensor(s["input_ids"])
+            labels[i, :k] = torch.tensor(s["labels"])
+            position_ids[i, :k] = torch.tensor(s["position_ids"])
+            position_ids[i, k:] = torch.arange(w - k)
+            real[i, :k] = 1
+        # token_mask: real tokens, for throughput and padding statistics (not passed to the model)
+        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "token_mask": real}
+
+
 # ----------------------------------------------------------------------------------------------- embedding data
 #
 # Records: {"query": str | [instruction, str], "pos": [str | [instruction, str], ...], "neg": [...]}
@@ -331,9 +417,11 @@ class EmbedFormat:
     append_eos: bool = False  # lasttoken pooling pools the eos
 
 
-def tokenize_embed_texts(texts: list[dict], tokenizer, max_len: int, fmt: EmbedFormat) -> tuple[list, list, int]:
+def tokenize_embed_texts(texts: list[dict], tokenizer, max_len: int, fmt: EmbedFormat,
+                         origins: list[str] | None = None) -> tuple[list, list, int]:
     """[{instruction, text}] -> (input_ids, instr_lens, truncated count). The text is cut to fit max_len; the
-    prefix (bos + template) is kept whole and excluded from pooling."""
+    prefix (bos + template) is kept whole and excluded from pooling. `origins` (file:line per text) name the record
+    in errors."""
     prefixes = [fmt.instruction_template.format(instruction=t["instruction"]) if t["instruction"]
                 else fmt.plain_template for t in texts]
     enc = tokenizer(prefixes + [t["text"] for t in texts], add_special_tokens=False)["input_ids"]
@@ -345,8 +433,10 @@ def tokenize_embed_texts(texts: list[dict], tokenizer, max_len: int, fmt: EmbedF
         head = bos + p
         room = max_len - len(head) - len(eos)
         if room < 1:
-            raise DataError(f"instruction '{prefixes[len(ids)][:40]}...' takes {len(head)} tokens: no room for the "
-                            f"text within {max_len} (raise data.query_max_len / data.passage_max_len)")
+            where = f"{origins[len(ids)]}: " if origins else ""
+            raise DataError(f"{where}instruction {texts[len(ids)]['instruction'][:40]!r} takes {len(head)} tokens "
+                            f"with its template: no room for the text within {max_len} tokens (raise "
+                            f"data.query_max_len / data.passage_max_len)")
         truncated += len(b) > room
         ids.append(head + b[:room] + eos)
         instr.append(len(head))
@@ -355,11 +445,12 @@ def tokenize_embed_texts(texts: list[dict], tokenizer, max_len: int, fmt: EmbedF
 
 def tokenize_embedding(batch: dict, tokenizer, query_max_len: int, passage_max_len: int, fmt: EmbedFormat) -> dict:
     """Batched `map` function for embedding rows: token ids and instruction lengths of query, pos and neg."""
-    q_ids, q_instr, _ = tokenize_embed_texts(batch["query"], tokenizer, query_max_len, fmt)
+    q_ids, q_instr, _ = tokenize_embed_texts(batch["query"], tokenizer, query_max_len, fmt, batch["origin"])
     out = {"q_ids": q_ids, "q_instr": q_instr}
     for key in ("pos", "neg"):
         flat = [t for texts in batch[key] for t in texts]
-        ids, instr, _ = tokenize_embed_texts(flat, tokenizer, passage_max_len, fmt) if flat else ([], [], 0)
+        where = [o for o, texts in zip(batch["origin"], batch[key]) for _ in texts]
+        ids, instr, _ = tokenize_embed_texts(flat, tokenizer, passage_max_len, fmt, where) if flat else ([], [], 0)
         out[f"{key}_ids"], out[f"{key}_instr"], k = [], [], 0
         for texts in batch[key]:
             out[f"{key}_ids"].append(ids[k: k + len(texts)])

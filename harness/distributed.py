@@ -61,13 +61,15 @@ def ensure_single_process_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
-def make_accelerator(cfg: Config, mixed_precision: str):
+def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "none"):
+    """The Accelerator for this run. compile_mode: regional | full | none (already resolved from auto)."""
     from accelerate import Accelerator
     from accelerate.utils import (
         DataLoaderConfiguration,
         DeepSpeedPlugin,
         GradientAccumulationPlugin,
         InitProcessGroupKwargs,
+        TorchDynamoPlugin,
     )
 
     plugin = None
@@ -84,9 +86,14 @@ def make_accelerator(cfg: Config, mixed_precision: str):
     if not torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
         # Without a GPU accelerate leaves the backend unset and each rank may believe it is alone; gloo is the CPU one.
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    dynamo = None
+    if compile_mode != "none":
+        # accelerate applies it in prepare(): compile_regions (DDP / single), compile_regions_deepspeed (ZeRO)
+        dynamo = TorchDynamoPlugin(backend="inductor", use_regional_compilation=compile_mode == "regional")
     accelerator = Accelerator(
         mixed_precision=mixed_precision,
         deepspeed_plugin=plugin,
+        dynamo_plugin=dynamo,
         # Optimizer steps are always `grad_accum` micro-batches (the data stream runs across epoch ends), so the
         # sync point follows the micro-step count, not the end of the dataloader.
         gradient_accumulation_plugin=GradientAccumulationPlugin(

@@ -19,10 +19,11 @@ import torch
 from harness.errors import ConfigError
 
 # Dense (no sparsity) peak tensor-core FLOP/s for bf16/fp16 with fp32 accumulation, per GPU, from the vendors'
-# data sheets. Matched on the lower-cased device name, most specific pattern first.
+# data sheets. Matched on the lower-cased device name, most specific pattern first (a pattern that contains another,
+# like gh200 and h200, must come before it).
 PEAK_FLOPS_BF16: list[tuple[tuple[str, ...], float, str]] = [
-    (("h200",), 989e12, "H200"),
     (("gh200",), 989e12, "GH200"),
+    (("h200",), 989e12, "H200"),
     (("h100", "nvl"), 835e12, "H100 NVL"),
     (("h100", "pcie"), 756e12, "H100 PCIe"),
     (("h100",), 989e12, "H100 SXM"),
@@ -31,7 +32,7 @@ PEAK_FLOPS_BF16: list[tuple[tuple[str, ...], float, str]] = [
     (("a800",), 312e12, "A800"),
     (("l40s",), 362e12, "L40S"),
     (("l40",), 181e12, "L40"),
-    (("a6000", "ada"), 364e12, "RTX 6000 Ada"),
+    (("6000", "ada"), 364e12, "RTX 6000 Ada"),
     (("a6000",), 155e12, "RTX A6000"),
     (("a10g",), 70e12, "A10G"),
     (("a10",), 125e12, "A10"),

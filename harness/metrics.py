@@ -16,10 +16,20 @@ from typing import Optional
 import torch
 
 
-def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the dense matmuls (forward 2N + backward 4N) plus attention scores and
-    values, 12 * layers * hidden * seq_len (PaLM, appendix B). Embedding parameters are included in N."""
-    return 6.0 * n_params + 12.0 * n_layers * hidden * seq_len
+def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int, backward: bool = True) -> float:
+    """Model FLOPs per token (PaLM, appendix B): with backward, 6N for the matmuls (forward 2N + backward 4N) plus
+    12 * layers * hidden * seq_len for attention scores and values; a forward without gradient (GradCache's first
+    pass, evaluation) is a third of that: 2N + 4 * layers * hidden * seq_len. N counts matmul weights (see
+    `matmul_params`): the embedding lookup is not a matmul, a (tied) output projection is."""
+    if backward:
+        return 6.0 * n_params + 12.0 * n_layers * hidden * seq_len
+    return 2.0 * n_params + 4.0 * n_layers * hidden * seq_len
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Weights that take part in matmuls: every nn.Linear (lm_head included, tied or not); works under ZeRO-3."""
+    return sum(getattr(m.weight, "ds_numel", m.weight.numel()) for m in model.modules()
+               if isinstance(m, torch.nn.Linear))
 
 
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops_total: Optional[float]) -> Optional[float]:
@@ -125,3 +135,37 @@ def retrieval_metrics(queries: torch.Tensor, corpus: torch.Tensor, positives: li
         ranks.append(1 + int((scores[i] > best).sum()))
     r = torch.tensor(ranks, dtype=torch.float64)
     return {"recall_at_1": float((r == 1).double().mean()), "mrr": float((1.0 / r).mean())}
+
+
+class CompileProbe:
+    """Counts how the repeated blocks (decoder layers) really ran: a forward pre-hook on each block records whether
+    it executed inside compiled code (`torch.compiler.is_compiling()` is constant-folded to True in the compiled
+    graph and its side effect replayed on every call) or eagerly. Catches compiled copies that never run."""
+
+    def __init__(self, blocks: list[torch.nn.Module]):
+        self.calls = {"compiled": 0, "eager": 0}
+        self.handles = [b.register_forward_pre_hook(self._hook) for b in blocks]
+
+    def _hook(self, module, args):
+        self.calls["compiled" if torch.compiler.is_compiling() else "eager"] += 1
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def dynamo_counters() -> dict:
+    """Frames compiled and graphs produced so far by torch.compile in this process."""
+    from torch._dynamo.utils import counters
+
+    return {"frames_compiled": int(counters["frames"]["ok"]), "graphs": int(counters["stats"]["unique_graphs"])}
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers: children of the largest ModuleList whose entries share one class (what regional
+    compilation compiles)."""
+    best: list[torch.nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) > len(best) and len({type(c) for c in m}) == 1:
+            best = list(m)
+    return best

@@ -19,8 +19,9 @@ import contextlib
 
 import torch
 
-from harness import losses
+from harness import losses, metrics
 from harness.config import Config
+from harness.data import model_inputs, real_tokens
 from harness.model import embed
 
 
@@ -90,6 +91,13 @@ class Objective:
         self.bidirectional = cfg.model.embed_attention == "bidirectional"
         self.world = accelerator.num_processes
         self.accum = cfg.train.grad_accum
+        self.flop_dims = (0, 0, 0)  # (matmul parameters, layers, hidden), set by the loop for MFU accounting
+
+    def flops(self, batch: dict, backward: bool) -> float:
+        """Model FLOPs of one pass over `batch`'s real tokens (attention over the padded row width)."""
+        n, layers, hidden = self.flop_dims
+        width = batch["input_ids"].shape[1]
+        return real_tokens(batch) * metrics.flops_per_token(n, layers, hidden, width, backward)
 
     # ---- pieces
 
@@ -120,20 +128,26 @@ class Objective:
         if gen is not None:
             deferred = deferred_sync(acc, model) if emb is not None else contextlib.nullcontext()
             with deferred:
-                logits = model(input_ids=gen["input_ids"], attention_mask=gen["attention_mask"], use_cache=False).logits
+                logits = model(**model_inputs(gen), use_cache=False).logits
                 total, count = losses.token_loss_sum(logits, gen["labels"])
                 scale = gen_scale if self.loss.gen_averaging == "token" else losses.mixed_scale(count)
                 acc.backward(self.loss.gen_weight * total * scale)
             out.update(gen_sum=total.item(), gen_count=count.item(), gen_mean_sum=(total / count.clamp(min=1)).item(),
-                       gen_micro=1, tokens=int(gen["attention_mask"].sum()), samples=gen["input_ids"].shape[0])
+                       gen_micro=1, tokens=real_tokens(gen), positions=gen["input_ids"].numel(),
+                       samples=gen["input_ids"].shape[0], flops=self.flops(gen, backward=True))
             del logits
         if emb is not None:
             chunks = self.loss.grad_cache_chunks
             loss_emb = self._embedding_plain(emb) if chunks == 1 else self._embedding_cached(emb, chunks)
+            sides = (emb["query"], emb["passage"])
+            flops = sum(self.flops(b, backward=True) for b in sides)
+            if chunks > 1:  # the extra forward without graph
+                flops += sum(self.flops(b, backward=False) for b in sides)
             out.update(emb_sum=loss_emb, emb_count=1,
-                       tokens=out.get("tokens", 0) + int(emb["query"]["attention_mask"].sum())
-                       + int(emb["passage"]["attention_mask"].sum()),
-                       samples=out.get("samples", 0) + emb["query"]["input_ids"].shape[0])
+                       tokens=out.get("tokens", 0) + sum(real_tokens(b) for b in sides),
+                       positions=out.get("positions", 0) + sum(b["input_ids"].numel() for b in sides),
+                       samples=out.get("samples", 0) + emb["query"]["input_ids"].shape[0],
+                       flops=out.get("flops", 0.0) + flops)
         return out
 
     def _embedding_plain(self, emb: dict) -> float:

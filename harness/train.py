@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from harness import checkpoint, distributed, hardware, losses, metrics
+from harness import data as data_lib
 from harness.config import Config, describe, load_config, save_config
 from harness.errors import HarnessError
 
@@ -37,7 +38,8 @@ from harness.errors import HarnessError
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
 
 
-LOG_KEYS = ("gen_sum", "gen_count", "gen_mean_sum", "gen_micro", "emb_sum", "emb_count", "tokens", "samples")
+LOG_KEYS = ("gen_sum", "gen_count", "gen_mean_sum", "gen_micro", "emb_sum", "emb_count", "tokens", "samples",
+            "positions", "flops", "wait_s")
 
 
 @dataclass
@@ -109,7 +111,7 @@ def evaluate_generative(accelerator, model, loader) -> float:
     model.eval()
     acc = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
     for batch in loader:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        logits = model(**data_lib.model_inputs(batch), use_cache=False).logits
         total, count = losses.token_loss_sum(logits, batch["labels"])
         acc += torch.stack([total.double(), count.double()])
     model.train()
@@ -143,25 +145,51 @@ def evaluate_retrieval(accelerator, model, objective, eval_set: dict, batch_size
     return metrics.retrieval_metrics(q, c, eval_set["positives"])
 
 
+def resolve_max_len(cfg: Config, rows, tokenizer, say) -> int:
+    """data.max_len, or for `auto` the data's length percentile (what is truncated is reported)."""
+
+    if cfg.data.max_len != "auto":
+        return cfg.data.max_len
+    full, _ = data_lib.tokenize_dataset(rows, tokenizer, 1 << 30)
+    lengths = list(full["length"])
+    max_len = data_lib.auto_max_len(lengths, cfg.data.max_len_percentile)
+    cut = sum(max(0, n - max_len) for n in lengths)
+    say(f"[harness] data.max_len=auto: p{cfg.data.max_len_percentile:g} of {len(lengths)} sample lengths -> "
+        f"{max_len}; {sum(n > max_len for n in lengths)} samples truncated, {cut} tokens "
+        f"({100 * cut / sum(lengths):.2f}%) cut")
+    return max_len
+
+
 def build_data(cfg: Config, accelerator, tokenizer) -> dict:
     """Validated, tokenized data sets and their loaders (not yet prepared) for the configured loss.mode."""
     from torch.utils.data import DataLoader
 
-    from harness import data as data_lib
+    from harness.profiles import resolve_pin_memory
 
     d, mode, cuda = cfg.data, cfg.loss.mode, torch.cuda.is_available()
     out: dict = {"stats": {}}
-    common = dict(num_workers=d.num_workers, pin_memory=cuda)
+    common = dict(num_workers=d.num_workers, pin_memory=resolve_pin_memory(d.pin_memory, cuda))
+    if d.num_workers > 0:
+        common.update(prefetch_factor=d.prefetch_factor, persistent_workers=d.persistent_workers)
     with accelerator.main_process_first():  # rank 0 validates and tokenizes; the others read its cache
         if mode in ("generative", "unified"):
             rows = data_lib.load_generative_rows(d.train_files, d.cache_dir)
-            ds, out["stats"]["generative"] = data_lib.tokenize_dataset(rows, tokenizer, d.max_len)
-            collate = data_lib.GenerativeCollator(tokenizer.pad_token_id, pad_to_multiple_of=8 if cuda else 1)
+            max_len = out["max_len"] = resolve_max_len(cfg, rows, tokenizer, accelerator.print)
+            ds, st = data_lib.tokenize_dataset(rows, tokenizer, max_len)
+            out["stats"]["generative"] = st
+            if d.packing:
+                ds = data_lib.pack_dataset(ds, max_len)
+                st["packed_rows"] = len(ds)
+                st["packing_fill"] = sum(ds["length"]) / (len(ds) * max_len)
+                collate = data_lib.PackedCollator(tokenizer.pad_token_id, max_len)
+            else:
+                collate = data_lib.GenerativeCollator(tokenizer.pad_token_id, pad_to_multiple_of=8 if cuda else 1)
             out["gen"] = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=d.shuffle, collate_fn=collate,
                                     **common)
             if d.eval_files:
                 rows = data_lib.load_generative_rows(d.eval_files, d.cache_dir, "data.eval_files")
-                ds, _ = data_lib.tokenize_dataset(rows, tokenizer, d.max_len)
+                ds, _ = data_lib.tokenize_dataset(rows, tokenizer, max_len)
+                collate = data_lib.GenerativeCollator(tokenizer.pad_token_id, pad_to_multiple_of=8 if cuda else 1)
                 out["gen_eval"] = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=False,
                                              collate_fn=collate, **common)
         if mode in ("embedding", "unified"):
@@ -189,12 +217,14 @@ def run(cfg: Config) -> dict:
 
     from harness import model as model_lib
     from harness.objective import Objective
+    from harness.profiles import resolve_compile
 
     t_start = time.time()
     out = Path(cfg.train.output_dir)
     resume_from, incomplete = checkpoint.resolve_resume(out, cfg.train.resume)
     precision = hardware.resolve_precision(cfg.train.precision)
-    accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision))
+    compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
+    accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision), compile_mode)
     tf32 = hardware.enable_tf32(cfg.train.tf32)
     say = accelerator.print
     if accelerator.is_main_process:
@@ -210,7 +240,10 @@ def run(cfg: Config) -> dict:
     env = hardware.environment_report()
     zero = distributed.zero_info(accelerator)
     say(f"[harness] {world} process(es), {accelerator.distributed_type.value}, ZeRO stage {zero['zero_stage']}, "
-        f"device {accelerator.device}, precision {precision}, tf32 {tf32}, torch {env['torch']}, loss {mode}")
+        f"device {accelerator.device}, precision {precision}, tf32 {tf32}, compile {compile_mode}, "
+        f"profile {cfg.train.profile}, torch {env['torch']}, loss {mode}")
+    if accelerator.is_main_process:
+        checkpoint.write_json(out / "environment.json", env)
     for p in incomplete:
         say(f"[harness] warning: {p} is an incomplete checkpoint (no {checkpoint.MARKER} marker): not resumed from")
 
@@ -231,6 +264,8 @@ def run(cfg: Config) -> dict:
         model_lib.check_embedding_support(model.config.model_type, cfg.model.attn_implementation,
                                           cfg.model.embed_attention)
     n_params = model_lib.count_parameters(model)
+    n_matmul = metrics.matmul_params(model)
+    probe = metrics.CompileProbe(metrics.repeated_blocks(model)) if compile_mode != "none" else None
     optimizer = build_optimizer(model, cfg, offload=zero["offload_optimizer"] not in (None, "none"))
     names = [n for n in ("emb", "gen") if n in data]  # the first is the primary stream: it defines epochs
     accum = cfg.train.grad_accum
@@ -245,6 +280,8 @@ def run(cfg: Config) -> dict:
     loaders = dict(zip(names, loaders))
     gen_eval = accelerator.prepare(data["gen_eval"]) if "gen_eval" in data else None
     objective = Objective(cfg, accelerator, model)
+    mconf = accelerator.unwrap_model(model).config
+    objective.flop_dims = (n_matmul, getattr(mconf, "num_hidden_layers", 0), getattr(mconf, "hidden_size", 0))
     held = accelerator.gather(torch.tensor([distributed.parameters_held(model)], device=accelerator.device)).tolist()
     batch_desc = []
     if "gen" in loaders:
@@ -257,10 +294,6 @@ def run(cfg: Config) -> dict:
         f"process(es); {steps_per_epoch} steps/epoch of {names[0]} data; {total_steps} steps "
         f"({total_steps / steps_per_epoch:.2f} epochs)")
 
-    mconf = accelerator.unwrap_model(model).config
-    mean_len = next(iter(data["stats"].values())).get("mean_len") or cfg.data.passage_max_len
-    flops_tok = metrics.flops_per_token(n_params, getattr(mconf, "num_hidden_layers", 0),
-                                        getattr(mconf, "hidden_size", 0), round(mean_len))
     peak = None
     if torch.cuda.is_available():
         peak_one, _ = hardware.peak_flops(torch.cuda.get_device_name())
@@ -310,13 +343,16 @@ def run(cfg: Config) -> dict:
         if first_eval:
             logger.log({"step": 0, **first_eval})
             last.update(first_eval_at_0=first_eval)
+    meter = metrics.Throughput()  # training time starts here (the step-0 evaluation is not training)
 
     # ---- the loop: one iteration = one optimizer step over `accum` micro-steps on every process
     stop_at = cfg.train.stop_at_step if 0 < cfg.train.stop_at_step < total_steps else total_steps
     while state.step < stop_at:
         # fetch the step's micro-batches first: token averaging needs the step's global trained-token count
+        t_fetch = time.perf_counter()
         gen_batches = [next(streams["gen"]) for _ in range(accum)] if "gen" in streams else [None] * accum
         emb_batches = [next(streams["emb"]) for _ in range(accum)] if "emb" in streams else [None] * accum
+        log_acc[LOG_KEYS.index("wait_s")] += time.perf_counter() - t_fetch
         gen_scale = objective.gen_scale(gen_batches) if "gen" in streams else 0.0
 
         # forward / backward per micro-step (accelerate defers the gradient sync to the last one)
@@ -336,6 +372,9 @@ def run(cfg: Config) -> dict:
         optimizer.zero_grad(set_to_none=True)
         state.step += 1
         bar.update(1)
+        if state.step == start_step + 1:  # the first step of this process carries the (cold) compilation
+            first_step_s = meter.elapsed()
+            graphs_after_first = metrics.dynamo_counters()["graphs"]
 
         # log every log_every steps and at the end
         if state.step % cfg.train.log_every == 0 or state.step == total_steps:
@@ -361,7 +400,9 @@ def run(cfg: Config) -> dict:
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "tokens_per_s": tok_s,
                 "samples_per_s": tot["samples"] / rate["interval_s"],
-                "mfu": metrics.mfu(tok_s, flops_tok, peak),
+                "mfu": metrics.mfu(tot["flops"] / rate["interval_s"], 1.0, peak),
+                "padding_share": 1 - tot["tokens"] / max(tot["positions"], 1),
+                "data_wait_share": tot["wait_s"] / rate["interval_s"],
                 "mem_gb": metrics.memory_gb(),
                 "tokens": state.tokens,
                 "elapsed_s": state.elapsed_s + meter.elapsed(),
@@ -393,6 +434,22 @@ def run(cfg: Config) -> dict:
         return {"steps": state.step, "stopped_early": True}
 
     # ---- the end: final evaluation, export, report
+    compile_report = None
+    if probe is not None:
+        probe.remove()
+        steady = (train_time - first_step_s) / max(1, state.step - start_step - 1)
+        compile_report = {
+            "mode": compile_mode, "first_step_s": first_step_s, "steady_step_s": steady,
+            "compile_overhead_s": max(0.0, first_step_s - steady), **metrics.dynamo_counters(),
+            "recompiles_after_first_step": metrics.dynamo_counters()["graphs"] - graphs_after_first,
+            "block_calls_compiled": probe.calls["compiled"], "block_calls_eager": probe.calls["eager"],
+            "ran_compiled": probe.calls["compiled"] > 0,
+        }
+        say(f"[harness] compile ({compile_mode}): first step {first_step_s:.1f}s vs {steady:.2f}s steady; "
+            f"{compile_report['graphs']} graphs, {compile_report['recompiles_after_first_step']} recompiles after "
+            f"step 1; decoder-block calls compiled {probe.calls['compiled']}, eager {probe.calls['eager']}")
+        if not compile_report["ran_compiled"]:
+            say("[harness] warning: torch.compile was requested but no compiled decoder block ever ran")
     final_eval = evaluate(state.step)
     if final_eval:
         logger.log({"step": state.step, **final_eval})
@@ -412,6 +469,8 @@ def run(cfg: Config) -> dict:
         "parameters_per_rank": held,
         "precision": precision,
         "tf32": tf32,
+        "profile": cfg.train.profile,
+        "compile": compile_report,
         "steps": state.step,
         "resumed_from": str(resume_from) if resume_from else None,
         "epochs": round(pos["epoch"] + pos["batches"] / micro_per_epoch, 4),

@@ -15,10 +15,18 @@ from harness.config import ModelConfig
 from harness.data import (
     IGNORE_INDEX,
     ChatFormat,
+    EmbedFormat,
+    EmbeddingCollator,
+    EmbeddingGroups,
     GenerativeCollator,
     expand_files,
+    load_embedding_rows,
     load_generative_rows,
+    pad_embed,
+    retrieval_eval_set,
     tokenize_dataset,
+    tokenize_embed_texts,
+    tokenize_embedding_dataset,
 )
 from harness.errors import DataError
 from harness.model import load_tokenizer
@@ -477,3 +485,367 @@ def test_collator_on_tokenized_dataset(tmp_path, tok):
         assert batch["input_ids"][i, :n].tolist() == s["input_ids"]
         assert batch["labels"][i, :n].tolist() == s["labels"]
         assert batch["attention_mask"][i].tolist() == [1] * n + [0] * (batch["input_ids"].shape[1] - n)
+
+
+
+# ----------------------------------------------------------------------------------------------- embedding records
+
+
+def emb_rows_of(tmp_path: Path, paths, need_negatives: int = 0):
+    return load_embedding_rows([str(p) for p in paths], need_negatives, cache_dir=str(tmp_path / "cache"))
+
+
+def E(**record) -> str:  # noqa: N802 - a record as one JSON line
+    return json.dumps(record)
+
+
+EMB_GOOD = E(query="q", pos=["p"], neg=["n"])
+
+# (id, file content, need_negatives, exact message with {f} for the file)
+BAD_EMB_FILES = [
+    ("missing-query", E(pos=["p"], neg=["n"]) + "\n", 0, "{f}:1: missing field 'query' (keys: pos, neg)"),
+    ("missing-pos", EMB_GOOD + "\n" + E(query="q") + "\n", 0, "{f}:2: missing field 'pos' (keys: query)"),
+    ("empty-object", "{}\n", 0, "{f}:1: missing field 'query' (keys: none)"),
+    ("pos-not-list", E(query="q", pos="p") + "\n", 0, "{f}:1: field 'pos' must be a list"),
+    ("pos-object", E(query="q", pos={"text": "p"}) + "\n", 0, "{f}:1: field 'pos' must be a list"),
+    ("neg-not-list", E(query="q", pos=["p"], neg="n") + "\n", 0, "{f}:1: field 'neg' must be a list"),
+    ("pos-empty", E(query="q", pos=[], neg=["n"]) + "\n", 0,
+     "{f}:1: field 'pos' is empty (each query needs a positive)"),
+    ("neg-empty-needed", EMB_GOOD + "\n" + EMB_GOOD + "\n" + E(query="q", pos=["p"], neg=[]) + "\n", 1,
+     "{f}:3: field 'neg' is empty but data.train_group_size=2 needs hard negatives"),
+    ("neg-missing-needed", E(query="q", pos=["p"]) + "\n", 1,
+     "{f}:1: field 'neg' is empty but data.train_group_size=2 needs hard negatives"),
+    ("neg-empty-group-4", E(query="q", pos=["p"], neg=[]) + "\n", 3,
+     "{f}:1: field 'neg' is empty but data.train_group_size=4 needs hard negatives"),
+    ("query-number", E(query=5, pos=["p"]) + "\n", 0,
+     "{f}:1: field 'query' must be a string or [instruction, text], got 5"),
+    ("query-null", E(query=None, pos=["p"]) + "\n", 0,
+     "{f}:1: field 'query' must be a string or [instruction, text], got null"),
+    ("query-3-list", E(query=["a", "b", "c"], pos=["p"]) + "\n", 0,
+     "{f}:1: field 'query' must be a string or [instruction, text], got [\"a\", \"b\", \"c\"]"),
+    ("query-1-list", E(query=["only text"], pos=["p"]) + "\n", 0,
+     "{f}:1: field 'query' must be a string or [instruction, text], got [\"only text\"]"),
+    ("query-list-non-string", E(query=["instruct", 7], pos=["p"]) + "\n", 0,
+     "{f}:1: field 'query' must be a string or [instruction, text], got [\"instruct\", 7]"),
+    ("query-object", E(query={"text": "q"}, pos=["p"]) + "\n", 0,  # braces doubled for str.format:
+     "{f}:1: field 'query' must be a string or [instruction, text], got {{\"text\": \"q\"}}"),
+    ("long-value-cut-at-60", E(query=["x" * 100], pos=["p"]) + "\n", 0,
+     "{f}:1: field 'query' must be a string or [instruction, text], got [\"" + "x" * 58),
+    ("pos-item-number", E(query="q", pos=["p", 3]) + "\n", 0,
+     "{f}:1: field 'pos[1]' must be a string or [instruction, text], got 3"),
+    ("neg-item-list", E(query="q", pos=["p"], neg=["n", ["a", "b", "c"]]) + "\n", 0,
+     "{f}:1: field 'neg[1]' must be a string or [instruction, text], got [\"a\", \"b\", \"c\"]"),
+    ("query-empty", E(query="", pos=["p"]) + "\n", 0, "{f}:1: field 'query' is empty"),
+    ("query-whitespace", E(query=" \n ", pos=["p"]) + "\n", 0, "{f}:1: field 'query' is empty"),
+    ("query-instruction-empty-text", E(query=["instruct", ""], pos=["p"]) + "\n", 0,
+     "{f}:1: field 'query[1]' is empty"),
+    ("pos-empty-text", E(query="q", pos=["p", "  "]) + "\n", 0, "{f}:1: field 'pos[1]' is empty"),
+    ("pos-instruction-empty-text", E(query="q", pos=[["instruct", " "]]) + "\n", 0,
+     "{f}:1: field 'pos[0][1]' is empty"),
+    ("neg-empty-text", E(query="q", pos=["p"], neg=["n", ""]) + "\n", 0, "{f}:1: field 'neg[1]' is empty"),
+    ("invalid-json", EMB_GOOD + '\n{"query": "q", "pos": ["p"]\n', 0,
+     "{f}:2: invalid JSON, column 28: Expecting ',' delimiter"),
+    ("json-array", '["q", ["p"]]\n', 0, "{f}:1: expected a JSON object, got list"),
+    ("empty-file", "\n\n", 0, "{f}: file is empty (no records)"),
+]
+
+
+@pytest.mark.parametrize("content, need_negatives, message", [b[1:] for b in BAD_EMB_FILES],
+                         ids=[b[0] for b in BAD_EMB_FILES])
+def test_bad_embedding_file(tmp_path, content, need_negatives, message):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(content)
+    with pytest.raises(DataError) as excinfo:
+        emb_rows_of(tmp_path, [f], need_negatives)
+    text = str(excinfo.value)
+    assert text == message.format(f=f)
+    assert "\n" not in text
+    assert excinfo.value.exit_code == 1
+
+
+def test_embedding_missing_path_names_the_key(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(DataError) as excinfo:
+        emb_rows_of(tmp_path, [missing])
+    assert str(excinfo.value) == (
+        f"{missing}: no such file or folder (data.emb_train_files; relative paths are read from {os.getcwd()})"
+    )
+
+
+def test_valid_embedding_records(tmp_path):
+    f = write_jsonl(tmp_path / "emb.jsonl", [
+        {"query": "plain query", "pos": ["plain pos"], "neg": ["plain neg 1", "plain neg 2"]},
+        {"query": ["Find the answer", "instructed query"], "pos": [["Represent", "p1"], "p2"]},
+        {"query": ["", "empty instruction"], "pos": ["p"], "neg": [["Represent", "n"]], "extra": 1},
+    ])
+    rows = emb_rows_of(tmp_path, [f])
+    assert len(rows) == 3
+    assert rows[0] == {
+        "query": {"instruction": "", "text": "plain query"},
+        "pos": [{"instruction": "", "text": "plain pos"}],
+        "neg": [{"instruction": "", "text": "plain neg 1"}, {"instruction": "", "text": "plain neg 2"}],
+        "origin": f"{f}:1",
+    }
+    assert rows[1] == {
+        "query": {"instruction": "Find the answer", "text": "instructed query"},
+        "pos": [{"instruction": "Represent", "text": "p1"}, {"instruction": "", "text": "p2"}],
+        "neg": [],  # no 'neg' at all is fine without hard negatives
+        "origin": f"{f}:2",
+    }
+    assert rows[2]["query"] == {"instruction": "", "text": "empty instruction"}
+    assert rows[2]["neg"] == [{"instruction": "Represent", "text": "n"}]
+    # With hard negatives required, record 2 (no 'neg') is the one rejected.
+    with pytest.raises(DataError, match=r":2: field 'neg' is empty but data.train_group_size=2 needs hard negatives$"):
+        emb_rows_of(tmp_path, [f], need_negatives=1)
+
+
+# ----------------------------------------------------------------------------------------------- embedding tokens
+
+LONG_TEXT = "The town of Varnel has four bridges over the slow green river, and every one of them is old."
+
+
+def test_tokenize_embed_texts_layout(tok):
+    fmt = EmbedFormat()
+    texts = [{"instruction": "Find the answer", "text": LONG_TEXT}, {"instruction": "", "text": "short text"}]
+    head0 = [tok.bos_token_id] + ids(tok, "<|user|>\nFind the answer\n<|embed|>\n")
+    head1 = [tok.bos_token_id] + ids(tok, "<|embed|>\n")
+    body0, body1 = ids(tok, LONG_TEXT), ids(tok, "short text")
+    assert tok.convert_tokens_to_ids("<|embed|>") in head0 and tok.convert_tokens_to_ids("<|embed|>") in head1
+
+    out, instr, truncated = tokenize_embed_texts(texts, tok, 1000, fmt)
+    assert out == [head0 + body0, head1 + body1]
+    assert instr == [len(head0), len(head1)]
+    assert truncated == 0
+    assert tok.decode(out[0]) == "<s><|user|>\nFind the answer\n<|embed|>\n" + LONG_TEXT
+    assert tok.decode(out[0][instr[0]:]) == LONG_TEXT
+
+    # Truncation cuts the text, never the prefix.
+    max_len = len(head0) + 3
+    assert len(head1) + len(body1) <= max_len < len(head0) + len(body0)
+    out, instr, truncated = tokenize_embed_texts(texts, tok, max_len, fmt)
+    assert out == [head0 + body0[:3], head1 + body1]
+    assert instr == [len(head0), len(head1)] and truncated == 1
+
+    # The smallest max_len with room for one text token.
+    out, instr, truncated = tokenize_embed_texts(texts[:1], tok, len(head0) + 1, fmt)
+    assert out == [head0 + body0[:1]] and instr == [len(head0)] and truncated == 1
+
+
+def test_tokenize_embed_texts_append_eos(tok):
+    fmt = EmbedFormat(append_eos=True)
+    texts = [{"instruction": "Find the answer", "text": LONG_TEXT}, {"instruction": "", "text": "short text"}]
+    head0 = [tok.bos_token_id] + ids(tok, "<|user|>\nFind the answer\n<|embed|>\n")
+    head1 = [tok.bos_token_id] + ids(tok, "<|embed|>\n")
+    body0, body1 = ids(tok, LONG_TEXT), ids(tok, "short text")
+    out, instr, truncated = tokenize_embed_texts(texts, tok, 1000, fmt)
+    eos = tok.eos_token_id
+    assert out == [head0 + body0 + [eos], head1 + body1 + [eos]] and truncated == 0
+    assert instr == [len(head0), len(head1)]
+    # Truncated: the eos stays, within max_len.
+    max_len = len(head0) + 4
+    out, _, truncated = tokenize_embed_texts(texts, tok, max_len, fmt)
+    assert out[0] == head0 + body0[:3] + [eos] and len(out[0]) == max_len and truncated == 1
+    # Without append_eos, no eos anywhere.
+    plain, _, _ = tokenize_embed_texts(texts, tok, 1000, EmbedFormat())
+    assert all(eos not in row for row in plain)
+
+
+def test_tokenize_embed_texts_custom_templates(tok):
+    fmt = EmbedFormat(instruction_template="Instruct: {instruction}\nQuery: ", plain_template="")
+    texts = [{"instruction": "Find it", "text": "where"}, {"instruction": "", "text": "there"}]
+    out, instr, _ = tokenize_embed_texts(texts, tok, 100, fmt)
+    assert out[0] == [tok.bos_token_id] + ids(tok, "Instruct: Find it\nQuery: ") + ids(tok, "where")
+    assert out[1] == [tok.bos_token_id] + ids(tok, "there") and instr[1] == 1  # only bos before the text
+
+
+@pytest.mark.parametrize("append_eos", [False, True])
+def test_tokenize_embed_texts_instruction_too_long(tok, append_eos):
+    fmt = EmbedFormat(append_eos=append_eos)
+    instruction = "Retrieve the passage that answers the question about bridges and towns"
+    head = [tok.bos_token_id] + ids(tok, f"<|user|>\n{instruction}\n<|embed|>\n")
+    max_len = len(head) + (1 if append_eos else 0)  # no room for a single text token
+    texts = [{"instruction": "", "text": "fine"}, {"instruction": instruction, "text": "the text"}]
+    with pytest.raises(DataError) as excinfo:
+        tokenize_embed_texts(texts, tok, max_len, fmt)
+    msg = str(excinfo.value)
+    assert msg.startswith("instruction '<|user|>\nRetrieve the passage that answe...' ")
+    assert msg.endswith(f"' takes {len(head)} tokens: no room for the text within {max_len} "
+                        "(raise data.query_max_len / data.passage_max_len)")
+    assert excinfo.value.exit_code == 1
+    tokenize_embed_texts(texts, tok, max_len + 1, fmt)  # one more token is enough
+
+
+@pytest.mark.xfail(strict=True, reason="BUG harness/data.py tokenize_embed_texts: the too-long-instruction DataError "
+                                       "quotes the formatted template, whose newlines make the 'one line' error "
+                                       "span several lines (and it names no file:line)")
+def test_tokenize_embed_texts_instruction_too_long_is_one_line(tok):
+    instruction = "Retrieve the passage that answers the question"
+    with pytest.raises(DataError) as excinfo:
+        tokenize_embed_texts([{"instruction": instruction, "text": "x"}], tok, 8, EmbedFormat())
+    assert "\n" not in str(excinfo.value)
+
+
+# ----------------------------------------------------------------------------------------------- groups, collation
+
+GROUP_RECORDS = [
+    {"query": ["Find the answer", "which town has four bridges"], "pos": ["alpha positive one", "alpha positive two"],
+     "neg": [f"alpha negative number {k}" for k in range(6)]},
+    {"query": "beta query", "pos": ["beta positive"], "neg": ["beta only negative"]},
+    {"query": "gamma query", "pos": [["Represent", "gamma positive"]], "neg": ["gamma negative a", "gamma negative b"]},
+]
+
+
+@pytest.fixture
+def emb_ds(tmp_path, tok):
+    f = write_jsonl(tmp_path / "groups.jsonl", GROUP_RECORDS)
+    rows = emb_rows_of(tmp_path, [f], need_negatives=1)
+    ds, stats = tokenize_embedding_dataset(rows, tok, 32, 32, EmbedFormat())
+    assert stats["samples"] == 3
+    assert set(ds.column_names) >= {"q_ids", "q_instr", "pos_ids", "pos_instr", "neg_ids", "neg_instr"}
+    return ds
+
+
+def _text_of(tok, item) -> str:
+    ids_, instr = item
+    return tok.decode(ids_[instr:])
+
+
+def _group_texts(tok, group) -> tuple:
+    return tuple(_text_of(tok, p) for p in group["passages"])
+
+
+def test_embedding_groups_layout(emb_ds, tok):
+    groups = EmbeddingGroups(emb_ds, group_size=4, seed=7)
+    assert len(groups) == 3
+    for i, rec in enumerate(GROUP_RECORDS):
+        g = groups[i]
+        assert g["query"] == (emb_ds[i]["q_ids"], emb_ds[i]["q_instr"])
+        assert len(g["passages"]) == 4
+        texts = _group_texts(tok, g)
+        pos = {p if isinstance(p, str) else p[1] for p in rec["pos"]}
+        assert texts[0] in pos
+        assert all(t in rec["neg"] for t in texts[1:])
+        for ids_, instr in g["passages"]:  # (ids, instr_len) pairs straight from the tokenized row
+            assert ids_[0] == tok.bos_token_id and 1 < instr < len(ids_)
+    # Enough negatives: sampled without replacement.
+    assert len(set(_group_texts(tok, groups[0])[1:])) == 3
+    # Fewer negatives than needed: with replacement (one negative repeated; two negatives, so one repeats).
+    assert _group_texts(tok, groups[1])[1:] == ("beta only negative",) * 3
+    assert len(set(_group_texts(tok, groups[2])[1:])) <= 2
+
+
+def test_embedding_groups_group_size_one(emb_ds, tok):
+    groups = EmbeddingGroups(emb_ds, group_size=1, seed=0)
+    assert [len(groups[i]["passages"]) for i in range(3)] == [1, 1, 1]
+    assert _group_texts(tok, groups[1]) == ("beta positive",)
+
+
+def test_embedding_groups_are_reproducible(emb_ds, tok):
+    a, b = EmbeddingGroups(emb_ds, 4, seed=7), EmbeddingGroups(emb_ds, 4, seed=7)
+    for epoch in (0, 3):
+        a.set_epoch(epoch)
+        b.set_epoch(epoch)
+        for i in (2, 0, 1):  # order of access does not matter
+            assert a[i] == b[i]
+            assert a[i] == a[i]
+    # Same (seed, epoch, i) after visiting other epochs.
+    a.set_epoch(0)
+    first = a[0]
+    a.set_epoch(5)
+    a[0]
+    a.set_epoch(0)
+    assert a[0] == first
+
+
+def test_embedding_groups_change_with_epoch_and_seed(emb_ds, tok):
+    groups = EmbeddingGroups(emb_ds, 4, seed=7)
+    by_epoch = set()
+    for epoch in range(8):
+        groups.set_epoch(epoch)
+        g = groups[0]
+        by_epoch.add(_group_texts(tok, g))
+        assert g["query"] == (emb_ds[0]["q_ids"], emb_ds[0]["q_instr"])
+    assert len(by_epoch) > 1  # 2 positives x (6 choose 3 ordered) negatives: epochs draw different groups
+    positives = {t[0] for t in by_epoch}
+    assert positives <= {"alpha positive one", "alpha positive two"}
+    by_seed = {_group_texts(tok, EmbeddingGroups(emb_ds, 4, seed=s)[0]) for s in range(8)}
+    assert len(by_seed) > 1
+
+
+def test_pad_embed_by_hand():
+    batch = pad_embed([([1, 5, 6, 7], 2), ([1, 8], 1), ([1, 9, 10, 11, 12], 3)], pad_id=0)
+    assert set(batch) == {"input_ids", "attention_mask", "pool_mask"}
+    assert all(t.dtype == torch.long for t in batch.values())
+    assert batch["input_ids"].tolist() == [[1, 5, 6, 7, 0], [1, 8, 0, 0, 0], [1, 9, 10, 11, 12]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert batch["pool_mask"].tolist() == [[0, 0, 1, 1, 0], [0, 1, 0, 0, 0], [0, 0, 0, 1, 1]]
+
+
+def test_embedding_collator_pool_mask_is_text_only(emb_ds, tok):
+    pad = tok.pad_token_id
+    groups = EmbeddingGroups(emb_ds, group_size=4, seed=1)
+    items = [groups[i] for i in range(3)]
+    batch = EmbeddingCollator(pad)(items)
+    assert set(batch) == {"query", "passage"}
+    q, p = batch["query"], batch["passage"]
+    assert q["input_ids"].shape[0] == 3 and p["input_ids"].shape[0] == 3 * 4
+    rows = [(q, k, items[k]["query"]) for k in range(3)]
+    rows += [(p, b * 4 + j, items[b]["passages"][j]) for b in range(3) for j in range(4)]
+    for side, r, (ids_, instr) in rows:
+        n, width = len(ids_), side["input_ids"].shape[1]
+        assert side["input_ids"][r].tolist() == ids_ + [pad] * (width - n)
+        assert side["attention_mask"][r].tolist() == [1] * n + [0] * (width - n)
+        assert side["pool_mask"][r].tolist() == [0] * instr + [1] * (n - instr) + [0] * (width - n)
+        pooled = side["input_ids"][r][side["pool_mask"][r].bool()].tolist()
+        assert pooled == ids_[instr:]
+    # The pooled tokens decode to exactly the texts; the positive is row b*G.
+    assert tok.decode(q["input_ids"][0][q["pool_mask"][0].bool()]) == "which town has four bridges"
+    for b, rec in enumerate(GROUP_RECORDS):
+        pos = {x if isinstance(x, str) else x[1] for x in rec["pos"]}
+        assert tok.decode(p["input_ids"][b * 4][p["pool_mask"][b * 4].bool()]) in pos
+    # Padding is never pooled; every row pools at least one token.
+    assert not (p["pool_mask"].bool() & ~p["attention_mask"].bool()).any()
+    assert (p["pool_mask"].sum(1) > 0).all() and (q["pool_mask"].sum(1) > 0).all()
+
+
+def test_embedding_collator_pools_the_appended_eos(tmp_path, tok):
+    f = write_jsonl(tmp_path / "e.jsonl", GROUP_RECORDS[1:2])
+    ds, _ = tokenize_embedding_dataset(emb_rows_of(tmp_path, [f]), tok, 32, 32, EmbedFormat(append_eos=True))
+    batch = EmbeddingCollator(tok.pad_token_id)([EmbeddingGroups(ds, 2, 0)[0]])
+    for side in batch.values():
+        for r in range(side["input_ids"].shape[0]):
+            last = int(side["attention_mask"][r].sum()) - 1
+            assert side["input_ids"][r, last] == tok.eos_token_id and side["pool_mask"][r, last] == 1
+
+
+# ----------------------------------------------------------------------------------------------- retrieval eval
+
+
+def test_retrieval_eval_set(tmp_path, tok):
+    f = write_jsonl(tmp_path / "eval.jsonl", [
+        {"query": "query a", "pos": ["passage one"], "neg": ["shared passage", "negative one"]},
+        {"query": ["Find the answer", "query b"], "pos": ["shared passage", "passage two"], "neg": ["negative one"]},
+        {"query": "query c", "pos": [["Represent", "passage three"]], "neg": [["Represent", "passage one"]]},
+    ])
+    rows = emb_rows_of(tmp_path, [f])
+    fmt = EmbedFormat()
+    ev = retrieval_eval_set(rows, tok, 16, 24, fmt)
+    assert set(ev) == {"queries", "corpus", "positives"}
+    expected_corpus = [
+        {"instruction": "", "text": "passage one"},
+        {"instruction": "", "text": "shared passage"},  # a passage of two records appears once
+        {"instruction": "", "text": "negative one"},
+        {"instruction": "", "text": "passage two"},
+        {"instruction": "Represent", "text": "passage three"},
+        {"instruction": "Represent", "text": "passage one"},  # same text, other instruction: another passage
+    ]
+    c_ids, c_instr, _ = tokenize_embed_texts(expected_corpus, tok, 24, fmt)
+    assert ev["corpus"] == list(zip(c_ids, c_instr))
+    assert [_text_of(tok, c) for c in ev["corpus"]] == [c["text"] for c in expected_corpus]
+    assert ev["positives"] == [[0], [1, 3], [4]]
+    q_ids, q_instr, _ = tokenize_embed_texts([r["query"] for r in rows], tok, 16, fmt)
+    assert ev["queries"] == list(zip(q_ids, q_instr))
+    assert [_text_of(tok, q) for q in ev["queries"]] == ["query a", "query b", "query c"]
+    # Every positive of every record indexes a corpus entry with that record's positive text.
+    for rec, pos in zip(rows, ev["positives"]):
+        assert sorted(_text_of(tok, ev["corpus"][k]) for k in pos) == sorted(t["text"] for t in rec["pos"])

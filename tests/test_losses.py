@@ -1,4 +1,5 @@
-"""harness.losses: the summed next-token loss against a float64 reference, and per-token averaging over a step."""
+"""harness.losses: the summed next-token loss against a float64 reference, per-token averaging over a step, the
+'mixed' micro-batch averaging, embedding pooling and the contrastive loss (float64 loop references)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ import math
 import pytest
 import torch
 
-from harness.losses import IGNORE_INDEX, step_scale, token_loss_sum, trained_tokens
+from harness.losses import (
+    IGNORE_INDEX,
+    contrastive_loss,
+    gather_with_grad,
+    mixed_scale,
+    pool,
+    step_scale,
+    token_loss_sum,
+    trained_tokens,
+)
 
 
 def reference_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
@@ -165,3 +175,250 @@ def test_split_invariance():
     expected = (whole[0] / whole[1]).item()
     for splits in ([6], [1, 5], [2, 2, 2], [1, 1, 1, 1, 1, 1], [4, 2]):
         assert step_loss(list(splits)).item() == pytest.approx(expected, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------- mixed averaging
+
+
+def test_mixed_scale_values():
+    assert mixed_scale(4) == pytest.approx(0.25)
+    assert mixed_scale(torch.tensor(8)) == pytest.approx(0.125)
+    assert mixed_scale(1) == 1.0
+    assert mixed_scale(0) == 1.0  # a micro-batch without trained tokens: its sum is 0, no division by zero
+    assert mixed_scale(torch.tensor(0)) == 1.0
+
+
+def test_mixed_scale_is_the_mean_of_micro_batch_means():
+    """sum_i token_loss_sum_i * mixed_scale(count_i) / n_micro == mean over micro-batches of each one's token mean
+    (what accelerate's 1/accum and the DDP average make of it); on unequal counts that is not the per-token mean."""
+    gen = torch.Generator().manual_seed(6)
+    micro = _micro_batches(gen, vocab=11)
+    refs = [reference_loss_sum(lg, lab) for lg, lab in micro]
+    counts = [c for _, c in refs]
+    assert len(set(counts)) > 1 and min(counts) > 0  # unequal trained-token counts
+
+    ref_mean_of_means = sum(t / c for t, c in refs) / len(refs)
+    ref_token_mean = sum(t for t, _ in refs) / sum(counts)
+
+    step = 0.0
+    for lg, lab in micro:
+        total, count = token_loss_sum(lg, lab)
+        step = step + total * mixed_scale(count) / len(micro)
+    assert step.item() == pytest.approx(ref_mean_of_means, rel=1e-5)
+    assert abs(ref_mean_of_means - ref_token_mean) > 1e-3
+    assert step.item() != pytest.approx(ref_token_mean, rel=1e-4)
+
+
+def test_mixed_scale_gradient_matches_mean_of_means():
+    gen = torch.Generator().manual_seed(7)
+    micro = _micro_batches(gen, vocab=7)
+    leaves = [lg.clone().requires_grad_(True) for lg, _ in micro]
+    for leaf, (_, lab) in zip(leaves, micro):
+        total, count = token_loss_sum(leaf, lab)
+        (total * mixed_scale(count) / len(micro)).backward()
+    ref_leaves = [lg.double().clone().requires_grad_(True) for lg, _ in micro]
+    ref = sum(
+        torch.nn.functional.cross_entropy(
+            leaf[:, :-1].reshape(-1, 7), lab[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX
+        )
+        for leaf, (_, lab) in zip(ref_leaves, micro)
+    ) / len(micro)
+    ref.backward()
+    for leaf, r in zip(leaves, ref_leaves):
+        torch.testing.assert_close(leaf.grad.double(), r.grad, rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------- pooling
+
+
+def reference_pool(hidden: torch.Tensor, pool_mask: torch.Tensor, method: str) -> list[list[float]]:
+    """Explicit float64 loops over the pooled positions; then L2 normalisation."""
+    out = []
+    for b in range(hidden.shape[0]):
+        positions = [t for t in range(hidden.shape[1]) if int(pool_mask[b, t]) == 1]
+        size = hidden.shape[2]
+        if method == "lasttoken":
+            vec = [float(hidden[b, positions[-1], h]) for h in range(size)]
+        else:
+            weights = list(range(1, len(positions) + 1)) if method == "weightedmean" else [1] * len(positions)
+            vec = [0.0] * size
+            for w, t in zip(weights, positions):
+                for h in range(size):
+                    vec[h] += w * float(hidden[b, t, h])
+            vec = [v / sum(weights) for v in vec]
+        norm = math.sqrt(sum(v * v for v in vec))
+        out.append([v / norm for v in vec])
+    return out
+
+
+def _pool_inputs(seed: int):
+    """Hidden states [4, 9, 6] and a mask: instruction tokens first (not pooled), then text, then padding."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(4, 9, 6, generator=gen) + 0.5
+    layout = [(2, 5), (0, 9), (3, 1), (1, 7)]  # (instruction length, text length); row 2 pools a single token
+    mask = torch.zeros(4, 9, dtype=torch.long)
+    for b, (instr, text) in enumerate(layout):
+        mask[b, instr:instr + text] = 1
+    return hidden, mask, layout
+
+
+@pytest.mark.parametrize("method", ["mean", "weightedmean", "lasttoken"])
+def test_pool_matches_reference(method):
+    hidden, mask, _ = _pool_inputs(8)
+    emb = pool(hidden, mask, method)
+    assert emb.shape == (4, 6) and emb.dtype == torch.float32
+    torch.testing.assert_close(emb.norm(dim=-1), torch.ones(4), rtol=0, atol=1e-6)
+    ref = torch.tensor(reference_pool(hidden, mask, method), dtype=torch.float64)
+    torch.testing.assert_close(emb.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["mean", "weightedmean", "lasttoken"])
+def test_pool_ignores_masked_out_positions(method):
+    hidden, mask, _ = _pool_inputs(9)
+    emb = pool(hidden, mask, method)
+    changed = hidden.clone()
+    gen = torch.Generator().manual_seed(10)
+    noise = torch.randn(changed.shape, generator=gen) * 1e3
+    changed[mask == 0] = noise[mask == 0]  # instruction tokens and padding
+    assert not torch.equal(changed, hidden)
+    torch.testing.assert_close(pool(changed, mask, method), emb, rtol=0, atol=0)
+    # ... while a pooled position does matter.
+    changed[0, 6] += 1.0  # the last pooled token of row 0
+    assert not torch.allclose(pool(changed, mask, method), emb)
+
+
+def test_pool_weightedmean_weights_by_rank_among_pooled_tokens():
+    """The k-th *pooled* token gets weight k, whatever its absolute position (instruction tokens do not count)."""
+    hidden = torch.zeros(1, 5, 2)
+    hidden[0, 2] = torch.tensor([1.0, 0.0])  # 1st pooled token, weight 1
+    hidden[0, 3] = torch.tensor([0.0, 1.0])  # 2nd pooled token, weight 2
+    hidden[0, :2] = 100.0  # instruction
+    mask = torch.tensor([[0, 0, 1, 1, 0]])
+    expected = torch.tensor([[1.0, 2.0]]) / math.sqrt(5.0)
+    torch.testing.assert_close(pool(hidden, mask, "weightedmean"), expected)
+    torch.testing.assert_close(pool(hidden, mask, "mean"), torch.tensor([[1.0, 1.0]]) / math.sqrt(2.0))
+    torch.testing.assert_close(pool(hidden, mask, "lasttoken"), torch.tensor([[0.0, 1.0]]))
+
+
+def test_pool_low_precision_input_gives_fp32():
+    hidden, mask, _ = _pool_inputs(11)
+    emb = pool(hidden.bfloat16(), mask, "weightedmean")
+    assert emb.dtype == torch.float32
+    ref = torch.tensor(reference_pool(hidden.bfloat16().float(), mask, "weightedmean"), dtype=torch.float64)
+    torch.testing.assert_close(emb.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_pool_unknown_method():
+    with pytest.raises(ValueError, match="unknown pooling 'max'"):
+        pool(torch.zeros(1, 2, 3), torch.ones(1, 2), "max")
+
+
+# ----------------------------------------------------------------------------------------------- contrastive loss
+
+
+def reference_contrastive(q: list[list[float]], p: list[list[float]], temperature: float) -> float:
+    """Explicit float64 loops: query b scores every passage (its group b*G.. first, the positive at b*G; all other
+    rows are negatives) and the loss is the mean of -log softmax at its positive."""
+    group = len(p) // len(q)
+    total = 0.0
+    for b, qv in enumerate(q):
+        scores = [sum(x * y for x, y in zip(qv, pv)) / temperature for pv in p]
+        m = max(scores)
+        log_z = m + math.log(sum(math.exp(s - m) for s in scores))
+        total += log_z - scores[b * group]
+    return total / len(q)
+
+
+def reference_contrastive_autograd(q: torch.Tensor, p: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The same loops on float64 tensors, so torch.autograd differentiates them (no matmul, no cross_entropy)."""
+    group = p.shape[0] // q.shape[0]
+    terms = []
+    for b in range(q.shape[0]):
+        scores = torch.stack([(q[b] * p[j]).sum() / temperature for j in range(p.shape[0])])
+        terms.append(torch.logsumexp(scores, 0) - scores[b * group])
+    return torch.stack(terms).mean()
+
+
+def _unit_rows(gen: torch.Generator, n: int, dim: int) -> torch.Tensor:
+    x = torch.randn(n, dim, generator=gen)
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("temperature", [0.05, 1.0])
+def test_contrastive_loss_matches_reference(group, temperature):
+    gen = torch.Generator().manual_seed(100 + group)
+    batch, dim = 3, 8
+    q, p = _unit_rows(gen, batch, dim), _unit_rows(gen, batch * group, dim)
+    p[0] = 0.8 * q[0] + 0.2 * p[0]  # make one positive actually close, so the loss is not near log(B*G) everywhere
+    p[0] /= p[0].norm()
+    loss = contrastive_loss(q, p, temperature)
+    assert loss.dim() == 0 and loss.dtype == torch.float32
+    ref = reference_contrastive(q.double().tolist(), p.double().tolist(), temperature)
+    assert loss.item() == pytest.approx(ref, rel=1e-5, abs=1e-6)
+    # bf16 embeddings are scored in fp32
+    low = contrastive_loss(q.bfloat16(), p.bfloat16(), temperature)
+    assert low.dtype == torch.float32
+    ref_low = reference_contrastive(q.bfloat16().double().tolist(), p.bfloat16().double().tolist(), temperature)
+    assert low.item() == pytest.approx(ref_low, rel=1e-5, abs=1e-6)
+
+
+def test_contrastive_loss_positive_is_the_first_row_of_each_group():
+    """Swapping a hard negative with the positive changes the loss; permuting the negatives does not."""
+    gen = torch.Generator().manual_seed(12)
+    q, p = _unit_rows(gen, 2, 5), _unit_rows(gen, 2 * 3, 5)
+    base = contrastive_loss(q, p, 0.1)
+    negs_permuted = p[[0, 2, 1, 3, 5, 4]]
+    assert contrastive_loss(q, negs_permuted, 0.1).item() == pytest.approx(base.item(), rel=1e-6)
+    pos_swapped = p[[1, 0, 2, 3, 4, 5]]
+    ref = reference_contrastive(q.double().tolist(), pos_swapped.double().tolist(), 0.1)
+    assert contrastive_loss(q, pos_swapped, 0.1).item() == pytest.approx(ref, rel=1e-5)
+    assert abs(ref - base.item()) > 1e-3
+
+
+def test_contrastive_loss_in_batch_negatives_count():
+    """The other queries' passages are negatives too: with B=2, G=2 each query's term is -log softmax over all 4
+    passages, and that is larger than the term of the query alone with its own group."""
+    gen = torch.Generator().manual_seed(13)
+    q, p = _unit_rows(gen, 2, 6), _unit_rows(gen, 4, 6)
+    qd, pd = q.double().tolist(), p.double().tolist()
+    alone = contrastive_loss(q[:1], p[:2], 0.5).item()
+    assert alone == pytest.approx(reference_contrastive(qd[:1], pd[:2], 0.5), rel=1e-5)
+    # one query against 4 passages with its positive first = its term in the batch of two (rows rotated for q1)
+    term0 = reference_contrastive(qd[:1], pd, 0.5)
+    term1 = reference_contrastive(qd[1:], pd[2:] + pd[:2], 0.5)
+    assert term0 > reference_contrastive(qd[:1], pd[:2], 0.5)
+    assert contrastive_loss(q, p, 0.5).item() == pytest.approx((term0 + term1) / 2, rel=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("temperature", [0.05, 1.0])
+def test_contrastive_loss_gradient(group, temperature):
+    gen = torch.Generator().manual_seed(200 + group)
+    batch, dim = 3, 6
+    q0, p0 = _unit_rows(gen, batch, dim), _unit_rows(gen, batch * group, dim)
+    q, p = q0.clone().requires_grad_(True), p0.clone().requires_grad_(True)
+    contrastive_loss(q, p, temperature).backward()
+
+    rq, rp = q0.double().requires_grad_(True), p0.double().requires_grad_(True)
+    ref = reference_contrastive_autograd(rq, rp, temperature)
+    ref.backward()
+    assert ref.item() == pytest.approx(reference_contrastive(q0.double().tolist(), p0.double().tolist(), temperature))
+    torch.testing.assert_close(q.grad.double(), rq.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(p.grad.double(), rp.grad, rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------- gathering
+
+
+def test_gather_with_grad_without_process_group_is_identity():
+    import torch.distributed as dist
+
+    assert not (dist.is_available() and dist.is_initialized())
+    x = torch.randn(3, 4, requires_grad=True)
+    out = gather_with_grad(x)
+    assert out is x
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(3, 4))
+    y = torch.randn(2, 5)
+    assert gather_with_grad(y) is y

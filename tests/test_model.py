@@ -1,4 +1,5 @@
-"""harness.model: the bundled tokenizer, chat markers, building tiny models (config, folder, random init)."""
+"""harness.model: the bundled tokenizer, chat markers, building tiny models (config, folder, random init), and the
+embedding passes (bidirectional attention per model family and kernel, embed, support checks)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,18 @@ from transformers import PreTrainedTokenizerFast
 
 from harness.config import ModelConfig
 from harness.errors import ConfigError
-from harness.model import CHAT_MARKERS, build_model, count_parameters, load_tokenizer
+from harness.losses import pool
+from harness.model import (
+    BIDIRECTIONAL_FAMILIES,
+    BIDIRECTIONAL_KERNELS,
+    CHAT_MARKERS,
+    bidirectional_mask,
+    build_model,
+    check_embedding_support,
+    count_parameters,
+    embed,
+    load_tokenizer,
+)
 
 TINY = {
     "model_type": "llama",
@@ -254,3 +266,180 @@ def test_build_model_resizes_embeddings_for_added_markers(tmp_path, plain_tokeni
         assert model.config.vocab_size == n
         marker_ids = torch.tensor([tok.convert_tokens_to_ids(CHAT_MARKERS)])
         assert model(input_ids=marker_ids).logits.shape == (1, len(CHAT_MARKERS), n)
+
+
+# ----------------------------------------------------------------------------------------------- embedding passes
+
+FAMILIES = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},
+}
+KERNELS = ["sdpa", "eager"]
+
+
+def _tiny_family(tok, model_type: str, impl: str):
+    cfg = {**TINY, "model_type": model_type, **FAMILIES[model_type]}
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(config=cfg, attn_implementation=impl), tok)
+    assert model.config.model_type == model_type
+    assert model.config._attn_implementation == impl
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=[(f, k) for f in FAMILIES for k in KERNELS], ids=lambda p: f"{p[0]}-{p[1]}")
+def family_model(request, tok):
+    return _tiny_family(tok, *request.param)
+
+
+def _last_hidden(model, input_ids, mask):
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+    return out.hidden_states[-1]
+
+
+def test_family_list_matches_the_tests():
+    assert set(BIDIRECTIONAL_FAMILIES) == set(FAMILIES)
+    assert set(BIDIRECTIONAL_KERNELS) == set(KERNELS)
+
+
+def test_bidirectional_mask_layout():
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    sdpa = bidirectional_mask(mask, "sdpa")
+    assert sdpa.shape == (2, 1, 3, 3) and sdpa.dtype == torch.bool
+    assert sdpa[0].all()
+    assert sdpa[1, 0, :, :2].all() and not sdpa[1, 0, :, 2].any()  # only the padding key is hidden, for every query
+    eager = bidirectional_mask(mask, "eager")
+    assert eager.shape == (2, 1, 3, 3) and eager.dtype == torch.float32
+    assert eager[0].eq(0).all() and eager[1, 0, :, :2].eq(0).all()
+    assert eager[1, 0, :, 2].eq(torch.finfo(torch.float32).min).all()
+
+
+def test_bidirectional_vs_causal(family_model):
+    """With bidirectional_mask, position 0 sees a later token; with the plain 2-D mask it does not (causal)."""
+    model = family_model
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44]])
+    changed = ids.clone()
+    changed[0, 4] = 99
+    mask = torch.ones_like(ids)
+    impl = model.config._attn_implementation
+    bi = bidirectional_mask(mask, impl)
+
+    h_bi, h_bi_changed = _last_hidden(model, ids, bi), _last_hidden(model, changed, bi)
+    assert (h_bi[0, 0] - h_bi_changed[0, 0]).abs().max() > 1e-4
+    assert (h_bi[0, 3] - h_bi_changed[0, 3]).abs().max() > 1e-4
+
+    h_c, h_c_changed = _last_hidden(model, ids, mask), _last_hidden(model, changed, mask)
+    torch.testing.assert_close(h_c[0, :4], h_c_changed[0, :4], rtol=0, atol=1e-6)
+    assert (h_c[0, 4] - h_c_changed[0, 4]).abs().max() > 1e-4
+    # A 4-D all-ones mask is *not* causal: the bidirectional pass differs from the causal one at position 0.
+    assert (h_bi[0, 0] - h_c[0, 0]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_padding_invariance(family_model, tok, bidirectional):
+    """A right-padded row gives the same hidden states on its tokens as the row alone, unpadded."""
+    model = family_model
+    impl = model.config._attn_implementation
+    pad = tok.pad_token_id
+    long_row = [1, 30, 31, 32, 33, 34, 35]
+    short_row = [1, 50, 51, 52]
+    ids = torch.tensor([long_row, short_row + [pad] * 3])
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
+
+    def m(x):
+        return bidirectional_mask(x, impl) if bidirectional else x
+
+    batched = _last_hidden(model, ids, m(mask))
+    alone = _last_hidden(model, torch.tensor([short_row]), m(torch.ones(1, 4, dtype=torch.long)))
+    torch.testing.assert_close(batched[1, :4], alone[0], rtol=1e-5, atol=1e-5)
+    alone_long = _last_hidden(model, torch.tensor([long_row]), m(torch.ones(1, 7, dtype=torch.long)))
+    torch.testing.assert_close(batched[0], alone_long[0], rtol=1e-5, atol=1e-5)
+    # Padding ids do not matter either (they are hidden keys).
+    other_pad = ids.clone()
+    other_pad[1, 4:] = 77
+    torch.testing.assert_close(_last_hidden(model, other_pad, m(mask))[1, :4], batched[1, :4], rtol=1e-5, atol=1e-5)
+
+
+POOLINGS = ["mean", "weightedmean", "lasttoken"]
+
+
+def test_embed_normalised_fp32(family_model, tok):
+    model = family_model
+    pad = tok.pad_token_id
+    batch = {
+        "input_ids": torch.tensor([[1, 60, 61, 62, 63, 64], [1, 70, 71, 72, pad, pad], [1, 80, 81, pad, pad, pad]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]]),
+        "pool_mask": torch.tensor([[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0], [0, 0, 1, 0, 0, 0]]),
+    }
+    hidden = _last_hidden(model, batch["input_ids"], bidirectional_mask(batch["attention_mask"],
+                                                                         model.config._attn_implementation))
+    embs = {}
+    for pooling in POOLINGS:
+        with torch.no_grad():
+            emb = embed(model, batch, pooling, bidirectional=True)
+            causal = embed(model, batch, pooling, bidirectional=False)
+        assert emb.shape == (3, model.config.hidden_size) and emb.dtype == torch.float32
+        torch.testing.assert_close(emb.norm(dim=-1), torch.ones(3), rtol=0, atol=1e-5)
+        assert causal.shape == emb.shape and causal.dtype == torch.float32
+        # = pooling the bidirectional pass's last hidden states by hand
+        torch.testing.assert_close(emb, pool(hidden, batch["pool_mask"], pooling), rtol=1e-5, atol=1e-6)
+        # The two attentions give different embeddings (even lasttoken: the last position sees every token either
+        # way, but in the second layer it sees different representations of them).
+        assert (emb[0] - causal[0]).abs().max() > 1e-4
+        embs[pooling] = emb
+    # Each row is the same embedded alone, unpadded (one pooling per row).
+    for i, (n, pooling) in enumerate(zip([6, 4, 3], POOLINGS)):
+        one = {k: v[i:i + 1, :n] for k, v in batch.items()}
+        with torch.no_grad():
+            alone = embed(model, one, pooling, bidirectional=True)
+        torch.testing.assert_close(alone[0], embs[pooling][i], rtol=1e-5, atol=1e-5)
+
+
+def test_embed_gradients_flow(tok):
+    model = _tiny_family(tok, "llama", "sdpa")
+    batch = {"input_ids": torch.tensor([[1, 60, 61, 62]]), "attention_mask": torch.ones(1, 4, dtype=torch.long),
+             "pool_mask": torch.tensor([[0, 1, 1, 1]])}
+    embed(model, batch, "mean", bidirectional=True).sum().backward()
+    assert model.get_input_embeddings().weight.grad is not None
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------------------------- support checks
+
+
+def test_check_embedding_support_unsupported_family():
+    with pytest.raises(ConfigError) as excinfo:
+        check_embedding_support("gpt2", "sdpa", "bidirectional")
+    assert str(excinfo.value) == (
+        "config key 'model.embed_attention': bidirectional attention is not available for model type 'gpt2' "
+        "(supported: llama, mistral, qwen2, qwen3); use model.embed_attention=causal"
+    )
+    assert excinfo.value.exit_code == 2
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_check_embedding_support_flash_attention(model_type):
+    with pytest.raises(ConfigError) as excinfo:
+        check_embedding_support(model_type, "flash_attention_2", "bidirectional")
+    assert str(excinfo.value) == (
+        "config key 'model.attn_implementation': bidirectional embedding passes need sdpa or eager, "
+        "got flash_attention_2"
+    )
+
+
+def test_check_embedding_support_family_checked_first():
+    with pytest.raises(ConfigError, match=r"^config key 'model.embed_attention': .* model type 'gpt2'"):
+        check_embedding_support("gpt2", "flash_attention_2", "bidirectional")
+
+
+@pytest.mark.parametrize("model_type", [*FAMILIES, "gpt2", "phi3"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager", "flash_attention_2", "flex_attention"])
+def test_check_embedding_support(model_type, impl):
+    assert check_embedding_support(model_type, impl, "causal") is None  # causal never raises
+    if model_type in FAMILIES and impl in KERNELS:
+        assert check_embedding_support(model_type, impl, "bidirectional") is None
+    else:
+        with pytest.raises(ConfigError):
+            check_embedding_support(model_type, impl, "bidirectional")

@@ -1,0 +1,557 @@
+"""Throughput benchmark: the harness against a minimal PyTorch loop and the Hugging Face Trainer.
+
+    harness bench configs/default.yaml [section.key=value ...] [--steps 40] [--warmup 10] [--rounds 2]
+                  [--contenders harness,raw,trainer] [--out PATH]
+    harness bench configs/default.yaml --profiles conservative,balanced      # the harness once per train.profile
+    python -m harness.bench ...                                               # the same
+
+Every contender trains the same model (harness.model, built after `set_seed(train.seed)`) on the same tokenized
+generative data (harness.data, `data.train_files`, `data.max_len`) with the same right-padding collator, micro-batch
+size, AdamW settings and param groups, learning-rate schedule, gradient clipping, precision and data order, for
+`warmup + steps` optimizer steps with `grad_accum` 1, one process, the same torch thread count:
+
+    harness   the real entry point, `python -m harness.train --config CONFIG ...`, timed from its metrics.jsonl
+              (tokens and elapsed_s of the records at steps W and W+N);
+    raw       a minimal loop: forward, token-mean loss, backward, clip, step, schedule, zero_grad;
+    trainer   transformers.Trainer with the harness's collator and optimizer/schedule, timed by a callback.
+
+Each run is its own subprocess (accelerate keeps process-wide state), and the contenders alternate within each
+round (harness, raw, trainer, harness, raw, trainer, ...) so that slow drifts of the machine hit them alike. The
+measurement covers steps W+1..W+N: tokens/s = non-padding input tokens / seconds, step time = seconds / N; the
+medians over rounds are reported, with ratios, on stdout and in a JSON file (default
+`<train.output_dir>/bench/bench.json`).
+
+To compare like with like, the contenders run the plain path in every mode: no evaluation, no checkpoints, no
+export, no trackers, no progress bar, no packing, no torch.compile. The harness logs every gcd(W, N) steps (it
+needs records at W and W+N); the Trainer logs at the same interval; the raw loop never logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+from harness.config import SECTIONS, load_config
+from harness.errors import ConfigError, HarnessError
+
+CONTENDERS = ("harness", "raw", "trainer")
+PROFILE_KEY = "train.profile"  # the override that selects a speed profile (--profiles)
+RESULT_TAG = "BENCH_RESULT "  # a worker's result line on stdout
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------------------------- settings
+
+
+def _has_key(key: str) -> bool:
+    section, _, name = key.partition(".")
+    return section in SECTIONS and name in {f.name for f in dataclasses.fields(SECTIONS[section])}
+
+
+def log_interval(warmup: int, steps: int) -> int:
+    """The harness's train.log_every: records must exist at step W and at step W+N."""
+    return math.gcd(warmup, warmup + steps)
+
+
+def forced_overrides(warmup: int, steps: int, plain: bool) -> list[str]:
+    """Overrides appended to the user's for every run (the harness and, for the same config, raw and trainer).
+    `plain` (contender mode) also turns off what the raw loop does not do (packing, torch.compile)."""
+    out = [f"train.max_steps={warmup + steps}", f"train.log_every={log_interval(warmup, steps)}",
+           "train.grad_accum=1", "train.save_final=false", "train.save_every_steps=0", "train.stop_at_step=0",
+           "train.resume=null", "data.eval_files=[]", "data.emb_eval_files=[]", "train.eval_at_start=false",
+           "train.eval_every=0", "train.progress_bar=false", "train.report_to=[]"]
+    if plain:
+        out += [kv for kv in ("data.packing=false", "train.compile=none") if _has_key(kv.split("=")[0])]
+    return out
+
+
+def plan(args: argparse.Namespace) -> list[dict]:
+    """The runs of one round, in order: {name, kind, overrides} (overrides: the user's + the run's own)."""
+    if args.profiles:
+        return [{"name": p, "kind": "harness", "overrides": [*args.overrides, f"{PROFILE_KEY}={p}"]}
+                for p in args.profiles]
+    return [{"name": k, "kind": k, "overrides": list(args.overrides)} for k in args.contenders]
+
+
+# ----------------------------------------------------------------------------------------------- device
+
+
+def describe_device(threads: int) -> dict:
+    """CPU model and cores, GPUs, versions: what the numbers were measured on."""
+    import torch
+
+    cpu = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cpu = cpu or platform.processor() or platform.machine()
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() \
+        else []
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    from importlib import metadata
+
+    def version(p):
+        try:
+            return metadata.version(p)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"cpu": cpu, "cpu_cores": os.cpu_count(), "cpu_cores_usable": usable, "torch_threads": threads,
+            "gpus": gpus, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "transformers": version("transformers"), "accelerate": version("accelerate"),
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def device_line(dev: dict) -> str:
+    gpu = ", ".join(dev["gpus"]) if dev["gpus"] else "no GPU"
+    return (f"{dev['cpu']} ({dev['cpu_cores_usable']}/{dev['cpu_cores']} cores usable, {dev['torch_threads']} torch "
+            f"threads), {gpu}, torch {dev['torch']}")
+
+
+# ----------------------------------------------------------------------------------------------- workers
+#
+# A worker builds everything before its clock starts; the clock covers optimizer steps W+1..W+N only.
+
+
+def _build_common(cfg, threads: int) -> dict:
+    """What raw and trainer share with the harness: device, precision, tokenizer, data, model, optimizer, schedule."""
+    import torch
+    from accelerate.utils import set_seed
+
+    from harness import data as data_lib
+    from harness import hardware
+    from harness import model as model_lib
+    from harness.train import build_optimizer, lr_lambda
+
+    torch.set_num_threads(threads)
+    if cfg.loss.mode != "generative":
+        raise ConfigError(f"harness bench compares generative training; got loss.mode={cfg.loss.mode}")
+    if not isinstance(cfg.data.max_len, int):
+        raise ConfigError(f"config key 'data.max_len': harness bench needs a number of tokens, got "
+                          f"{cfg.data.max_len!r}")
+    cuda = torch.cuda.is_available()
+    precision = hardware.resolve_precision(cfg.train.precision)
+    hardware.enable_tf32(cfg.train.tf32)
+    tok = model_lib.load_tokenizer(cfg.model)
+    rows = data_lib.load_generative_rows(cfg.data.train_files, cfg.data.cache_dir)
+    ds, _ = data_lib.tokenize_dataset(rows, tok, cfg.data.max_len)
+    collate = data_lib.GenerativeCollator(tok.pad_token_id, pad_to_multiple_of=8 if cuda else 1)
+    set_seed(cfg.train.seed)
+    model = model_lib.build_model(cfg.model, tok)
+    model.config.use_cache = False  # training: no KV cache (the harness passes use_cache=False)
+    total = cfg.train.max_steps
+    pin = getattr(cfg.data, "pin_memory", "auto")
+    loader_kw = {"num_workers": cfg.data.num_workers, "pin_memory": cuda if pin == "auto" else bool(pin) and cuda}
+    if cfg.data.num_workers > 0:
+        loader_kw.update(prefetch_factor=getattr(cfg.data, "prefetch_factor", 2),
+                         persistent_workers=getattr(cfg.data, "persistent_workers", False))
+    return {"torch": torch, "cuda": cuda, "device": torch.device("cuda" if cuda else "cpu"), "precision": precision,
+            "tokenizer": tok, "dataset": ds, "collate": collate, "model": model, "total": total,
+            "loader_kw": loader_kw, "build_optimizer": build_optimizer, "lr_lambda": lr_lambda}
+
+
+class _EpochShuffle:
+    """Sampler: epoch e visits the samples in torch.randperm(n) order from a generator seeded with seed + e, which is
+    the order of the harness's (accelerate's seedable) sampler and the Trainer's, so every contender sees the same
+    batches."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        import torch
+
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        self.epoch += 1
+        yield from torch.randperm(self.n, generator=g).tolist()
+
+
+def run_raw(cfg, warmup: int, steps: int, threads: int, log_every: int) -> dict:
+    """A minimal PyTorch loop with the harness's settings."""
+    c = _build_common(cfg, threads)
+    torch, device, model = c["torch"], c["device"], c["model"]
+    from torch.utils.data import DataLoader
+
+    from harness.losses import token_loss_sum
+
+    model.to(device).train()
+    opt = c["build_optimizer"](model, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, c["lr_lambda"](cfg, c["total"]))
+    sampler = _EpochShuffle(len(c["dataset"]), cfg.train.seed) if cfg.data.shuffle else None
+    loader = DataLoader(c["dataset"], batch_size=cfg.train.micro_batch_size, sampler=sampler,
+                        collate_fn=c["collate"], **c["loader_kw"])
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(c["precision"])
+    scaler = torch.amp.GradScaler(device.type) if c["precision"] == "fp16" else None
+    clip = cfg.optim.max_grad_norm
+    sync = torch.cuda.synchronize if c["cuda"] else (lambda: None)
+    step, tokens, t0, t1, window = 0, 0, None, None, []
+    total = c["total"]
+    while step < total:
+        for batch in loader:
+            n_tok = int(batch["attention_mask"].sum())  # on the host, before the copy: no device sync
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                loss_sum, count = token_loss_sum(logits, batch["labels"])
+            loss = loss_sum / count.clamp(min=1)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+            else:
+                loss.backward()
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            if step > warmup:
+                tokens += n_tok
+            if step > total - log_every:  # for the loss check only: kept, read after the clock stops
+                window.append((loss_sum.detach(), count))
+            if step == warmup:
+                sync()
+                t0 = time.perf_counter()
+            if step == total:
+                sync()
+                t1 = time.perf_counter()
+                break
+    final_loss = float(sum(s for s, _ in window) / max(1, int(sum(n for _, n in window))))
+    return _result("raw", steps, tokens, t1 - t0, final_loss, threads=torch.get_num_threads())
+
+
+def run_trainer(cfg, warmup: int, steps: int, threads: int, log_every: int) -> dict:
+    """transformers.Trainer with the harness's model, data, collator, optimizer and schedule."""
+    c = _build_common(cfg, threads)
+    torch = c["torch"]
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    sync = torch.cuda.synchronize if c["cuda"] else (lambda: None)
+    total = c["total"]
+    counts: list[int] = []  # tokens of each collated micro-batch, in order (batch k is consumed by step k+1)
+
+    def collate(samples):
+        batch = c["collate"](samples)
+        counts.append(int(batch["attention_mask"].sum()))
+        return batch
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.marks: dict = {}
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step in (warmup, total):
+                sync()
+                self.marks[state.global_step] = time.perf_counter()
+
+    o = cfg.optim
+    model = c["model"]
+    opt = c["build_optimizer"](model, cfg)  # the harness's AdamW and param groups
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, c["lr_lambda"](cfg, total))  # and its schedule
+    clock = Clock()
+    with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
+        args = TrainingArguments(
+            output_dir=tmp, per_device_train_batch_size=cfg.train.micro_batch_size, gradient_accumulation_steps=1,
+            max_steps=total, learning_rate=o.lr, weight_decay=o.weight_decay, adam_beta1=o.beta1,
+            adam_beta2=o.beta2, adam_epsilon=o.eps, max_grad_norm=o.max_grad_norm, lr_scheduler_type="cosine",
+            logging_steps=log_every, save_strategy="no", eval_strategy="no", report_to="none",
+            use_cpu=not c["cuda"], bf16=c["precision"] == "bf16", fp16=c["precision"] == "fp16",
+            dataloader_num_workers=c["loader_kw"]["num_workers"], dataloader_pin_memory=c["loader_kw"]["pin_memory"],
+            dataloader_prefetch_factor=c["loader_kw"].get("prefetch_factor"),
+            dataloader_persistent_workers=c["loader_kw"].get("persistent_workers", False),
+            seed=cfg.train.seed, data_seed=cfg.train.seed, disable_tqdm=True, remove_unused_columns=False,
+            train_sampling_strategy="random" if cfg.data.shuffle else "sequential",
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=c["dataset"], data_collator=collate,
+                          optimizers=(opt, sched), callbacks=[clock])
+        trainer.train()
+    logged = [r["loss"] for r in trainer.state.log_history if r.get("step") == total and "loss" in r]
+    tokens = sum(counts[warmup:total])
+    return _result("trainer", steps, tokens, clock.marks[total] - clock.marks[warmup],
+                   logged[-1] if logged else None, threads=torch.get_num_threads())
+
+
+def _result(kind: str, steps: int, tokens: int, seconds: float, final_loss: Optional[float], **extra) -> dict:
+    return {"kind": kind, "steps": steps, "tokens": int(tokens), "seconds": seconds,
+            "tokens_per_s": tokens / seconds, "step_time_s": seconds / steps, "final_loss": final_loss, **extra}
+
+
+def read_harness_metrics(run_dir: str | Path, warmup: int, steps: int) -> dict:
+    """tokens/s over steps W+1..W+N from the harness's metrics.jsonl (records at W and W+N)."""
+    records = {}
+    for line in Path(run_dir, "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line) if line.strip() else {}
+        if "tokens" in r and "elapsed_s" in r:
+            records[r["step"]] = r
+    a, b = records.get(warmup), records.get(warmup + steps)
+    if a is None or b is None:
+        raise HarnessError(f"{run_dir}/metrics.jsonl has no record at step {warmup} or {warmup + steps} "
+                           f"(steps logged: {sorted(records)})")
+    return _result("harness", steps, b["tokens"] - a["tokens"], b["elapsed_s"] - a["elapsed_s"], b.get("loss"))
+
+
+# ----------------------------------------------------------------------------------------------- the parent
+
+
+def _child_env(threads: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env.pop("ACCELERATE_USE_CPU", None)
+    return env
+
+
+def _fail(cmd: list[str], proc: subprocess.CompletedProcess, what: str) -> HarnessError:
+    tail = (proc.stdout[-3000:] + "\n" + proc.stderr[-6000:]).strip()
+    return HarnessError(f"{what} failed (exit {proc.returncode}): {shlex.join(cmd)}\n{tail}")
+
+
+def run_one(run: dict, args: argparse.Namespace) -> dict:
+    """One contender (or profile) in its own subprocess; returns its result dict."""
+    w, n = args.warmup, args.steps
+    extra = forced_overrides(w, n, plain=not args.profiles)
+    env = _child_env(args.threads)
+    load = _loadavg()
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"bench-{run['kind']}-") as tmp:
+        if run["kind"] == "harness":
+            cmd = [sys.executable, "-m", "harness.train", "--config", args.config, *run["overrides"], *extra,
+                   f"train.output_dir={tmp}"]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            if proc.returncode != 0:
+                raise _fail(cmd, proc, f"harness run '{run['name']}'")
+            res = read_harness_metrics(tmp, w, n)
+            res["threads"] = args.threads
+        else:
+            cmd = [sys.executable, "-m", "harness.bench", "--worker", run["kind"], args.config, *run["overrides"],
+                   *extra, "--steps", str(n), "--warmup", str(w), "--threads", str(args.threads)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+            if proc.returncode != 0 or not lines:
+                raise _fail(cmd, proc, f"{run['kind']} worker")
+            res = json.loads(lines[-1][len(RESULT_TAG):])
+    res.update(name=run["name"], wall_s=time.perf_counter() - start, load_before=load, load_after=_loadavg())
+    return res
+
+
+def _loadavg() -> Optional[float]:
+    """1-minute load average (None where unknown): other work on the machine skews every contender."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def summarise(rounds: list[list[dict]], names: list[str], baseline: Optional[str]) -> dict:
+    """Medians over rounds per run name, and ratios against `baseline` (raw, or the first profile)."""
+    out = {}
+    for name in names:
+        rs = [r for rnd in rounds for r in rnd if r["name"] == name]
+        tps = [r["tokens_per_s"] for r in rs]
+        st = [r["step_time_s"] for r in rs]
+        out[name] = {"tokens_per_s_median": statistics.median(tps), "step_time_s_median": statistics.median(st),
+                     "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
+                     "tokens_per_s_rounds": tps, "step_time_s_rounds": st,
+                     "tokens_median": statistics.median(r["tokens"] for r in rs),
+                     "final_loss": [r.get("final_loss") for r in rs]}
+    if baseline in out:
+        b = out[baseline]
+        for s in out.values():
+            s[f"tokens_per_s_vs_{baseline}"] = s["tokens_per_s_median"] / b["tokens_per_s_median"]
+            s[f"step_time_vs_{baseline}"] = s["step_time_s_median"] / b["step_time_s_median"]
+    return out
+
+
+def headline_ratios(summary: dict) -> dict:
+    """The two numbers the benchmark exists for (when both sides ran)."""
+    r = {}
+    if "harness" in summary and "raw" in summary:
+        r["harness_step_time_over_raw"] = summary["harness"]["step_time_s_median"] / summary["raw"]["step_time_s_median"]
+        r["harness_tokens_per_s_over_raw"] = (summary["harness"]["tokens_per_s_median"]
+                                              / summary["raw"]["tokens_per_s_median"])
+    if "harness" in summary and "trainer" in summary:
+        r["harness_tokens_per_s_over_trainer"] = (summary["harness"]["tokens_per_s_median"]
+                                                  / summary["trainer"]["tokens_per_s_median"])
+        r["harness_step_time_over_trainer"] = (summary["harness"]["step_time_s_median"]
+                                               / summary["trainer"]["step_time_s_median"])
+    return r
+
+
+def format_table(summary: dict, baseline: Optional[str], label: str) -> str:
+    head = [label, "tokens/s (median)", "step time", "min..max tokens/s"]
+    if baseline in summary:
+        head += [f"tokens/s vs {baseline}", f"step time vs {baseline}"]
+    rows = [head]
+    for name, s in summary.items():
+        row = [name, f"{s['tokens_per_s_median']:,.0f}", f"{s['step_time_s_median'] * 1e3:.1f} ms",
+               f"{s['tokens_per_s_min']:,.0f}..{s['tokens_per_s_max']:,.0f}"]
+        if baseline in summary:
+            row += [f"{s[f'tokens_per_s_vs_{baseline}']:.3f}x", f"{s[f'step_time_vs_{baseline}']:.3f}x"]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return "\n".join([fmt(rows[0]), "  ".join("-" * w for w in widths), *map(fmt, rows[1:])])
+
+
+def run_bench(args: argparse.Namespace, argv: list[str]) -> dict:
+    cfg = load_config(args.config, args.overrides)  # a bad key or value stops here, with its one line
+    runs = plan(args)
+    for run in runs:  # each run's full config must load too (e.g. an unknown profile)
+        load_config(args.config, [*run["overrides"], *forced_overrides(args.warmup, args.steps, not args.profiles)])
+    if not args.profiles and cfg.loss.mode != "generative":
+        raise ConfigError(f"harness bench compares generative training; got loss.mode={cfg.loss.mode} "
+                          f"(--profiles runs the harness alone in any mode)")
+    out = Path(args.out) if args.out else Path(cfg.train.output_dir) / "bench" / "bench.json"
+    dev = describe_device(args.threads)
+    w, n = args.warmup, args.steps
+    print(f"[bench] {device_line(dev)}")
+    print(f"[bench] {args.config} {' '.join(args.overrides)}: micro-batch {cfg.train.micro_batch_size}, "
+          f"max_len {cfg.data.max_len}, {w} warm-up + {n} measured steps, {args.rounds} round(s) of "
+          f"{', '.join(r['name'] for r in runs)}", flush=True)
+    load = _loadavg()
+    if load is not None and load > 0.5 * dev["cpu_cores_usable"]:
+        print(f"[bench] warning: load average {load:.1f} on {dev['cpu_cores_usable']} usable cores: other processes "
+              f"are running, the numbers will be noisy", flush=True)
+    rounds: list[list[dict]] = []
+    for i in range(args.rounds):
+        done = []
+        for run in runs:
+            res = run_one(run, args)
+            done.append(res)
+            print(f"[bench] round {i + 1}/{args.rounds} {run['name']}: {res['tokens_per_s']:,.0f} tokens/s, "
+                  f"{res['step_time_s'] * 1e3:.1f} ms/step, {res['tokens']} tokens in {res['seconds']:.2f} s "
+                  f"(run {res['wall_s']:.1f} s, load {res['load_before'] or 0:.1f})", flush=True)
+        rounds.append(done)
+    names = [r["name"] for r in runs]
+    baseline = (names[0] if args.profiles else ("raw" if "raw" in names else None))
+    summary = summarise(rounds, names, baseline)
+    ratios = headline_ratios(summary) if not args.profiles else {}
+    print()
+    print(format_table(summary, baseline, "profile" if args.profiles else "contender"))
+    if "harness_step_time_over_raw" in ratios:
+        print(f"harness step time / raw step time = {ratios['harness_step_time_over_raw']:.3f}")
+    if "harness_tokens_per_s_over_trainer" in ratios:
+        print(f"harness tokens/s / trainer tokens/s = {ratios['harness_tokens_per_s_over_trainer']:.3f}")
+    same = {r["name"]: r["tokens"] for r in rounds[0]}
+    if len(set(same.values())) > 1 and not args.profiles:
+        print(f"[bench] note: the contenders measured different token counts {same} (different batches)")
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": dev,
+        "command": "harness bench " + shlex.join(argv),
+        "argv": list(argv),
+        "settings": {
+            "config": args.config, "overrides": list(args.overrides), "mode": "profiles" if args.profiles else "contenders",
+            "runs": names, "steps": n, "warmup": w, "rounds": args.rounds, "threads": args.threads,
+            "forced_overrides": forced_overrides(w, n, not args.profiles), "harness_log_every": log_interval(w, n),
+            "micro_batch_size": cfg.train.micro_batch_size, "grad_accum": 1, "max_len": cfg.data.max_len,
+            "seed": cfg.train.seed, "precision": cfg.train.precision, "train_files": cfg.data.train_files,
+            "model": cfg.model.name_or_path or cfg.model.config,
+            "measured": f"optimizer steps {w + 1}..{w + n}; tokens = non-padding input tokens",
+        },
+        "rounds": rounds,
+        "summary": summary,
+        "ratios": ratios,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(out)
+    print(f"[bench] wrote {out}")
+    return result
+
+
+# ----------------------------------------------------------------------------------------------- entry point
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    import torch
+
+    p = argparse.ArgumentParser(
+        prog="harness bench",
+        description="Tokens/s and step time of the harness, a minimal PyTorch loop and transformers.Trainer on "
+                    "the same model, data and settings (interleaved rounds, one subprocess each).")
+    p.add_argument("config", help="run recipe (YAML), e.g. configs/default.yaml")
+    p.add_argument("overrides", nargs="*", help="section.key=value, as for harness train")
+    p.add_argument("--steps", type=int, default=40, help="measured optimizer steps (default 40)")
+    p.add_argument("--warmup", type=int, default=10, help="optimizer steps before the clock starts (default 10)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all contenders (default 2)")
+    p.add_argument("--contenders", type=_csv, default=list(CONTENDERS),
+                   help="comma-separated subset of harness,raw,trainer (default: all)")
+    p.add_argument("--profiles", type=_csv, default=None,
+                   help=f"instead of the contenders: the harness once per profile ({PROFILE_KEY}=NAME)")
+    p.add_argument("--out", default=None, help="JSON output (default <train.output_dir>/bench/bench.json)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                   help="torch threads in every run (default: this process's, %(default)s)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds allowed per run (default: none)")
+    p.add_argument("--worker", choices=["raw", "trainer"], help=argparse.SUPPRESS)
+    args = p.parse_intermixed_args(argv)
+    if args.steps < 1 or args.warmup < 1 or args.rounds < 1 or args.threads < 1:
+        p.error("--steps, --warmup, --rounds and --threads must be >= 1")
+    bad = [c for c in args.contenders if c not in CONTENDERS]
+    if bad or not args.contenders:
+        p.error(f"--contenders: choose from {','.join(CONTENDERS)}, got {','.join(args.contenders)}")
+    if args.profiles is not None and not args.profiles:
+        p.error("--profiles: give at least one name")
+    return args
+
+
+def _worker(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)  # the parent appended the forced overrides
+    fn = {"raw": run_raw, "trainer": run_trainer}[args.worker]
+    res = fn(cfg, args.warmup, args.steps, args.threads, cfg.train.log_every)
+    print(RESULT_TAG + json.dumps(res), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    try:
+        if args.worker:
+            return _worker(args)
+        run_bench(args, argv)
+    except HarnessError as e:
+        print(f"harness: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except subprocess.TimeoutExpired as e:
+        print(f"harness: error: bench run timed out after {e.timeout} s: {shlex.join(map(str, e.cmd))}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
