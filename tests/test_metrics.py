@@ -139,15 +139,9 @@ def test_peak_flops_unknown(name):
     assert message == f"unknown GPU '{name}': MFU not reported"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG harness/hardware.py: the ('gh200',) entry is unreachable because the "
-                                       "('h200',) pattern comes first and 'h200' is a substring of 'gh200'; "
-                                       "a GH200 is labelled 'H200'")
 def test_peak_flops_gh200_label():
     assert peak_flops("NVIDIA GH200 480GB") == (989e12, "GH200")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG harness/hardware.py: the RTX 6000 Ada reports its name as 'NVIDIA RTX "
-                                       "6000 Ada Generation', which does not contain 'a6000'; the entry never "
-                                       "matches and MFU is not reported")
 def test_peak_flops_rtx_6000_ada():
     assert peak_flops("NVIDIA RTX 6000 Ada Generation") == (364e12, "RTX 6000 Ada")
