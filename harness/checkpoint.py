@@ -46,7 +46,7 @@ def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optiona
     if accelerator.is_main_process:
         if tmp.exists():
             shutil.rmtree(tmp)
-        unwrapped = accelerator.unwrap_model(model)
+        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         for name, obj in (extra or {}).items():  # small JSON side files, e.g. harness.json

@@ -88,6 +88,11 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
     dynamo = None
     if compile_mode != "none":
+        from torch import _dynamo
+
+        # One compiled block serves several input shapes and masks per step (generative rows, queries, passages,
+        # evaluation); past dynamo's default of 8 versions per code object it silently falls back to eager.
+        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
         # accelerate applies it in prepare(): compile_regions (DDP / single), compile_regions_deepspeed (ZeRO)
         dynamo = TorchDynamoPlugin(backend="inductor", use_regional_compilation=compile_mode == "regional")
     accelerator = Accelerator(

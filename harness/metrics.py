@@ -155,10 +155,14 @@ class CompileProbe:
 
 
 def dynamo_counters() -> dict:
-    """Frames compiled and graphs produced so far by torch.compile in this process."""
-    from torch._dynamo.utils import counters
+    """Frames compiled, graphs produced and seconds spent compiling (dynamo + inductor, forward and backward
+    graphs) so far by torch.compile in this process."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
 
-    return {"frames_compiled": int(counters["frames"]["ok"]), "graphs": int(counters["stats"]["unique_graphs"])}
+    seconds = sum(sum(compilation_time_metrics.get(k, [])) for k in
+                  ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler"))
+    return {"frames_compiled": int(counters["frames"]["ok"]), "graphs": int(counters["stats"]["unique_graphs"]),
+            "compile_time_s": seconds}
 
 
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
