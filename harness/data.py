@@ -499,6 +499,27 @@ class EmbeddingGroups(torch.utils.data.Dataset):
         return {"query": (row["q_ids"], row["q_instr"]), "passages": passages}
 
 
+class LengthGroupedSampler(torch.utils.data.Sampler):
+    """Shuffled order in which neighbouring samples have similar lengths: a seeded permutation is cut into
+    mega-batches of `group` samples, each sorted by length (longest first). Consecutive micro-batches (which
+    accelerate deals to the processes in turn) then need little padding. `set_epoch` reshuffles."""
+
+    def __init__(self, lengths: list[int], group: int, seed: int):
+        self.lengths, self.group, self.seed, self.epoch = list(lengths), max(1, group), seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=g).tolist()
+        for i in range(0, len(order), self.group):
+            yield from sorted(order[i:i + self.group], key=lambda j: -self.lengths[j])
+
+
 def pad_embed(items: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Tensor]:
     """[(ids, instr_len)] -> input_ids, attention_mask (1 on tokens), pool_mask (1 on text tokens only)."""
     width = max(len(ids) for ids, _ in items)

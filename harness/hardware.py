@@ -87,6 +87,27 @@ def enable_tf32(enabled: bool) -> bool:
     return on
 
 
+def sdpa_backends() -> dict:
+    """Which scaled-dot-product-attention kernels torch may pick (flash and memory-efficient need CUDA)."""
+    b = torch.backends.cuda
+    cuda = torch.cuda.is_available()
+    return {
+        "flash": bool(cuda and b.flash_sdp_enabled()),
+        "memory_efficient": bool(cuda and b.mem_efficient_sdp_enabled()),
+        "cudnn": bool(cuda and getattr(b, "cudnn_sdp_enabled", lambda: False)()),
+        "math": bool(b.math_sdp_enabled()),
+    }
+
+
+def describe(env: dict) -> str:
+    """One line for the start-of-run log."""
+    gpus = ", ".join(f"{g['name']} ({g['memory_gb']} GB)" for g in env["gpus"]) or f"CPU, {env['cpu_count']} cores"
+    v = env["versions"]
+    sdpa = "+".join(k for k, on in env["sdpa"].items() if on)
+    return (f"{gpus}; torch {env['torch']} (CUDA {env['cuda']}), accelerate {v['accelerate']}, transformers "
+            f"{v['transformers']}, deepspeed {v['deepspeed']}; SDPA {sdpa}")
+
+
 def _version(pkg: str) -> Optional[str]:
     try:
         return metadata.version(pkg)
@@ -116,6 +137,7 @@ def environment_report() -> dict:
         "cuda": torch.version.cuda,
         "gpus": gpus,
         "bf16_supported": bf16_supported(),
+        "sdpa": sdpa_backends(),
         "versions": {
             p: _version(p)
             for p in ("harness", "accelerate", "transformers", "deepspeed", "peft", "datasets", "tensorboard", "tokenizers")

@@ -199,8 +199,13 @@ def build_data(cfg: Config, accelerator, tokenizer) -> dict:
             ds, out["stats"]["embedding"] = data_lib.tokenize_embedding_dataset(
                 rows, tokenizer, d.query_max_len, d.passage_max_len, fmt)
             groups = data_lib.EmbeddingGroups(ds, d.train_group_size, cfg.train.seed)
-            out["emb"] = DataLoader(groups, batch_size=cfg.train.emb_micro_batch_size, shuffle=d.shuffle,
-                                    collate_fn=data_lib.EmbeddingCollator(tokenizer.pad_token_id), **common)
+            order = {"shuffle": d.shuffle}
+            if d.group_by_length:  # queries + their longest passages of similar length batched together
+                lengths = [len(q) + max(map(len, p)) for q, p in zip(ds["q_ids"], ds["pos_ids"])]
+                mega = cfg.train.emb_micro_batch_size * accelerator.num_processes * 32
+                order = {"sampler": data_lib.LengthGroupedSampler(lengths, mega, cfg.train.seed)}
+            out["emb"] = DataLoader(groups, batch_size=cfg.train.emb_micro_batch_size,
+                                    collate_fn=data_lib.EmbeddingCollator(tokenizer.pad_token_id), **order, **common)
             if d.emb_eval_files:
                 rows = data_lib.load_embedding_rows(d.emb_eval_files, 0, d.cache_dir, "data.emb_eval_files")
                 out["emb_eval"] = data_lib.retrieval_eval_set(rows, tokenizer, d.query_max_len, d.passage_max_len,
@@ -242,6 +247,7 @@ def run(cfg: Config) -> dict:
     say(f"[harness] {world} process(es), {accelerator.distributed_type.value}, ZeRO stage {zero['zero_stage']}, "
         f"device {accelerator.device}, precision {precision}, tf32 {tf32}, compile {compile_mode}, "
         f"profile {cfg.train.profile}, torch {env['torch']}, loss {mode}")
+    say(f"[harness] environment: {hardware.describe(env)}")
     if accelerator.is_main_process:
         checkpoint.write_json(out / "environment.json", env)
     for p in incomplete:

@@ -359,3 +359,40 @@ def test_entry_point_help_config(repo_root):
     train_block = lines[lines.index("train:") + 1:]
     assert any(line.startswith("  max_steps (") for line in train_block)
     assert any(line.startswith("  max_steps (int, default -1): ") for line in lines)
+
+
+# ----------------------------------------------------------------------------------------------- profiles
+
+
+def test_profile_sits_between_defaults_and_the_file(tmp_path):
+    from harness.profiles import PROFILES
+
+    path = write(tmp_path / "p.yaml", "train:\n  profile: aggressive\n  log_every: 7\n")
+    cfg = load_config(path, VALID)
+    assert cfg.train.compile == "regional" and cfg.data.packing is True  # from the profile
+    assert cfg.data.num_workers == PROFILES["aggressive"]["data.num_workers"]
+    assert cfg.train.log_every == 7  # the file beats the profile
+    cfg = load_config(path, [*VALID, "data.num_workers=1", "train.profile=conservative"])
+    assert cfg.data.num_workers == 1  # the command line beats everything
+    assert cfg.train.compile == "none" and cfg.data.packing is False  # the command line chose the profile
+
+
+@pytest.mark.parametrize("name", ["conservative", "balanced", "aggressive", "memory_efficient"])
+def test_every_profile_loads(name):
+    cfg = load_config(None, [*VALID, f"train.profile={name}"])
+    assert cfg.train.profile == name
+
+
+def test_unknown_profile():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*VALID, "train.profile=turbo"])
+    assert str(e.value) == ("config key 'train.profile': unknown profile 'turbo' "
+                            "(known: conservative, balanced, aggressive, memory_efficient)")
+
+
+def test_compile_auto_resolves_by_hardware():
+    from harness.profiles import resolve_compile, resolve_pin_memory
+
+    assert resolve_compile("auto", cuda=True) == "regional" and resolve_compile("auto", cuda=False) == "none"
+    assert resolve_compile("full", cuda=False) == "full"
+    assert resolve_pin_memory("auto", cuda=False) is False and resolve_pin_memory(True, cuda=True) is True

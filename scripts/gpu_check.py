@@ -1,0 +1,83 @@
+"""GPU check: the ~1B recipe on one CUDA GPU: eager vs regional compile, ZeRO-2 vs ZeRO-3; tokens/s, MFU, memory.
+
+    python scripts/gpu_check.py                      # all four variants, ~10 minutes on one H100
+    python scripts/gpu_check.py --variants eager,regional --steps 20
+
+Runs `accelerate launch harness/train.py --config configs/gpu-1b.yaml` once per variant (random init, bf16, packed
+2048-token rows, no download), reads each run's report.json and metrics.jsonl, prints a table and writes
+runs/gpu-check/gpu_check.json. Steady-state figures are medians over the logged intervals after the first (which
+holds compilation). Not a test: it needs a GPU; the figures go to docs/benchmarks.md with the date and device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = {  # name: (accelerate config, overrides)
+    "eager": ("single_gpu", ["train.compile=none"]),
+    "regional": ("single_gpu", ["train.compile=regional"]),
+    "zero2": ("zero2", ["train.compile=regional"]),
+    "zero3": ("zero3", ["train.compile=none"]),  # regional compile under ZeRO-3 hits dynamo's recompile limit
+}
+
+
+def run_variant(name: str, steps: int, out_root: Path, extra: list[str]) -> dict:
+    accel, overrides = VARIANTS[name]
+    out = out_root / name
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / f"{accel}.yaml"), "--num_processes", "1",
+           str(ROOT / "harness" / "train.py"), "--config", str(ROOT / "configs" / "gpu-1b.yaml"),
+           f"train.output_dir={out}", f"train.max_steps={steps}", "train.resume=null", *overrides, *extra]
+    print("$", " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True)
+    (out_root / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        return {"variant": name, "error": (proc.stderr or proc.stdout)[-2000:]}
+    rep = json.loads((out / "report.json").read_text())
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if "loss" in r][1:]  # drop the first interval (compilation, warm-up)
+    med = lambda key: statistics.median(r[key] for r in recs if r.get(key) is not None) if recs else None  # noqa
+    return {"variant": name, "tokens_per_s": med("tokens_per_s"), "mfu": med("mfu"), "mem_gb": med("mem_gb"),
+            "padding_share": med("padding_share"), "zero_stage": rep.get("zero_stage"), "compile": rep.get("compile"),
+            "final_loss": rep.get("final_loss"), "gpu": (rep["hardware"]["gpus"] or [{}])[0]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--out", default=str(ROOT / "runs" / "gpu-check"))
+    ap.add_argument("overrides", nargs="*", help="extra section.key=value for every variant")
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU here; run it on a GPU machine", file=sys.stderr)
+        return 2
+    out_root = Path(args.out)
+    out_root.mkdir(parents=True, exist_ok=True)
+    rows = [run_variant(v, args.steps, out_root, args.overrides) for v in args.variants.split(",")]
+    print(f"\n{'variant':<10}{'tokens/s':>12}{'MFU':>8}{'mem GB':>9}{'cold compile s':>16}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:<10} failed: {r['error'][-300:]}")
+            continue
+        cc = (r["compile"] or {}).get("cold_compile_s")
+        print(f"{r['variant']:<10}{r['tokens_per_s'] or 0:>12,.0f}{(r['mfu'] or 0) * 100:>7.1f}%"
+              f"{r['mem_gb'] or 0:>9.1f}{cc if cc is not None else float('nan'):>16.1f}")
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": args.steps, "rows": rows}
+    (out_root / "gpu_check.json").write_text(json.dumps(result, indent=2))
+    print(f"\nwritten {out_root / 'gpu_check.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
