@@ -21,9 +21,14 @@ measurement covers steps W+1..W+N: tokens/s = non-padding input tokens / seconds
 medians over rounds are reported, with ratios, on stdout and in a JSON file (default
 `<train.output_dir>/bench/bench.json`).
 
-To compare like with like, the contenders run the plain path in every mode: no evaluation, no checkpoints, no
-export, no trackers, no progress bar, no packing, no torch.compile. The harness logs every gcd(W, N) steps (it
-needs records at W and W+N); the Trainer logs at the same interval; the raw loop never logs.
+Every run skips evaluation, checkpoints, export, trackers and the progress bar. To compare like with like, the
+contenders also run without packing and without torch.compile (with --profiles, the profile decides those). The
+harness logs every gcd(W, N) steps (it needs records at W and W+N); the Trainer logs at the same interval; the raw
+loop never logs. All contenders see the same batches (checked: the same token count; the losses agree).
+
+Noise: every run records the 1-minute load average before it starts. On a machine shared with other work, OpenMP
+threads that lose their core stall each other, and step times can swing several-fold between rounds; the fastest
+round of each contender ("best rounds" line) is then the better comparison, and `--threads 1` is far steadier.
 """
 
 from __future__ import annotations
@@ -440,19 +445,24 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> dict:
     print(f"[bench] {args.config} {' '.join(args.overrides)}: micro-batch {cfg.train.micro_batch_size}, "
           f"max_len {cfg.data.max_len}, {w} warm-up + {n} measured steps, {args.rounds} round(s) of "
           f"{', '.join(r['name'] for r in runs)}", flush=True)
+    busy = 0.5 * dev["cpu_cores_usable"]  # more than this much other work makes the numbers noisy
     load = _loadavg()
-    if load is not None and load > 0.5 * dev["cpu_cores_usable"]:
+    if load is not None and load > busy:
         print(f"[bench] warning: load average {load:.1f} on {dev['cpu_cores_usable']} usable cores: other processes "
               f"are running, the numbers will be noisy", flush=True)
     rounds: list[list[dict]] = []
+    own = 0.0  # the previous run's share of the 1-minute load average (at most its thread count)
     for i in range(args.rounds):
         done = []
         for run in runs:
             res = run_one(run, args)
+            if res["load_before"] is not None:
+                res["load_other"] = max(0.0, res["load_before"] - own)  # others' load, roughly
+            own = float(args.threads)
             done.append(res)
             print(f"[bench] round {i + 1}/{args.rounds} {run['name']}: {res['tokens_per_s']:,.0f} tokens/s, "
                   f"{res['step_time_s'] * 1e3:.1f} ms/step, {res['tokens']} tokens in {res['seconds']:.2f} s "
-                  f"(run {res['wall_s']:.1f} s, load {res['load_before'] or 0:.1f})", flush=True)
+                  f"(run {res['wall_s']:.1f} s, load average {res['load_before'] or 0:.1f})", flush=True)
         rounds.append(done)
     names = [r["name"] for r in runs]
     baseline = (names[0] if args.profiles else ("raw" if "raw" in names else None))
@@ -469,10 +479,10 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> dict:
         if "harness_tokens_per_s_over_trainer_best" in ratios:
             best += f", harness tokens/s / trainer tokens/s = {ratios['harness_tokens_per_s_over_trainer_best']:.3f}"
         print(best)
-    loads = [r["load_before"] for rnd in rounds for r in rnd if r.get("load_before") is not None]
-    if loads and max(loads) > 0.5 * dev["cpu_cores_usable"]:
-        print(f"[bench] warning: load average up to {max(loads):.1f} on {dev['cpu_cores_usable']} usable cores "
-              f"during the runs: compare the best rounds, or rerun on an idle machine")
+    others = [r["load_other"] for rnd in rounds for r in rnd if r.get("load_other") is not None]
+    if others and max(others) > busy:
+        print(f"[bench] warning: other processes kept up to {max(others):.1f} of {dev['cpu_cores_usable']} usable "
+              f"cores busy during the runs: compare the best rounds, or rerun on an idle machine")
     same = {r["name"]: r["tokens"] for r in rounds[0]}
     if len(set(same.values())) > 1 and not args.profiles:
         print(f"[bench] note: the contenders measured different token counts {same} (different batches)")

@@ -148,3 +148,43 @@ def load_checkpoint(accelerator, path: Path) -> dict:
     """Restore the accelerate state (every rank) and return the loop state saved with it."""
     accelerator.load_state(str(path))
     return json.loads((path / STATE_FILE).read_text())
+
+
+# ----------------------------------------------------------------------------------------------- stopping early
+
+
+class StopSignals:
+    """SIGTERM / SIGINT handling for preemptible machines. The first signal only sets a flag: the loop finishes the
+    optimizer step in flight, every rank agrees (an all-reduce of the flag), a checkpoint is written and the process
+    exits 0. A second signal stops at once (exit 128 + signal number), for a person who really means it; one that
+    comes within `grace_s` of the first is the same request (launchers such as torchrun forward the SIGTERM they got
+    to workers that already received it from the process group)."""
+
+    def __init__(self, grace_s: float = 2.0) -> None:
+        import signal
+        import time
+
+        self._clock, self.grace_s = time.monotonic, grace_s
+        self.received: Optional[int] = None
+        self.at = 0.0
+        self._previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. an embedding application): leave signals alone
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            if self._clock() - self.at < self.grace_s:
+                return
+            os._exit(128 + signum)
+        self.received, self.at = signum, self._clock()
+        print(f"[harness] signal {signum} received: finishing this step, then checkpoint and exit "
+              f"(send it again to stop at once)", flush=True)
+
+    def restore(self) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

@@ -168,6 +168,9 @@ class TrainConfig:
     stop_at_step: int = _f(0, "End this attempt after this many steps of the planned run, with a checkpoint and "
                             "no export (split a run across sessions; continue with train.resume=auto); 0: off.")
     save_every_steps: int = _f(0, "Write a full training checkpoint every N optimizer steps; 0: never.")
+    save_every_minutes: float = _f(0.0, "Also checkpoint when this many minutes passed since the last save; 0: off.")
+    time_budget_hours: float = _f(0.0, "Wall-clock window of this attempt: stop in time for a final checkpoint and "
+                                       "export before it closes; 0: no window.")
     save_total_limit: int = _f(2, "Keep only the newest N complete checkpoints; 0: keep all.")
     resume: Optional[str] = _f(
         "auto", "auto: continue from the newest complete checkpoint in output_dir if there is one; "
@@ -353,6 +356,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'optim.lr': must be > 0, got {o.lr}")
     if not 0 <= o.warmup_ratio < 1:
         raise ConfigError(f"config key 'optim.warmup_ratio': must be in [0, 1), got {o.warmup_ratio}")
+    if t.save_every_minutes < 0 or t.time_budget_hours < 0:
+        bad = "train.save_every_minutes" if t.save_every_minutes < 0 else "train.time_budget_hours"
+        raise ConfigError(f"config key '{bad}': must be >= 0")
     if min(t.save_every_steps, t.save_total_limit, t.stop_at_step) < 0:
         bad = next(k for k, v in [("train.save_every_steps", t.save_every_steps), ("train.save_total_limit",
                    t.save_total_limit), ("train.stop_at_step", t.stop_at_step)] if v < 0)

@@ -353,7 +353,11 @@ def run(cfg: Config) -> dict:
 
     # ---- the loop: one iteration = one optimizer step over `accum` micro-steps on every process
     stop_at = cfg.train.stop_at_step if 0 < cfg.train.stop_at_step < total_steps else total_steps
+    signals = checkpoint.StopSignals()
+    deadline = t_start + cfg.train.time_budget_hours * 3600 if cfg.train.time_budget_hours else None
+    last_save, save_cost, stopped_by = time.time(), 10.0, None  # save_cost: measured at the first save
     while state.step < stop_at:
+        t_step = time.perf_counter()
         # fetch the step's micro-batches first: token averaging needs the step's global trained-token count
         t_fetch = time.perf_counter()
         gen_batches = [next(streams["gen"]) for _ in range(accum)] if "gen" in streams else [None] * accum
@@ -424,20 +428,35 @@ def run(cfg: Config) -> dict:
                     + f" lr {record['lr']:.2e} grad_norm {record['grad_norm'] or 0:.3f} tokens/s {tok_s:,.0f}")
             bar.write(line) if not bar.disable else say(line)
 
-        # checkpoint every save_every_steps
-        if cfg.train.save_every_steps and state.step % cfg.train.save_every_steps == 0:
+        # checkpoint on schedule (steps, minutes), on a stop signal, before the time window closes; every rank
+        # takes the same decision (one all-reduce of the flags per step)
+        now, step_s = time.time(), time.perf_counter() - t_step
+        flags = accelerator.reduce(torch.tensor([
+            signals.received is not None,
+            cfg.train.save_every_minutes > 0 and now - last_save >= 60 * cfg.train.save_every_minutes,
+            deadline is not None and now + 2 * step_s + 2 * save_cost + 15 >= deadline,  # room to save and export
+        ], dtype=torch.float32, device=accelerator.device), "max").tolist()
+        stopped_by = "signal" if flags[0] else "time_budget" if flags[2] else None
+        stopped_by = stopped_by or ("stop_at_step" if state.step == stop_at < total_steps else None)
+        if (cfg.train.save_every_steps and state.step % cfg.train.save_every_steps == 0) or flags[1] or stopped_by:
+            t_save = time.time()
             path = checkpoint.save_checkpoint(accelerator, out, loop_state(), cfg.train.save_total_limit)
-            say(f"[harness] checkpoint: {path}")
+            last_save, save_cost = time.time(), time.time() - t_save
+            say(f"[harness] checkpoint: {path} ({save_cost:.1f}s)")
+        if stopped_by:
+            break
     bar.close()
+    signals.restore()
     train_time = meter.elapsed()
-    if state.step < total_steps:  # this attempt ends early (train.stop_at_step): keep the state, export nothing
-        if not cfg.train.save_every_steps or state.step % cfg.train.save_every_steps:
-            checkpoint.save_checkpoint(accelerator, out, loop_state(), cfg.train.save_total_limit)
-        say(f"[harness] stopped at step {state.step}/{total_steps} with checkpoint "
+    if stopped_by in ("signal", "stop_at_step"):  # this attempt ends early: the state is saved, nothing exported
+        say(f"[harness] stopped ({stopped_by}) at step {state.step}/{total_steps} with checkpoint "
             f"{checkpoint.checkpoints_root(out) / f'step-{state.step}'}; continue with train.resume=auto")
         logger.close()
         accelerator.end_training()
-        return {"steps": state.step, "stopped_early": True}
+        return {"steps": state.step, "stopped_early": stopped_by}
+    if stopped_by == "time_budget":
+        say(f"[harness] time budget of {cfg.train.time_budget_hours} h nearly used: stopping at step "
+            f"{state.step}/{total_steps} with a checkpoint and the final export")
 
     # ---- the end: final evaluation, export, report
     compile_report = None
@@ -481,6 +500,8 @@ def run(cfg: Config) -> dict:
         "profile": cfg.train.profile,
         "compile": compile_report,
         "steps": state.step,
+        "planned_steps": total_steps,
+        "stopped_by": stopped_by,
         "resumed_from": str(resume_from) if resume_from else None,
         "epochs": round(pos["epoch"] + pos["batches"] / micro_per_epoch, 4),
         "tokens": state.tokens,

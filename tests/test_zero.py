@@ -64,7 +64,7 @@ def test_stopped_and_resumed_run_ends_with_the_same_weights(stage, stage_runs, t
     out = tmp_path / stage
     args = [f"train.output_dir={out}", *STEPS, "train.save_every_steps=5"]
     first = run_train([*args, "train.stop_at_step=10"], nproc=2, accel=STAGES[stage])
-    assert "stopped at step 10/16" in first.stdout
+    assert "stopped (stop_at_step) at step 10/16" in first.stdout
     assert not (out / "final").exists()
     second = run_train([*args, "train.resume=auto"], nproc=2, accel=STAGES[stage])
     assert "resumed from" in second.stdout and "step-10" in second.stdout
