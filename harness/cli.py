@@ -97,6 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--max-len", type=int, default=1 << 20)
     d.set_defaults(fn=_data_check)
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":  # the benchmark has its own options (python -m harness.bench --help)
+        from harness import bench
+
+        try:
+            return bench.main(argv[1:])
+        except HarnessError as err:
+            print(f"harness: error: {err}", file=sys.stderr)
+            return err.exit_code
+    sub.add_parser("bench", help="harness vs raw PyTorch vs HF Trainer, or profiles (see python -m harness.bench -h)")
     args = p.parse_args(argv)
     try:
         return args.fn(args)
