@@ -136,15 +136,22 @@ def load_generative_rows(paths: list[str], cache_dir: str | None = None, what: s
 
     datasets.disable_progress_bars()  # one-line errors stay one line; the run prints its own data summary
     files = expand_files(paths, what)
-    stamps = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
     features = datasets.Features({
         "segments": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
         "origin": datasets.Value("string"),
     })
+    return _validated_dataset(_generate_rows, files, features, cache_dir)
+
+
+def _validated_dataset(generator, files: list[str], features, cache_dir: str | None, **gen_kwargs):
+    """`datasets.Dataset.from_generator` over validated rows, fingerprinted by the files' paths, sizes and
+    modification times (an edited file is read again); a DataError raised by the generator comes out unwrapped."""
+    import datasets
+
+    stamps = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
     try:
-        return datasets.Dataset.from_generator(
-            _generate_rows, gen_kwargs={"files": files, "stamps": stamps}, features=features, cache_dir=cache_dir
-        )
+        return datasets.Dataset.from_generator(generator, gen_kwargs={"files": files, "stamps": stamps, **gen_kwargs},
+                                               features=features, cache_dir=cache_dir)
     except Exception as e:  # noqa: BLE001 - re-raised unless it wraps a DataError
         err = _unwrap(e)
         if isinstance(err, DataError):
@@ -395,19 +402,10 @@ def load_embedding_rows(paths: list[str], need_negatives: int, cache_dir: str | 
 
     datasets.disable_progress_bars()
     files = expand_files(paths, what)
-    stamps = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
     text = {"instruction": datasets.Value("string"), "text": datasets.Value("string")}
     features = datasets.Features({"query": text, "pos": datasets.List(text), "neg": datasets.List(text),
                                   "origin": datasets.Value("string")})
-    try:
-        return datasets.Dataset.from_generator(
-            _generate_embedding_rows, gen_kwargs={"files": files, "stamps": stamps, "need_negatives": need_negatives},
-            features=features, cache_dir=cache_dir)
-    except Exception as e:  # noqa: BLE001 - re-raised unless it wraps a DataError
-        err = _unwrap(e)
-        if isinstance(err, DataError):
-            raise err from None
-        raise
+    return _validated_dataset(_generate_embedding_rows, files, features, cache_dir, need_negatives=need_negatives)
 
 
 @dataclass(frozen=True)
