@@ -275,9 +275,10 @@ def model_inputs(batch: dict) -> dict:
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
-def real_tokens(batch: dict) -> int:
-    """Non-padding tokens of a batch (generative, packed, or an embedding side {input_ids, attention_mask})."""
-    return int((batch["token_mask"] if "token_mask" in batch else batch["attention_mask"]).sum())
+def real_tokens(batch: dict) -> torch.Tensor:
+    """Non-padding tokens of a batch (generative, packed, or an embedding side {input_ids, attention_mask}), as a
+    0-d tensor on the batch's device: the training loop sums these without waiting for the GPU."""
+    return (batch["token_mask"] if "token_mask" in batch else batch["attention_mask"]).sum()
 
 
 # ----------------------------------------------------------------------------------------------- packing

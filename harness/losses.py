@@ -47,7 +47,9 @@ def step_scale(world_size: int, accum: int, global_tokens: torch.Tensor | int) -
 
 def mixed_scale(count: torch.Tensor | int) -> torch.Tensor | float:
     """`loss.gen_averaging=mixed`: each micro-batch back-propagates its own token mean (sum / its count); DDP and
-    accumulation then average those means (GritLM's 'mixed' weighting)."""
+    accumulation then average those means (GritLM's 'mixed' weighting). A tensor count stays on its device."""
+    if isinstance(count, torch.Tensor):
+        return 1.0 / count.clamp(min=1)
     return 1.0 / max(int(count), 1)
 
 

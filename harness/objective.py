@@ -101,13 +101,14 @@ class Objective:
 
     # ---- pieces
 
-    def gen_scale(self, gen_batches: list[dict]) -> float:
-        """Token averaging: W * A / N with N the step's trained tokens over every process (one all-reduce)."""
+    def gen_scale(self, gen_batches: list[dict]) -> torch.Tensor | float:
+        """Token averaging: W * A / N with N the step's trained tokens over every process (one all-reduce; the
+        result stays a device tensor, so the host does not wait for the GPU here)."""
         if self.loss.gen_averaging != "token":
             return 0.0
         local = torch.stack([losses.trained_tokens(b["labels"]) for b in gen_batches]).sum()
-        total = self.accelerator.reduce(local.to(self.accelerator.device), "sum").item()
-        return losses.step_scale(self.world, self.accum, total)
+        total = self.accelerator.reduce(local.to(self.accelerator.device), "sum")
+        return losses.step_scale(self.world, self.accum, total.double()).float()
 
     def contrastive(self, q: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(contrastive loss, factor to back-propagate it with): W with gathered negatives, else 1."""
@@ -121,8 +122,9 @@ class Objective:
 
     # ---- one micro-step
 
-    def micro_step(self, gen: dict | None, emb: dict | None, gen_scale: float) -> dict:
-        """Run the micro-step's forward and backward passes; returns sums for logging (keys of train.LOG_KEYS)."""
+    def micro_step(self, gen: dict | None, emb: dict | None, gen_scale) -> dict:
+        """Run the micro-step's forward and backward passes; returns sums for logging (keys of train.LOG_KEYS),
+        as numbers or device tensors: nothing here waits for the GPU."""
         acc, model = self.accelerator, self.model
         out: dict = {}
         if gen is not None:
@@ -132,7 +134,7 @@ class Objective:
                 total, count = losses.token_loss_sum(logits, gen["labels"])
                 scale = gen_scale if self.loss.gen_averaging == "token" else losses.mixed_scale(count)
                 acc.backward(self.loss.gen_weight * total * scale)
-            out.update(gen_sum=total.item(), gen_count=count.item(), gen_mean_sum=(total / count.clamp(min=1)).item(),
+            out.update(gen_sum=total.detach(), gen_count=count, gen_mean_sum=(total / count.clamp(min=1)).detach(),
                        gen_micro=1, tokens=real_tokens(gen), positions=gen["input_ids"].numel(),
                        samples=gen["input_ids"].shape[0], flops=self.flops(gen, backward=True))
             del logits
@@ -154,7 +156,7 @@ class Objective:
         q, p = self.embed(emb["query"]), self.embed(emb["passage"])
         loss, factor = self.contrastive(q, p)
         self.accelerator.backward(self.loss.emb_weight * loss * factor)
-        return loss.item()
+        return loss.detach()
 
     def _embedding_cached(self, emb: dict, chunks: int) -> float:
         """GradCache: embed the chunks without graph, take the loss and its gradient with respect to the
@@ -185,4 +187,4 @@ class Objective:
                 surrogate = (q * grad_q[i * size:(i + 1) * size]).sum() \
                     + (p * grad_p[i * size * group:(i + 1) * size * group]).sum()
                 acc.backward(surrogate)
-        return loss.item()
+        return loss.detach()

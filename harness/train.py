@@ -369,9 +369,8 @@ def run(cfg: Config) -> dict:
         for gen, emb in zip(gen_batches, emb_batches):
             with accelerator.accumulate(model):
                 sums = objective.micro_step(gen, emb, gen_scale)
-            log_acc += torch.tensor([float(sums.get(k, 0.0)) for k in LOG_KEYS], dtype=torch.float64,
-                                    device=accelerator.device)
-            meter.add(sums["tokens"], sums["samples"])
+            log_acc += torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64, device=accelerator.device)
+                                    for k in LOG_KEYS])
 
         # optimizer step: clip (DeepSpeed clips inside its engine and reports the norm), step, schedule
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm) \
