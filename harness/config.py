@@ -168,6 +168,8 @@ class TrainConfig:
     stop_at_step: int = _f(0, "End this attempt after this many steps of the planned run, with a checkpoint and "
                             "no export (split a run across sessions; continue with train.resume=auto); 0: off.")
     save_every_steps: int = _f(0, "Write a full training checkpoint every N optimizer steps; 0: never.")
+    max_nonfinite_skips: int = _f(3, "Skip an optimizer step whose gradient is NaN/inf, up to this many in a row; "
+                                     "then stop with a checkpoint of the last good weights (exit 1).")
     save_every_minutes: float = _f(0.0, "Also checkpoint when this many minutes passed since the last save; 0: off.")
     time_budget_hours: float = _f(0.0, "Wall-clock window of this attempt: stop in time for a final checkpoint and "
                                        "export before it closes; 0: no window.")

@@ -356,6 +356,7 @@ def run(cfg: Config) -> dict:
     signals = checkpoint.StopSignals()
     deadline = t_start + cfg.train.time_budget_hours * 3600 if cfg.train.time_budget_hours else None
     last_save, save_cost, stopped_by = time.time(), 10.0, None  # save_cost: measured at the first save
+    is_deepspeed, nonfinite_run = zero["zero_stage"] is not None, 0
     while state.step < stop_at:
         t_step = time.perf_counter()
         # fetch the step's micro-batches first: token averaging needs the step's global trained-token count
@@ -373,12 +374,22 @@ def run(cfg: Config) -> dict:
                                     for k in LOG_KEYS])
 
         # optimizer step: clip (DeepSpeed clips inside its engine and reports the norm), step, schedule
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm) \
-            if cfg.optim.max_grad_norm > 0 else None
-        optimizer.step()
-        if not accelerator.optimizer_step_was_skipped:
-            scheduler.step()
+        # optimizer step: clip (DeepSpeed clips inside its engine and reports the norm); a step whose gradient is
+        # not finite is skipped (DeepSpeed has applied it already: the run stops), max_nonfinite_skips in a row
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm or float("inf"))
+        finite = grad_norm is None or math.isfinite(float(grad_norm))
+        if finite or is_deepspeed:
+            optimizer.step()
+            if not accelerator.optimizer_step_was_skipped:
+                scheduler.step()
+        nonfinite_run = 0 if finite else nonfinite_run + 1
         optimizer.zero_grad(set_to_none=True)
+        if not finite:
+            say(f"[harness] warning: step {state.step + 1}: gradient norm is {float(grad_norm)}; "
+                + ("DeepSpeed already applied it" if is_deepspeed else
+                   f"update skipped ({nonfinite_run} in a row, at most {cfg.train.max_nonfinite_skips})"))
+            if is_deepspeed or nonfinite_run > cfg.train.max_nonfinite_skips:
+                stopped_by = "nonfinite"
         state.step += 1
         bar.update(1)
         if state.step == start_step + 1:  # the first step of this process carries the (cold) compilation
@@ -435,6 +446,8 @@ def run(cfg: Config) -> dict:
             cfg.train.save_every_minutes > 0 and now - last_save >= 60 * cfg.train.save_every_minutes,
             deadline is not None and now + 2 * step_s + 2 * save_cost + 15 >= deadline,  # room to save and export
         ], dtype=torch.float32, device=accelerator.device), "max").tolist()
+        if stopped_by == "nonfinite":
+            break
         stopped_by = "signal" if flags[0] else "time_budget" if flags[2] else None
         stopped_by = stopped_by or ("stop_at_step" if state.step == stop_at < total_steps else None)
         if (cfg.train.save_every_steps and state.step % cfg.train.save_every_steps == 0) or flags[1] or stopped_by:
@@ -447,6 +460,15 @@ def run(cfg: Config) -> dict:
     bar.close()
     signals.restore()
     train_time = meter.elapsed()
+    if stopped_by == "nonfinite":
+        logger.close()
+        if is_deepspeed:
+            raise HarnessError(f"non-finite gradient at step {state.step} under DeepSpeed (already applied): resume from "
+                               f"the last checkpoint with a lower optim.lr or check the data")
+        path = checkpoint.save_checkpoint(accelerator, out, loop_state(), cfg.train.save_total_limit)
+        raise HarnessError(f"non-finite gradients in {nonfinite_run} steps in a row (train.max_nonfinite_skips="
+                           f"{cfg.train.max_nonfinite_skips}): stopped; the last good weights are in {path}. Lower "
+                           f"optim.lr, check the data, or use train.precision=fp32/bf16")
     if stopped_by in ("signal", "stop_at_step"):  # this attempt ends early: the state is saved, nothing exported
         say(f"[harness] stopped ({stopped_by}) at step {state.step}/{total_steps} with checkpoint "
             f"{checkpoint.checkpoints_root(out) / f'step-{state.step}'}; continue with train.resume=auto")

@@ -113,3 +113,16 @@ def test_malformed_data_line_stops_the_run_with_one_line(tmp_path):
     err = [ln for ln in proc.stderr.splitlines() if ln.startswith("harness: error:")]
     assert err == [f"harness: error: {bad}:2: invalid JSON, column 10: Unterminated string starting at"], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_nonfinite_gradients_are_skipped_then_stop_with_a_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    proc = run_train([f"train.output_dir={out}", "train.max_steps=20", "optim.lr=1e30", "optim.warmup_steps=0",
+                      "train.max_nonfinite_skips=2", *FAST], check=False)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stdout.count("update skipped") == 3
+    err = [ln for ln in proc.stderr.splitlines() if ln.startswith("harness: error:")]
+    assert len(err) == 1 and "non-finite gradients in 3 steps in a row (train.max_nonfinite_skips=2)" in err[0]
+    assert "Traceback" not in proc.stderr
+    assert (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step-*/COMPLETE"))
