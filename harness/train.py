@@ -357,6 +357,7 @@ def run(cfg: Config) -> dict:
     deadline = t_start + cfg.train.time_budget_hours * 3600 if cfg.train.time_budget_hours else None
     last_save, save_cost, stopped_by = time.time(), 10.0, None  # save_cost: measured at the first save
     is_deepspeed, nonfinite_run = zero["zero_stage"] is not None, 0
+    first_step_s, after_first = 0.0, metrics.dynamo_counters()  # replaced after this process's first step
     while state.step < stop_at:
         t_step = time.perf_counter()
         # fetch the step's micro-batches first: token averaging needs the step's global trained-token count
@@ -373,7 +374,6 @@ def run(cfg: Config) -> dict:
             log_acc += torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64, device=accelerator.device)
                                     for k in LOG_KEYS])
 
-        # optimizer step: clip (DeepSpeed clips inside its engine and reports the norm), step, schedule
         # optimizer step: clip (DeepSpeed clips inside its engine and reports the norm); a step whose gradient is
         # not finite is skipped (DeepSpeed has applied it already: the run stops), max_nonfinite_skips in a row
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm or float("inf"))
