@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 from harness.data import EmbedFormat, pad_embed, tokenize_embed_texts
-from harness.losses import pool
-from harness.model import bidirectional_mask
+from harness.model import embed
 
 DEFAULTS = {"pooling": "mean", "embed_attention": "bidirectional", "instruction_template": EmbedFormat.instruction_template,
             "plain_template": EmbedFormat.plain_template, "query_max_len": 512, "passage_max_len": 512,
@@ -58,16 +57,12 @@ class GritModel:
         max_len = max_len or self.settings["query_max_len" if instruction else "passage_max_len"]
         items = [{"instruction": instruction, "text": t} for t in texts]
         ids, instr, _ = tokenize_embed_texts(items, self.tokenizer, max_len, self.fmt)
+        bidirectional = self.settings["embed_attention"] == "bidirectional"
         out = []
         for i in range(0, len(ids), batch_size):
             batch = {k: v.to(self.device) for k, v in pad_embed(list(zip(ids[i:i + batch_size], instr[i:i + batch_size])),
                                                                   self.tokenizer.pad_token_id).items()}
-            mask = batch["attention_mask"]
-            if self.settings["embed_attention"] == "bidirectional":
-                mask = bidirectional_mask(mask, self.model.config._attn_implementation)
-            hidden = self.model(input_ids=batch["input_ids"], attention_mask=mask, output_hidden_states=True,
-                                logits_to_keep=1, use_cache=False).hidden_states[-1]
-            out.append(pool(hidden, batch["pool_mask"], self.settings["pooling"]).cpu())
+            out.append(embed(self.model, batch, self.settings["pooling"], bidirectional).cpu())
         return torch.cat(out)
 
     @staticmethod

@@ -85,27 +85,19 @@ class MetricsLogger:
 
 
 class Throughput:
-    """Tokens and time between two logging points, and the overall training rate for the ETA."""
+    """Training time: since the start, and between two logging points (the loop sums tokens and samples on the
+    device and divides by these intervals)."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.mark = self.start
-        self.tokens = 0
-        self.total_tokens = 0
-        self.samples = 0
 
-    def add(self, tokens: int, samples: int) -> None:
-        self.tokens += tokens
-        self.samples += samples
-        self.total_tokens += tokens
-
-    def interval(self) -> dict:
-        """Rates since the previous call; resets the interval."""
+    def interval(self) -> float:
+        """Seconds since the previous call; starts the next interval."""
         now = time.perf_counter()
         dt = max(now - self.mark, 1e-9)
-        out = {"tokens_per_s": self.tokens / dt, "samples_per_s": self.samples / dt, "interval_s": dt}
-        self.mark, self.tokens, self.samples = now, 0, 0
-        return out
+        self.mark = now
+        return dt
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start

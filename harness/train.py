@@ -123,15 +123,13 @@ def evaluate_generative(accelerator, model, loader) -> float:
 def encode_items(accelerator, objective, items: list, batch_size: int, pad_id: int) -> torch.Tensor:
     """Embeddings of tokenized items [(ids, instr_len)], each process encoding an equal shard (ZeRO-3 needs every
     process in every forward), gathered in order."""
-    from harness.data import pad_embed
-
     world, rank = accelerator.num_processes, accelerator.process_index
     per = math.ceil(len(items) / world)
     shard = items[rank * per:(rank + 1) * per]
     shard += [items[0]] * (per - len(shard))
     parts = []
     for i in range(0, per, batch_size):
-        batch = {k: v.to(accelerator.device) for k, v in pad_embed(shard[i:i + batch_size], pad_id).items()}
+        batch = {k: v.to(accelerator.device) for k, v in data_lib.pad_embed(shard[i:i + batch_size], pad_id).items()}
         parts.append(objective.embed(batch))
     return accelerator.gather(torch.cat(parts))[: len(items)]
 
@@ -174,24 +172,22 @@ def build_data(cfg: Config, accelerator, tokenizer) -> dict:
     with accelerator.main_process_first():  # rank 0 validates and tokenizes; the others read its cache
         if mode in ("generative", "unified"):
             rows = data_lib.load_generative_rows(d.train_files, d.cache_dir)
-            max_len = out["max_len"] = resolve_max_len(cfg, rows, tokenizer, accelerator.print)
+            max_len = resolve_max_len(cfg, rows, tokenizer, accelerator.print)
             ds, st = data_lib.tokenize_dataset(rows, tokenizer, max_len)
             out["stats"]["generative"] = st
+            padded = data_lib.GenerativeCollator(tokenizer.pad_token_id, pad_to_multiple_of=8 if cuda else 1)
             if d.packing:
                 ds = data_lib.pack_dataset(ds, max_len)
                 st["packed_rows"] = len(ds)
                 st["packing_fill"] = sum(ds["length"]) / (len(ds) * max_len)
-                collate = data_lib.PackedCollator(tokenizer.pad_token_id, max_len)
-            else:
-                collate = data_lib.GenerativeCollator(tokenizer.pad_token_id, pad_to_multiple_of=8 if cuda else 1)
+            collate = data_lib.PackedCollator(tokenizer.pad_token_id, max_len) if d.packing else padded
             out["gen"] = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=d.shuffle, collate_fn=collate,
                                     **common)
             if d.eval_files:
                 rows = data_lib.load_generative_rows(d.eval_files, d.cache_dir, "data.eval_files")
                 ds, _ = data_lib.tokenize_dataset(rows, tokenizer, max_len)
-                collate = data_lib.GenerativeCollator(tokenizer.pad_token_id, pad_to_multiple_of=8 if cuda else 1)
                 out["gen_eval"] = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=False,
-                                             collate_fn=collate, **common)
+                                             collate_fn=padded, **common)
         if mode in ("embedding", "unified"):
             fmt = data_lib.EmbedFormat(d.emb_instruction_template, d.emb_plain_template,
                                        append_eos=cfg.model.pooling == "lasttoken")
@@ -315,7 +311,6 @@ def run(cfg: Config) -> dict:
     logger = metrics.MetricsLogger(accelerator, out, resume_step=state.step if resume_from else None)
     start_step = state.step
     streams = {n: micro_batches(accelerator, loaders[n], state.streams[n]) for n in names}
-    meter = metrics.Throughput()
     bar = metrics.progress_bar(total_steps, state.step, cfg.train.progress_bar and accelerator.is_main_process)
     # sums since the last log on this rank (LOG_KEYS); rank 0 carries the remainder saved with a checkpoint
     log_acc = torch.tensor(state.log_acc if accelerator.is_main_process else [0.0] * len(LOG_KEYS),
@@ -361,10 +356,9 @@ def run(cfg: Config) -> dict:
     while state.step < stop_at:
         t_step = time.perf_counter()
         # fetch the step's micro-batches first: token averaging needs the step's global trained-token count
-        t_fetch = time.perf_counter()
         gen_batches = [next(streams["gen"]) for _ in range(accum)] if "gen" in streams else [None] * accum
         emb_batches = [next(streams["emb"]) for _ in range(accum)] if "emb" in streams else [None] * accum
-        log_acc[LOG_KEYS.index("wait_s")] += time.perf_counter() - t_fetch
+        log_acc[LOG_KEYS.index("wait_s")] += time.perf_counter() - t_step
         gen_scale = objective.gen_scale(gen_batches) if "gen" in streams else 0.0
 
         # forward / backward per micro-step (accelerate defers the gradient sync to the last one)
@@ -400,8 +394,8 @@ def run(cfg: Config) -> dict:
         if state.step % cfg.train.log_every == 0 or state.step == total_steps:
             tot = dict(zip(LOG_KEYS, accelerator.reduce(log_acc, "sum").tolist()))
             log_acc.zero_()
-            rate = meter.interval()
-            tok_s = tot["tokens"] / rate["interval_s"]
+            interval_s = meter.interval()
+            tok_s = tot["tokens"] / interval_s
             record = {"step": state.step, "epoch": epoch_now()}
             parts = {}
             if tot["gen_micro"]:
@@ -419,10 +413,10 @@ def run(cfg: Config) -> dict:
                 "lr": scheduler.get_last_lr()[0],
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "tokens_per_s": tok_s,
-                "samples_per_s": tot["samples"] / rate["interval_s"],
-                "mfu": metrics.mfu(tot["flops"] / rate["interval_s"], 1.0, peak),
+                "samples_per_s": tot["samples"] / interval_s,
+                "mfu": metrics.mfu(tot["flops"] / interval_s, 1.0, peak),
                 "padding_share": 1 - tot["tokens"] / max(tot["positions"], 1),
-                "data_wait_share": tot["wait_s"] / rate["interval_s"],
+                "data_wait_share": tot["wait_s"] / interval_s,
                 "mem_gb": metrics.memory_gb(),
                 "tokens": state.tokens,
                 "elapsed_s": state.elapsed_s + meter.elapsed(),
