@@ -116,6 +116,40 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
     return accelerator
 
 
+def narrow_regional_compile(model: torch.nn.Module) -> list[str]:
+    """Keep accelerate's regional compilation on the repeated blocks only; returns the children put back to eager.
+
+    accelerate's `compile_regions` (and `compile_regions_deepspeed`) compile the repeated decoder blocks, which share
+    one compiled graph, and also every other leaf child (embeddings, rotary embedding, final norm, lm_head) as graphs
+    of their own. Those are a lookup, an elementwise op and one matmul: compiling them gains next to nothing at run
+    time but each costs a full dynamo + inductor compile (forward and backward) at start-up, which is most of the cold
+    start of a shallow model. torch.compile is lazy, so undoing it after `prepare()` and before the first forward
+    costs nothing: an `OptimizedModule` child is replaced by its original module, and a module compiled in place
+    (DeepSpeed path) has its compiled call dropped."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from accelerate.utils.other import is_repeated_blocks
+
+    restored = []
+    for parent_name, parent in model.named_modules():
+        if isinstance(parent, OptimizedModule) or is_repeated_blocks(parent):
+            continue  # inside a compiled wrapper, or the decoder blocks themselves
+        for name, child in list(parent.named_children()):
+            if isinstance(child, OptimizedModule) and not has_blocks(child._orig_mod):
+                setattr(parent, name, child._orig_mod)
+                restored.append(f"{parent_name}.{name}".lstrip(".").removeprefix("module."))
+            elif getattr(child, "_compiled_call_impl", None) is not None and not has_blocks(child):
+                child._compiled_call_impl = None
+                restored.append(f"{parent_name}.{name}".lstrip(".").removeprefix("module."))
+    return sorted(restored)
+
+
+def has_blocks(module: torch.nn.Module) -> bool:
+    from accelerate.utils.other import has_repeated_blocks, is_repeated_blocks
+
+    return is_repeated_blocks(module) or has_repeated_blocks(module)
+
+
 def deepspeed_config(accelerator) -> Optional[dict]:
     """The live DeepSpeed config dict (auto values filled at prepare), or None without DeepSpeed."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)

@@ -37,6 +37,8 @@ def test_compiled_blocks_run(name, nproc, accel, extra, tmp_path):
     assert rep["cold_compile_s"] > 0 and rep["graphs"] >= 1
     assert "recompiles_after_first_step" in rep
     assert "compiled decoder block ever ran" not in proc.stdout
+    if rep["mode"] == "regional":  # only the decoder blocks are compiled; the other leaves run eagerly
+        assert set(rep["left_eager"]) == {"lm_head", "model.embed_tokens", "model.norm", "model.rotary_emb"}, rep
 
 
 def test_compile_none_reports_nothing(tmp_path):
