@@ -5,6 +5,7 @@
     harness data-check FILE_OR_DIR ...            validate generative JSONL files and print token-length statistics
     harness data-stats FILE_OR_DIR ... [--max-len N]  token-length distribution, truncation, what max_len=auto picks
     harness bench FILE [overrides] [--profiles ...]  harness vs raw PyTorch vs HF Trainer (or profiles), tokens/s
+    harness plan FILE [overrides] --hours H        fit the run into a wall-clock window (calibrates, writes plan.json)
 
 For several processes use accelerate's launcher on harness/train.py (see README.md).
 """
@@ -98,15 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(fn=_data_check)
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "bench":  # the benchmark has its own options (python -m harness.bench --help)
-        from harness import bench
+    if argv and argv[0] in ("bench", "plan"):  # these have their own options (harness bench|plan --help)
+        import importlib
 
+        module = importlib.import_module({"bench": "harness.bench", "plan": "harness.planner"}[argv[0]])
         try:
-            return bench.main(argv[1:])
+            return module.main(argv[1:])
         except HarnessError as err:
             print(f"harness: error: {err}", file=sys.stderr)
             return err.exit_code
     sub.add_parser("bench", help="harness vs raw PyTorch vs HF Trainer, or profiles (see python -m harness.bench -h)")
+    sub.add_parser("plan", help="fit a run into a wall-clock window (harness plan FILE --hours H; see --help)")
     args = p.parse_args(argv)
     try:
         return args.fn(args)

@@ -147,7 +147,12 @@ class TrainConfig:
     seed: int = _f(42, "Seed for model init, data order and dropout.")
     max_steps: int = _f(-1, "Optimizer steps to run; -1: run `epochs` epochs.")
     epochs: float = _f(1.0, "Passes over the training data when max_steps is -1 (fractions allowed).")
-    micro_batch_size: int = _f(8, "Samples per process per forward/backward.")
+    micro_batch_size: Union[int, Literal["auto"]] = _f(
+        8, "Samples per process per forward/backward. auto: the largest that fits in memory (accelerate's "
+        "find_executable_batch_size, halving from train.global_batch_size / processes after a trial step on the "
+        "longest batch); grad_accum then follows so that the global batch stays train.global_batch_size.")
+    global_batch_size: int = _f(0, "Sequences (or embedding queries) per optimizer step over all processes; needed "
+                                   "with micro_batch_size=auto. 0: micro_batch_size x grad_accum x processes.")
     emb_micro_batch_size: int = _f(8, "Embedding queries per process per micro-step (each with train_group_size passages).")
     grad_accum: int = _f(1, "Micro-batches accumulated per optimizer step.")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = _f(
@@ -340,8 +345,16 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
 def validate(cfg: Config) -> None:
     """Checks across keys that types alone cannot express."""
     t, d, o = cfg.train, cfg.data, cfg.optim
+    if t.micro_batch_size == "auto" and t.global_batch_size < 1:
+        raise ConfigError("config key 'train.global_batch_size': train.micro_batch_size=auto keeps the global batch "
+                          "and needs it (sequences per optimizer step over all processes), e.g. 64")
+    if t.micro_batch_size == "auto" and cfg.loss.mode != "generative":
+        raise ConfigError(f"config key 'train.micro_batch_size': auto sizes generative micro-batches (loss.mode="
+                          f"generative); with loss.mode={cfg.loss.mode} set it and train.emb_micro_batch_size")
+    if t.global_batch_size < 0:
+        raise ConfigError(f"config key 'train.global_batch_size': must be >= 0, got {t.global_batch_size}")
     positive = {
-        "train.micro_batch_size": t.micro_batch_size,
+        "train.micro_batch_size": t.micro_batch_size if t.micro_batch_size != "auto" else 1,
         "train.grad_accum": t.grad_accum,
         "train.log_every": t.log_every,
         "data.max_len": d.max_len if d.max_len != "auto" else 1,

@@ -147,3 +147,18 @@ def environment_report() -> dict:
 
 if __name__ == "__main__":
     print(json.dumps(environment_report(), indent=2))
+
+
+def process_start_time() -> float:
+    """Unix time at which this process started (Linux: from /proc; elsewhere: now). A time window counts from
+    here, so interpreter start-up and imports are part of it."""
+    import os
+    import time
+
+    try:
+        fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # starttime: clock ticks after boot
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return time.time() - (uptime - started)
+    except (OSError, ValueError, IndexError):
+        return time.time()

@@ -23,13 +23,13 @@ import argparse
 import math
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from harness import checkpoint, distributed, hardware, losses, metrics
+from harness import checkpoint, distributed, hardware, losses, metrics, planner
 from harness import data as data_lib
 from harness.config import Config, describe, load_config, save_config
 from harness.errors import HarnessError
@@ -212,15 +212,17 @@ def build_data(cfg: Config, accelerator, tokenizer) -> dict:
 # ----------------------------------------------------------------------------------------------- the run
 
 
-def run(cfg: Config) -> dict:
-    """Train according to `cfg`; returns the report (also written to <output_dir>/report.json)."""
+def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
+    """Train according to `cfg`; returns the report (also written to <output_dir>/report.json). auto_batch: set by
+    `run_auto_batch` (train.micro_batch_size=auto): a trial step on the longest batch comes first."""
     from accelerate.utils import set_seed
 
     from harness import model as model_lib
     from harness.objective import Objective
     from harness.profiles import resolve_compile
 
-    t_start = time.time()
+    t_start, t_process = time.time(), hardware.process_start_time()
+    timings = planner.Timings()  # where the wall time goes (report.json; what `harness plan` calibrates from)
     out = Path(cfg.train.output_dir)
     resume_from, incomplete = checkpoint.resolve_resume(out, cfg.train.resume)
     precision = hardware.resolve_precision(cfg.train.precision)
@@ -271,9 +273,9 @@ def run(cfg: Config) -> dict:
     optimizer = build_optimizer(model, cfg, offload=zero["offload_optimizer"] not in (None, "none"))
     names = [n for n in ("emb", "gen") if n in data]  # the first is the primary stream: it defines epochs
     accum = cfg.train.grad_accum
-    micro_per_epoch = math.ceil(len(data[names[0]]) / world)  # what each process gets once prepared
-    steps_per_epoch = max(1, micro_per_epoch // accum)
-    total_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else max(1, math.ceil(cfg.train.epochs * micro_per_epoch / accum))
+    sched = planner.schedule_steps(len(data[names[0]].dataset), data[names[0]].batch_size, world, accum,
+                                   cfg.train.max_steps, cfg.train.epochs)  # the planner's arithmetic
+    micro_per_epoch, steps_per_epoch, total_steps = sched["micro_per_epoch"], sched["steps_per_epoch"], sched["total_steps"]
     # The schedule acts on the raw optimizer's param groups, which DeepSpeed's ZeRO optimizers keep using. It is not
     # prepared (accelerate would step it once per process) but stepped once per optimizer step, and checkpointed.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
@@ -290,6 +292,10 @@ def run(cfg: Config) -> dict:
     objective.flop_dims = (n_matmul, getattr(mconf, "num_hidden_layers", 0), getattr(mconf, "hidden_size", 0))
     held = accelerator.gather(torch.tensor([distributed.parameters_held(model)], device=accelerator.device)).tolist()
     batch_desc = []
+    if cfg.train.global_batch_size and cfg.train.micro_batch_size * accum * world != cfg.train.global_batch_size:
+        raise HarnessError(f"config key 'train.global_batch_size': {cfg.train.global_batch_size} is not micro-batch "
+                           f"{cfg.train.micro_batch_size} x grad_accum {accum} x {world} process(es); fix one of "
+                           f"them, or use train.micro_batch_size=auto")
     if "gen" in loaders:
         batch_desc.append(f"{cfg.train.micro_batch_size * accum * world} sequences")
     if "emb" in loaders:
@@ -300,7 +306,7 @@ def run(cfg: Config) -> dict:
         f"process(es); {steps_per_epoch} steps/epoch of {names[0]} data; {total_steps} steps "
         f"({total_steps / steps_per_epoch:.2f} epochs)")
 
-    peak = None
+    is_deepspeed, peak = zero["zero_stage"] is not None, None
     if torch.cuda.is_available():
         peak_one, _ = hardware.peak_flops(torch.cuda.get_device_name())
         peak = peak_one * world if peak_one else None
@@ -327,7 +333,7 @@ def run(cfg: Config) -> dict:
         return round(pos["epoch"] + pos["batches"] / micro_per_epoch, 4)
 
     def evaluate(step: int) -> dict:
-        res = {}
+        t_eval, res = time.perf_counter(), {}
         if gen_eval is not None:
             res["eval_loss"] = evaluate_generative(accelerator, model, gen_eval)
         if "emb_eval" in data:
@@ -336,6 +342,7 @@ def run(cfg: Config) -> dict:
             res.update(eval_recall_at_1=r["recall_at_1"], eval_mrr=r["mrr"])
         if res:
             say(f"[harness] eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in res.items()))
+            timings.add("eval", time.perf_counter() - t_eval)
         return res
 
     def loop_state() -> dict:
@@ -343,19 +350,23 @@ def run(cfg: Config) -> dict:
         acc = accelerator.reduce(log_acc.clone(), "sum")
         return {**asdict(state), "elapsed_s": state.elapsed_s + meter.elapsed(), "log_acc": acc.tolist()}
 
+    if auto_batch is not None and not is_deepspeed:  # DeepSpeed: its first step is the trial
+        memory_trial(accelerator, model, optimizer, objective, data)
     if cfg.train.eval_at_start and resume_from is None:
         first_eval = evaluate(0)
         if first_eval:
             logger.log({"step": 0, **first_eval})
             last.update(first_eval_at_0=first_eval)
     meter = metrics.Throughput()  # training time starts here (the step-0 evaluation is not training)
+    timings.startup_s = time.time() - t_process - timings.eval_s
+    budget = planner.BudgetTracker(t_process, cfg.train.time_budget_hours) if cfg.train.time_budget_hours else None
 
     # ---- the loop: one iteration = one optimizer step over `accum` micro-steps on every process
     stop_at = cfg.train.stop_at_step if 0 < cfg.train.stop_at_step < total_steps else total_steps
     signals = checkpoint.StopSignals()
-    deadline = t_start + cfg.train.time_budget_hours * 3600 if cfg.train.time_budget_hours else None
+    deadline = budget.deadline if budget else None  # the window counts from the process start
     last_save, save_cost, stopped_by = time.time(), 10.0, None  # save_cost: measured at the first save
-    is_deepspeed, nonfinite_run = zero["zero_stage"] is not None, 0
+    nonfinite_run = 0
     first_step_s, after_first = 0.0, metrics.dynamo_counters()  # replaced after this process's first step
     while state.step < stop_at:
         t_step = time.perf_counter()
@@ -374,6 +385,7 @@ def run(cfg: Config) -> dict:
 
         # optimizer step: clip (DeepSpeed clips inside its engine and reports the norm); a step whose gradient is
         # not finite is skipped (DeepSpeed has applied it already: the run stops), max_nonfinite_skips in a row
+        t_opt = time.perf_counter()
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm or float("inf"))
         finite = grad_norm is None or math.isfinite(float(grad_norm))
         if finite or is_deepspeed:
@@ -382,6 +394,7 @@ def run(cfg: Config) -> dict:
                 scheduler.step()
         nonfinite_run = 0 if finite else nonfinite_run + 1
         optimizer.zero_grad(set_to_none=True)
+        timings.optimizer_s += time.perf_counter() - t_opt
         if not finite:
             say(f"[harness] warning: step {state.step + 1}: gradient norm is {float(grad_norm)}; "
                 + ("DeepSpeed already applied it" if is_deepspeed else
@@ -393,6 +406,8 @@ def run(cfg: Config) -> dict:
         if state.step == start_step + 1:  # the first step of this process carries the (cold) compilation
             first_step_s = meter.elapsed()
             after_first = metrics.dynamo_counters()
+        if state.step == start_step + planner.WARMUP_STEPS:
+            timings.warmup_done_s = meter.elapsed() - timings.eval_s - timings.save_s
 
         # log every log_every steps and at the end
         if state.step % cfg.train.log_every == 0 or state.step == total_steps:
@@ -426,14 +441,18 @@ def run(cfg: Config) -> dict:
                 "elapsed_s": state.elapsed_s + meter.elapsed(),
                 "eta_s": metrics.eta_seconds(meter.elapsed(), state.step - start_step, total_steps - start_step),
             })
+            if budget is not None:  # the window: elapsed, remaining, ETA, on track
+                record.update(budget.status(state.step - start_step, total_steps - state.step, meter.elapsed()))
             if cfg.train.eval_every and state.step % cfg.train.eval_every == 0 and state.step != total_steps:
                 record.update(evaluate(state.step))
             logger.log(record)
             last.update(record)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tok_s:,.0f}")
+            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tok_s:,.0f}",
+                            **({"window": budget.short(record)} if budget else {}))
             line = (f"[harness] step {state.step}/{total_steps} loss {record['loss']:.4f}"
                     + "".join(f" {k} {v:.4f}" for k, v in parts.items() if mode == "unified")
-                    + f" lr {record['lr']:.2e} grad_norm {record['grad_norm'] or 0:.3f} tokens/s {tok_s:,.0f}")
+                    + f" lr {record['lr']:.2e} grad_norm {record['grad_norm'] or 0:.3f} tokens/s {tok_s:,.0f}"
+                    + (f" | {budget.describe(record)}" if budget else ""))
             bar.write(line) if not bar.disable else say(line)
 
         # checkpoint on schedule (steps, minutes), on a stop signal, before the time window closes; every rank
@@ -452,12 +471,15 @@ def run(cfg: Config) -> dict:
             t_save = time.time()
             path = checkpoint.save_checkpoint(accelerator, out, loop_state(), cfg.train.save_total_limit)
             last_save, save_cost = time.time(), time.time() - t_save
+            timings.add("save", save_cost)
             say(f"[harness] checkpoint: {path} ({save_cost:.1f}s)")
         if stopped_by:
             break
     bar.close()
     signals.restore()
     train_time = meter.elapsed()
+    t_loop_end, eval_before_final = time.time(), timings.eval_s
+    timings.loop(train_time, state.step - start_step)
     if stopped_by == "nonfinite":
         logger.close()
         if is_deepspeed:
@@ -507,6 +529,8 @@ def run(cfg: Config) -> dict:
         say(f"[harness] final model: {final_dir}")
     logger.close()
     pos = state.streams[names[0]]
+    timings.export_s = time.time() - t_loop_end - (timings.eval_s - eval_before_final)
+    timings.process_wall_s = time.time() - t_process
     report = {
         "world_size": world,
         "distributed_type": accelerator.distributed_type.value,
@@ -536,14 +560,89 @@ def run(cfg: Config) -> dict:
         "data": data["stats"],
         "final_dir": str(final_dir) if final_dir else None,
         "hardware": env,
+        "flop_dims": list(objective.flop_dims),
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "grad_accum": accum,
+        "micro_batch_auto": auto_batch,
+        "timings": timings.as_dict(),
+        "time_budget": budget.summary(timings.process_wall_s, stopped_by == "time_budget") if budget else None,
+        "plan": planner.plan_vs_actual(out / "plan.json", cfg, timings.process_wall_s),
     }
     if accelerator.is_main_process:
         checkpoint.write_json(out / "report.json", report)
     accelerator.end_training()
+    if report["plan"]:
+        say(f"[harness] plan: estimated {report['plan']['estimated_s']:.1f}s, actual {report['plan']['actual_s']:.1f}s "
+            f"({report['plan']['error_pct']:+.1f}%)")
     say(f"[harness] done: step {state.step}, {train_time:.1f}s this attempt, loss "
         f"{state.first_loss if state.first_loss is not None else float('nan'):.4f} -> "
         f"{last.get('loss', float('nan')):.4f}; report {out / 'report.json'}")
     return report
+
+
+def memory_trial(accelerator, model, optimizer, objective, data: dict) -> None:
+    """train.micro_batch_size=auto: one forward and backward of the longest micro-batch the data can produce, with
+    gradients discarded and the RNG put back (the run is unchanged). Every process takes part and they agree: when
+    one ran out of memory, all raise the out-of-memory error that find_executable_batch_size reacts to."""
+    loader = data["gen"]
+    lengths = loader.dataset["length"]
+    longest = sorted(range(len(lengths)), key=lambda i: -lengths[i])[: loader.batch_size]
+    batch = {k: v.to(accelerator.device) for k, v in loader.collate_fn([loader.dataset[i] for i in longest]).items()}
+    rng, failed = torch.random.get_rng_state(), ""
+    try:
+        with accelerator.no_sync(model):
+            objective.micro_step(batch, None, objective.gen_scale([batch]))
+    except RuntimeError as e:
+        from accelerate.utils.memory import should_reduce_batch_size
+
+        if not should_reduce_batch_size(e):
+            raise
+        failed = str(e).splitlines()[0]
+    optimizer.zero_grad(set_to_none=True)
+    torch.random.set_rng_state(rng)
+    if accelerator.reduce(torch.tensor([float(bool(failed))], device=accelerator.device), "max").item():
+        accelerator.free_memory()
+        raise RuntimeError(f"micro-batch {loader.batch_size} ran out of memory. ({failed or 'on another process'})")
+
+
+def run_auto_batch(cfg: Config) -> dict:
+    """train.micro_batch_size=auto: the largest micro-batch that fits, from the per-process share of
+    train.global_batch_size down (accelerate's find_executable_batch_size; each retry takes the largest divisor of
+    the share at most half the last size), with grad_accum = share / micro-batch so the global batch is kept."""
+    import gc
+
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import find_executable_batch_size
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.train.global_batch_size % world:
+        raise HarnessError(f"config key 'train.global_batch_size': {cfg.train.global_batch_size} does not divide "
+                           f"over {world} processes")
+    share = cfg.train.global_batch_size // world
+    tried: list[int] = []
+
+    def smaller() -> int:
+        return max((d for d in range(1, tried[-1] // 2 + 1) if share % d == 0), default=0)
+
+    @find_executable_batch_size(starting_batch_size=share, reduce_batch_size_fn=smaller)
+    def attempt(micro: int) -> dict:
+        if tried:  # a fresh accelerator state (DeepSpeed's filled-in batch values) for the retry
+            AcceleratorState._reset_state(reset_partial_state=False)
+            GradientState._reset_state()
+            gc.collect()
+            print(f"[harness] micro-batch {tried[-1]} did not fit: trying {micro}", flush=True)
+        tried.append(micro)
+        sub = replace(cfg, train=replace(cfg.train, micro_batch_size=micro, grad_accum=share // micro))
+        return run(sub, auto_batch={"global_batch_size": cfg.train.global_batch_size, "tried": list(tried),
+                                    "micro_batch_size": micro, "grad_accum": share // micro})
+
+    try:
+        return attempt()
+    except RuntimeError as e:
+        if "No executable batch size found" in str(e):
+            raise HarnessError(f"train.micro_batch_size=auto: even a micro-batch of 1 does not fit in memory (tried "
+                               f"{tried}); use model.gradient_checkpointing=true, a shorter data.max_len or ZeRO-3") from None
+        raise
 
 
 def embedding_settings(cfg: Config) -> dict:
@@ -592,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = load_config(args.config, args.overrides)
-        run(cfg)
+        run_auto_batch(cfg) if cfg.train.micro_batch_size == "auto" else run(cfg)
     except HarnessError as e:
         print(f"harness: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -1,0 +1,544 @@
+"""Wall-clock planner: will a run fit its window, and if not, what to change so that it does.
+
+    harness plan configs/default.yaml --hours 12                      # analyse, calibrate here, plan
+    harness plan configs/default.yaml train.epochs=3 --hours 0.5 --margin-minutes 5
+    harness plan RECIPE --hours 12 --from-report runs/earlier/report.json   # reuse a measured run, no calibration
+    harness plan RECIPE --hours 12 --launcher "accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes 8"
+
+The plan is printed as numbered derivations and written to plan.json (default `<train.output_dir>/plan.json`, where
+the training run finds it and records estimate against actual in report.json):
+
+ 1. data: samples and token lengths after data.max_len (truncation), rows after packing;
+ 2. schedule: micro-batches per epoch per process and optimizer steps, with the loop's own arithmetic
+    (`schedule_steps`, which harness/train.py uses too);
+ 3. throughput: a calibration run of W + N optimizer steps of this very config through the real entry point (its
+    own subprocess, on the hardware at hand), or a previous run's report.json: steady seconds per step, the extra
+    time of the first W steps (compilation, warm caches), start-up, one evaluation, one checkpoint, the export;
+ 4. estimate = start-up + warm-up extra + steps x s/step + evaluations + checkpoints + export;
+ 5. window = hours - safety margin (default 30 minutes): fits or not;
+ 6. when it does not fit, adjustments, each re-estimated with the same arithmetic and with its reason: fewer
+    epochs (or steps), a shorter data.max_len (truncating what the data says), packing (profile `balanced`),
+    more gradient accumulation (fewer optimizer steps; the per-step optimizer cost was measured).
+
+Changing data.max_len or packing changes the work, not the speed: the time per unit of model FLOPs (6N + attention,
+harness.metrics.flops_per_token) measured in the calibration is assumed to stay the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Optional
+
+from harness.config import Config, load_config
+from harness.errors import ConfigError, HarnessError
+
+WARMUP_STEPS = 5  # calibration steps before the clock starts (compilation, allocator and cache warm-up)
+MEASURE_STEPS = 20  # calibration steps that are timed
+SAFETY_MARGIN_MIN = 30.0
+
+
+# ----------------------------------------------------------------------------------------------- pure arithmetic
+
+
+def schedule_steps(items: int, micro_batch: int, world: int, accum: int, max_steps: int, epochs: float) -> dict:
+    """The loop's schedule: micro-batches per epoch on each process (what one process gets of a prepared loader
+    over `items` samples or packed rows), optimizer steps per epoch and in all (max_steps wins when > 0)."""
+    micro_per_epoch = math.ceil(math.ceil(items / micro_batch) / world)
+    steps_per_epoch = max(1, micro_per_epoch // accum)
+    total = max_steps if max_steps > 0 else max(1, math.ceil(epochs * micro_per_epoch / accum))
+    return {"micro_per_epoch": micro_per_epoch, "steps_per_epoch": steps_per_epoch, "total_steps": total}
+
+
+def count_evals(total_steps: int, eval_every: int, eval_at_start: bool, has_eval: bool) -> int:
+    """Evaluations the loop runs: step 0 (fresh run), every eval_every steps before the last, and the last."""
+    if not has_eval:
+        return 0
+    periodic = (total_steps - 1) // eval_every if eval_every else 0
+    return int(eval_at_start) + periodic + 1
+
+
+def count_saves(total_steps: int, save_every_steps: int, train_s: float, save_every_minutes: float) -> int:
+    """Checkpoints written: on the step schedule, and by the clock (approximately, every save_every_minutes)."""
+    by_steps = total_steps // save_every_steps if save_every_steps else 0
+    by_clock = int(train_s // (60 * save_every_minutes)) if save_every_minutes > 0 else 0
+    return by_steps + by_clock
+
+
+@dataclass
+class Calibration:
+    """Measured costs of this config on this hardware (seconds)."""
+
+    s_per_step: float  # steady state, per optimizer step
+    warmup_extra_s: float  # the first steps' time beyond s_per_step each (compilation, warm-up)
+    startup_s: float  # process start -> first step (imports, data, model, prepare, resume)
+    eval_s: float  # one evaluation
+    save_s: float  # one checkpoint
+    export_s: float  # final export and report
+    optimizer_s_per_step: float  # clip + optimizer step + zero_grad, part of s_per_step
+    world_size: int = 1
+    source: str = ""
+
+
+def estimate(steps: int, cal: Calibration, evals: int, saves_by_steps: int, save_every_minutes: float = 0.0,
+             work_ratio: float = 1.0, opt_steps_ratio: float = 1.0) -> dict:
+    """Seconds per phase and in total for a run of `steps` optimizer steps.
+
+    work_ratio scales the compute per step (another max_len or packing); opt_steps_ratio scales the optimizer cost
+    per step (unchanged unless accumulation changes what a step holds)."""
+    compute = cal.s_per_step - cal.optimizer_s_per_step
+    per_step = compute * work_ratio + cal.optimizer_s_per_step * opt_steps_ratio
+    train = steps * per_step
+    saves = saves_by_steps + (int(train // (60 * save_every_minutes)) if save_every_minutes > 0 else 0)
+    phases = {
+        "startup_s": cal.startup_s,
+        "warmup_extra_s": cal.warmup_extra_s,
+        "train_s": train,
+        "eval_s": evals * cal.eval_s,
+        "checkpoint_s": saves * cal.save_s,
+        "export_s": cal.export_s,
+    }
+    return {"steps": steps, "s_per_step": per_step, "optimizer_s_per_step": cal.optimizer_s_per_step * opt_steps_ratio,
+            "evals": evals, "checkpoints": saves, **phases, "total_s": sum(phases.values())}
+
+
+def padded_positions(lengths: list[int], micro_batch: int, seed: int) -> int:
+    """Token positions processed in one epoch without packing: each shuffled micro-batch is padded to its longest
+    sample (the loop's collator). The shuffle is seeded; the count barely depends on the order."""
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)
+    return sum(max(lengths[i] for i in order[k:k + micro_batch]) * len(order[k:k + micro_batch])
+               for k in range(0, len(order), micro_batch))
+
+
+def epoch_work(lengths: list[int], max_len: int, packing: bool, micro_batch: int, seed: int,
+               flop_dims: tuple[int, int, int]) -> dict:
+    """Items (samples or packed rows), processed positions and model FLOPs of one epoch of generative data whose
+    full sample lengths are `lengths`, truncated to max_len. flop_dims = (matmul params, layers, hidden)."""
+    from harness.data import pack_rows
+    from harness.metrics import flops_per_token
+
+    cut = [min(n, max_len) for n in lengths]
+    if packing:
+        rows = pack_rows(cut, max_len)
+        items, positions, width = len(rows), len(rows) * max_len, max_len
+    else:
+        items = len(cut)
+        positions = padded_positions(cut, micro_batch, seed)
+        width = max(1, positions // max(1, math.ceil(items / micro_batch) * micro_batch))  # mean padded width
+    n, layers, hidden = flop_dims
+    return {"items": items, "positions": positions, "tokens": sum(cut),
+            "flops": positions * flops_per_token(n, layers, hidden, width)}
+
+
+def fits(total_s: float, window_s: float) -> bool:
+    return total_s <= window_s
+
+
+def largest_fitting(lo: float, hi: float, total_for: Callable[[float], float], window_s: float,
+                    integer: bool) -> Optional[float]:
+    """The largest x in [lo, hi] with total_for(x) <= window_s (total_for grows with x); None if not even lo fits."""
+    if total_for(lo) > window_s:
+        return None
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        mid = math.floor(mid) if integer else mid
+        if total_for(mid) <= window_s:
+            lo = mid
+        else:
+            hi = mid
+        if (integer and hi - lo <= 1) or (not integer and hi - lo < 1e-3):
+            break
+    return lo
+
+
+def config_fingerprint(cfg: Config) -> str:
+    """What a plan was made for: the resolved config, without the keys that do not change the run's speed."""
+    d = cfg.to_dict()
+    for key in ("output_dir", "resume", "progress_bar", "time_budget_hours", "stop_at_step"):
+        d["train"].pop(key, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def fmt_s(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    h, rem = divmod(int(round(seconds)), 3600)
+    return f"{h} h {rem // 60:02d} min" if h else f"{rem // 60} min {rem % 60:02d} s"
+
+
+# ----------------------------------------------------------------------------------------------- measurement
+
+
+def calibration_from_report(path: str | Path) -> tuple[Calibration, dict]:
+    """Costs from a finished run's report.json (its `timings` and metrics.jsonl beside it)."""
+    p = Path(path)
+    try:
+        rep = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise HarnessError(f"--from-report: no such file: {p}") from None
+    except json.JSONDecodeError as e:
+        raise HarnessError(f"{p}:{e.lineno}: invalid JSON ({e.msg})") from None
+    t = rep.get("timings")
+    if not isinstance(t, dict) or not rep.get("steps"):
+        raise HarnessError(f"{p}: not a harness report with timings (field 'timings' missing): use a report.json "
+                           f"written by this version of harness train")
+    steady = t.get("steady_s_per_step") or rep["train_time_s"] / rep["steps"]
+    cal = Calibration(
+        s_per_step=steady,
+        warmup_extra_s=t.get("warmup_extra_s", 0.0),
+        startup_s=t["startup_s"],
+        eval_s=t["eval_s"] / t["evals"] if t.get("evals") else 0.0,
+        save_s=t["save_s"] / t["saves"] if t.get("saves") else 0.0,
+        export_s=t.get("export_s", 0.0),
+        optimizer_s_per_step=t.get("optimizer_s", 0.0) / max(1, rep["steps"]),
+        world_size=rep.get("world_size", 1),
+        source=str(p),
+    )
+    return cal, rep
+
+
+def steady_rate(records: list[dict], warmup: int) -> tuple[float, float]:
+    """(steady seconds per step after `warmup`, extra seconds of the first `warmup` steps) from metrics records
+    that carry step and elapsed_s; elapsed_s at the warm-up step and at the last record."""
+    timed = {r["step"]: r["elapsed_s"] for r in records if "elapsed_s" in r and "loss" in r}
+    last = max(timed)
+    if warmup not in timed or last <= warmup:
+        raise HarnessError(f"calibration logged steps {sorted(timed)}: need step {warmup} and a later one")
+    s = (timed[last] - timed[warmup]) / (last - warmup)
+    return s, max(0.0, timed[warmup] - warmup * s)
+
+
+def calibrate(config_path: Optional[str], overrides: list[str], cfg: Config, warmup: int, steps: int,
+              launcher: Optional[str], say: Callable[[str], None]) -> tuple[Calibration, dict]:
+    """Run W + N steps of the config for real (the harness's own entry point, in a subprocess) with one
+    checkpoint, the configured evaluations and the export, in a temporary folder; read back the costs."""
+    with tempfile.TemporaryDirectory(prefix="harness-plan-") as tmp:
+        total = warmup + steps
+        forced = [f"train.output_dir={tmp}/run", "train.resume=null", f"train.max_steps={total}",
+                  f"train.log_every={math.gcd(warmup, steps)}", "train.progress_bar=false", "train.report_to=[]",
+                  f"train.save_every_steps={total}", "train.save_total_limit=1", "train.time_budget_hours=0",
+                  "train.stop_at_step=0", "train.save_every_minutes=0",
+                  f"train.eval_every={total if cfg.train.eval_every else 0}"]
+        entry = shlex.split(launcher) + [str(Path(__file__).with_name("train.py"))] if launcher else \
+            [sys.executable, "-m", "harness.train"]
+        cmd = entry + (["--config", config_path] if config_path else []) + list(overrides) + forced
+        say(f"calibration: {warmup} + {steps} steps of this config: {' '.join(shlex.quote(c) for c in cmd)}")
+        t0 = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.time() - t0
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+            raise HarnessError(f"calibration run failed (exit {proc.returncode}):\n{tail}")
+        run = Path(tmp, "run")
+        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        cal, rep = calibration_from_report(run / "report.json")
+        cal.s_per_step, cal.warmup_extra_s = steady_rate(records, warmup)
+        cal.startup_s += max(0.0, wall - rep["timings"]["process_wall_s"])  # a launcher's own start-up
+        cal.source = f"calibration run of {total} steps ({wall:.1f} s wall)"
+        return cal, rep
+
+
+# ----------------------------------------------------------------------------------------------- the plan
+
+
+def analyse_data(cfg: Config) -> dict:
+    """Samples, full and truncated token lengths, items per epoch of the primary stream (the loop's rules)."""
+    from harness import data as data_lib
+    from harness.model import load_tokenizer
+
+    d, mode, out = cfg.data, cfg.loss.mode, {}
+    tok = load_tokenizer(cfg.model)
+    if mode in ("generative", "unified"):
+        rows = data_lib.load_generative_rows(d.train_files, d.cache_dir)
+        full_ds, _ = data_lib.tokenize_dataset(rows, tok, 1 << 30)
+        full = list(full_ds["length"])
+        max_len = d.max_len if d.max_len != "auto" else data_lib.auto_max_len(full, d.max_len_percentile)
+        ds, st = data_lib.tokenize_dataset(rows, tok, max_len)
+        lengths = list(ds["length"])
+        items = len(data_lib.pack_rows(lengths, max_len)) if d.packing else len(lengths)
+        out["generative"] = {"samples": st["samples"], "tokens": st["tokens"], "max_len": max_len,
+                             "p50_len": st["p50_len"], "p95_len": st["p95_len"], "longest": max(full),
+                             "truncated_samples": st["truncated"], "truncated_tokens": sum(full) - st["tokens"],
+                             "items": items, "packing": d.packing, "full_lengths": full}
+    if mode in ("embedding", "unified"):
+        rows = data_lib.load_embedding_rows(d.emb_train_files, d.train_group_size - 1, d.cache_dir)
+        out["embedding"] = {"samples": len(rows), "items": len(rows)}
+    out["primary"] = "embedding" if "embedding" in out else "generative"
+    return out
+
+
+def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_min: float,
+              flop_dims: Optional[tuple[int, int, int]]) -> dict:
+    """The estimate for `cfg`, whether it fits `hours` minus the margin, and adjustments when it does not.
+    Pure given its inputs (tested on fixed ones)."""
+    t, world = cfg.train, cal.world_size
+    primary = data[data["primary"]]
+    sched = schedule_steps(primary["items"], t.micro_batch_size if data["primary"] == "generative"
+                           else t.emb_micro_batch_size, world, t.grad_accum, t.max_steps, t.epochs)
+    has_eval = bool(cfg.data.eval_files or cfg.data.emb_eval_files)
+    window = hours * 3600 - margin_min * 60
+
+    def run_estimate(steps: int, work_ratio: float = 1.0, opt_ratio: float = 1.0) -> dict:
+        saves = steps // t.save_every_steps if t.save_every_steps else 0
+        return estimate(steps, cal, count_evals(steps, t.eval_every, t.eval_at_start, has_eval), saves,
+                        t.save_every_minutes, work_ratio, opt_ratio)
+
+    base = run_estimate(sched["total_steps"])
+    lines = []
+    gen = data.get("generative")
+    if gen:
+        lines.append(f"data: {gen['samples']} generative samples, {gen['tokens']} tokens after data.max_len="
+                     f"{gen['max_len']} (p50 {gen['p50_len']}, p95 {gen['p95_len']}, longest {gen['longest']}; "
+                     f"{gen['truncated_samples']} samples truncated, {gen['truncated_tokens']} tokens cut)"
+                     + (f"; packed into {gen['items']} rows of {gen['max_len']}" if gen["packing"] else ""))
+    if "embedding" in data:
+        lines.append(f"data: {data['embedding']['samples']} embedding queries (primary stream: it defines epochs)")
+    mb = t.micro_batch_size if data["primary"] == "generative" else t.emb_micro_batch_size
+    lines.append(f"schedule: ceil(ceil({primary['items']} / micro-batch {mb}) / {world} process(es)) = "
+                 f"{sched['micro_per_epoch']} micro-batches per epoch per process; / accumulation {t.grad_accum} = "
+                 f"{sched['steps_per_epoch']} steps per epoch; "
+                 + (f"train.max_steps = {t.max_steps} steps" if t.max_steps > 0 else
+                    f"{t.epochs:g} epoch(s) -> {sched['total_steps']} optimizer steps"))
+    lines.append(f"throughput ({cal.source}): {cal.s_per_step:.4f} s per step steady ({cal.optimizer_s_per_step:.4f} s "
+                 f"of it in the optimizer), first {WARMUP_STEPS} steps +{cal.warmup_extra_s:.1f} s, start-up "
+                 f"{cal.startup_s:.1f} s, evaluation {cal.eval_s:.1f} s, checkpoint {cal.save_s:.1f} s, export "
+                 f"{cal.export_s:.1f} s")
+    lines.append(f"estimate: start-up {base['startup_s']:.1f} + warm-up {base['warmup_extra_s']:.1f} + "
+                 f"{base['steps']} steps x {base['s_per_step']:.4f} s = {base['train_s']:.1f} + {base['evals']} "
+                 f"evaluations {base['eval_s']:.1f} + {base['checkpoints']} checkpoints {base['checkpoint_s']:.1f} + "
+                 f"export {base['export_s']:.1f} = {base['total_s']:.1f} s ({fmt_s(base['total_s'])})")
+    ok = fits(base["total_s"], window)
+    lines.append(f"window: {hours:g} h - {margin_min:g} min margin = {window:.0f} s ({fmt_s(window)}): "
+                 + (f"fits, {fmt_s(window - base['total_s'])} to spare" if ok else
+                    f"does NOT fit: {fmt_s(base['total_s'] - window)} too long"))
+    adjustments = [] if ok else propose(cfg, data, sched, base, run_estimate, window, flop_dims, world)
+    for i, a in enumerate(adjustments, 1):
+        lines.append(f"adjustment {chr(96 + i)}: {' '.join(f'{k}={v}' for k, v in a['overrides'].items())} -> "
+                     f"{fmt_s(a['estimate']['total_s'])} ({'fits' if a['fits'] else 'still too long'}): {a['reason']}")
+    return {"hours": hours, "margin_minutes": margin_min, "window_s": window, "world_size": world,
+            "schedule": sched, "calibration": asdict(cal), "estimate": base, "estimated_s": base["total_s"],
+            "fits": ok, "adjustments": adjustments, "derivations": lines,
+            "data": {k: {kk: vv for kk, vv in v.items() if kk != "full_lengths"} if isinstance(v, dict) else v
+                     for k, v in data.items()}}
+
+
+def propose(cfg: Config, data: dict, sched: dict, base: dict, run_estimate, window: float,
+            flop_dims: Optional[tuple[int, int, int]], world: int) -> list[dict]:
+    """Adjustments that bring the run into the window, each re-estimated with `run_estimate`, with its reason."""
+    t, out = cfg.train, []
+    fixed = base["total_s"] - base["train_s"]
+
+    def add(overrides: dict, est: dict, reason: str) -> None:
+        out.append({"overrides": overrides, "estimate": est, "fits": fits(est["total_s"], window), "reason": reason})
+
+    # a. fewer epochs (or steps): the same work per step, fewer steps
+    if t.max_steps > 0:
+        steps = largest_fitting(1, base["steps"], lambda s: run_estimate(int(s))["total_s"], window, integer=True)
+        if steps is not None:
+            add({"train.max_steps": int(steps)}, run_estimate(int(steps)),
+                f"at {base['s_per_step']:.4f} s per step the window holds {int(steps)} of {base['steps']} steps "
+                f"after {fmt_s(fixed)} of start-up, evaluation, checkpoints and export")
+    else:
+        steps_of = lambda e: epoch_steps(sched["micro_per_epoch"], t.grad_accum, e)  # noqa: E731
+        epochs = largest_fitting(0.01, t.epochs, lambda e: run_estimate(steps_of(e))["total_s"], window, integer=False)
+        if epochs is not None:
+            epochs = math.floor(epochs * 100) / 100
+            add({"train.epochs": epochs}, run_estimate(steps_of(epochs)),
+                f"at {base['s_per_step']:.4f} s per step the window holds {epochs:g} of {t.epochs:g} epochs "
+                f"({steps_of(epochs)} steps) after {fmt_s(fixed)} of start-up, evaluation, checkpoints and export")
+
+    gen = data.get("generative")
+    if gen and flop_dims and data["primary"] == "generative":
+        mb = t.micro_batch_size
+        now = epoch_work(gen["full_lengths"], gen["max_len"], gen["packing"], mb, t.seed, flop_dims)
+
+        def variant(max_len: int, packing: bool) -> tuple[dict, dict]:
+            """Estimate with other data settings: steps from the new item count, work per step from FLOPs."""
+            w = epoch_work(gen["full_lengths"], max_len, packing, mb, t.seed, flop_dims)
+            s = schedule_steps(w["items"], mb, world, t.grad_accum, t.max_steps, t.epochs)["total_steps"]
+            per_item_now, per_item = now["flops"] / now["items"], w["flops"] / w["items"]
+            return run_estimate(s, work_ratio=per_item / per_item_now), w
+
+        # b. a shorter max_len: the longest samples are truncated
+        total, ordered = sum(gen["full_lengths"]), sorted(gen["full_lengths"])
+        for pct in (95, 90, 75, 50):
+            cand = -(-ordered[min(len(ordered) - 1, math.ceil(pct / 100 * len(ordered)) - 1)] // 8) * 8
+            if cand >= gen["max_len"]:
+                continue
+            est, w = variant(cand, gen["packing"])
+            if fits(est["total_s"], window) or pct == 50:
+                add({"data.max_len": cand}, est,
+                    f"p{pct} of the sample lengths is {cand} tokens: {100 * (total - w['tokens']) / total:.1f}% of the "
+                    f"training tokens would be cut; the work per epoch falls to {100 * w['flops'] / now['flops']:.0f}%")
+                break
+        # c. packing (what profile `balanced` turns on): no padding
+        if not gen["packing"]:
+            est, w = variant(gen["max_len"], True)
+            add({"train.profile": "balanced", "data.packing": True}, est,
+                f"padding is {100 * (1 - now['tokens'] / now['positions']):.0f}% of the processed positions; packing "
+                f"(profile balanced) removes it: work per epoch {100 * w['flops'] / now['flops']:.0f}% of now (the "
+                f"profile's compile and worker settings are not in this estimate: harness bench --profiles measures them)")
+
+    # d. more accumulation: the same samples in fewer optimizer steps (the global batch doubles)
+    if t.max_steps <= 0 and base["steps"] >= 2:
+        accum = 2 * t.grad_accum
+        steps = epoch_steps(sched["micro_per_epoch"], accum, t.epochs)
+        est = run_estimate(steps, work_ratio=base["steps"] / steps)
+        saved = base["total_s"] - est["total_s"]
+        if saved > 0.02 * base["total_s"]:
+            add({"train.grad_accum": accum}, est,
+                f"each optimizer step costs {base['optimizer_s_per_step']:.4f} s (clip, update, zero_grad); "
+                f"{steps} instead of {base['steps']} steps save {fmt_s(saved)} (the global batch doubles: "
+                f"revisit optim.lr)")
+    return out
+
+
+def epoch_steps(micro_per_epoch: int, accum: int, epochs: float) -> int:
+    """Optimizer steps of `epochs` epochs (the loop's rule when train.max_steps is -1)."""
+    return max(1, math.ceil(epochs * micro_per_epoch / accum))
+
+
+# ----------------------------------------------------------------------------------------------- during the run
+
+
+@dataclass
+class Timings:
+    """Where a training attempt's wall time went (report.json `timings`; calibration reads these)."""
+
+    startup_s: float = 0.0  # process start -> first step, without the step-0 evaluation
+    eval_s: float = 0.0
+    evals: int = 0
+    save_s: float = 0.0
+    saves: int = 0
+    optimizer_s: float = 0.0  # clip + optimizer step + zero_grad, summed
+    warmup_done_s: Optional[float] = None  # loop time (without evaluations and saves) after WARMUP_STEPS steps
+    steady_s_per_step: Optional[float] = None
+    warmup_extra_s: float = 0.0
+    export_s: float = 0.0  # after the loop: final export and report, without the final evaluation
+    process_wall_s: float = 0.0
+
+    def add(self, what: str, seconds: float) -> None:
+        setattr(self, f"{what}_s", getattr(self, f"{what}_s") + seconds)
+        setattr(self, f"{what}s", getattr(self, f"{what}s") + 1)
+
+    def loop(self, loop_s: float, steps: int) -> None:
+        """Steady seconds per step after the warm-up steps, and what the warm-up steps cost beyond that."""
+        compute = loop_s - self.eval_s - self.save_s
+        if self.warmup_done_s is not None and steps > WARMUP_STEPS:
+            self.steady_s_per_step = (compute - self.warmup_done_s) / (steps - WARMUP_STEPS)
+            self.warmup_extra_s = max(0.0, self.warmup_done_s - WARMUP_STEPS * self.steady_s_per_step)
+        elif steps:
+            self.steady_s_per_step = compute / steps
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class BudgetTracker:
+    """train.time_budget_hours: the window counts from the process start; elapsed, remaining, ETA of the planned
+    steps at the current pace, and whether they finish in the window with room for the final save and export."""
+
+    def __init__(self, t_process: float, hours: float, reserve_s: float = 60.0):
+        self.t0, self.budget_s, self.reserve_s = t_process, hours * 3600, reserve_s
+        self.deadline = t_process + self.budget_s
+
+    def status(self, steps_done: int, steps_left: int, loop_s: float, now: Optional[float] = None) -> dict:
+        elapsed = (now or time.time()) - self.t0
+        eta = loop_s / steps_done * steps_left if steps_done else None
+        remaining = self.budget_s - elapsed
+        return {"budget_elapsed_s": elapsed, "budget_remaining_s": remaining, "eta_s": eta,
+                "on_track": None if eta is None else int(eta + self.reserve_s <= remaining)}
+
+    @staticmethod
+    def short(r: dict) -> str:
+        return f"{fmt_s(r['budget_remaining_s'])} left" + ("" if r["on_track"] is None else
+                                                         " ok" if r["on_track"] else " SHORT")
+
+    @staticmethod
+    def describe(r: dict) -> str:
+        eta = "?" if r["eta_s"] is None else fmt_s(r["eta_s"])
+        track = {None: "", 1: ", on track", 0: ", NOT on track: will stop at the window with a checkpoint"}
+        return (f"window: {fmt_s(r['budget_elapsed_s'])} elapsed, {fmt_s(r['budget_remaining_s'])} left, "
+                f"ETA {eta}{track[r['on_track']]}")
+
+    def summary(self, used_s: float, stopped: bool) -> dict:
+        return {"hours": self.budget_s / 3600, "used_s": used_s, "left_s": self.budget_s - used_s,
+                "stopped_by_budget": stopped}
+
+
+def plan_vs_actual(plan_path: Path, cfg: Config, actual_s: float) -> Optional[dict]:
+    """The plan's estimate against this run's wall time (report.json `plan`), when `harness plan` wrote one."""
+    try:
+        plan = json.loads(Path(plan_path).read_text())
+        est = float(plan["estimated_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return {"path": str(plan_path), "estimated_s": est, "actual_s": actual_s,
+            "error_pct": 100 * (est - actual_s) / actual_s, "accuracy": 1 - abs(est - actual_s) / actual_s,
+            "same_config": plan.get("fingerprint") == config_fingerprint(cfg),
+            "phases": {k: v for k, v in plan.get("estimate", {}).items() if k.endswith("_s")}}
+
+
+# ----------------------------------------------------------------------------------------------- entry point
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="harness plan", description="Fit a run into a wall-clock window from measured "
+                                "throughput; prints numbered derivations and writes plan.json.")
+    p.add_argument("config", help="run recipe (YAML)")
+    p.add_argument("overrides", nargs="*", help="section.key=value, as for harness train")
+    p.add_argument("--hours", type=float, required=True, help="the window (e.g. the rental's remaining hours)")
+    p.add_argument("--margin-minutes", type=float, default=SAFETY_MARGIN_MIN,
+                   help=f"safety margin kept free at the end of the window (default {SAFETY_MARGIN_MIN:g})")
+    p.add_argument("--from-report", help="take the throughput from this earlier run's report.json (no calibration)")
+    p.add_argument("--launcher", help="launch the calibration like the real run, e.g. \"accelerate launch "
+                                      "--config_file accelerate_configs/zero2.yaml --num_processes 8\"")
+    p.add_argument("--warmup", type=int, default=WARMUP_STEPS, help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, default=MEASURE_STEPS, help="timed calibration steps (default 20)")
+    p.add_argument("--out", help="plan.json path (default <train.output_dir>/plan.json)")
+    return p.parse_intermixed_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.hours <= 0 or args.margin_minutes < 0 or args.steps < 1:
+        raise ConfigError("harness plan: --hours must be > 0, --margin-minutes >= 0 and --steps >= 1")
+    cfg = load_config(args.config, args.overrides)
+    say = lambda m: print(f"[plan] {m}", flush=True)  # noqa: E731
+    data = analyse_data(cfg)
+    if args.from_report:
+        cal, rep = calibration_from_report(args.from_report)
+    else:
+        if args.steps % args.warmup and args.warmup % args.steps:
+            args.steps = -(-args.steps // args.warmup) * args.warmup  # both logged: multiples of the log interval
+        cal, rep = calibrate(args.config, args.overrides, cfg, args.warmup, args.steps, args.launcher, say)
+    dims = tuple(rep["flop_dims"]) if rep.get("flop_dims") else None
+    plan = make_plan(cfg, data, cal, args.hours, args.margin_minutes, dims)
+    for i, line in enumerate(plan["derivations"], 1):
+        print(f"{i:>2}. {line}")
+    plan.update(config=args.config, overrides=args.overrides, fingerprint=config_fingerprint(cfg),
+                created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    dest = Path(args.out) if args.out else Path(cfg.train.output_dir) / "plan.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    from harness.checkpoint import write_json
+
+    write_json(dest, plan)
+    verdict = "fits" if plan["fits"] else "does not fit"
+    fitting = [a for a in plan["adjustments"] if a["fits"]]
+    print(f"[plan] {verdict} the window; plan written to {dest}"
+          + (f"; e.g. harness train {args.config} {' '.join(args.overrides)} "
+             + " ".join(f"{k}={v}" for k, v in fitting[0]["overrides"].items()) if fitting else ""))
+    return 0
