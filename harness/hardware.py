@@ -72,6 +72,20 @@ def resolve_precision(requested: str) -> str:
     return requested
 
 
+def check_attention(attn_implementation: str) -> None:
+    """model.attn_implementation that this machine cannot run: flash-attention kernels need a CUDA GPU and the
+    flash_attn package (checked before any model is built)."""
+    import importlib.util
+
+    if attn_implementation.startswith("flash_attention"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"config key 'model.attn_implementation': {attn_implementation} needs a CUDA GPU; use "
+                              f"sdpa on this machine")
+        if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError("config key 'model.attn_implementation': flash_attention_2 needs the flash-attn package "
+                              "(pip install flash-attn); sdpa uses flash kernels through PyTorch without it")
+
+
 def accelerate_mixed_precision(precision: str) -> str:
     return {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision]
 

@@ -146,20 +146,16 @@ def fits(total_s: float, window_s: float) -> bool:
     return total_s <= window_s
 
 
-def largest_fitting(lo: float, hi: float, total_for: Callable[[float], float], window_s: float,
-                    integer: bool) -> Optional[float]:
-    """The largest x in [lo, hi] with total_for(x) <= window_s (total_for grows with x); None if not even lo fits."""
+def largest_fitting(lo: int, hi: int, total_for: Callable[[int], float], window_s: float) -> Optional[int]:
+    """The largest integer x in [lo, hi] with total_for(x) <= window_s (total_for grows with x); None if not even lo
+    fits. Bisection."""
     if total_for(lo) > window_s:
         return None
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        mid = math.floor(mid) if integer else mid
-        if total_for(mid) <= window_s:
-            lo = mid
-        else:
-            hi = mid
-        if (integer and hi - lo <= 1) or (not integer and hi - lo < 1e-3):
-            break
+    if total_for(hi) <= window_s:
+        return hi
+    while hi - lo > 1:  # total_for(lo) fits, total_for(hi) does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if total_for(mid) <= window_s else (lo, mid)
     return lo
 
 
@@ -346,16 +342,17 @@ def propose(cfg: Config, data: dict, sched: dict, base: dict, run_estimate, wind
 
     # a. fewer epochs (or steps): the same work per step, fewer steps
     if t.max_steps > 0:
-        steps = largest_fitting(1, base["steps"], lambda s: run_estimate(int(s))["total_s"], window, integer=True)
+        steps = largest_fitting(1, base["steps"], lambda s: run_estimate(s)["total_s"], window)
         if steps is not None:
             add({"train.max_steps": int(steps)}, run_estimate(int(steps)),
                 f"at {base['s_per_step']:.4f} s per step the window holds {int(steps)} of {base['steps']} steps "
                 f"after {fmt_s(fixed)} of start-up, evaluation, checkpoints and export")
     else:
         steps_of = lambda e: epoch_steps(sched["micro_per_epoch"], t.grad_accum, e)  # noqa: E731
-        epochs = largest_fitting(0.01, t.epochs, lambda e: run_estimate(steps_of(e))["total_s"], window, integer=False)
-        if epochs is not None:
-            epochs = math.floor(epochs * 100) / 100
+        hundredths = largest_fitting(1, math.floor(100 * t.epochs), lambda h: run_estimate(steps_of(h / 100))["total_s"],
+                                     window)  # epochs in hundredths
+        if hundredths is not None:
+            epochs = int(hundredths) / 100
             add({"train.epochs": epochs}, run_estimate(steps_of(epochs)),
                 f"at {base['s_per_step']:.4f} s per step the window holds {epochs:g} of {t.epochs:g} epochs "
                 f"({steps_of(epochs)} steps) after {fmt_s(fixed)} of start-up, evaluation, checkpoints and export")

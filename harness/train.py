@@ -226,6 +226,7 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
     out = Path(cfg.train.output_dir)
     resume_from, incomplete = checkpoint.resolve_resume(out, cfg.train.resume)
     precision = hardware.resolve_precision(cfg.train.precision)
+    hardware.check_attention(cfg.model.attn_implementation)
     compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
     accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision), compile_mode)
     tf32 = hardware.enable_tf32(cfg.train.tf32)

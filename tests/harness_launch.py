@@ -30,9 +30,10 @@ def free_port() -> int:
 
 def run_train(overrides: list[str], nproc: int = 1, accel: str | None = None, config: str = DEFAULT,
               python_module: bool = False, timeout: int = 600, check: bool = True,
-              extra_env: dict | None = None) -> subprocess.CompletedProcess:
+              extra_env: dict | None = None, address_space_gb: float | None = None) -> subprocess.CompletedProcess:
     """Train with `overrides`. accel: None (plain python -m harness.train when nproc == 1, else DDP),
-    or the name of a file in accelerate_configs/ (ddp = multi_gpu)."""
+    or the name of a file in accelerate_configs/ (ddp = multi_gpu). address_space_gb: an RLIMIT_AS for the run, so
+    that large allocations fail for real with the CPU allocator's out-of-memory error."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            **(extra_env or {})}
     env.pop("ACCELERATE_USE_CPU", None)
@@ -46,7 +47,13 @@ def run_train(overrides: list[str], nproc: int = 1, accel: str | None = None, co
                str(ROOT / "accelerate_configs" / f"{name}.yaml"), "--num_processes", str(nproc),
                "--main_process_port", str(free_port()), str(ROOT / "harness" / "train.py")]
     cmd += ["--config", config, *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    limit = None
+    if address_space_gb is not None:
+        import resource
+
+        def limit():
+            resource.setrlimit(resource.RLIMIT_AS, (int(address_space_gb * 2**30), resource.RLIM_INFINITY))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=limit)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                              f"--- stderr\n{proc.stderr[-8000:]}")

@@ -1,0 +1,150 @@
+"""Every place a user can be wrong, through the `harness` command: one line `harness: error: ...` naming the file,
+line and field or the config key, a non-zero exit, no traceback.
+
+The table runs the real entry point (`harness.cli.main`) in this process (each case stops before any training
+process group exists); one case is also run as a separate process to show the exit status and the absence of a
+traceback as a shell sees them.
+
+    .venv/bin/python -m pytest tests/test_bad_inputs.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+GOOD_GEN = '{"text": "a fine sample"}\n'
+GOOD_EMB = '{"query": "q", "pos": ["p"], "neg": ["n"]}\n'
+
+# (name, files {name: content}, argv ({d} = the temporary folder), exit status, the exact stderr line)
+CASES = [
+    # ---- data files (harness data-check validates exactly as training does)
+    ("malformed-json", {"a.jsonl": GOOD_GEN + '{"text": "broken\n'}, ["data-check", "{d}/a.jsonl"], 1,
+     "harness: error: {d}/a.jsonl:2: invalid JSON, column 10: Unterminated string starting at"),
+    ("not-an-object", {"a.jsonl": GOOD_GEN + "[1, 2]\n"}, ["data-check", "{d}/a.jsonl"], 1,
+     "harness: error: {d}/a.jsonl:2: expected a JSON object, got list"),
+    ("empty-file", {"a.jsonl": ""}, ["data-check", "{d}/a.jsonl"], 1,
+     "harness: error: {d}/a.jsonl: file is empty (no records)"),
+    ("missing-path", {}, ["data-check", "{d}/nope.jsonl"], 1,
+     "harness: error: {d}/nope.jsonl: no such file or folder (paths; relative paths are read from {cwd})"),
+    ("empty-folder", {"sub/x.txt": "x"}, ["data-check", "{d}/sub"], 1,
+     "harness: error: {d}/sub: folder has no *.jsonl files (paths)"),
+    ("missing-field", {"a.jsonl": '{"txt": "x"}\n'}, ["data-check", "{d}/a.jsonl"], 1,
+     "harness: error: {d}/a.jsonl:1: missing field 'text' or 'messages' (keys: txt)"),
+    ("wrong-type", {"a.jsonl": GOOD_GEN + '{"text": 5}\n'}, ["data-check", "{d}/a.jsonl"], 1,
+     "harness: error: {d}/a.jsonl:2: field 'text' must be a string, got int"),
+    ("empty-text", {"a.jsonl": '{"text": ""}\n'}, ["data-check", "{d}/a.jsonl"], 1,
+     "harness: error: {d}/a.jsonl:1: field 'text' is empty"),
+    ("text-and-messages", {"a.jsonl": '{"text": "x", "messages": []}\n'}, ["data-check", "{d}/a.jsonl"], 1,
+     "harness: error: {d}/a.jsonl:1: record has both 'text' and 'messages'; give one"),
+    ("bad-role", {"a.jsonl": '{"messages": [{"role": "bot", "content": "x"}]}\n'}, ["data-check", "{d}/a.jsonl"], 1,
+     "harness: error: {d}/a.jsonl:1: field 'messages[0].role' must be one of system, user, assistant, got 'bot'"),
+    ("no-assistant", {"a.jsonl": '{"messages": [{"role": "user", "content": "x"}]}\n'}, ["data-check", "{d}/a.jsonl"],
+     1, "harness: error: {d}/a.jsonl:1: field 'messages' has no assistant turn (nothing to train on)"),
+    ("message-not-object", {"a.jsonl": '{"messages": ["hi"]}\n'}, ["data-check", "{d}/a.jsonl"], 1,
+     "harness: error: {d}/a.jsonl:1: field 'messages[0]' must be an object with role and content"),
+    # ---- config files and keys
+    ("config-missing", {}, ["train", "{d}/nope.yaml"], 2, "harness: error: config file not found: {d}/nope.yaml"),
+    ("config-bad-yaml", {"c.yaml": "train:\n  max_steps: [1,\n"}, ["train", "{d}/c.yaml"], 2,
+     "harness: error: {d}/c.yaml:3: invalid YAML (expected the node content, but found '<stream end>')"),
+    ("config-not-mapping", {"c.yaml": "- a\n- b\n"}, ["train", "{d}/c.yaml"], 2,
+     "harness: error: {d}/c.yaml: expected a mapping of sections (model:, data:, optim:, train:)"),
+    ("unknown-section", {}, ["train", "configs/default.yaml", "trian.max_steps=3"], 2,
+     "harness: error: unknown config section 'trian' (did you mean 'train'?)"),
+    ("unknown-key", {}, ["train", "configs/default.yaml", "train.max_step=3"], 2,
+     "harness: error: unknown config key 'train.max_step' (did you mean 'max_steps'?)"),
+    ("wrong-type-key", {}, ["train", "configs/default.yaml", "optim.lr=fast"], 2,
+     "harness: error: config key 'optim.lr': expected float, got 'fast'"),
+    ("bad-choice", {}, ["train", "configs/default.yaml", "loss.mode=both"], 2,
+     "harness: error: config key 'loss.mode': expected one of 'generative', 'embedding', 'unified', got 'both'"),
+    ("negative-value", {}, ["train", "configs/default.yaml", "train.grad_accum=0"], 2,
+     "harness: error: config key 'train.grad_accum': must be >= 1, got 0"),
+    ("unknown-profile", {}, ["train", "configs/default.yaml", "train.profile=turbo"], 2,
+     "harness: error: config key 'train.profile': unknown profile 'turbo' (known: conservative, balanced, aggressive, "
+     "memory_efficient)"),
+    ("fp16-on-cpu", {}, ["train", "configs/default.yaml", "train.precision=fp16"], 2,
+     "harness: error: config key 'train.precision': fp16 needs a CUDA GPU; use fp32 or bf16 on CPU"),
+    ("flash-attention-on-cpu", {}, ["train", "configs/default.yaml", "model.attn_implementation=flash_attention_2"], 2,
+     "harness: error: config key 'model.attn_implementation': flash_attention_2 needs a CUDA GPU; use sdpa on this "
+     "machine"),
+    ("auto-batch-without-global", {}, ["train", "configs/default.yaml", "train.micro_batch_size=auto"], 2,
+     "harness: error: config key 'train.global_batch_size': train.micro_batch_size=auto keeps the global batch and "
+     "needs it (sequences per optimizer step over all processes), e.g. 64"),
+    ("auto-batch-embedding", {}, ["train", "configs/gritlm-tiny.yaml", "train.micro_batch_size=auto",
+                                  "train.global_batch_size=64"], 2,
+     "harness: error: config key 'train.micro_batch_size': auto sizes generative micro-batches (loss.mode=generative); "
+     "with loss.mode=unified set it and train.emb_micro_batch_size"),
+    ("grad-cache-does-not-divide", {}, ["train", "configs/gritlm-tiny.yaml", "loss.grad_cache_chunks=3"], 2,
+     "harness: error: config key 'loss.grad_cache_chunks': must divide train.emb_micro_batch_size (32), got 3"),
+    ("no-train-files", {}, ["train", "configs/default.yaml", "data.train_files=[]"], 2,
+     "harness: error: config key 'data.train_files': loss.mode=generative needs generative JSONL files or folders"),
+    ("unknown-deepspeed", {}, ["train", "configs/default.yaml", "train.deepspeed=zero9"], 2,
+     "harness: error: config key 'train.deepspeed': no DeepSpeed config 'zero9' (shipped: zero0, zero1, zero2, "
+     "zero2_offload, zero3, zero3_offload)"),
+    ("deepspeed-bad-json", {"ds.json": '{"zero_optimization": {"stage": 3,}}'},
+     ["train", "configs/default.yaml", "train.deepspeed={d}/ds.json"], 2,
+     "harness: error: {d}/ds.json:1: invalid JSON in DeepSpeed config (Expecting property name enclosed in double "
+     "quotes)"),
+    # ---- resume
+    ("resume-not-a-folder", {"ck": "x"}, ["train", "configs/default.yaml", "train.output_dir={d}/out",
+                                          "train.resume={d}/ck"], 2,
+     "harness: error: config key 'train.resume': {d}/ck is not a folder"),
+    ("resume-not-a-checkpoint", {"ck/readme.txt": "x"}, ["train", "configs/default.yaml", "train.output_dir={d}/out",
+                                                          "train.resume={d}/ck"], 2,
+     "harness: error: config key 'train.resume': {d}/ck is not a complete checkpoint (no COMPLETE marker or "
+     "harness_state.json)"),
+    ("fresh-start-over-checkpoints", {"out/checkpoints/step-4/COMPLETE": "complete\n",
+                                      "out/checkpoints/step-4/harness_state.json": "{}"},
+     ["train", "configs/default.yaml", "train.output_dir={d}/out", "train.resume=null"], 2,
+     "harness: error: config key 'train.resume': {d}/out/checkpoints already holds checkpoints (newest step-4); use "
+     "train.resume=auto to continue or another train.output_dir"),
+    # ---- plan and bench
+    ("plan-zero-hours", {}, ["plan", "configs/default.yaml", "--hours", "0"], 2,
+     "harness: error: harness plan: --hours must be > 0, --margin-minutes >= 0 and --steps >= 1"),
+    ("plan-report-missing", {}, ["plan", "configs/default.yaml", "--hours", "1", "--from-report", "{d}/report.json"], 1,
+     "harness: error: --from-report: no such file: {d}/report.json"),
+    ("plan-report-not-harness", {"report.json": '{"loss": 1}'},
+     ["plan", "configs/default.yaml", "--hours", "1", "--from-report", "{d}/report.json"], 1,
+     "harness: error: {d}/report.json: not a harness report with timings (field 'timings' missing): use a report.json "
+     "written by this version of harness train"),
+    ("bench-embedding", {}, ["bench", "configs/gritlm-tiny.yaml"], 2,
+     "harness: error: harness bench compares generative training; got loss.mode=unified (--profiles runs the harness alone in any mode)"),
+]
+
+
+def _fill(text: str, d: Path) -> str:
+    return text.replace("{d}", str(d)).replace("{cwd}", os.getcwd())
+
+
+def test_the_table_is_large_enough():
+    assert len(CASES) >= 25 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("name, files, argv, status, line", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gives_one_line(name, files, argv, status, line, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for rel, content in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(content)
+    code = cli.main([_fill(a, tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("Generating", "tokenize", "Map"))]
+    assert code == status, err
+    assert lines == [_fill(line, tmp_path)], err
+
+
+def test_a_bad_input_seen_from_the_shell(tmp_path):
+    """As a separate process: exit status 2, the one line on stderr, no traceback."""
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "train", "configs/default.yaml", "train.bogus=1"],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "harness: error: unknown config key 'train.bogus'"
+    assert "Traceback" not in proc.stderr and json.dumps(proc.stdout) == '""'

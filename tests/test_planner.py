@@ -1,0 +1,173 @@
+"""harness.planner: the plan's arithmetic on fixed inputs (hand-computed), and `harness plan` for real.
+
+    .venv/bin/python -m pytest tests/test_planner.py -m "not slow"     # the arithmetic only
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness import planner
+from harness.config import load_config
+from harness.planner import Calibration
+
+CAL = Calibration(s_per_step=0.5, warmup_extra_s=3.0, startup_s=12.0, eval_s=4.0, save_s=2.0, export_s=1.5,
+                  optimizer_s_per_step=0.1, world_size=1, source="fixed")
+
+
+def cfg_of(*overrides: str):
+    return load_config("configs/default.yaml", list(overrides))
+
+
+def gen_data(items: int = 400, samples: int = 400, lengths=None) -> dict:
+    lengths = lengths or [40] * samples
+    return {"primary": "generative", "generative": {
+        "samples": samples, "tokens": sum(lengths), "max_len": 128, "p50_len": 40, "p95_len": 40, "longest": max(lengths),
+        "truncated_samples": 0, "truncated_tokens": 0, "items": items, "packing": False, "full_lengths": lengths}}
+
+
+def test_schedule_matches_the_loop():
+    # 400 samples, micro-batch 16, 1 process: 25 micro-batches, accumulation 2 -> 12 steps per epoch, 1.5 epochs -> 19
+    assert planner.schedule_steps(400, 16, 1, 2, -1, 1.5) == {"micro_per_epoch": 25, "steps_per_epoch": 12,
+                                                              "total_steps": 19}
+    # 2 processes: ceil(25 / 2) = 13 micro-batches each
+    assert planner.schedule_steps(400, 16, 2, 1, -1, 1.0)["total_steps"] == 13
+    assert planner.schedule_steps(400, 16, 2, 1, 50, 1.0)["total_steps"] == 50  # max_steps wins
+
+
+def test_counts():
+    assert planner.count_evals(150, 0, True, True) == 2  # step 0 and the end
+    assert planner.count_evals(150, 50, True, True) == 4  # 0, 50, 100, 150 (the last is the final one)
+    assert planner.count_evals(151, 50, False, True) == 4  # 50, 100, 150, 151
+    assert planner.count_evals(150, 50, True, False) == 0
+    assert planner.count_saves(100, 30, 0.0, 0.0) == 3
+    assert planner.count_saves(100, 0, 600.0, 4.0) == 2  # every 4 minutes of 10
+
+
+def test_estimate_adds_the_phases():
+    e = planner.estimate(100, CAL, evals=2, saves_by_steps=3)
+    assert e["train_s"] == pytest.approx(50.0)
+    assert e["total_s"] == pytest.approx(12 + 3 + 50 + 8 + 6 + 1.5)
+    # twice the compute per step, same optimizer cost: 0.4 * 2 + 0.1
+    assert planner.estimate(10, CAL, 0, 0, work_ratio=2.0)["s_per_step"] == pytest.approx(0.9)
+
+
+def test_plan_fits_with_hand_computed_total():
+    cfg = cfg_of("train.epochs=2", "train.micro_batch_size=16")  # 25 steps per epoch -> 50 steps
+    plan = planner.make_plan(cfg, gen_data(), CAL, hours=1.0, margin_min=30, flop_dims=(1000, 2, 64))
+    # start-up 12 + warm-up 3 + 50 x 0.5 + 2 evaluations x 4 (step 0 and the end) + export 1.5 = 49.5 s
+    assert plan["estimate"]["steps"] == 50
+    assert plan["estimated_s"] == pytest.approx(49.5)
+    assert plan["window_s"] == 1800 and plan["fits"] and plan["adjustments"] == []
+    assert any("fits" in line for line in plan["derivations"])
+
+
+def test_plan_too_small_proposes_adjustments_that_fit():
+    lengths = [20] * 300 + [120] * 100  # skewed: unpacked batches are padded to their longest sample
+    cfg = cfg_of("train.epochs=4", "train.micro_batch_size=16")  # 100 steps -> 12+3+50+8+1.5 = 74.5 s
+    window_h = (60 + 60) / 3600  # 120 s window, 60 s margin -> 60 s
+    plan = planner.make_plan(cfg, gen_data(lengths=lengths), CAL, hours=window_h, margin_min=1.0, flop_dims=(10**6, 2, 64))
+    assert plan["estimated_s"] == pytest.approx(74.5) and not plan["fits"]
+    kinds = {next(iter(a["overrides"])): a for a in plan["adjustments"]}
+    epochs = kinds["train.epochs"]
+    # fixed 24.5 s; 60 - 24.5 = 35.5 s of steps -> 71 steps -> 2.84 epochs of 25 steps (ceil(2.84 * 25) = 71)
+    assert epochs["overrides"]["train.epochs"] == pytest.approx(2.84) and epochs["fits"]
+    assert epochs["estimate"]["steps"] == 71 and epochs["estimate"]["total_s"] <= 60
+    # packing removes the padding: the same tokens in fewer, full rows
+    assert kinds["train.profile"]["overrides"] == {"train.profile": "balanced", "data.packing": True}
+    assert kinds["train.profile"]["estimate"]["total_s"] < plan["estimated_s"]
+    # a shorter max_len cuts the 120-token samples
+    assert kinds["data.max_len"]["overrides"]["data.max_len"] < 128
+    # more accumulation saves optimizer steps: 50 steps instead of 100 save 50 x 0.1 s
+    acc = kinds["train.grad_accum"]
+    assert acc["overrides"] == {"train.grad_accum": 2}
+    assert plan["estimated_s"] - acc["estimate"]["total_s"] == pytest.approx(5.0)
+    for a in plan["adjustments"]:
+        assert a["reason"]
+
+
+def test_epoch_work_padding_and_packing():
+    flop = (100, 1, 8)
+    lengths = [10, 30, 10, 30]
+    padded = planner.epoch_work(lengths, 64, False, 2, 0, flop)
+    assert padded["tokens"] == 80 and padded["positions"] >= 80
+    packed = planner.epoch_work(lengths, 64, True, 2, 0, flop)
+    assert packed["items"] == 2 and packed["positions"] == 128  # 30+30 and 10+10 in rows of 64
+    assert planner.epoch_work(lengths, 16, True, 2, 0, flop)["tokens"] == 52  # 30 -> 16 twice
+
+
+def test_budget_tracker_and_plan_accuracy(tmp_path):
+    b = planner.BudgetTracker(t_process=1000.0, hours=1.0, reserve_s=60)
+    st = b.status(steps_done=10, steps_left=90, loop_s=100.0, now=1200.0)
+    assert st == {"budget_elapsed_s": 200.0, "budget_remaining_s": 3400.0, "eta_s": 900.0, "on_track": 1}
+    assert b.status(10, 400, 100.0, now=1200.0)["on_track"] == 0  # 4000 s left to run, 3400 s in the window
+    assert "NOT on track" in b.describe(b.status(10, 400, 100.0, now=1200.0))
+    cfg = cfg_of()
+    (tmp_path / "plan.json").write_text(json.dumps({"estimated_s": 110.0, "fingerprint": planner.config_fingerprint(cfg),
+                                                    "estimate": {"train_s": 90.0}}))
+    acc = planner.plan_vs_actual(tmp_path / "plan.json", cfg, 100.0)
+    assert acc["error_pct"] == pytest.approx(10.0) and acc["accuracy"] == pytest.approx(0.9) and acc["same_config"]
+    assert planner.plan_vs_actual(tmp_path / "none.json", cfg, 100.0) is None
+
+
+def test_steady_rate_from_records():
+    recs = [{"step": s, "loss": 1.0, "elapsed_s": e} for s, e in [(5, 8.0), (10, 10.0), (25, 16.0)]]
+    s, extra = planner.steady_rate(recs, 5)
+    assert s == pytest.approx(0.4) and extra == pytest.approx(6.0)
+
+
+def test_timings_split_warmup_and_steady():
+    t = planner.Timings(eval_s=2.0, save_s=1.0, warmup_done_s=5.0)
+    t.loop(loop_s=28.0, steps=25)  # 25 s of steps: the first 5 took 5 s, the next 20 took 20 s
+    assert t.steady_s_per_step == pytest.approx(1.0) and t.warmup_extra_s == pytest.approx(0.0)
+
+
+@pytest.mark.slow
+def test_plan_then_train_records_accuracy(tmp_path, repo_root):
+    """A real calibration, a real run of the planned config, and report.json's estimate against actual; then a
+    window too small: the plan says so and its first adjustment fits when re-planned from the same measurements."""
+    out = tmp_path / "run"
+    args = ["configs/default.yaml", "train.epochs=2", f"train.output_dir={out}", "train.report_to=[]",
+            "train.progress_bar=false"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    plan = subprocess.run([sys.executable, "-m", "harness.cli", "plan", *args, "--hours", "1", "--steps", "10"],
+                          cwd=repo_root, capture_output=True, text=True, env=env, timeout=600)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert " 5. window: 1 h - 30 min margin" in plan.stdout and "fits" in plan.stdout
+    est = json.loads((out / "plan.json").read_text())
+    assert est["schedule"]["total_steps"] == 50 and est["estimate"]["steps"] == 50
+    train = subprocess.run([sys.executable, "-m", "harness.train", "--config", *args], cwd=repo_root,
+                           capture_output=True, text=True, env=env, timeout=600)
+    assert train.returncode == 0, train.stderr[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["plan"]["estimated_s"] == pytest.approx(est["estimated_s"]) and rep["plan"]["same_config"]
+    assert rep["plan"]["actual_s"] == pytest.approx(rep["timings"]["process_wall_s"])
+    assert abs(rep["plan"]["error_pct"]) < 50  # the figure itself is reported (docs/benchmarks.md), not timed here
+
+    # a window of a third of the estimate: told so; the epochs adjustment fits under the same measurements
+    hours = (est["estimated_s"] / 3) / 3600
+    small = subprocess.run([sys.executable, "-m", "harness.cli", "plan", *args, "--hours", f"{hours:.6f}",
+                            "--margin-minutes", "0", "--from-report", str(out / "report.json"),
+                            "--out", str(tmp_path / "small.json")],
+                           cwd=repo_root, capture_output=True, text=True, env=env, timeout=600)
+    assert small.returncode == 0, small.stderr[-3000:]
+    assert "does NOT fit" in small.stdout
+    p = json.loads((tmp_path / "small.json").read_text())
+    first = next(a for a in p["adjustments"] if a["fits"])
+    again = subprocess.run([sys.executable, "-m", "harness.cli", "plan", *args,
+                            *[f"{k}={v}" for k, v in first["overrides"].items()], "--hours", f"{hours:.6f}",
+                            "--margin-minutes", "0", "--from-report", str(out / "report.json"),
+                            "--out", str(tmp_path / "again.json")],
+                           cwd=repo_root, capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0 and json.loads((tmp_path / "again.json").read_text())["fits"], again.stdout
+
+
+def test_largest_fitting_bisection():
+    assert planner.largest_fitting(1, 100, lambda x: x * 2.0, 71.0) == 35
+    assert planner.largest_fitting(1, 100, lambda x: x, 1000.0) == 100
+    assert planner.largest_fitting(5, 100, lambda x: x, 4.0) is None
