@@ -5,6 +5,8 @@
     harness data-check FILE_OR_DIR ...            validate generative JSONL files and print token-length statistics
     harness data-stats FILE_OR_DIR ... [--max-len N]  token-length distribution, truncation, what max_len=auto picks
     harness bench FILE [overrides] [--profiles ...]  harness vs raw PyTorch vs HF Trainer (or profiles), tokens/s
+    harness summary RUN_DIR                       (re)write RUN_DIR/summary.md and RUN_DIR/plots/*.png
+    harness compare RUN_DIR RUN_DIR ... [--out compare.png]  key figures side by side, losses overlaid
 
 For several processes use accelerate's launcher on harness/train.py (see README.md).
 """
@@ -106,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         except HarnessError as err:
             print(f"harness: error: {err}", file=sys.stderr)
             return err.exit_code
+    if argv and argv[0] in ("summary", "compare"):  # run summaries (harness/summary.py)
+        from harness import summary
+
+        return summary.main(argv)
+    sub.add_parser("summary", help="(re)write a run folder's summary.md and plots")
+    sub.add_parser("compare", help="compare run folders: key figures side by side, losses overlaid")
     sub.add_parser("bench", help="harness vs raw PyTorch vs HF Trainer, or profiles (see python -m harness.bench -h)")
     args = p.parse_args(argv)
     try:
