@@ -379,9 +379,6 @@ def validate(cfg: Config) -> None:
     if t.monitor_interval_s < 0 or t.price_per_hour < 0:
         raise ConfigError(f"config key '{'train.price_per_hour' if t.price_per_hour < 0 else 'train.monitor_interval_s'}"
                           "': must be >= 0")
-    from harness.monitor import check_trackers
-
-    check_trackers(t.report_to)
     mode = cfg.loss.mode
     if mode in ("generative", "unified") and not d.train_files:
         raise ConfigError(f"config key 'data.train_files': loss.mode={mode} needs generative JSONL files or folders")

@@ -15,6 +15,7 @@ says the GPUs sat idle part of the time (data loading, checkpoints, evaluation, 
 Trackers: `train.report_to` names accelerate trackers (tensorboard, wandb, mlflow, ...). `check_trackers` refuses
 one whose package is not installed (accelerate would silently drop it); `tracker_list` / `init_trackers` keep
 tensorboard's events in <output_dir>/tensorboard and name the wandb project / mlflow experiment after the run folder.
+The check runs when the run starts (a config file stays valid on a machine without the tracker installed).
 """
 
 from __future__ import annotations
@@ -294,6 +295,7 @@ def tracker_list(report_to: list, output_dir: str) -> Optional[list]:
     (whatever the project name), the other trackers by name."""
     if not report_to:
         return None
+    check_trackers(report_to)
     from accelerate.tracking import TensorBoardTracker
 
     return [TensorBoardTracker("tensorboard", output_dir) if t == "tensorboard" else t for t in report_to]

@@ -310,7 +310,8 @@ def write_summary(run_dir: str | Path) -> tuple[str, list[Path]]:
     if not rep:
         lines += ["No report.json: the run has not finished (figures from metrics.jsonl so far).", ""]
     else:
-        lines += [f"{rep.get('world_size')} process(es), {rep.get('distributed_type')}, ZeRO stage "
+        dist = {"NO": "single process"}.get(rep.get("distributed_type"), rep.get("distributed_type"))
+        lines += [f"{rep.get('world_size')} process(es), {dist}, ZeRO stage "
                   f"{rep.get('zero_stage')}, precision {rep.get('precision')}, loss mode {rep.get('loss_mode')}, "
                   f"{_fmt(rep.get('parameters'))} parameters; stopped by: {rep.get('stopped_by') or 'end of plan'}.",
                   ""]
