@@ -170,6 +170,8 @@ class TrainConfig:
                                     "the log lines, report.json and harness plan; 0: not priced.")
     price_unit: Literal["machine", "gpu"] = _f("machine", "What train.price_per_hour is for: one machine, or one "
                                                           "GPU (multiplied by the number of processes).")
+    summary: bool = _f(True, "At the end, print the key figures and write summary.md and plots/*.png "
+                             "(harness summary RUN_DIR writes them later too).")
     progress_bar: bool = _f(True, "Show a tqdm progress bar on the main process.")
     save_final: bool = _f(True, "Export the trained model and tokenizer to <output_dir>/final in HF format.")
     stop_at_step: int = _f(0, "End this attempt after this many steps of the planned run, with a checkpoint and "

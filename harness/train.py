@@ -545,7 +545,8 @@ def run(cfg: Config) -> dict:
     report["cost"] = cost.of_run(cfg, world, state.elapsed_s + time.time() - t_start, 0.0)
     if accelerator.is_main_process:
         checkpoint.write_json(out / "report.json", report)
-        summary.finish_run(out, say)  # the figures table, summary.md, plots/*.png
+        if cfg.train.summary:  # the figures table, summary.md, plots/*.png
+            summary.finish_run(out, say)
     accelerator.end_training()
     say(f"[harness] done: step {state.step}, {train_time:.1f}s this attempt, loss "
         f"{state.first_loss if state.first_loss is not None else float('nan'):.4f} -> "
