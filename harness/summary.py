@@ -256,9 +256,10 @@ def plot_retrieval(run: dict, path: Path) -> bool:
 
 
 def plan_figures(report: Optional[dict]) -> Optional[dict]:
-    """Planned and actual training time from report["plan"] (written by the planner: estimated_s at least), or
+    """Planned and actual training time from report["plan"] (or "estimate"; written by the planner: estimated_s at
+    least), or
     None without a usable plan: {"estimated_s", "actual_s", "planned_steps", "steps", "error_pct"}."""
-    plan = (report or {}).get("plan")
+    plan = (report or {}).get("plan") or (report or {}).get("estimate")
     if not isinstance(plan, dict):
         return None
     est = next((plan[k] for k in ("estimated_s", "estimate_s", "estimated_train_s") if plan.get(k) is not None), None)
@@ -281,11 +282,15 @@ def plot_plan(run: dict, path: Path) -> bool:
             label=f"plan: {pf['estimated_s'] / 60:.1f} min for {steps} steps")
     if xs:
         ax.plot([0] + xs, [0] + [y / 60 for y in ys], "-o", color="C0", ms=3, label="actual (logged steps)")
+    proj = [(r["step"], (r["elapsed_s"] + r["eta_s"]) / 60) for r in run["records"]
+            if r.get("elapsed_s") is not None and r.get("eta_s") is not None]
+    if proj:
+        ax.plot(*zip(*proj), ":", color="C1", lw=1.5, label="projected total at that step (elapsed + ETA)")
     if pf["actual_s"] is not None:
         err = f" ({pf['error_pct']:+.0f}% vs plan)" if pf["error_pct"] is not None else ""
         ax.plot([pf["steps"] or steps], [pf["actual_s"] / 60], "*", color="C3", ms=14,
                 label=f"actual: {pf['actual_s'] / 60:.1f} min{err}")
-    ax.legend(loc="upper left")
+    ax.legend(loc="lower right", fontsize=8)
     fig.savefig(path)
     return True
 

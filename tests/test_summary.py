@@ -25,7 +25,7 @@ def make_run(root: Path, name: str, loss_scale: float = 1.0, plan: bool = True, 
     for i, step in enumerate((10, 20, 30, 40, 50)):
         r = {"step": step, "loss": loss_scale * (5.0 - i), "lr": 1e-3 * (1 - i / 5), "tokens_per_s": [50, 100, 110,
              120, 130][i], "mfu": [0.1, 0.3, 0.35, 0.4, 0.45][i], "mem_gb": [10, 12, 12.5, 12, 11][i],
-             "elapsed_s": 60.0 * (i + 1), "gpu_util": 80.0 + i, "gpu_mem_gb": 40.0, "cpu_util": 12.0, "rss_gb": 3.0,
+             "elapsed_s": 60.0 * (i + 1), "eta_s": 70.0 * (4 - i), "gpu_util": 80.0 + i, "gpu_mem_gb": 40.0, "cpu_util": 12.0, "rss_gb": 3.0,
              "cost": 0.1 * (i + 1)}
         if unified:
             r.update(loss_gen=loss_scale * (4.0 - i * 0.5), loss_emb=loss_scale * (1.0 - i * 0.1))
