@@ -105,7 +105,8 @@ def test_compare_table_and_overlay_through_the_cli(tmp_path, capsys):
 @pytest.mark.slow
 def test_real_run_writes_utilisation_cost_and_its_summary(tmp_path):
     out = tmp_path / "run"
-    run_train([*FAST, f"train.output_dir={out}", "train.max_steps=6", "train.log_every=2", "train.save_final=false",
+    run_train([*FAST, f"train.output_dir={out}", "train.max_steps=4", "train.log_every=2",
+               "train.micro_batch_size=2", "train.save_final=false",
                "train.monitor_interval_s=0.1", "train.price_per_hour=3.6", "train.price_unit=gpu", "train.summary=true"])
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(0 <= r["cpu_util"] <= 100 and r["rss_gb"] > 0 for r in recs[1:])  # the first may precede a sample
