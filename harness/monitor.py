@@ -8,7 +8,8 @@
 The loop folds the mean of the samples since the previous log line into each metrics.jsonl record (gpu_util: mean
 over the GPUs, gpu_mem_gb: the fullest GPU, cpu_util, rss_gb; tensorboard gets the same scalars), and the run's
 summary (mean, p10 and max per metric, per GPU as well) goes to report.json["utilisation"]. A low p10 of gpu_util
-says the GPUs sat idle part of the time (data loading, checkpoints, evaluation, logging).
+says the GPUs sat idle part of the time (data loading, checkpoints, evaluation, logging). A resumed run's summary
+covers its last attempt; the per-step fields in metrics.jsonl cover every attempt.
 
     python -m harness.monitor 5          # sample this machine for 5 s and print the summary
 

@@ -125,13 +125,16 @@ LABELS = {
 }
 
 
+ALWAYS = ("profile", "zero_stage", "world_size")  # rows kept even when empty: '-' is an answer there
+
+
 def table(columns: dict[str, dict], drop_empty: bool = True) -> str:
     """A markdown table: one row per figure, one column per run (columns: run name -> key_figures)."""
     names = list(columns)
     rows = []
     for key, label in LABELS.items():
         vals = [columns[n].get(key) for n in names]
-        if drop_empty and all(v is None for v in vals):
+        if drop_empty and all(v is None for v in vals) and key not in ALWAYS:
             continue
         rows.append([label] + [_fmt(v) for v in vals])
     head = ["figure"] + names
