@@ -6,6 +6,8 @@
     harness data-stats FILE_OR_DIR ... [--max-len N]  token-length distribution, truncation, what max_len=auto picks
     harness bench FILE [overrides] [--profiles ...]  harness vs raw PyTorch vs HF Trainer (or profiles), tokens/s
     harness plan FILE [overrides] --hours H        fit the run into a wall-clock window (calibrates, writes plan.json)
+    harness summary RUN_DIR                       (re)write RUN_DIR/summary.md and RUN_DIR/plots/*.png
+    harness compare RUN_DIR RUN_DIR ... [--out compare.png]  key figures side by side, losses overlaid
 
 For several processes use accelerate's launcher on harness/train.py (see README.md).
 """
@@ -108,6 +110,16 @@ def main(argv: list[str] | None = None) -> int:
         except HarnessError as err:
             print(f"harness: error: {err}", file=sys.stderr)
             return err.exit_code
+    if argv and argv[0] in ("summary", "compare"):  # run summaries (harness/summary.py)
+        from harness import summary
+
+        try:
+            return summary.main(argv)
+        except HarnessError as err:
+            print(f"harness: error: {err}", file=sys.stderr)
+            return err.exit_code
+    sub.add_parser("summary", help="(re)write a run folder's summary.md and plots")
+    sub.add_parser("compare", help="compare run folders: key figures side by side, losses overlaid")
     sub.add_parser("bench", help="harness vs raw PyTorch vs HF Trainer, or profiles (see python -m harness.bench -h)")
     sub.add_parser("plan", help="fit a run into a wall-clock window (harness plan FILE --hours H; see --help)")
     args = p.parse_args(argv)

@@ -167,7 +167,16 @@ class TrainConfig:
     log_every: int = _f(10, "Log metrics every N optimizer steps (and always at the last step).")
     eval_every: int = _f(0, "Evaluate (eval files, retrieval) every N steps; 0: only at the end.")
     eval_at_start: bool = _f(True, "Also evaluate before the first step of a fresh run (the step-0 baseline).")
-    report_to: list = _f(["tensorboard"], "accelerate trackers to log to; [] for none.")
+    report_to: list = _f(["tensorboard"], "accelerate trackers to log to (tensorboard, wandb, mlflow, ...; "
+                                          "installed separately except tensorboard); [] for none.")
+    monitor_interval_s: float = _f(2.0, "Sample GPU (NVML) / CPU utilisation and memory every N seconds in the "
+                                        "background (metrics.jsonl, report.json); 0: off.")
+    price_per_hour: float = _f(0.0, "Price of one hour per train.price_unit, for the cost so far and projected in "
+                                    "the log lines, report.json and harness plan; 0: not priced.")
+    price_unit: Literal["machine", "gpu"] = _f("machine", "What train.price_per_hour is for: one machine, or one "
+                                                          "GPU (multiplied by the number of processes).")
+    summary: bool = _f(True, "At the end, print the key figures and write summary.md and plots/*.png "
+                             "(harness summary RUN_DIR writes them later too).")
     progress_bar: bool = _f(True, "Show a tqdm progress bar on the main process.")
     save_final: bool = _f(True, "Export the trained model and tokenizer to <output_dir>/final in HF format.")
     stop_at_step: int = _f(0, "End this attempt after this many steps of the planned run, with a checkpoint and "
@@ -382,6 +391,9 @@ def validate(cfg: Config) -> None:
         bad = next(k for k, v in [("optim.warmup_steps", o.warmup_steps), ("optim.max_grad_norm", o.max_grad_norm),
                                   ("data.num_workers", d.num_workers), ("train.eval_every", t.eval_every)] if v < 0)
         raise ConfigError(f"config key '{bad}': must be >= 0")
+    if t.monitor_interval_s < 0 or t.price_per_hour < 0:
+        raise ConfigError(f"config key '{'train.price_per_hour' if t.price_per_hour < 0 else 'train.monitor_interval_s'}"
+                          "': must be >= 0")
     mode = cfg.loss.mode
     if mode in ("generative", "unified") and not d.train_files:
         raise ConfigError(f"config key 'data.train_files': loss.mode={mode} needs generative JSONL files or folders")

@@ -26,6 +26,7 @@ import torch
 
 from harness.config import Config
 from harness.errors import ConfigError
+from harness.monitor import tracker_list
 
 DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 
@@ -106,7 +107,7 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
         ),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         step_scheduler_with_optimizer=False,
-        log_with=cfg.train.report_to or None,
+        log_with=tracker_list(cfg.train.report_to, cfg.train.output_dir),  # tensorboard in <output_dir>/tensorboard
         project_dir=cfg.train.output_dir,
         kwargs_handlers=handlers,
     )

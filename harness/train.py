@@ -31,6 +31,7 @@ import torch
 
 from harness import checkpoint, distributed, hardware, losses, metrics, planner
 from harness import data as data_lib
+from harness import cost, monitor, summary  # run observability: utilisation, cost, summary
 from harness.config import Config, describe, load_config, save_config
 from harness.errors import HarnessError
 
@@ -230,6 +231,7 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
     compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
     accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision), compile_mode)
     tf32 = hardware.enable_tf32(cfg.train.tf32)
+    sampler = monitor.start_sampler(cfg.train.monitor_interval_s, accelerator.is_main_process)  # GPU/CPU utilisation
     say = accelerator.print
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -318,7 +320,7 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
         state = LoopState(**checkpoint.load_checkpoint(accelerator, resume_from))
         say(f"[harness] resumed from {resume_from}: step {state.step}, data position {state.streams}")
     if cfg.train.report_to:
-        accelerator.init_trackers("tensorboard", config=_flat(cfg.to_dict()))
+        monitor.init_trackers(accelerator, cfg.train.output_dir, _flat(cfg.to_dict()))
     logger = metrics.MetricsLogger(accelerator, out, resume_step=state.step if resume_from else None)
     start_step = state.step
     streams = {n: micro_batches(accelerator, loaders[n], state.streams[n]) for n in names}
@@ -444,6 +446,9 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
             })
             if budget is not None:  # the window: elapsed, remaining, ETA, on track
                 record.update(budget.status(state.step - start_step, total_steps - state.step, meter.elapsed()))
+            record.update(sampler.drain() if sampler else {})  # utilisation since the previous log line
+            run_cost = cost.of_run(cfg, world, state.elapsed_s + time.time() - t_start, record.get("eta_s"))
+            record.update(cost.fields(run_cost))
             if cfg.train.eval_every and state.step % cfg.train.eval_every == 0 and state.step != total_steps:
                 record.update(evaluate(state.step))
             logger.log(record)
@@ -452,8 +457,9 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
                             **({"window": budget.short(record)} if budget else {}))
             line = (f"[harness] step {state.step}/{total_steps} loss {record['loss']:.4f}"
                     + "".join(f" {k} {v:.4f}" for k, v in parts.items() if mode == "unified")
-                    + f" lr {record['lr']:.2e} grad_norm {record['grad_norm'] or 0:.3f} tokens/s {tok_s:,.0f}"
-                    + (f" | {budget.describe(record)}" if budget else ""))
+                    + f" lr {record['lr']:.2e} grad_norm {record['grad_norm'] or 0:.3f} tokens/s {tok_s:,.0f}")
+            line += monitor.progress_text(record) + cost.progress_text(run_cost)
+            line += f" | {budget.describe(record)}" if budget else ""
             bar.write(line) if not bar.disable else say(line)
 
         # checkpoint on schedule (steps, minutes), on a stop signal, before the time window closes; every rank
@@ -495,6 +501,8 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
             f"{checkpoint.checkpoints_root(out) / f'step-{state.step}'}; continue with train.resume=auto")
         logger.close()
         accelerator.end_training()
+        if sampler:
+            sampler.stop()
         return {"steps": state.step, "stopped_early": stopped_by}
     if stopped_by == "time_budget":
         say(f"[harness] time budget of {cfg.train.time_budget_hours} h nearly used: stopping at step "
@@ -569,8 +577,12 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
         "time_budget": budget.summary(timings.process_wall_s, stopped_by == "time_budget") if budget else None,
         "plan": planner.plan_vs_actual(out / "plan.json", cfg, timings.process_wall_s),
     }
+    report["utilisation"] = sampler.stop() if sampler else None
+    report["cost"] = cost.of_run(cfg, world, state.elapsed_s + time.time() - t_start, 0.0)
     if accelerator.is_main_process:
         checkpoint.write_json(out / "report.json", report)
+        if cfg.train.summary:  # the figures table, summary.md, plots/*.png
+            summary.finish_run(out, say)
     accelerator.end_training()
     if report["plan"]:
         say(f"[harness] plan: estimated {report['plan']['estimated_s']:.1f}s, actual {report['plan']['actual_s']:.1f}s "

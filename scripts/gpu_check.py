@@ -6,7 +6,9 @@
 Runs `accelerate launch harness/train.py --config configs/gpu-1b.yaml` once per variant (random init, bf16, packed
 2048-token rows, no download), reads each run's report.json and metrics.jsonl, prints a table and writes
 runs/gpu-check/gpu_check.json. Steady-state figures are medians over the logged intervals after the first (which
-holds compilation). Not a test: it needs a GPU; the figures go to docs/benchmarks.md with the date and device.
+holds compilation). GPU utilisation is recorded twice: by the run itself (NVML every second, training only:
+report.json["utilisation"]) and by this script around the whole launch (start-up and compilation included), both
+summarised as mean and p10. Not a test: it needs a GPU; the figures go to docs/benchmarks.md with the date and device.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from harness.monitor import UtilisationSampler, describe  # noqa: E402
 VARIANTS = {  # name: (accelerate config, overrides)
     "eager": ("single_gpu", ["train.compile=none"]),
     "regional": ("single_gpu", ["train.compile=regional"]),
@@ -34,19 +38,28 @@ def run_variant(name: str, steps: int, out_root: Path, extra: list[str]) -> dict
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs" / f"{accel}.yaml"), "--num_processes", "1",
            str(ROOT / "harness" / "train.py"), "--config", str(ROOT / "configs" / "gpu-1b.yaml"),
-           f"train.output_dir={out}", f"train.max_steps={steps}", "train.resume=null", *overrides, *extra]
+           f"train.output_dir={out}", f"train.max_steps={steps}", "train.resume=null", "train.monitor_interval_s=1",
+           *overrides, *extra]
     print("$", " ".join(cmd), flush=True)
+    sampler = UtilisationSampler(interval_s=1.0, gpus=True).start()  # the whole launch, start-up included
     proc = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True)
+    whole = sampler.stop()
+    print(f"  utilisation, whole launch: {describe(whole)}" + (f" ({whole['note']})" if whole["note"] else ""))
     (out_root / f"{name}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         return {"variant": name, "error": (proc.stderr or proc.stdout)[-2000:]}
     rep = json.loads((out / "report.json").read_text())
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if "loss" in r][1:]  # drop the first interval (compilation, warm-up)
+    util = (rep.get("utilisation") or {}).get("metrics", {})
+    print(f"  utilisation, training: {describe(rep.get('utilisation'))}")
     med = lambda key: statistics.median(r[key] for r in recs if r.get(key) is not None) if recs else None  # noqa
     return {"variant": name, "tokens_per_s": med("tokens_per_s"), "mfu": med("mfu"), "mem_gb": med("mem_gb"),
             "padding_share": med("padding_share"), "zero_stage": rep.get("zero_stage"), "compile": rep.get("compile"),
-            "final_loss": rep.get("final_loss"), "gpu": (rep["hardware"]["gpus"] or [{}])[0]}
+            "final_loss": rep.get("final_loss"), "gpu": (rep["hardware"]["gpus"] or [{}])[0],
+            "gpu_util_mean": util.get("gpu_util", {}).get("mean"), "gpu_util_p10": util.get("gpu_util", {}).get("p10"),
+            "gpu_mem_used_max_gb": util.get("gpu_mem_gb", {}).get("max"),
+            "utilisation": rep.get("utilisation"), "utilisation_whole_launch": whole}
 
 
 def main() -> int:
@@ -64,14 +77,15 @@ def main() -> int:
     out_root = Path(args.out)
     out_root.mkdir(parents=True, exist_ok=True)
     rows = [run_variant(v, args.steps, out_root, args.overrides) for v in args.variants.split(",")]
-    print(f"\n{'variant':<10}{'tokens/s':>12}{'MFU':>8}{'mem GB':>9}{'cold compile s':>16}")
+    print(f"\n{'variant':<10}{'tokens/s':>12}{'MFU':>8}{'mem GB':>9}{'cold compile s':>16}{'GPU util mean/p10':>20}")
     for r in rows:
         if "error" in r:
             print(f"{r['variant']:<10} failed: {r['error'][-300:]}")
             continue
         cc = (r["compile"] or {}).get("cold_compile_s")
         print(f"{r['variant']:<10}{r['tokens_per_s'] or 0:>12,.0f}{(r['mfu'] or 0) * 100:>7.1f}%"
-              f"{r['mem_gb'] or 0:>9.1f}{cc if cc is not None else float('nan'):>16.1f}")
+              f"{r['mem_gb'] or 0:>9.1f}{cc if cc is not None else float('nan'):>16.1f}"
+              f"{r['gpu_util_mean'] or float('nan'):>13.0f}% / {r['gpu_util_p10'] or float('nan'):.0f}%")
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": args.steps, "rows": rows}
     (out_root / "gpu_check.json").write_text(json.dumps(result, indent=2))

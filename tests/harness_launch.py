@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = str(ROOT / "configs" / "default.yaml")
 # Small, fast settings shared by the end-to-end runs (the default recipe's model and data, fewer steps).
-FAST = ["train.progress_bar=false", "train.log_every=1", "data.eval_files=[]", "train.report_to=[]"]
+FAST = ["train.progress_bar=false", "train.log_every=1", "data.eval_files=[]", "train.report_to=[]",
+        "train.summary=false"]  # no plots: ~2 s a run (tests/test_summary.py covers them)
 
 
 def free_port() -> int:

@@ -1,0 +1,431 @@
+"""Run summaries and comparisons, from a run folder's metrics.jsonl and report.json (nothing else is needed).
+
+At the end of every run the main process prints a short table and writes <output_dir>/summary.md with PNG plots in
+<output_dir>/plots/ (only those the run has data for):
+  loss.png          training loss per step (loss_gen / loss_emb in unified mode) and the evaluation loss points
+  lr.png            learning rate per step
+  throughput.png    tokens/s per logged interval, and MFU (%) where the GPU's peak is known
+  utilisation.png   GPU / CPU utilisation (%) and memory (GB) per logged interval
+  retrieval.png     held-out recall@1 and MRR where evaluated
+  plan.png          planned against actual training time, when report.json has a "plan" section
+
+    harness summary RUN_DIR                       # (re)write RUN_DIR/summary.md and RUN_DIR/plots/
+    harness compare RUN_DIR RUN_DIR [...] [--out compare.png]
+        side-by-side table of the runs' key figures (throughput, MFU, memory, losses, cost, wall time, steps,
+        profile, ZeRO stage, world size) and their losses overlaid per step and per hour of training, written to
+        --out (default: compare.png in the current directory); --md PATH also writes the table as markdown.
+    python -m harness.summary RUN_DIR             # the same as harness summary
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Optional
+
+from harness.errors import HarnessError
+
+
+# ----------------------------------------------------------------------------------------------- reading a run
+
+
+def load_run(run_dir: str | Path) -> dict:
+    """{"dir", "name", "records", "report"}: the metrics.jsonl records (in order) and report.json (None when the
+    run has not finished). HarnessError when the folder has neither."""
+    d = Path(run_dir)
+    mpath, rpath = d / "metrics.jsonl", d / "report.json"
+    if not mpath.is_file() and not rpath.is_file():
+        raise HarnessError(f"{d}: not a run folder (no metrics.jsonl or report.json)")
+    records = []
+    lines = mpath.read_text(encoding="utf-8").splitlines() if mpath.is_file() else []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                if n < len(lines):  # a cut last line is a run still writing; anything else is damage
+                    raise HarnessError(f"{mpath}:{n}: invalid JSON ({e.msg})") from None
+    report = json.loads(rpath.read_text(encoding="utf-8")) if rpath.is_file() else None
+    return {"dir": d, "name": d.resolve().name, "records": records, "report": report}
+
+
+def series(records: list[dict], key: str, x: str = "step") -> tuple[list, list]:
+    """(xs, ys) of the records that have a value for `key` (and for `x`)."""
+    pts = [(r[x], r[key]) for r in records if r.get(key) is not None and r.get(x) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _median(values: list) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
+def key_figures(run: dict) -> dict:
+    """The figures a person compares runs by, label -> value (None where the run has no such figure). Throughput
+    and MFU are medians over the logged intervals after the first one (it holds compilation and warm-up)."""
+    rec, rep = run["records"], run["report"] or {}
+    train = [r for r in rec if "loss" in r]
+    steady = train[1:] or train
+    util = (rep.get("utilisation") or {}).get("metrics") or {}
+    cost = rep.get("cost") or {}
+    evals = rep.get("eval") or {}
+    last_eval = next((r for r in reversed(rec) if r.get("eval_loss") is not None), {})
+    last = train[-1] if train else {}
+    mfu = _median([r["mfu"] for r in steady if r.get("mfu") is not None])
+    return {
+        "profile": rep.get("profile"),
+        "zero_stage": rep.get("zero_stage"),
+        "world_size": rep.get("world_size"),
+        "precision": rep.get("precision"),
+        "steps": f"{rep.get('steps', last.get('step'))}/{rep.get('planned_steps', '?')}" if rep
+        else last.get("step"),
+        "wall_time_s": rep.get("wall_time_s"),
+        "train_time_s": rep.get("train_time_s", last.get("elapsed_s")),
+        "tokens_per_s": _median([r["tokens_per_s"] for r in steady if r.get("tokens_per_s") is not None]),
+        "tokens_per_s_overall": rep.get("tokens_per_s"),
+        "mfu_pct": 100 * mfu if mfu is not None else None,
+        "peak_mem_gb": max((r["mem_gb"] for r in rec if r.get("mem_gb") is not None), default=None),
+        "first_loss": rep.get("first_loss", train[0]["loss"] if train else None),
+        "final_loss": rep.get("final_loss", last.get("loss")),
+        "final_loss_gen": rep.get("final_loss_gen", last.get("loss_gen")),
+        "final_loss_emb": rep.get("final_loss_emb", last.get("loss_emb")),
+        "eval_loss": evals.get("eval_loss", last_eval.get("eval_loss")),
+        "eval_recall_at_1": evals.get("eval_recall_at_1"),
+        "gpu_util_mean_pct": (util.get("gpu_util") or {}).get("mean"),
+        "gpu_util_p10_pct": (util.get("gpu_util") or {}).get("p10"),
+        "cpu_util_mean_pct": (util.get("cpu_util") or {}).get("mean"),
+        "cost": cost.get("so_far", last.get("cost")),
+    }
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    if abs(v) >= 10:
+        return f"{v:.1f}"
+    return f"{v:.4f}" if abs(v) < 1 else f"{v:.3f}"
+
+
+LABELS = {
+    "profile": "profile", "zero_stage": "ZeRO stage", "world_size": "processes", "precision": "precision",
+    "steps": "steps (done/planned)", "wall_time_s": "wall time (s)", "train_time_s": "training time (s)",
+    "tokens_per_s": "tokens/s (median)", "tokens_per_s_overall": "tokens/s (whole run)", "mfu_pct": "MFU (%)",
+    "peak_mem_gb": "peak memory (GB)", "first_loss": "first loss", "final_loss": "final loss",
+    "final_loss_gen": "final loss_gen", "final_loss_emb": "final loss_emb", "eval_loss": "eval loss",
+    "eval_recall_at_1": "eval recall@1", "gpu_util_mean_pct": "GPU util mean (%)",
+    "gpu_util_p10_pct": "GPU util p10 (%)", "cpu_util_mean_pct": "CPU util mean (%)", "cost": "cost",
+}
+
+
+ALWAYS = ("profile", "zero_stage", "world_size")  # rows kept even when empty: '-' is an answer there
+
+
+def table(columns: dict[str, dict], drop_empty: bool = True) -> str:
+    """A markdown table: one row per figure, one column per run (columns: run name -> key_figures)."""
+    names = list(columns)
+    rows = []
+    for key, label in LABELS.items():
+        vals = [columns[n].get(key) for n in names]
+        if drop_empty and all(v is None for v in vals) and key not in ALWAYS:
+            continue
+        rows.append([label] + [_fmt(v) for v in vals])
+    head = ["figure"] + names
+    widths = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
+    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+
+
+# ----------------------------------------------------------------------------------------------- plots
+
+
+def _figure(title: str, xlabel: str, ylabel: str, size=(7.5, 4.2)):
+    """A figure on the Agg canvas (no pyplot, no display needed) with one titled, labelled, gridded axis."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size, dpi=110, layout="constrained")
+    ax = fig.subplots()
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def plot_loss(run: dict, path: Path) -> bool:
+    rec = run["records"]
+    xs, ys = series(rec, "loss")
+    if not xs:
+        return False
+    fig, ax = _figure(f"Loss — {run['name']}", "optimizer step", "loss (per token / per query)")
+    ax.plot(xs, ys, color="C0", lw=2, label="train loss")
+    for key, color in (("loss_gen", "C2"), ("loss_emb", "C3")):
+        kx, ky = series(rec, key)
+        if kx:
+            ax.plot(kx, ky, color=color, lw=1.2, ls="--", label=key)
+    ex, ey = series(rec, "eval_loss")
+    if ex:
+        ax.plot(ex, ey, "o", color="C1", ms=7, label="eval loss")
+        ax.annotate(f"{ey[-1]:.3f}", (ex[-1], ey[-1]), textcoords="offset points", xytext=(-10, 8), color="C1")
+    ax.annotate(f"{ys[-1]:.3f}", (xs[-1], ys[-1]), textcoords="offset points", xytext=(-10, -14), color="C0")
+    ax.legend()
+    fig.savefig(path)
+    return True
+
+
+def plot_lr(run: dict, path: Path) -> bool:
+    xs, ys = series(run["records"], "lr")
+    if not xs:
+        return False
+    fig, ax = _figure(f"Learning rate — {run['name']}", "optimizer step", "learning rate")
+    ax.plot(xs, ys, color="C4", lw=2)
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    fig.savefig(path)
+    return True
+
+
+def plot_throughput(run: dict, path: Path) -> bool:
+    rec = run["records"]
+    xs, ys = series(rec, "tokens_per_s")
+    if not xs:
+        return False
+    fig, ax = _figure(f"Throughput — {run['name']}", "optimizer step", "tokens/s (non-padding, all processes)")
+    ax.plot(xs, ys, "-o", color="C0", ms=3, label="tokens/s")
+    med = _median(ys[1:] or ys)
+    ax.axhline(med, color="C0", ls=":", lw=1, label=f"median {med:,.0f}")
+    ax.set_ylim(bottom=0)
+    mx, my = series(rec, "mfu")
+    handles, labels = ax.get_legend_handles_labels()
+    if mx:
+        ax2 = ax.twinx()
+        ax2.plot(mx, [100 * v for v in my], "-s", color="C3", ms=3, label="MFU")
+        ax2.set_ylabel("MFU (%)", color="C3")
+        ax2.set_ylim(bottom=0)
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    else:
+        ax.text(0.99, 0.03, "MFU: n/a (peak FLOP/s unknown, e.g. CPU)", transform=ax.transAxes, ha="right",
+                fontsize=8, color="gray")
+    ax.legend(handles, labels, loc="lower left")
+    fig.savefig(path)
+    return True
+
+
+def plot_utilisation(run: dict, path: Path) -> bool:
+    rec = run["records"]
+    have = {k: series(rec, k) for k in ("gpu_util", "cpu_util", "gpu_mem_gb", "rss_gb")}
+    if not any(v[0] for v in have.values()):
+        return False
+    fig, ax = _figure(f"Utilisation — {run['name']}", "optimizer step", "utilisation (%)")
+    for key, color, label in (("gpu_util", "C2", "GPU util (mean over GPUs)"), ("cpu_util", "C7", "CPU util (machine)")):
+        if have[key][0]:
+            ax.plot(*have[key], "-o", color=color, ms=3, label=label)
+    ax.set_ylim(0, 105)
+    ax2 = ax.twinx()
+    for key, color, label in (("gpu_mem_gb", "C3", "GPU memory used (fullest GPU)"), ("rss_gb", "C1", "process RSS")):
+        if have[key][0]:
+            ax2.plot(*have[key], "--", color=color, label=f"{label}, GB")
+    ax2.set_ylabel("memory (GB)")
+    ax2.set_ylim(bottom=0)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="lower left", fontsize=8)
+    fig.savefig(path)
+    return True
+
+
+def plot_retrieval(run: dict, path: Path) -> bool:
+    rec = run["records"]
+    rx, ry = series(rec, "eval_recall_at_1")
+    mx, my = series(rec, "eval_mrr")
+    if not rx and not mx:
+        return False
+    fig, ax = _figure(f"Held-out retrieval — {run['name']}", "optimizer step", "score (0-1)")
+    if rx:
+        ax.plot(rx, ry, "-o", color="C0", label="recall@1")
+    if mx:
+        ax.plot(mx, my, "-s", color="C1", label="MRR")
+    ax.set_ylim(0, 1.05)
+    ax.legend()
+    fig.savefig(path)
+    return True
+
+
+def plan_figures(report: Optional[dict]) -> Optional[dict]:
+    """Planned and actual training time from report["plan"] (or "estimate"; written by the planner: estimated_s at
+    least), or
+    None without a usable plan: {"estimated_s", "actual_s", "planned_steps", "steps", "error_pct"}."""
+    plan = (report or {}).get("plan") or (report or {}).get("estimate")
+    if not isinstance(plan, dict):
+        return None
+    est = next((plan[k] for k in ("estimated_s", "estimate_s", "estimated_train_s") if plan.get(k) is not None), None)
+    if est is None:
+        return None
+    actual = plan.get("actual_s", report.get("train_time_s"))
+    return {"estimated_s": float(est), "actual_s": actual,
+            "planned_steps": plan.get("planned_steps", report.get("planned_steps")), "steps": report.get("steps"),
+            "error_pct": 100 * (actual - est) / est if actual is not None and est else None}
+
+
+def plot_plan(run: dict, path: Path) -> bool:
+    pf = plan_figures(run["report"])
+    if pf is None:
+        return False
+    xs, ys = series(run["records"], "elapsed_s")
+    fig, ax = _figure(f"Plan vs actual — {run['name']}", "optimizer step", "training time (minutes)")
+    steps = pf["planned_steps"] or (xs[-1] if xs else 1)
+    ax.plot([0, steps], [0, pf["estimated_s"] / 60], "--", color="C7", lw=2,
+            label=f"plan: {pf['estimated_s'] / 60:.1f} min for {steps} steps")
+    if xs:
+        ax.plot([0] + xs, [0] + [y / 60 for y in ys], "-o", color="C0", ms=3, label="actual (logged steps)")
+    proj = [(r["step"], (r["elapsed_s"] + r["eta_s"]) / 60) for r in run["records"]
+            if r.get("elapsed_s") is not None and r.get("eta_s") is not None]
+    if proj:
+        ax.plot(*zip(*proj), ":", color="C1", lw=1.5, label="projected total at that step (elapsed + ETA)")
+    if pf["actual_s"] is not None:
+        err = f" ({pf['error_pct']:+.0f}% vs plan)" if pf["error_pct"] is not None else ""
+        ax.plot([pf["steps"] or steps], [pf["actual_s"] / 60], "*", color="C3", ms=14,
+                label=f"actual: {pf['actual_s'] / 60:.1f} min{err}")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.savefig(path)
+    return True
+
+
+PLOTS = {"loss.png": plot_loss, "lr.png": plot_lr, "throughput.png": plot_throughput,
+         "utilisation.png": plot_utilisation, "retrieval.png": plot_retrieval, "plan.png": plot_plan}
+
+
+# ----------------------------------------------------------------------------------------------- summary, compare
+
+
+def write_summary(run_dir: str | Path) -> tuple[str, list[Path]]:
+    """Writes run_dir/summary.md and run_dir/plots/*.png; returns (the figures table, the plots written)."""
+    run = load_run(run_dir)
+    plots_dir = run["dir"] / "plots"
+    plots_dir.mkdir(exist_ok=True)
+    written = [plots_dir / name for name, fn in PLOTS.items() if fn(run, plots_dir / name)]
+    figs = key_figures(run)
+    tab = table({run["name"]: figs})
+    rep = run["report"] or {}
+    lines = [f"# Run summary: {run['name']}", ""]
+    if not rep:
+        lines += ["No report.json: the run has not finished (figures from metrics.jsonl so far).", ""]
+    else:
+        dist = {"NO": "single process"}.get(rep.get("distributed_type"), rep.get("distributed_type"))
+        lines += [f"{rep.get('world_size')} process(es), {dist}, ZeRO stage "
+                  f"{rep.get('zero_stage')}, precision {rep.get('precision')}, loss mode {rep.get('loss_mode')}, "
+                  f"{_fmt(rep.get('parameters'))} parameters; stopped by: {rep.get('stopped_by') or 'end of plan'}.",
+                  ""]
+    lines += [tab, ""]
+    util = rep.get("utilisation")
+    if util and util.get("metrics"):
+        from harness.monitor import describe
+
+        lines += [f"Utilisation ({util['samples']} samples every {util['interval_s']} s"
+                  + (f", GPUs: {', '.join(util['gpus'])}" if util.get("gpus") else ", CPU") + f"): {describe(util)}.",
+                  ""]
+    cost = rep.get("cost")
+    if cost:
+        from harness.cost import format_cost
+
+        lines += [f"Cost: {format_cost(cost['so_far'])} at {format_cost(cost['rate_per_hour'])} per hour "
+                  f"({cost['price_per_hour']} per {cost['price_unit']}).", ""]
+    pf = plan_figures(rep)
+    if pf is not None:
+        err = f" ({pf['error_pct']:+.1f}%)" if pf["error_pct"] is not None else ""
+        act = f"{pf['actual_s']:.0f} s" if pf["actual_s"] is not None else "-"
+        lines += [f"Plan: estimated {pf['estimated_s']:.0f} s of training, actual {act}{err}.", ""]
+    lines += [f"![{p.stem}](plots/{p.name})" for p in written]
+    (run["dir"] / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return tab, written
+
+
+def finish_run(run_dir: str | Path, say=print) -> None:
+    """End of a training run (main process): print the figures and write summary.md and the plots. A failure here
+    is reported as a warning: the model and report are already saved."""
+    try:
+        tab, written = write_summary(run_dir)
+    except Exception as e:  # noqa: BLE001 - the summary must not turn a finished run into a failed one
+        say(f"[harness] warning: run summary not written ({type(e).__name__}: {e}); retry with harness summary "
+            f"{run_dir}")
+        return
+    say(f"[harness] summary ({Path(run_dir) / 'summary.md'}, {len(written)} plots in {Path(run_dir) / 'plots'}):\n"
+        + tab)
+
+
+def compare(run_dirs: list[str | Path], out: str | Path = "compare.png") -> str:
+    """The side-by-side table of the runs' key figures (returned), and their losses overlaid (per step, and per
+    minute of training time) written to `out`."""
+    runs = [load_run(d) for d in run_dirs]
+    names = [r["name"] for r in runs]
+    if len(set(names)) < len(names):  # same folder names in different places: use the paths
+        names = [str(r["dir"]) for r in runs]
+    tab = table({n: key_figures(r) for n, r in zip(names, runs)})
+
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 4.6), dpi=110, layout="constrained")
+    ax_step, ax_time = fig.subplots(1, 2, sharey=True)
+    fig.suptitle("Loss of " + ", ".join(names))
+    for i, (name, run) in enumerate(zip(names, runs)):
+        rec, color = run["records"], f"C{i % 10}"
+        xs, ys = series(rec, "loss")
+        ax_step.plot(xs, ys, color=color, lw=1.8, label=name)
+        tx, ty = series(rec, "loss", x="elapsed_s")
+        ax_time.plot([t / 60 for t in tx], ty, color=color, lw=1.8, label=name)
+        ex, ey = series(rec, "eval_loss")
+        if ex:
+            ax_step.plot(ex, ey, "o", color=color, ms=6, mfc="white", label=f"{name} eval")
+    ax_step.set(title="per optimizer step", xlabel="optimizer step", ylabel="training loss")
+    ax_time.set(title="per minute of training time", xlabel="training time (minutes)")
+    for ax in (ax_step, ax_time):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    return tab
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`harness summary RUN_DIR` / `harness compare RUN_DIR RUN_DIR ... [--out PNG] [--md PATH]`."""
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="harness", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("summary", help="(re)write RUN_DIR/summary.md and RUN_DIR/plots/")
+    s.add_argument("run_dir")
+    c = sub.add_parser("compare", help="side-by-side table of runs and their losses overlaid")
+    c.add_argument("run_dirs", nargs="+")
+    c.add_argument("--out", default="compare.png", help="overlaid loss plot (PNG); default compare.png here")
+    c.add_argument("--md", default=None, help="also write the table to this markdown file")
+    args = p.parse_args(argv)
+    try:
+        if args.command == "summary":
+            tab, written = write_summary(args.run_dir)
+            print(tab)
+            print(f"written {Path(args.run_dir) / 'summary.md'} and {len(written)} plots in "
+                  f"{Path(args.run_dir) / 'plots'}")
+        else:
+            if len(args.run_dirs) < 2:
+                raise HarnessError("compare needs at least two run folders")
+            tab = compare(args.run_dirs, args.out)
+            print(tab)
+            if args.md:
+                Path(args.md).write_text(tab + f"\n\n![loss]({Path(args.out).resolve()})\n", encoding="utf-8")
+            print(f"written {args.out}")
+    except HarnessError as e:
+        print(f"harness: error: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] not in ("summary", "compare", "-h", "--help"):
+        sys.argv.insert(1, "summary")  # python -m harness.summary RUN_DIR
+    sys.exit(main())

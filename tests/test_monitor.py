@@ -1,0 +1,150 @@
+"""Utilisation sampling and summaries (harness/monitor.py), cost (harness/cost.py), tracker checks.
+
+    .venv/bin/python -m pytest tests/test_monitor.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+
+from harness import cost, monitor
+from harness.config import load_config
+from harness.errors import ConfigError
+
+DEFAULT = "configs/default.yaml"
+
+
+# ---------------------------------------------------------------------------------------------- utilisation
+
+
+def test_cpu_util_from_proc_stat_deltas():
+    # cpu  user nice system idle iowait irq softirq steal guest guest_nice
+    prev = monitor.cpu_times("cpu  100 0 50 800 50 0 0 0 0 0\ncpu0 50 0 25 400 25 0 0 0 0 0\n")
+    cur = monitor.cpu_times("cpu  160 0 70 850 60 5 5 0 30 0\n")
+    assert prev == (150.0, 1000.0)  # busy = all but idle and iowait; guest (inside user) not counted twice
+    assert cur == (240.0, 1150.0)
+    assert monitor.cpu_util(prev, cur) == pytest.approx(100 * 90 / 150)
+    assert monitor.cpu_util(cur, cur) is None  # no time passed
+
+
+def test_percentile_interpolates_like_numpy():
+    assert monitor.percentile([50, 10, 30, 20, 40], 10) == pytest.approx(14.0)  # (5-1)*0.1 = 0.4 -> 10 + 0.4*10
+    assert monitor.percentile([7.0], 10) == 7.0
+    assert monitor.percentile([30, 80, 90, 100], 10) == pytest.approx(45.0)  # 0.3 of the way from 30 to 80
+    assert monitor.percentile([1, 2, 3], 100) == 3
+
+
+def test_summary_mean_p10_max_per_metric_on_fixed_samples():
+    samples = [
+        {"t": 0.0, "gpu_util": 90.0, "cpu_util": 10.0},
+        {"t": 2.0, "gpu_util": 80.0, "cpu_util": 20.0},
+        {"t": 4.0, "gpu_util": None, "cpu_util": 30.0},  # a failed GPU read is not a zero
+        {"t": 6.0, "gpu_util": 100.0, "cpu_util": 40.0},
+        {"t": 8.0, "gpu_util": 30.0, "cpu_util": 50.0, "rss_gb": 1.5},
+    ]
+    s = monitor.summarise(samples)
+    assert set(s) == {"gpu_util", "cpu_util", "rss_gb"}  # the time is not a metric
+    assert s["gpu_util"] == {"mean": 75.0, "p10": pytest.approx(45.0), "max": 100.0, "n": 4}
+    assert s["cpu_util"] == {"mean": 30.0, "p10": pytest.approx(14.0), "max": 50.0, "n": 5}
+    assert s["rss_gb"] == {"mean": 1.5, "p10": 1.5, "max": 1.5, "n": 1}
+    assert monitor.mean_fields(samples[:2]) == {"gpu_util": 85.0, "cpu_util": 15.0}
+    assert monitor.summarise([]) == {}
+
+
+def test_gpu_aggregates_mean_util_and_fullest_memory():
+    s = monitor.with_aggregates({"gpu0_util": 80.0, "gpu0_mem_gb": 30.0, "gpu1_util": 60.0, "gpu1_mem_gb": 70.5}, 2)
+    assert s["gpu_util"] == 70.0 and s["gpu_mem_gb"] == 70.5
+    assert "gpu_util" not in monitor.with_aggregates({"gpu0_util": None, "gpu0_mem_gb": 1.0}, 1)
+
+
+def test_describe_and_progress_text():
+    summary = {"metrics": monitor.summarise([{"gpu_util": 90.0, "rss_gb": 2.0}, {"gpu_util": 50.0, "rss_gb": 3.0}])}
+    assert monitor.describe(summary) == "gpu_util mean 70% (p10 54%), rss_gb max 3.00"
+    assert monitor.describe({"metrics": {}}) == "no utilisation samples"
+    assert monitor.progress_text({"gpu_util": 87.4, "cpu_util": 12.0}) == " gpu 87% cpu 12%"
+    assert monitor.progress_text({"loss": 1.0}) == ""
+
+
+def test_sampler_reads_this_machine_in_the_background():
+    sampler = monitor.UtilisationSampler(interval_s=0.05, gpus=False).start()
+    x = sum(i * i for i in range(300_000))  # some CPU work while it samples  # noqa: F841
+    time.sleep(0.3)
+    recent = sampler.drain()
+    assert 0.0 <= recent["cpu_util"] <= 100.0 and recent["rss_gb"] > 0.01
+    summary = sampler.stop()
+    assert not sampler._thread.is_alive()
+    assert summary["samples"] >= 3 and summary["source"] == "cpu" and summary["gpus"] == []
+    m = summary["metrics"]
+    assert m["cpu_util"]["p10"] <= m["cpu_util"]["mean"] <= m["cpu_util"]["max"] <= 100.0
+    assert m["rss_gb"]["n"] == summary["samples"]
+    assert monitor.start_sampler(0, True) is None and monitor.start_sampler(1.0, False) is None
+
+
+# ---------------------------------------------------------------------------------------------- cost
+
+
+def test_hourly_rate_per_machine_or_per_gpu():
+    assert cost.hourly_rate(2.0, "gpu", n_gpus=8) == 16.0
+    assert cost.hourly_rate(2.0, "machine", n_gpus=8) == 2.0
+    assert cost.hourly_rate(2.0, "machine", n_gpus=16, n_machines=2) == 4.0
+    assert cost.hourly_rate(0.0, "gpu", n_gpus=8) is None  # not priced
+
+
+def test_run_cost_so_far_and_projected_on_fixed_inputs():
+    c = cost.run_cost(elapsed_s=1800, eta_s=5400, price_per_hour=2.0, price_unit="gpu", n_gpus=4)
+    assert c["rate_per_hour"] == 8.0
+    assert c["so_far"] == pytest.approx(4.0)  # half an hour at 8/h
+    assert c["projected"] == pytest.approx(16.0)  # two hours in all
+    assert cost.run_cost(900, None, 3.0, "machine", 8)["projected"] is None  # no ETA yet
+    assert cost.run_cost(900, 10, 0.0, "machine", 8) is None
+    assert cost.fields(c) == {"cost": c["so_far"], "cost_projected": c["projected"]} and cost.fields(None) == {}
+    assert cost.progress_text(c) == " cost 4.00 (projected 16.00)" and cost.progress_text(None) == ""
+
+
+def test_plan_cost_and_of_run_read_the_config(monkeypatch):
+    per_gpu = load_config(DEFAULT, ["train.price_per_hour=2.5", "train.price_unit=gpu"])
+    assert cost.plan_cost(3.0, per_gpu, n_gpus=8) == pytest.approx(60.0)
+    per_machine = load_config(DEFAULT, ["train.price_per_hour=2.5"])
+    assert per_machine.train.price_unit == "machine"
+    assert cost.plan_cost(3.0, per_machine, n_gpus=8) == pytest.approx(7.5)
+    assert cost.plan_cost(3.0, load_config(DEFAULT), n_gpus=8) is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 16 processes, 8 per machine: two machines
+    assert cost.of_run(per_machine, 16, 3600, 0.0)["so_far"] == pytest.approx(5.0)
+    assert cost.of_run(per_gpu, 16, 3600, 0.0)["so_far"] == pytest.approx(40.0)
+
+
+def test_price_and_interval_keys_are_validated():
+    for bad in ("train.price_per_hour=-1", "train.monitor_interval_s=-2"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            load_config(DEFAULT, [bad])
+    with pytest.raises(ConfigError, match="train.price_unit"):
+        load_config(DEFAULT, ["train.price_unit=hour"])
+
+
+# ---------------------------------------------------------------------------------------------- trackers
+
+
+def test_tracker_checks_name_the_config_key(tmp_path):
+    monitor.check_trackers(["tensorboard", "all"])
+    with pytest.raises(ConfigError, match=r"'train.report_to': unknown tracker 'tensorbored'"):
+        monitor.check_trackers(["tensorbored"])
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(ConfigError, match=r"'train.report_to': tracker 'wandb' is not installed \(pip install "
+                                              r"wandb\)"):
+            monitor.tracker_list(["tensorboard", "wandb"], str(tmp_path))
+    (tb,) = monitor.tracker_list(["tensorboard"], str(tmp_path / "run"))
+    assert tb.name == "tensorboard" and tb.run_name == "tensorboard" and tb.logging_dir_param == str(tmp_path / "run")
+    assert monitor.tracker_list([], str(tmp_path)) is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlflow") is not None, reason="mlflow is installed here")
+def test_missing_tracker_stops_the_run_with_one_line(tmp_path, capsys):
+    from harness import train
+
+    code = train.main(["--config", DEFAULT, f"train.output_dir={tmp_path}", "train.report_to=[mlflow]"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["harness: error: config key 'train.report_to': tracker 'mlflow' is not installed "
+                                 "(pip install mlflow), or remove it from train.report_to"]
