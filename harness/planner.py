@@ -320,10 +320,21 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
     lines.append(f"window: {hours:g} h - {margin_min:g} min margin = {window:.0f} s ({fmt_s(window)}): "
                  + (f"fits, {fmt_s(window - base['total_s'])} to spare" if ok else
                     f"does NOT fit: {fmt_s(base['total_s'] - window)} too long"))
+    from harness.cost import format_cost, plan_cost
+
+    price = lambda est: plan_cost(est["total_s"] / 3600, cfg, n_gpus=world)  # noqa: E731 - None without a price
+    base["cost"] = price(base)
+    if base["cost"] is not None:
+        lines.append(f"cost: {base['total_s'] / 3600:.3f} h x {cfg.train.price_per_hour:g} per {cfg.train.price_unit} per "
+                     f"hour" + (f" x {world} GPUs" if cfg.train.price_unit == "gpu" else "")
+                     + f" = {format_cost(base['cost'])}")
     adjustments = [] if ok else propose(cfg, data, sched, base, run_estimate, window, flop_dims, world)
     for i, a in enumerate(adjustments, 1):
+        a["estimate"]["cost"] = price(a["estimate"])
+        paid = f", cost {format_cost(a['estimate']['cost'])}" if a["estimate"]["cost"] is not None else ""
         lines.append(f"adjustment {chr(96 + i)}: {' '.join(f'{k}={v}' for k, v in a['overrides'].items())} -> "
-                     f"{fmt_s(a['estimate']['total_s'])} ({'fits' if a['fits'] else 'still too long'}): {a['reason']}")
+                     f"{fmt_s(a['estimate']['total_s'])}{paid} ({'fits' if a['fits'] else 'still too long'}): "
+                     f"{a['reason']}")
     return {"hours": hours, "margin_minutes": margin_min, "window_s": window, "world_size": world,
             "schedule": sched, "calibration": asdict(cal), "estimate": base, "estimated_s": base["total_s"],
             "fits": ok, "adjustments": adjustments, "derivations": lines,

@@ -171,3 +171,12 @@ def test_largest_fitting_bisection():
     assert planner.largest_fitting(1, 100, lambda x: x * 2.0, 71.0) == 35
     assert planner.largest_fitting(1, 100, lambda x: x, 1000.0) == 100
     assert planner.largest_fitting(5, 100, lambda x: x, 4.0) is None
+
+
+def test_plan_prices_the_estimate_and_each_adjustment():
+    cfg = cfg_of("train.epochs=4", "train.micro_batch_size=16", "train.price_per_hour=3.6", "train.price_unit=machine")
+    plan = planner.make_plan(cfg, gen_data(), CAL, hours=(60 + 60) / 3600, margin_min=1.0, flop_dims=(1000, 2, 64))
+    assert plan["estimate"]["cost"] == pytest.approx(74.5 / 3600 * 3.6)  # 0.0745
+    assert "cost: 0.021 h x 3.6 per machine per hour = 0.0745" in plan["derivations"]
+    for a in plan["adjustments"]:
+        assert a["estimate"]["cost"] == pytest.approx(a["estimate"]["total_s"] / 3600 * 3.6)
