@@ -432,11 +432,20 @@ class Timings:
     save_s: float = 0.0
     saves: int = 0
     optimizer_s: float = 0.0  # clip + optimizer step + zero_grad, summed
+    eval_before_loop_s: float = 0.0  # the step-0 evaluation (before the loop's clock starts)
     warmup_done_s: Optional[float] = None  # loop time (without evaluations and saves) after WARMUP_STEPS steps
     steady_s_per_step: Optional[float] = None
     warmup_extra_s: float = 0.0
     export_s: float = 0.0  # after the loop: final export and report, without the final evaluation
     process_wall_s: float = 0.0
+
+    def loop_started(self, t_process: float) -> None:
+        self.eval_before_loop_s = self.eval_s
+        self.startup_s = time.time() - t_process - self.eval_s
+
+    def in_loop(self, loop_s: float) -> float:
+        """Loop seconds spent on steps: without the evaluations and checkpoints inside the loop."""
+        return loop_s - (self.eval_s - self.eval_before_loop_s) - self.save_s
 
     def add(self, what: str, seconds: float) -> None:
         setattr(self, f"{what}_s", getattr(self, f"{what}_s") + seconds)
@@ -444,7 +453,7 @@ class Timings:
 
     def loop(self, loop_s: float, steps: int) -> None:
         """Steady seconds per step after the warm-up steps, and what the warm-up steps cost beyond that."""
-        compute = loop_s - self.eval_s - self.save_s
+        compute = self.in_loop(loop_s)
         if self.warmup_done_s is not None and steps > WARMUP_STEPS:
             self.steady_s_per_step = (compute - self.warmup_done_s) / (steps - WARMUP_STEPS)
             self.warmup_extra_s = max(0.0, self.warmup_done_s - WARMUP_STEPS * self.steady_s_per_step)

@@ -361,7 +361,7 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
             logger.log({"step": 0, **first_eval})
             last.update(first_eval_at_0=first_eval)
     meter = metrics.Throughput()  # training time starts here (the step-0 evaluation is not training)
-    timings.startup_s = time.time() - t_process - timings.eval_s
+    timings.loop_started(t_process)
     budget = planner.BudgetTracker(t_process, cfg.train.time_budget_hours) if cfg.train.time_budget_hours else None
 
     # ---- the loop: one iteration = one optimizer step over `accum` micro-steps on every process
@@ -410,7 +410,7 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
             first_step_s = meter.elapsed()
             after_first = metrics.dynamo_counters()
         if state.step == start_step + planner.WARMUP_STEPS:
-            timings.warmup_done_s = meter.elapsed() - timings.eval_s - timings.save_s
+            timings.warmup_done_s = timings.in_loop(meter.elapsed())
 
         # log every log_every steps and at the end
         if state.step % cfg.train.log_every == 0 or state.step == total_steps:
