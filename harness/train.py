@@ -633,6 +633,7 @@ def run_auto_batch(cfg: Config) -> dict:
                            f"over {world} processes")
     share = cfg.train.global_batch_size // world
     tried: list[int] = []
+    environ = dict(os.environ)  # accelerate records its DeepSpeed choice in the environment: start each try afresh
 
     def smaller() -> int:
         return max((d for d in range(1, tried[-1] // 2 + 1) if share % d == 0), default=0)
@@ -642,6 +643,8 @@ def run_auto_batch(cfg: Config) -> dict:
         if tried:  # a fresh accelerator state (DeepSpeed's filled-in batch values) for the retry
             AcceleratorState._reset_state(reset_partial_state=False)
             GradientState._reset_state()
+            os.environ.clear()
+            os.environ.update(environ)
             gc.collect()
             print(f"[harness] micro-batch {tried[-1]} did not fit: trying {micro}", flush=True)
         tried.append(micro)
