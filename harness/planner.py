@@ -543,6 +543,11 @@ def main(argv: list[str] | None = None) -> int:
             args.steps = -(-args.steps // args.warmup) * args.warmup  # both logged: multiples of the log interval
         cal, rep = calibrate(args.config, args.overrides, cfg, args.warmup, args.steps, args.launcher, say)
     dims = tuple(rep["flop_dims"]) if rep.get("flop_dims") else None
+    if cfg.train.micro_batch_size == "auto":  # what the measured run found
+        from dataclasses import replace
+
+        cfg = replace(cfg, train=replace(cfg.train, micro_batch_size=rep["micro_batch_size"], grad_accum=rep["grad_accum"]))
+        say(f"micro_batch_size=auto: the calibration chose {rep['micro_batch_size']} x accumulation {rep['grad_accum']}")
     plan = make_plan(cfg, data, cal, args.hours, args.margin_minutes, dims)
     for i, line in enumerate(plan["derivations"], 1):
         print(f"{i:>2}. {line}")
