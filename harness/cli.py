@@ -5,6 +5,7 @@
     harness data-check FILE_OR_DIR ...            validate generative JSONL files and print token-length statistics
     harness data-stats FILE_OR_DIR ... [--max-len N]  token-length distribution, truncation, what max_len=auto picks
     harness bench FILE [overrides] [--profiles ...]  harness vs raw PyTorch vs HF Trainer (or profiles), tokens/s
+    harness zero-plan FILE [overrides] --gpus N --gpu-mem-gb G [--nodes M]  memory per GPU for each ZeRO stage
 
 For several processes use accelerate's launcher on harness/train.py (see README.md).
 """
@@ -98,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(fn=_data_check)
 
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "zero-plan":  # its own options (python -m harness.memory --help)
+        from harness import memory
+
+        return memory.main(argv[1:])
     if argv and argv[0] == "bench":  # the benchmark has its own options (python -m harness.bench --help)
         from harness import bench
 
@@ -107,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"harness: error: {err}", file=sys.stderr)
             return err.exit_code
     sub.add_parser("bench", help="harness vs raw PyTorch vs HF Trainer, or profiles (see python -m harness.bench -h)")
+    sub.add_parser("zero-plan", help="GPU memory per ZeRO stage and the lowest that fits (python -m harness.memory -h)")
     args = p.parse_args(argv)
     try:
         return args.fn(args)
