@@ -206,10 +206,11 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
     precision = "fp32" if cfg.train.precision == "fp32" else "bf16"
     w = 2 if precision == "bf16" else 4
     usable = hw.gpu_mem_gb * (1 - margin)
+    size = f"{shape.params / 1e9:.2f}B" if shape.params >= 1e9 else f"{shape.params / 1e6:.1f}M"
     out = [
         f"zero-plan: {source or 'recipe'} on {hw.nodes} node(s) x {hw.gpus_per_node} GPU(s) of {hw.gpu_mem_gb:g} GiB "
         f"= {hw.world} data-parallel processes; usable per GPU {usable:.1f} GiB ({margin:.0%} margin)",
-        f"model: {shape.model_type}, P = {shape.params:,} parameters ({shape.params / 1e9:.2f}B): hidden h={shape.hidden}, "
+        f"model: {shape.model_type}, P = {shape.params:,} parameters ({size}): hidden h={shape.hidden}, "
         f"intermediate i={shape.intermediate}, {shape.layers} layers, {shape.heads} heads ({shape.kv_heads} kv), "
         f"vocab {shape.vocab}",
         f"model states, 16 B/param: {'bf16' if w == 2 else 'fp32'} weights {w} + grads {w} + "
