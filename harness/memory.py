@@ -18,12 +18,13 @@ The arithmetic, printed line by line (GiB = 2**30 bytes):
   spread over the nodes.
 * Activations for one micro-batch of T = micro_batch_size x max_len tokens (embedding passes: queries and
   passages of one micro-batch, divided by loss.grad_cache_chunks; unified mode back-propagates one pass at a time,
-  so the larger counts), 16-bit, stored for backward per layer and token (Llama-style block):
-  2 norm inputs (2h) + q/k/v input (h) + q, k, v (h + 2 h_kv) + attention output (h) + MLP input (h)
-  + gate, up, act(gate), act(gate)*up (4 i) = (6h + 2 h_kv + 4i) values; eager attention adds the score matrix
-  (a x T_seq values in 16 bits + fp32 softmax: 6 bytes). With gradient checkpointing only each layer's input (h)
-  is kept, plus one layer's full set during its recomputation. Logits: T x vocab x (2 bf16 + 4 fp32 copy + 4 fp32
-  log-softmax) bytes.
+  so the larger counts). What autograd keeps per layer and token in a Llama-style block with b-byte activations:
+  the 2 RMSNorm inputs upcast to fp32 (2 x 4h) + b x [q/k/v input h + q, k, v (h + 2 h_kv) + rotated q, k
+  (h + h_kv) + attention output h + MLP input h + gate, up, act(gate), act(gate)*up 4i] = 8h + b(5h + 3h_kv + 4i)
+  bytes (checked against the tensors torch saves, tests/test_memory.py); eager attention adds the score matrix
+  (a x seq values in 16 bits + fp32 softmax: 6 bytes). With gradient checkpointing only each layer's input (b x h)
+  is kept, plus one layer's full set during its recomputation. Logits: T x vocab x 10 bytes (bf16 logits 2 + fp32
+  log-softmax 4 kept, + the fp32 gradient 4 when backward starts).
 * A fixed overhead per GPU for the CUDA context, NCCL and library workspaces (--overhead-gb, default 2 GiB), and
   a margin for the allocator's fragmentation (--margin, default 10% of the GPU).
 
@@ -128,9 +129,9 @@ def activation_terms(cfg: Config, shape: ModelShape, act_bytes: int) -> tuple[li
         tokens = texts * (d.query_max_len + d.train_group_size * d.passage_max_len)
         passes.append(("embedding", tokens, max(d.query_max_len, d.passage_max_len), False))
     h, hkv, i, L = shape.hidden, shape.kv_heads * (shape.hidden // shape.heads), shape.intermediate, shape.layers
-    per_token_layer = (6 * h + 2 * hkv + 4 * i) * act_bytes
-    lines.append(f"per layer and token: (6h + 2h_kv + 4i) x {act_bytes} B = (6*{h} + 2*{hkv} + 4*{i}) x {act_bytes} "
-                 f"= {per_token_layer:,} B")
+    per_token_layer = 8 * h + act_bytes * (5 * h + 3 * hkv + 4 * i)
+    lines.append(f"per layer and token: 8h + {act_bytes} x (5h + 3h_kv + 4i) = 8*{h} + {act_bytes} x (5*{h} + 3*{hkv} "
+                 f"+ 4*{i}) = {per_token_layer:,} B")
     eager = m.attn_implementation == "eager"
     best, best_lines = 0.0, []
     for name, tokens, s, logits in passes:

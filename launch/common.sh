@@ -19,7 +19,7 @@ fi
 DRY_RUN=${DRY_RUN:-0}
 
 say() { printf '[%s] %s\n' "$LAUNCH_NAME" "$*"; }
-die() { printf '%s: error: %s\n' "$LAUNCH_NAME" "$*" >&2; exit "${2:-2}"; }
+die() { printf '%s: error: %s\n' "$LAUNCH_NAME" "$1" >&2; exit "${2:-2}"; }
 
 # Print a command exactly as it runs ("$ ..."), then run it unless this is a dry run.
 show() { printf '$'; printf ' %q' "$@"; printf '\n'; }
