@@ -43,7 +43,7 @@ for stage in "${STAGES[@]}"; do
   done_file=$STATE/.rft-$stage.done
   if [ "$stage" = "$FROM" ]; then rerun=1; fi
   if [ "$rerun" = 1 ] && [ -f "$done_file" ]; then run rm -f "$done_file"; fi
-  if [ -f "$done_file" ]; then
+  if [ "$rerun" = 0 ] && [ -f "$done_file" ]; then
     say "$stage: done earlier ($done_file), skipped"
     continue
   fi
@@ -54,4 +54,4 @@ for stage in "${STAGES[@]}"; do
     date -u +%FT%TZ > "$done_file"
   fi
 done
-say "all stages done; results in $STATE"
+if [ "$DRY_RUN" = 1 ]; then say "dry run: nothing started"; else say "all stages done; results in $STATE"; fi
