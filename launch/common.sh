@@ -64,9 +64,16 @@ gpu_mem_gb() {
 # The run folder of CONFIG [overrides] (train.output_dir), through harness.config.load_config; bad input -> one line.
 output_dir_of() {
   "$PYTHON" - "$@" << 'PY'
+import importlib.util
 import sys
-from harness.config import load_config
-from harness.errors import HarnessError
+try:
+    from harness.config import load_config
+    from harness.errors import HarnessError
+    missing = [m for m in ("torch", "accelerate") if importlib.util.find_spec(m) is None]
+except ImportError as err:
+    missing = [str(err)]
+if missing:
+    sys.exit(f"harness: error: {sys.executable} lacks {', '.join(missing)}: run launch/setup.sh first (or set PYTHON)")
 try:
     print(load_config(sys.argv[1], sys.argv[2:]).train.output_dir)
 except HarnessError as err:
