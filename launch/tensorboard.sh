@@ -29,4 +29,6 @@ done
 LOGDIR=${LOGDIR:-runs}
 [ -d "$LOGDIR" ] || [ "$DRY_RUN" = 1 ] || die "no folder $LOGDIR yet: train first (launch/train.sh configs/default.yaml)"
 say "tensorboard on http://$BIND:$PORT for the runs under $LOGDIR (Ctrl-C stops it)"
-run "$PYTHON" -m tensorboard.main --logdir "$LOGDIR" --port "$PORT" --host "$BIND"
+TB=("$PYTHON" -m tensorboard.main --logdir "$LOGDIR" --port "$PORT" --host "$BIND")
+show "${TB[@]}"
+if [ "$DRY_RUN" != 1 ]; then exec "${TB[@]}"; fi  # exec: signals reach tensorboard itself
