@@ -119,3 +119,12 @@ def test_choice_and_exit_codes(capsys):
     assert "choice: none" in capsys.readouterr().out
     assert main(["configs/default.yaml", "--gpus", "1", "--gpu-mem-gb", "24", "train.bogus=1"]) == 2
     assert capsys.readouterr().err.strip() == "harness: error: unknown config key 'train.bogus'"
+
+
+def test_harness_zero_plan_command(capsys):
+    from harness import cli
+
+    assert cli.main(["zero-plan", "configs/default.yaml", "--gpus", "2", "--gpu-mem-gb", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "1 node(s) x 2 GPU(s) of 16 GiB = 2 data-parallel processes" in out
+    assert out.rstrip().endswith("lowest stage that fits: 0 -> accelerate_configs/multi_gpu.yaml\nchoice: zero0")
