@@ -92,3 +92,12 @@ children_of() {
     if [ "${fields[1]}" = "$1" ]; then f=${f#/proc/}; echo "${f%/stat}"; fi
   done
 }
+
+# The training processes of an accelerate launcher: its children except the tee of train.sh's log (made in the
+# same fork before the launcher's exec, so it is the launcher's child too; it ignores the stop signals anyway).
+workers_of() {
+  local pid
+  for pid in $(children_of "$1"); do
+    if [ "$(cat "/proc/$pid/comm" 2> /dev/null || true)" != tee ]; then echo "$pid"; fi
+  done
+}

@@ -120,7 +120,7 @@ WORKERS=()
 on_signal() {
   SIGNAL=$1
   if [ -z "$LAUNCHER" ]; then exit 130; fi
-  mapfile -t WORKERS < <(children_of "$LAUNCHER")
+  mapfile -t WORKERS < <(workers_of "$LAUNCHER")
   if [ ${#WORKERS[@]} -eq 0 ]; then WORKERS=("$LAUNCHER"); fi
   say "SIG$1 received: asking the training processes (${WORKERS[*]}) to checkpoint and stop"
   kill -TERM "${WORKERS[@]}" 2> /dev/null || true
