@@ -165,5 +165,6 @@ while :; do
   fi
   say "attempt $attempt failed (exit $rc): retry $attempt of $MAX_RETRIES in ${RETRY_DELAY}s, resuming from the newest checkpoint"
   sleep "$RETRY_DELAY"
+  if [ -n "$SIGNAL" ]; then say "stopped by SIG$SIGNAL before the retry"; exit 143; fi
   if [ "$attempt" -eq 1 ]; then CMD+=(train.resume=auto); fi
 done
