@@ -8,6 +8,7 @@
     harness plan FILE [overrides] --hours H        fit the run into a wall-clock window (calibrates, writes plan.json)
     harness summary RUN_DIR                       (re)write RUN_DIR/summary.md and RUN_DIR/plots/*.png
     harness compare RUN_DIR RUN_DIR ... [--out compare.png]  key figures side by side, losses overlaid
+    harness zero-plan FILE [overrides] --gpus N --gpu-mem-gb G [--nodes M]  memory per GPU for each ZeRO stage
 
 For several processes use accelerate's launcher on harness/train.py (see README.md).
 """
@@ -101,20 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     d.set_defaults(fn=_data_check)
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("bench", "plan"):  # these have their own options (harness bench|plan --help)
+    # commands with their own options (harness X --help): module, and whether it takes the command name too
+    own = {"bench": ("harness.bench", False), "plan": ("harness.planner", False), "zero-plan": ("harness.memory", False),
+           "summary": ("harness.summary", True), "compare": ("harness.summary", True)}
+    if argv and argv[0] in own:
         import importlib
 
-        module = importlib.import_module({"bench": "harness.bench", "plan": "harness.planner"}[argv[0]])
+        name, with_command = own[argv[0]]
         try:
-            return module.main(argv[1:])
-        except HarnessError as err:
-            print(f"harness: error: {err}", file=sys.stderr)
-            return err.exit_code
-    if argv and argv[0] in ("summary", "compare"):  # run summaries (harness/summary.py)
-        from harness import summary
-
-        try:
-            return summary.main(argv)
+            return importlib.import_module(name).main(argv if with_command else argv[1:])
         except HarnessError as err:
             print(f"harness: error: {err}", file=sys.stderr)
             return err.exit_code
@@ -122,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("compare", help="compare run folders: key figures side by side, losses overlaid")
     sub.add_parser("bench", help="harness vs raw PyTorch vs HF Trainer, or profiles (see python -m harness.bench -h)")
     sub.add_parser("plan", help="fit a run into a wall-clock window (harness plan FILE --hours H; see --help)")
+    sub.add_parser("zero-plan", help="GPU memory per ZeRO stage and the lowest that fits (python -m harness.memory -h)")
     args = p.parse_args(argv)
     try:
         return args.fn(args)
