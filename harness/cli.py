@@ -5,6 +5,7 @@
     harness data-check FILE_OR_DIR ...            validate generative JSONL files and print token-length statistics
     harness data-stats FILE_OR_DIR ... [--max-len N]  token-length distribution, truncation, what max_len=auto picks
     harness bench FILE [overrides] [--profiles ...]  harness vs raw PyTorch vs HF Trainer (or profiles), tokens/s
+    harness rft sft-data|generate|train|test FILE ...  rejection-sampling fine-tuning (docs/rft.md)
 
 For several processes use accelerate's launcher on harness/train.py (see README.md).
 """
@@ -106,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         except HarnessError as err:
             print(f"harness: error: {err}", file=sys.stderr)
             return err.exit_code
+    if argv and argv[0] == "rft":  # rejection-sampling fine-tuning has its own sub-commands (harness/rft)
+        from harness import rft
+
+        return rft.main(argv[1:])
+    sub.add_parser("rft", help="rejection-sampling fine-tuning: sft-data, generate, train, test (docs/rft.md)")
     sub.add_parser("bench", help="harness vs raw PyTorch vs HF Trainer, or profiles (see python -m harness.bench -h)")
     args = p.parse_args(argv)
     try:
