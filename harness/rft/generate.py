@@ -30,6 +30,7 @@ from harness.rft.tasks import Question, Task
 SHARDS = "shards"
 OUTPUT = "rft.jsonl"
 STATS = "stats.json"
+SETTINGS = "settings.json"
 
 
 # ----------------------------------------------------------------------------------------------- model and sampling
@@ -209,6 +210,32 @@ def merge(task: Task, questions: list[Question], folder: Path) -> dict:
     return stats
 
 
+def generation_settings(cfg, model_path: Optional[str]) -> dict:
+    """What the shards' answers depend on: a restarted run must use the same, or its output would mix two runs."""
+    r = cfg.rft
+    return {"model": str(model_path or cfg.model.name_or_path), "task": r.task, "test_file": r.test_file,
+            "num_train_questions": r.num_train_questions, "num_test_questions": r.num_test_questions,
+            "num_sft_questions": r.num_sft_questions, "max_operand": r.max_operand, "task_seed": r.task_seed,
+            "tolerance": r.tolerance, "oversample": r.oversample, "temperature": r.temperature, "top_p": r.top_p,
+            "max_new_tokens": r.max_new_tokens, "keep_per_question": r.keep_per_question}
+
+
+def check_settings(path: Path, settings: dict, write: bool = True) -> None:
+    """Record the settings of a new run; refuse to continue one that was started with other settings."""
+    if path.is_file():
+        old = json.loads(path.read_text())
+        diff = [k for k in settings if old.get(k) != settings[k]]
+        if diff:
+            raise ConfigError(f"config key 'rft.{diff[0]}' (or the model): {path.parent.parent} was started with "
+                              f"{diff[0]}={old.get(diff[0])!r}, now {settings[diff[0]]!r}; use another rft.output_dir "
+                              f"or the same settings to continue")
+        return
+    if write:
+        from harness.checkpoint import write_json
+
+        write_json(path, settings)
+
+
 # ----------------------------------------------------------------------------------------------- the command
 
 
@@ -238,6 +265,7 @@ def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[
     shard = out / SHARDS / f"rank-{acc.process_index}.jsonl"
     if acc.is_main_process:
         (out / SHARDS).mkdir(parents=True, exist_ok=True)
+    check_settings(out / SHARDS / SETTINGS, generation_settings(cfg, model_path), write=acc.is_main_process)
     acc.wait_for_everyone()
     repair_shard(shard)
     acc.wait_for_everyone()
