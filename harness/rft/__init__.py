@@ -4,6 +4,7 @@
     harness rft generate RECIPE [--model PATH] [--stop-after N] [overrides]   sample, verify, keep -> rft.jsonl
     harness rft train    RECIPE [overrides]        harness training on data.train_files + <rft.output_dir>/rft.jsonl
     harness rft test     RECIPE [--model PATH] [--out FILE] [overrides]       accuracy + answer rate -> JSON
+    harness rft bench    RECIPE [--model PATH] [--questions N]    sequences/s: batched vs one question at a time
 
 Several processes: `accelerate launch ... -m harness.rft generate RECIPE` (test and train alike). Guide: docs/rft.md.
 """
@@ -23,14 +24,17 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     for name, text in (("sft-data", "write warm-up SFT records"), ("generate", "sample, verify, keep"),
-                       ("train", "train on the kept examples"), ("test", "held-out accuracy")):
+                       ("train", "train on the kept examples"), ("test", "held-out accuracy"),
+                       ("bench", "generation throughput, batched vs one at a time")):
         s = sub.add_parser(name, help=text)
         s.add_argument("file", help="run recipe (YAML) with an rft: section")
         s.add_argument("overrides", nargs="*", help="section.key=value")
-        if name in ("generate", "test"):
+        if name in ("generate", "test", "bench"):
             s.add_argument("--model", help="model folder (default: model.name_or_path); a LoRA final/ uses merged/")
         if name == "generate":
             s.add_argument("--stop-after", type=int, default=0, help="stop after N question batches per process")
+        if name == "bench":
+            s.add_argument("--questions", type=int, default=32, help="train questions to sample")
         if name in ("test", "sft-data"):
             s.add_argument("--out", required=name == "sft-data", help="output file")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -63,6 +67,22 @@ def main(argv: list[str] | None = None) -> int:
             from harness.rft import generate
 
             generate.run(cfg, args.model, args.stop_after)
+        elif args.command == "bench":
+            from datetime import datetime, timezone
+
+            from harness.hardware import environment_report
+            from harness.rft import generate
+
+            rows = generate.bench(cfg, args.model, args.questions)
+            env = environment_report()
+            dev = (env.get("gpus") or [{}])[0].get("name") if env.get("gpus") else f"CPU ({env.get('cpu_count', '?')} cores)"
+            print(f"rft generation throughput, {datetime.now(timezone.utc):%Y-%m-%d}, {dev}, torch {env['torch']}; "
+                  f"{args.questions} questions x {cfg.rft.oversample} samples, temperature {cfg.rft.temperature}, "
+                  f"max_new_tokens {cfg.rft.max_new_tokens}")
+            print("| way | sequences | seconds | sequences/s | new tokens/s | speed-up |\n|---|---|---|---|---|---|")
+            for r in rows:
+                print(f"| {r['way']} | {r['sequences']} | {r['seconds']} | {r['sequences_per_s']} | "
+                      f"{r['new_tokens_per_s']} | {r['speedup']}x |")
         else:
             from harness.rft import evaluate
 

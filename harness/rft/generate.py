@@ -319,3 +319,44 @@ def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[
             f"-> {out / OUTPUT}")
     acc.wait_for_everyone()
     return stats
+
+
+# ----------------------------------------------------------------------------------------------- benchmark
+
+
+def bench(cfg, model_path: Optional[str] = None, questions: int = 32, repeats: int = 2) -> list[dict]:
+    """Sequences/s of the same sampling (first `questions` train questions x rft.oversample, same temperature and
+    max_new_tokens, same device and dtype) done three ways: one sequence per generate() call, one question (its
+    oversample sequences) per call, and rft.questions_per_batch questions per call. Interleaved, best of
+    `repeats`."""
+    from harness.rft.tasks import build_task
+
+    r = cfg.rft
+    task = build_task(r)
+    qs = task.split("train")[:questions]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = load_for_generation(model_path or cfg.model.name_or_path, device)
+    prompts = [prompt_text(task, q) for q in qs]
+    ways = {"one sequence per call": (1, 1, r.oversample), "one question per call": (1, r.oversample, 1),
+            f"{r.questions_per_batch} questions per call": (r.questions_per_batch, r.oversample, 1)}
+    best: dict[str, dict] = {}
+    for rep in range(repeats):
+        for name, (per_call, n, loops) in ways.items():
+            s = Sampler(model, tok, r.max_new_tokens, r.micro_batch_sequences)
+            torch.manual_seed(r.seed + rep)
+            generated = 0
+            t0 = time.perf_counter()
+            for i in range(0, len(prompts), per_call):
+                for _ in range(loops):
+                    out = s.sample(prompts[i:i + per_call], n, r.temperature, r.top_p)
+                    generated += sum(len(tok(x, add_special_tokens=False)["input_ids"]) for g in out for x in g)
+            secs = time.perf_counter() - t0
+            row = {"way": name, "sequences": s.sequences, "seconds": round(secs, 2),
+                   "sequences_per_s": round(s.sequences / secs, 1), "new_tokens_per_s": round(generated / secs, 1)}
+            if name not in best or row["sequences_per_s"] > best[name]["sequences_per_s"]:
+                best[name] = row
+    rows = list(best.values())
+    base = rows[0]["sequences_per_s"]
+    for row in rows:
+        row["speedup"] = round(row["sequences_per_s"] / base, 1)
+    return rows
