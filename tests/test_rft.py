@@ -54,7 +54,7 @@ def test_arithmetic_task_splits_are_disjoint_seeded_and_worked_answers_verify():
     for q in [q for v in splits.values() for q in v]:
         assert t.verify(t.worked_answer(q), q)
     kinds = Counter(("+" in q) + 2 * ("-" in q) + 4 * ("times" in q) + 8 * ("How many" in q) for q in texts)
-    assert set(kinds) == {1, 2, 4, 8}  # sums, differences, products, unit conversions
+    assert {1, 2, 4, 8} <= set(kinds)  # sums, differences, products, unit conversions (and other wordings)
     assert t.sft_records()[0]["messages"][1]["role"] == "assistant"
     with pytest.raises(ConfigError, match="rft.max_operand"):
         ArithmeticTask(n_train=500, n_test=500, n_sft=500, max_operand=3)

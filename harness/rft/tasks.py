@@ -82,10 +82,17 @@ UNITS = [  # (from, to, factor)
 ]
 
 
+SUM = ["What is {a} + {b}?", "Add {a} and {b}.", "What is the sum of {a} and {b}?"]
+DIFFERENCE = ["What is {a} - {b}?", "Subtract {b} from {a}.", "What is {a} minus {b}?"]
+PRODUCT = ["What is {a} times {b}?", "Multiply {a} by {b}.", "What is the product of {a} and {b}?"]
+CONVERSION = ["How many {to} are in {n} {frm}?", "Convert {n} {frm} to {to}.", "{n} {frm} is how many {to}?"]
+
+
 class ArithmeticTask(Task):
     """Generated arithmetic and unit conversions with worked answers ("17 + 25 = 42. The answer is 42.").
 
-    All distinct questions with operands in 0..max_operand are shuffled with `seed` and cut into disjoint splits:
+    Each fact (a sum, difference, product or conversion with operands in 0..max_operand) is asked in three
+    wordings ("What is 3 + 5?", "Add 3 and 5.", "What is the sum of 3 and 5?"). All questions are shuffled with `seed` and cut into disjoint splits:
     test (first n_test), train (next n_train), sft (next n_sft)."""
 
     name = "arithmetic"
@@ -93,19 +100,23 @@ class ArithmeticTask(Task):
     def __init__(self, n_train: int = 200, n_test: int = 100, n_sft: int = 300, max_operand: int = 20, seed: int = 0,
                  tolerance: float = 1e-6) -> None:
         super().__init__(tolerance)
-        pool = []
+        facts = []  # (answer, worked step, question templates, operands)
         for a in range(max_operand + 1):
             for b in range(max_operand + 1):
-                pool.append((f"What is {a} + {b}?", a + b, f"{a} + {b} = {a + b}."))
+                facts.append((a + b, f"{a} + {b} = {a + b}.", SUM, a, b))
                 if a >= b:
-                    pool.append((f"What is {a} - {b}?", a - b, f"{a} - {b} = {a - b}."))
+                    facts.append((a - b, f"{a} - {b} = {a - b}.", DIFFERENCE, a, b))
                 if a <= 12 and b <= 12:
-                    pool.append((f"What is {a} times {b}?", a * b, f"{a} x {b} = {a * b}."))
+                    facts.append((a * b, f"{a} x {b} = {a * b}.", PRODUCT, a, b))
         for frm, to, factor in UNITS:
             for n in range(1, max_operand + 1):
-                pool.append((f"How many {to} are in {n} {frm}?", n * factor,
-                             f"1 {frm[:-1]} is {factor} {to}, so {n} {frm} are {n} x {factor} = "
-                             f"{n * factor} {to}."))
+                facts.append((n * factor, f"1 {frm[:-1]} is {factor} {to}, so {n} {frm} are {n} x {factor} = "
+                                          f"{n * factor} {to}.", [t.replace("{frm}", frm).replace("{to}", to)
+                                                                  for t in CONVERSION], n, 0))
+        pool = []  # every wording of every fact is its own question: the splits share facts, not questions
+        for ans, work, templates, a, b in facts:
+            for t in templates:
+                pool.append((t.format(a=a, b=b, n=a), ans, work))
         random.Random(seed).shuffle(pool)
         need = n_train + n_test + n_sft
         if need > len(pool):
