@@ -296,13 +296,12 @@ def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[
         bar.set_postfix(success=f"{correct / max(samples, 1):.1%}",
                         seq_s=f"{sampler.sequences / max(sampler.seconds, 1e-9):.1f}")
     bar.close()
-    stopped = stop_after and len(mine) > stop_after * r.questions_per_batch
     from accelerate.utils import gather_object
 
-    speed = gather_object([(sampler.sequences, sampler.seconds)])
-    acc.wait_for_everyone()
-    seqs, secs = sum(s for s, _ in speed), max((t for _, t in speed), default=0.0)
-    if stopped:
+    left = len(mine) > stop_after * r.questions_per_batch if stop_after else False
+    speed = gather_object([(sampler.sequences, sampler.seconds, left)])  # every process takes the same decision
+    seqs, secs = sum(x[0] for x in speed), max((x[1] for x in speed), default=0.0)
+    if any(x[2] for x in speed):
         say(f"[rft] stopped after {stop_after} batch(es) per process; run the same command again to continue")
         return None
     stats = None
