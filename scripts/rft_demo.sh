@@ -2,7 +2,8 @@
 # The RFT demo on CPU (docs/rft.md): warm-up, test before, generate, train, test after, and a control that trains
 # the warm-up model for the same number of steps on the SFT data alone.
 #
-#   bash scripts/rft_demo.sh [section.key=value ...]        # e.g. rft.oversample=16; RUN=runs/x to change the folder
+#   bash scripts/rft_demo.sh [section.key=value ...]        # e.g. rft.oversample=16; RUN=runs/x to change the folder,
+#                                                           # WARMUP_STEPS=N for another warm-up length
 #
 # Overrides go to every rft command (configs/rft-tiny.yaml). A finished warm-up in $RUN/warmup is reused.
 set -euo pipefail
@@ -16,7 +17,7 @@ common=("model.name_or_path=$RUN/warmup/final" "data.train_files=[$RUN/sft.jsonl
 t0=$(date +%s)
 $H rft sft-data $RECIPE "$@" --out "$RUN/sft.jsonl"
 [ -f "$RUN/warmup/final/model.safetensors" ] || $H train configs/rft-tiny-warmup.yaml "data.train_files=[$RUN/sft.jsonl]" \
-  "train.output_dir=$RUN/warmup" train.progress_bar=false
+  "train.output_dir=$RUN/warmup" train.progress_bar=false ${WARMUP_STEPS:+train.max_steps=$WARMUP_STEPS}
 $H rft test $RECIPE "${common[@]}" --out "$RUN/test-before.json"
 $H rft generate $RECIPE "${common[@]}"
 $H rft train $RECIPE "${common[@]}" "train.output_dir=$RUN/train"
