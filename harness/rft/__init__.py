@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
             data = Path(cfg.rft.output_dir) / "rft.jsonl"
             if not data.is_file():
                 raise HarnessError(f"{data}: no generated examples; run `harness rft generate {args.file}` first")
-            files = list(cfg.data.train_files) + ([str(data)] if str(data) not in map(str, cfg.data.train_files) else [])
+            files = list(cfg.data.train_files)
+            files += [] if str(data) in map(str, files) else [str(data)]
             print(f"[rft] training on {', '.join(files)}")
             return train.main(["--config", args.file, *args.overrides, f"data.train_files={json.dumps(files)}"])
         from harness.config import load_config
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
             rows = generate.bench(cfg, args.model, args.questions)
             env = environment_report()
-            dev = (env.get("gpus") or [{}])[0].get("name") if env.get("gpus") else f"CPU ({env.get('cpu_count', '?')} cores)"
+            gpus = env.get("gpus") or []
+            dev = gpus[0].get("name", "GPU") if gpus else f"CPU ({env.get('cpu_count', '?')} cores)"
             print(f"rft generation throughput, {datetime.now(timezone.utc):%Y-%m-%d}, {dev}, torch {env['torch']}; "
                   f"{args.questions} questions x {cfg.rft.oversample} samples, temperature {cfg.rft.temperature}, "
                   f"max_new_tokens {cfg.rft.max_new_tokens}")

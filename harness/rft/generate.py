@@ -70,7 +70,8 @@ def load_for_generation(path: str, device: torch.device):
 
 def prompt_text(task: Task, q: Question, fmt: ChatFormat = ChatFormat()) -> str:
     """The question in the training chat layout, ending where the assistant's answer starts."""
-    return "".join(getattr(fmt, m["role"]).format(content=m["content"]) for m in task.messages(q)) + fmt.assistant_prefix
+    turns = "".join(getattr(fmt, m["role"]).format(content=m["content"]) for m in task.messages(q))
+    return turns + fmt.assistant_prefix
 
 
 class Sampler:

@@ -92,7 +92,8 @@ class ArithmeticTask(Task):
     """Generated arithmetic and unit conversions with worked answers ("17 + 25 = 42. The answer is 42.").
 
     Each fact (a sum, difference, product or conversion with operands in 0..max_operand) is asked in three
-    wordings ("What is 3 + 5?", "Add 3 and 5.", "What is the sum of 3 and 5?"). All questions are shuffled with `seed` and cut into disjoint splits:
+    wordings ("What is 3 + 5?", "Add 3 and 5.", "What is the sum of 3 and 5?"). All questions are shuffled with
+    `seed` and cut into disjoint splits:
     test (first n_test), train (next n_train), sft (next n_sft)."""
 
     name = "arithmetic"
