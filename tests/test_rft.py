@@ -212,8 +212,8 @@ def test_rft_end_to_end(tmp_path):
     assert rft_main(["sft-data", RECIPE, *small, "--out", str(sft)]) == 0
     model_cfg = [f"model.config.{k}={v}" for k, v in TINY.items()]
     run(["--config", str(ROOT / "configs" / "rft-tiny-warmup.yaml"), *model_cfg, f"data.train_files=[{sft}]",
-         f"train.output_dir={tmp_path}/warm", "train.max_steps=40", "train.micro_batch_size=12", "optim.lr=1.5e-2",
-         "optim.warmup_steps=3", "train.progress_bar=false", "train.log_every=40"], module="harness.train")
+         f"train.output_dir={tmp_path}/warm", "train.max_steps=60", "train.micro_batch_size=12", "optim.lr=1e-2",
+         "optim.warmup_steps=3", "train.progress_bar=false", "train.log_every=60"], module="harness.train")
     task = ArithmeticTask(8, 8, 12, 4, 0)
     train_q = tmp_path / "train_q.jsonl"
     train_q.write_text("".join(json.dumps({"id": q.qid, "question": q.question, "answer": q.answer}) + "\n"
