@@ -227,7 +227,8 @@ def check_settings(path: Path, settings: dict, write: bool = True) -> None:
         old = json.loads(path.read_text())
         diff = [k for k in settings if old.get(k) != settings[k]]
         if diff:
-            raise ConfigError(f"config key 'rft.{diff[0]}' (or the model): {path.parent.parent} was started with "
+            key = "model.name_or_path (or --model)" if diff[0] == "model" else f"rft.{diff[0]}"
+            raise ConfigError(f"config key '{key}': {path.parent.parent} was started with "
                               f"{diff[0]}={old.get(diff[0])!r}, now {settings[diff[0]]!r}; use another rft.output_dir "
                               f"or the same settings to continue")
         return
