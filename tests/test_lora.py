@@ -62,7 +62,6 @@ def test_merged_copy_equals_the_peft_model():
     model.eval()
     with torch.no_grad():
         a, b = model(input_ids=ids).logits, merged(input_ids=ids).logits
-        base = model.get_base_model()
         with model.disable_adapter():
             c = model(input_ids=ids).logits
     assert torch.allclose(a, b, atol=1e-5)
