@@ -3,7 +3,8 @@
     <output_dir>/checkpoints/step-N/   accelerate save_state (model, optimizer, scheduler, RNG of every rank, sampler)
                                        + harness_state.json (step, epoch, data position, elapsed time, ...)
                                        + COMPLETE, written last: a folder without it is never resumed from
-    <output_dir>/final/                model (safetensors) + tokenizer, loadable with AutoModelForCausalLM / AutoTokenizer
+    <output_dir>/final/                model (safetensors) + tokenizer, loadable with AutoModelForCausalLM / AutoTokenizer;
+                                       with LoRA: the adapter (peft) + tokenizer, and final/merged/ the merged model
 
 The final export is written to a temporary sibling folder and renamed into place, so a crash never leaves a
 half-written export under the final name.
@@ -51,6 +52,13 @@ def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optiona
         tokenizer.save_pretrained(tmp)
         for name, obj in (extra or {}).items():  # small JSON side files, e.g. harness.json
             (tmp / name).write_text(json.dumps(obj, indent=2))
+        from harness.model import is_peft, merged_copy
+
+        if is_peft(unwrapped):  # LoRA: final/ holds the adapter, final/merged/ the model with the adapter merged in
+            merged_copy(unwrapped, state_dict).save_pretrained(tmp / "merged", safe_serialization=True)
+            tokenizer.save_pretrained(tmp / "merged")
+            for name, obj in (extra or {}).items():
+                (tmp / "merged" / name).write_text(json.dumps(obj, indent=2))
         _replace_dir(tmp, dest)
     accelerator.wait_for_everyone()
     return dest

@@ -9,6 +9,7 @@
     harness summary RUN_DIR                       (re)write RUN_DIR/summary.md and RUN_DIR/plots/*.png
     harness compare RUN_DIR RUN_DIR ... [--out compare.png]  key figures side by side, losses overlaid
     harness zero-plan FILE [overrides] --gpus N --gpu-mem-gb G [--nodes M]  memory per GPU for each ZeRO stage
+    harness rft sft-data|generate|train|test FILE ...  rejection-sampling fine-tuning (docs/rft.md)
 
 For several processes use accelerate's launcher on harness/train.py (see README.md).
 """
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # commands with their own options (harness X --help): module, and whether it takes the command name too
     own = {"bench": ("harness.bench", False), "plan": ("harness.planner", False), "zero-plan": ("harness.memory", False),
-           "summary": ("harness.summary", True), "compare": ("harness.summary", True)}
+           "summary": ("harness.summary", True), "compare": ("harness.summary", True), "rft": ("harness.rft", False)}
     if argv and argv[0] in own:
         import importlib
 
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             return err.exit_code
     sub.add_parser("summary", help="(re)write a run folder's summary.md and plots")
     sub.add_parser("compare", help="compare run folders: key figures side by side, losses overlaid")
+    sub.add_parser("rft", help="rejection-sampling fine-tuning: sft-data, generate, train, test (docs/rft.md)")
     sub.add_parser("bench", help="harness vs raw PyTorch vs HF Trainer, or profiles (see python -m harness.bench -h)")
     sub.add_parser("plan", help="fit a run into a wall-clock window (harness plan FILE --hours H; see --help)")
     sub.add_parser("zero-plan", help="GPU memory per ZeRO stage and the lowest that fits (python -m harness.memory -h)")

@@ -80,6 +80,35 @@ class ModelConfig:
     embed_attention: Literal["bidirectional", "causal"] = _f(
         "bidirectional", "Attention in embedding passes (generation is always causal). bidirectional: "
         "llama, mistral, qwen2, qwen3 with sdpa or eager attention.")
+    lora: dict = _f({}, "LoRA through peft (keys below, LoraConfig); e.g. model.lora.enabled=true model.lora.r=16. "
+                        "final/ then holds the adapter and final/merged/ the merged model.")
+
+
+@dataclass
+class LoraConfig:
+    """The keys of `model.lora` (a mapping, so that `model.lora.r=16` overrides one key)."""
+
+    enabled: bool = _f(False, "Train LoRA adapters instead of all weights (the base is frozen).")
+    r: int = _f(8, "LoRA rank.")
+    alpha: float = _f(16.0, "LoRA alpha (the update is scaled by alpha / r).")
+    dropout: float = _f(0.0, "Dropout on the LoRA input.")
+    target_modules: Union[str, list] = _f("all-linear", "Module names to adapt (list), or all-linear (every linear "
+                                                       "layer but the output head).")
+
+
+def lora_config(model: "ModelConfig") -> LoraConfig:
+    """`model.lora` checked key by key (unknown keys and wrong types name the key) with the defaults filled in."""
+    fields = _section_fields(LoraConfig)
+    out = {}
+    for key, value in model.lora.items():
+        if key not in fields:
+            raise _unknown("key", f"model.lora.{key}", list(fields))
+        out[key] = _coerce(f"model.lora.{key}", value, fields[key])
+    cfg = LoraConfig(**out)
+    if cfg.r < 1 or not 0 <= cfg.dropout < 1:
+        raise ConfigError("config key 'model.lora.r' must be >= 1" if cfg.r < 1
+                          else "config key 'model.lora.dropout': must be in [0, 1)")
+    return cfg
 
 
 @dataclass
@@ -199,12 +228,41 @@ class TrainConfig:
 
 
 @dataclass
+class RftConfig:
+    """Rejection-sampling fine-tuning (harness/rft): `harness rft generate | train | test`."""
+
+    task: str = _f("arithmetic", "arithmetic (generated sums, differences, products and unit conversions) or a "
+                                 "JSONL file of {question, answer} records with numeric answers.")
+    test_file: Optional[str] = _f(None, "JSONL task: the held-out {question, answer} file for `rft test`.")
+    num_train_questions: int = _f(200, "arithmetic: questions in the split that `rft generate` answers.")
+    num_test_questions: int = _f(100, "arithmetic: held-out questions for `rft test`.")
+    num_sft_questions: int = _f(300, "arithmetic: questions with worked answers for a supervised warm-up "
+                                     "(`rft sft-data`); disjoint from the other splits.")
+    max_operand: int = _f(20, "arithmetic: operands are drawn from 0..max_operand.")
+    task_seed: int = _f(0, "Seed of the generated questions and splits.")
+    tolerance: float = _f(1e-6, "Verifier: |answer - reference| <= tolerance * max(1, |reference|).")
+    oversample: int = _f(8, "Sampled answers per question.")
+    temperature: float = _f(1.0, "Sampling temperature of `rft generate` (`rft test` decodes greedily).")
+    top_p: float = _f(1.0, "Nucleus sampling threshold.")
+    max_new_tokens: int = _f(48, "Tokens generated per answer at most.")
+    questions_per_batch: int = _f(16, "Questions per generation batch (each with `oversample` sequences); a batch "
+                                      "is the unit of progress that a restarted run does not redo.")
+    micro_batch_sequences: int = _f(256, "Sequences per generate() call at most; halved on a CUDA out-of-memory "
+                                         "error.")
+    keep_per_question: int = _f(4, "Distinct verified answers kept per question at most.")
+    output_dir: str = _f("runs/rft/generate", "`rft generate` folder: shards/ (append-only, per rank), rft.jsonl "
+                                              "(the kept examples as chat records), stats.json.")
+    seed: int = _f(0, "Sampling seed (each batch is seeded from it and its first question).")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    rft: RftConfig = field(default_factory=RftConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -411,6 +469,16 @@ def validate(cfg: Config) -> None:
                           f"({t.emb_micro_batch_size}), got {cfg.loss.grad_cache_chunks}")
     if "{instruction}" not in d.emb_instruction_template:
         raise ConfigError("config key 'data.emb_instruction_template': must contain {instruction}")
+    lora_config(cfg.model)
+    r = cfg.rft
+    for key, v in {"rft.oversample": r.oversample, "rft.max_new_tokens": r.max_new_tokens,
+                   "rft.questions_per_batch": r.questions_per_batch, "rft.keep_per_question": r.keep_per_question,
+                   "rft.micro_batch_sequences": r.micro_batch_sequences}.items():
+        if v < 1:
+            raise ConfigError(f"config key '{key}': must be >= 1, got {v}")
+    if r.temperature <= 0 or not 0 < r.top_p <= 1 or r.tolerance < 0:
+        bad = "rft.temperature" if r.temperature <= 0 else "rft.top_p" if not 0 < r.top_p <= 1 else "rft.tolerance"
+        raise ConfigError(f"config key '{bad}': out of range")
     if cfg.model.name_or_path is None and not cfg.model.config:
         raise ConfigError("config key 'model.name_or_path': set it, or give model.config (with model_type) for random init")
     if cfg.model.name_or_path is None and "model_type" not in cfg.model.config:

@@ -74,7 +74,73 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    return model
+    return apply_lora(model, cfg)
+
+
+# ----------------------------------------------------------------------------------------------- LoRA
+
+
+def apply_lora(model, cfg: ModelConfig):
+    """With `model.lora.enabled`, wrap the model in a peft LoRA model: base weights frozen, adapters trainable
+    (works under DDP and ZeRO-1/2/3: the adapters are ordinary parameters). Otherwise the model unchanged."""
+    from harness.config import lora_config
+
+    lc = lora_config(cfg)
+    if not lc.enabled:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    targets = lc.target_modules
+    try:
+        peft_cfg = LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets,
+                              task_type="CAUSAL_LM")
+        return get_peft_model(model, peft_cfg)
+    except ValueError as e:
+        raise ConfigError(f"config key 'model.lora.target_modules': {str(e).splitlines()[0]}")
+
+
+def is_peft(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")
+
+
+def merged_copy(peft_model, state_dict: dict):
+    """A plain transformers model equal to `peft_model` with its adapters merged into the base weights, rebuilt from
+    the full `state_dict` (gathered from every rank under ZeRO-3) on a fresh copy of the architecture."""
+    from peft import get_peft_model
+
+    base_cfg = peft_model.get_base_model().config
+    with _no_zero3_init():
+        fresh = AutoModelForCausalLM.from_config(base_cfg, dtype=torch.float32)
+    fresh.resize_token_embeddings(base_cfg.vocab_size)
+    adapter = get_peft_model(fresh, peft_model.peft_config["default"])
+    missing, unexpected = adapter.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=False)
+    tied = set(getattr(fresh, "_tied_weights_keys", None) or [])
+    missing = [k for k in missing if not any(k.endswith(t) for t in tied) and "lm_head" not in k]
+    if missing or unexpected:
+        raise RuntimeError(f"merging LoRA: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return adapter.merge_and_unload()
+
+
+def _no_zero3_init():
+    """transformers builds models inside deepspeed.zero.Init while a ZeRO-3 config is registered; a merge on one
+    rank must not (zero.Init is collective)."""
+    import contextlib
+
+    try:
+        from transformers.integrations import deepspeed as ds_int
+    except ImportError:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def ctx():
+        ref = getattr(ds_int, "_hf_deepspeed_config_weak_ref", None)
+        ds_int._hf_deepspeed_config_weak_ref = None
+        try:
+            yield
+        finally:
+            ds_int._hf_deepspeed_config_weak_ref = ref
+
+    return ctx()
 
 
 def count_parameters(model: torch.nn.Module) -> int:

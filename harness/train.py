@@ -67,6 +67,7 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, offload: bool = False) 
     decay = [p for p, m in zip(params, is_matrix) if m]
     no_decay = [p for p, m in zip(params, is_matrix) if not m]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]  # LoRA adapters are all matrices; ZeRO-3 drops empty groups
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 

@@ -198,7 +198,7 @@ def test_save_config_round_trip(tmp_path, recipe):
     assert dataclasses.asdict(loaded) == dataclasses.asdict(original)
     # Every key is written (the fully resolved config), not only the ones that were set.
     saved = yaml.safe_load(path.read_text())
-    assert set(saved) == {"model", "data", "loss", "optim", "train"}
+    assert set(saved) == {"model", "data", "loss", "optim", "train", "rft"}
     assert set(saved["train"]) == {f.name for f in dataclasses.fields(TrainConfig)}
 
 

@@ -1,0 +1,95 @@
+"""Rejection-sampling fine-tuning: sample many answers, keep the verified ones, train on them, measure accuracy.
+
+    harness rft sft-data RECIPE --out FILE         worked answers of the arithmetic task's sft split (warm-up data)
+    harness rft generate RECIPE [--model PATH] [--stop-after N] [overrides]   sample, verify, keep -> rft.jsonl
+    harness rft train    RECIPE [overrides]        harness training on data.train_files + <rft.output_dir>/rft.jsonl
+    harness rft test     RECIPE [--model PATH] [--out FILE] [overrides]       accuracy + answer rate -> JSON
+    harness rft bench    RECIPE [--model PATH] [--questions N]    sequences/s: batched vs one question at a time
+
+Several processes: `accelerate launch ... -m harness.rft generate RECIPE` (test and train alike). Guide: docs/rft.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from harness.errors import HarnessError
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="harness rft", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, text in (("sft-data", "write warm-up SFT records"), ("generate", "sample, verify, keep"),
+                       ("train", "train on the kept examples"), ("test", "held-out accuracy"),
+                       ("bench", "generation throughput, batched vs one at a time")):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("file", help="run recipe (YAML) with an rft: section")
+        s.add_argument("overrides", nargs="*", help="section.key=value")
+        if name in ("generate", "test", "bench"):
+            s.add_argument("--model", help="model folder (default: model.name_or_path); a LoRA final/ uses merged/")
+        if name == "generate":
+            s.add_argument("--stop-after", type=int, default=0, help="stop after N question batches per process")
+        if name == "bench":
+            s.add_argument("--questions", type=int, default=32, help="train questions to sample")
+        if name in ("test", "sft-data"):
+            s.add_argument("--out", required=name == "sft-data", help="output file")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.command == "train":
+            from harness import train
+            from harness.config import load_config
+
+            cfg = load_config(args.file, args.overrides)
+            data = Path(cfg.rft.output_dir) / "rft.jsonl"
+            if not data.is_file():
+                raise HarnessError(f"{data}: no generated examples; run `harness rft generate {args.file}` first")
+            files = list(cfg.data.train_files)
+            files += [] if str(data) in map(str, files) else [str(data)]
+            print(f"[rft] training on {', '.join(files)}")
+            return train.main(["--config", args.file, *args.overrides, f"data.train_files={json.dumps(files)}"])
+        from harness.config import load_config
+
+        cfg = load_config(args.file, args.overrides)
+        if args.command == "sft-data":
+            from harness.rft.tasks import ArithmeticTask, build_task
+
+            task = build_task(cfg.rft)
+            if not isinstance(task, ArithmeticTask):
+                raise HarnessError("rft sft-data needs rft.task=arithmetic (a JSONL task has no worked answers)")
+            out = Path(args.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text("".join(json.dumps(r) + "\n" for r in task.sft_records()), encoding="utf-8")
+            print(f"[rft] {len(task.split('sft'))} warm-up records -> {out}")
+        elif args.command == "generate":
+            from harness.rft import generate
+
+            generate.run(cfg, args.model, args.stop_after)
+        elif args.command == "bench":
+            from datetime import datetime, timezone
+
+            from harness.hardware import environment_report
+            from harness.rft import generate
+
+            rows = generate.bench(cfg, args.model, args.questions)
+            env = environment_report()
+            gpus = env.get("gpus") or []
+            dev = gpus[0].get("name", "GPU") if gpus else f"CPU ({env.get('cpu_count', '?')} cores)"
+            print(f"rft generation throughput, {datetime.now(timezone.utc):%Y-%m-%d}, {dev}, torch {env['torch']}; "
+                  f"{args.questions} questions x {cfg.rft.oversample} samples, temperature {cfg.rft.temperature}, "
+                  f"max_new_tokens {cfg.rft.max_new_tokens}")
+            print("| way | sequences | seconds | sequences/s | new tokens/s | speed-up |\n|---|---|---|---|---|---|")
+            for r in rows:
+                print(f"| {r['way']} | {r['sequences']} | {r['seconds']} | {r['sequences_per_s']} | "
+                      f"{r['new_tokens_per_s']} | {r['speedup']}x |")
+        else:
+            from harness.rft import evaluate
+
+            evaluate.run(cfg, args.model, args.out)
+    except HarnessError as err:
+        print(f"harness: error: {err}", file=sys.stderr)
+        return err.exit_code
+    return 0

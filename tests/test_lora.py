@@ -1,0 +1,113 @@
+"""LoRA through peft (harness/model.py apply_lora, merged_copy; final/ export in harness/checkpoint.py).
+
+    .venv/bin/python -m pytest tests/test_lora.py            # -m "not slow" for the unit tests only
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from harness.config import ModelConfig, load_config
+from harness.errors import ConfigError
+from harness.model import apply_lora, build_model, is_peft, load_tokenizer, merged_copy
+from tests.harness_launch import DEFAULT, FAST, initial_weights, run_train
+
+TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 64,
+        "tie_word_embeddings": True}
+
+
+def tiny_lora(**lora) -> tuple:
+    cfg = ModelConfig(config=dict(TINY), lora={"enabled": True, **lora})
+    tok = load_tokenizer(cfg)
+    torch.manual_seed(0)
+    return build_model(cfg, tok), tok
+
+
+def test_lora_freezes_the_base_and_trains_adapters():
+    model, _ = tiny_lora(r=4)
+    assert is_peft(model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert {n.split(".lora_")[0].split(".")[-1] for n in trainable} >= {"q_proj", "v_proj", "down_proj"}
+    plain, _ = tiny_lora(enabled=False)
+    assert not is_peft(plain)
+
+
+def test_lora_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="model.lora.rank"):
+        load_config(DEFAULT, ["model.lora.rank=4"])
+    with pytest.raises(ConfigError, match="model.lora.r"):
+        load_config(DEFAULT, ["model.lora.r=0"])
+    with pytest.raises(ConfigError, match="model.lora.enabled"):
+        load_config(DEFAULT, ["model.lora.enabled=maybe"])
+    with pytest.raises(ConfigError, match="model.lora.target_modules"):
+        apply_lora(tiny_lora(enabled=False)[0], ModelConfig(lora={"enabled": True, "target_modules": ["nope"]}))
+    assert load_config(DEFAULT, ["model.lora.enabled=true", "model.lora.r=4"]).model.lora == {"enabled": True, "r": 4}
+
+
+def test_merged_copy_equals_the_peft_model():
+    model, _ = tiny_lora(r=4, alpha=8)
+    with torch.no_grad():  # lora_B starts at zero: give the adapters a real update
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    merged = merged_copy(model, model.state_dict())
+    assert not is_peft(merged)
+    ids = torch.randint(0, 100, (2, 12))
+    model.eval()
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, merged(input_ids=ids).logits
+        with model.disable_adapter():
+            c = model(input_ids=ids).logits
+    assert torch.allclose(a, b, atol=1e-5)
+    assert not torch.allclose(a, c, atol=1e-3)  # the adapters do change the output
+
+
+LORA = ["model.lora.enabled=true", "model.lora.r=4", "model.lora.alpha=8", "train.max_steps=3", "optim.lr=1e-2",
+        "optim.warmup_steps=0", "model.config.num_hidden_layers=2", "model.config.hidden_size=64",
+        "model.config.intermediate_size=128"]
+
+
+def check_lora_run(run_dir) -> None:
+    """Adapters moved, base weights did not, final/ holds the adapter, and adapter + base = final/merged/."""
+    start = initial_weights(DEFAULT, LORA)
+    adapter = load_file(str(run_dir / "final" / "adapter_model.safetensors"))
+    assert adapter and all("lora_" in k for k in adapter)
+    b_keys = [k for k in adapter if "lora_B" in k]
+    assert max(adapter[k].abs().max().item() for k in b_keys) > 0  # lora_B starts at zero
+
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "final" / "merged")
+    scale = 8 / 4
+    changed = 0
+    for name, w in merged.state_dict().items():
+        peft_name = "base_model.model." + name
+        lora_a = peft_name.replace(".weight", ".lora_A.weight")
+        if lora_a in adapter:  # merged = base + scale * B @ A; the base part must be the initial weight
+            delta = scale * adapter[lora_a.replace("lora_A", "lora_B")] @ adapter[lora_a]
+            base = start[peft_name.replace(".weight", ".base_layer.weight")]
+            assert torch.allclose(w - delta, base, atol=1e-5), name
+            changed += 1
+        elif peft_name in start:
+            assert torch.equal(w, start[peft_name]), name  # frozen: embeddings, norms
+    assert changed >= 14
+
+    # the adapter in final/ on the untouched base gives the merged model's output
+    base_model = AutoModelForCausalLM.from_pretrained(run_dir / "final" / "merged")
+    base_model.load_state_dict({k.removeprefix("base_model.model.").replace(".base_layer", ""): v
+                                for k, v in start.items() if "lora_" not in k}, strict=False)
+    peft_model = PeftModel.from_pretrained(base_model, run_dir / "final").eval()
+    ids = torch.randint(0, 200, (2, 16))
+    with torch.no_grad():
+        assert torch.allclose(peft_model(input_ids=ids).logits, merged.eval()(input_ids=ids).logits, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accel", ["ddp", "zero3"])
+def test_lora_under_ddp_and_zero3(tmp_path, accel):
+    run_train([*FAST, *LORA, f"train.output_dir={tmp_path}"], nproc=2, accel=accel)
+    check_lora_run(tmp_path)

@@ -1,0 +1,261 @@
+"""Rejection-sampling fine-tuning (harness/rft): tasks and verifier, sampling with OOM back-off, resumable shards,
+and one end-to-end run (warm-up, generate stopped and continued on 2 processes, train with LoRA, test).
+
+    .venv/bin/python -m pytest tests/test_rft.py            # -m "not slow" for the unit tests only
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.config import ModelConfig, load_config
+from harness.errors import ConfigError, DataError
+from harness.rft import generate as gen
+from harness.rft.tasks import ArithmeticTask, JsonlTask, Question, extract_answer, verify
+from tests.harness_launch import ROOT, free_port
+
+RECIPE = str(ROOT / "configs" / "rft-tiny.yaml")
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 128,
+        "tie_word_embeddings": True}
+
+
+# ----------------------------------------------------------------------------------------------- tasks, verifier
+
+
+def test_verifier_accepts_right_answers_and_rejects_hand_made_wrong_ones():
+    assert verify("17 + 25 = 42. The answer is 42.", 42)
+    assert verify("The answer is 42.0", 42) and verify("so the answer is: 1,000.", 1000)
+    assert verify("The answer is 7. No wait, the answer is 8.", 8)  # the last answer counts
+    assert verify("The answer is 3.14159", 3.1416, tolerance=1e-4)
+    for wrong in ["17 + 25 = 42. The answer is 43.", "The answer is 41.9", "42", "17 + 25 = 42.",
+                  "The answer is forty-two.", "", "The answer is -42.", "The answer is 42000."]:
+        assert not verify(wrong, 42), wrong
+    assert not verify("The answer is 3.14", 3.1416, tolerance=1e-4)
+    assert extract_answer("no number here") is None and extract_answer("The answer is -5.") == -5.0
+
+
+def test_arithmetic_task_splits_are_disjoint_seeded_and_worked_answers_verify():
+    t = ArithmeticTask(n_train=50, n_test=30, n_sft=40, max_operand=10, seed=3)
+    splits = {s: t.split(s) for s in ("train", "test", "sft")}
+    assert [len(v) for v in splits.values()] == [50, 30, 40]
+    texts = [q.question for v in splits.values() for q in v]
+    assert len(set(texts)) == len(texts)  # no question in two splits
+    assert splits == {s: ArithmeticTask(50, 30, 40, 10, 3).split(s) for s in splits}  # seeded
+    assert splits["test"] != ArithmeticTask(50, 30, 40, 10, 4).split("test")
+    for q in [q for v in splits.values() for q in v]:
+        assert t.verify(t.worked_answer(q), q)
+    kinds = Counter(("+" in q) + 2 * ("-" in q) + 4 * ("times" in q) + 8 * ("How many" in q) for q in texts)
+    assert {1, 2, 4, 8} <= set(kinds)  # sums, differences, products, unit conversions (and other wordings)
+    assert t.sft_records()[0]["messages"][1]["role"] == "assistant"
+    with pytest.raises(ConfigError, match="rft.max_operand"):
+        ArithmeticTask(n_train=500, n_test=500, n_sft=500, max_operand=3)
+
+
+def test_jsonl_task_reads_questions_and_names_bad_lines(tmp_path):
+    f = tmp_path / "q.jsonl"
+    f.write_text('{"question": "What is 2 + 2?", "answer": 4}\n\n{"question": "Pi?", "answer": "3.14"}\n')
+    qs = JsonlTask(str(f)).split("train")
+    assert [(q.question, q.answer) for q in qs] == [("What is 2 + 2?", 4.0), ("Pi?", 3.14)]
+    assert len({q.qid for q in qs}) == 2
+    with pytest.raises(ConfigError, match="rft.test_file"):
+        JsonlTask(str(f)).split("test")
+    for line, field in [('{"question": "x", "answer": "four"}', "answer"), ('{"answer": 4}', "question"),
+                        ('{"question": "x", "answer": true}', "answer"), ("{oops", "invalid JSON")]:
+        f.write_text('{"question": "ok", "answer": 1}\n' + line + "\n")
+        with pytest.raises(DataError, match=f"{f}:2: .*{field}"):
+            JsonlTask(str(f)).split("train")
+
+
+def test_rft_config_keys_are_checked():
+    cfg = load_config(RECIPE, ["rft.oversample=4"])
+    assert cfg.rft.oversample == 4 and cfg.rft.task == "arithmetic"
+    for bad, key in [("rft.oversample=0", "rft.oversample"), ("rft.temperature=0", "rft.temperature"),
+                     ("rft.samples=3", "rft.samples"), ("rft.top_p=1.5", "rft.top_p")]:
+        with pytest.raises(ConfigError, match=key):
+            load_config(RECIPE, [bad])
+
+
+# ----------------------------------------------------------------------------------------------- judging, shards
+
+
+def test_judge_keeps_only_verified_distinct_answers():
+    t = ArithmeticTask(n_train=5, n_test=0, n_sft=0, max_operand=5)
+    q = Question("train-0", "What is 2 + 3?", 5.0)
+    right = "2 + 3 = 5. The answer is 5."
+    responses = [right, "2 + 3 = 6. The answer is 6.", right, "The answer is 5.", "2 + 3 = 5.", "the answer is 5.0"]
+    rec = gen.judge(t, q, responses, keep=2)
+    assert rec["kept"] == [right, "The answer is 5."]  # distinct, at most 2, in order
+    assert all(t.verify(r, q) for r in rec["kept"])
+    assert (rec["samples"], rec["correct"], rec["answered"], rec["duplicates"]) == (6, 4, 5, 1)
+
+
+def test_shards_survive_a_partial_last_line(tmp_path):
+    shard = tmp_path / "rank-0.jsonl"
+    gen.append_records(shard, [{"qid": "a", "kept": []}, {"qid": "b", "kept": []}])
+    with shard.open("a") as fh:
+        fh.write('{"qid": "c", "ke')  # killed while writing
+    assert [r["qid"] for r in gen.read_shards(tmp_path)] == ["a", "b"]
+    gen.repair_shard(shard)
+    gen.append_records(shard, [{"qid": "c", "kept": []}])
+    assert [r["qid"] for r in gen.read_shards(tmp_path)] == ["a", "b", "c"]
+
+
+def test_merge_writes_training_records_in_question_order(tmp_path):
+    from harness import data
+
+    t = ArithmeticTask(n_train=3, n_test=0, n_sft=0, max_operand=5)
+    qs = t.split("train")
+    (tmp_path / gen.SHARDS).mkdir()
+    recs = [gen.judge(t, q, [t.worked_answer(q)] * 2 + ["The answer is -1."], 4) for q in qs]
+    gen.append_records(tmp_path / gen.SHARDS / "rank-1.jsonl", recs[:1])
+    gen.append_records(tmp_path / gen.SHARDS / "rank-0.jsonl", recs[2:])
+    stats = gen.merge(t, qs, tmp_path)
+    assert stats["questions_covered"] == 2 and stats["kept_examples"] == 2 and stats["duplicates_dropped"] == 2
+    assert stats["success_rate"] == pytest.approx(4 / 6)
+    rows = [json.loads(x) for x in (tmp_path / gen.OUTPUT).read_text().splitlines()]
+    assert [r["messages"][0]["content"] for r in rows] == [qs[0].question, qs[2].question]
+    assert len(data.load_generative_rows([str(tmp_path / gen.OUTPUT)])) == 2  # what `harness train` reads
+
+
+# ----------------------------------------------------------------------------------------------- sampling
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from accelerate.utils import set_seed
+
+    from harness.model import build_model, load_tokenizer
+
+    cfg = ModelConfig(config=dict(TINY))
+    tok = load_tokenizer(cfg)
+    tok.padding_side = "left"
+    set_seed(0)
+    return build_model(cfg, tok).eval(), tok
+
+
+def test_batched_sampling_with_left_padding_equals_one_question_at_a_time(tiny_model):
+    model, tok = tiny_model
+    t = ArithmeticTask(n_train=3, n_test=0, n_sft=0, max_operand=12)
+    prompts = [gen.prompt_text(t, q) for q in t.split("train")] + ["<|user|>\nHow many minutes are in 12 hours?\n"
+                                                                   "<|assistant|>\n"]
+    assert prompts[0].startswith("<|user|>\nWhat") or prompts[0].startswith("<|user|>\nHow")
+    s = gen.Sampler(model, tok, max_new_tokens=6, micro=64)
+    batched = s.sample(prompts, 1, greedy=True)
+    single = [s.sample([p], 1, greedy=True)[0] for p in prompts]
+    assert batched == single and s.sequences == 2 * len(prompts)
+    torch.manual_seed(0)
+    sampled = s.sample(prompts[:2], 3, temperature=1.0)
+    assert [len(x) for x in sampled] == [3, 3]
+
+
+def test_out_of_memory_halves_the_micro_batch(tiny_model):
+    class SmallGpu(gen.Sampler):
+        calls: list = []
+
+        def _generate(self, texts, temperature, top_p, greedy):
+            self.calls.append(len(texts))
+            if len(texts) > 3:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated limit of 3 sequences)")
+            return [f"{t}|{i}" for i, t in enumerate(texts)]
+
+    said = []
+    s = SmallGpu(*tiny_model, max_new_tokens=4, micro=16, say=said.append)
+    out = s.sample(["a", "b", "c"], 4)
+    assert s.micro == 2 and s.calls[:3] == [12, 8, 4]
+    assert [[x.split("|")[0] for x in group] for group in out] == [["a"] * 4, ["b"] * 4, ["c"] * 4]
+    assert s.sequences == 12 and len(said) == 3
+    never = SmallGpu(*tiny_model, max_new_tokens=4, micro=1)
+    never._generate = lambda *a: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("oom"))
+    with pytest.raises(gen.HarnessError, match="one sequence"):
+        never.sample(["a"], 1)
+
+
+# ----------------------------------------------------------------------------------------------- end to end
+
+
+def run(args: list[str], nproc: int = 1, module: str = "harness.rft") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if nproc == 1:
+        cmd = [sys.executable, "-m", module, *args]
+    else:
+        env["ACCELERATE_USE_CPU"] = "1"
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(free_port()), "-m", module, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def qids(folder: Path) -> list[str]:
+    return [r["qid"] for r in gen.read_shards(folder / gen.SHARDS)]
+
+
+@pytest.mark.slow
+def test_rft_end_to_end(tmp_path):
+    from harness.rft import main as rft_main
+
+    # a supervised warm-up on worked answers; the task's questions are the warm-up questions (as a JSONL task),
+    # so that this tiny, briefly trained model is often right
+    sft = tmp_path / "sft.jsonl"
+    small = ["rft.max_operand=4", "rft.num_sft_questions=12", "rft.num_train_questions=8",
+             "rft.num_test_questions=8"]
+    assert rft_main(["sft-data", RECIPE, *small, "--out", str(sft)]) == 0
+    model_cfg = [f"model.config.{k}={v}" for k, v in TINY.items()]
+    run(["--config", str(ROOT / "configs" / "rft-tiny-warmup.yaml"), *model_cfg, f"data.train_files=[{sft}]",
+         f"train.output_dir={tmp_path}/warm", "train.max_steps=60", "train.micro_batch_size=12", "optim.lr=1e-2",
+         "optim.warmup_steps=3", "train.progress_bar=false", "train.log_every=60"], module="harness.train")
+    task = ArithmeticTask(8, 8, 12, 4, 0)
+    train_q = tmp_path / "train_q.jsonl"
+    train_q.write_text("".join(json.dumps({"id": q.qid, "question": q.question, "answer": q.answer}) + "\n"
+                               for q in task.split("sft")))
+    out = tmp_path / "gen"
+    common = [f"model.name_or_path={tmp_path}/warm/final", f"rft.task={train_q}", f"rft.test_file={train_q}",
+              f"rft.output_dir={out}", "rft.oversample=4", "rft.questions_per_batch=4", "rft.max_new_tokens=24",
+              "rft.keep_per_question=2", f"data.train_files=[{sft}]"]
+
+    # (4) stopped after the first batch of questions, a half-written line left behind, continued on 2 processes
+    run(["generate", RECIPE, *common, "--stop-after", "1"])
+    first = (out / gen.SHARDS / "rank-0.jsonl").read_text()
+    assert len(qids(out)) == 4 and not (out / gen.OUTPUT).exists()
+    with (out / gen.SHARDS / "rank-0.jsonl").open("a") as fh:
+        fh.write('{"qid": "sft-9", "question": "What')
+    assert rft_main(["generate", RECIPE, *common, "rft.temperature=0.5"]) == 2  # other settings: refused
+    run(["generate", RECIPE, *common], nproc=2)
+    ids = qids(out)
+    assert sorted(ids) == sorted(q.qid for q in task.split("sft")) and len(ids) == len(set(ids)) == 12
+    assert (out / gen.SHARDS / "rank-0.jsonl").read_text().startswith(first)  # finished questions not redone
+    assert len(qids(out)) - len(first.splitlines()) == 8
+    assert (out / gen.SHARDS / "rank-1.jsonl").read_text().count("\n") == 4  # rank 1 did its half of 8
+
+    # every kept answer verifies; some were kept; the stats add up
+    stats = json.loads((out / gen.STATS).read_text())
+    rows = [json.loads(x) for x in (out / gen.OUTPUT).read_text().splitlines()]
+    by_question = {q.question: q for q in JsonlTask(str(train_q)).split("train")}
+    assert rows and all(task.verify(r["messages"][1]["content"], by_question[r["messages"][0]["content"]])
+                        for r in rows)
+    assert stats["kept_examples"] == len(rows) and stats["questions_covered"] == 12 and stats["samples"] == 48
+    assert 0 < stats["success_rate"] <= 1
+
+    # (2) a fresh single-process run covers the same questions, each once
+    cfg1 = load_config(RECIPE, [*common, f"rft.output_dir={tmp_path}/gen1"])
+    gen.run(cfg1)
+    assert sorted(qids(tmp_path / "gen1")) == sorted(ids)
+
+    # train on the kept answers with LoRA, then test (the adapter's merged model is used)
+    run(["train", RECIPE, *common, f"train.output_dir={tmp_path}/rft", "train.max_steps=3", "model.lora.enabled=true",
+         "train.progress_bar=false", "train.report_to=[]"])
+    assert (tmp_path / "rft" / "final" / "adapter_config.json").is_file()
+    assert rft_main(["test", RECIPE, *common, "--model", f"{tmp_path}/rft/final", "--out", f"{tmp_path}/t.json"]) == 0
+    rep = json.loads((tmp_path / "t.json").read_text())
+    assert rep["questions"] == 12 and rep["model"].endswith("merged")
+    assert 0 <= rep["accuracy"] <= rep["answer_rate"] <= 1
