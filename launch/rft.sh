@@ -36,7 +36,8 @@ done
 [ -f "$CONFIG" ] || die "config file not found: $CONFIG (paths are relative to the repository root)"
 case " ${STAGES[*]} " in *" ${FROM:-generate} "*) ;; *) die "--from must be one of: ${STAGES[*]}; got '$FROM'" ;; esac
 read -r -a HARNESS <<< "${HARNESS:-$PYTHON -m harness.cli}"
-STATE=${RFT_STATE_DIR:-$(output_dir_of "$CONFIG" "${ARGS[@]}")} || exit $?
+OUT=$(output_dir_of "$CONFIG" "${ARGS[@]}") || exit $?
+STATE=${RFT_STATE_DIR:-$OUT}
 
 rerun=0
 for stage in "${STAGES[@]}"; do
@@ -48,7 +49,9 @@ for stage in "${STAGES[@]}"; do
     continue
   fi
   say "$stage"
-  run "${HARNESS[@]}" rft "$stage" "$CONFIG" "${ARGS[@]}"
+  extra=()
+  if [ "$stage" = test ]; then extra=(--model "$OUT/final"); fi  # the model that rft train wrote
+  run "${HARNESS[@]}" rft "$stage" "$CONFIG" "${ARGS[@]}" "${extra[@]}"
   if [ "$DRY_RUN" != 1 ]; then
     mkdir -p "$STATE"
     date -u +%FT%TZ > "$done_file"

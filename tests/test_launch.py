@@ -198,7 +198,8 @@ def test_rft_dry_run_runs_three_stages_and_skips_finished_ones(tmp_path):
     r = sh("rft.sh", "--dry-run", "configs/default.yaml", "train.seed=3", RFT_STATE_DIR=tmp_path)
     assert r.returncode == 0, r.stderr
     assert commands(r.stdout) == [f"{sys.executable} -m harness.cli rft {s} configs/default.yaml train.seed=3"
-                                  for s in ("generate", "train", "test")]
+                                  for s in ("generate", "train")] + [
+        f"{sys.executable} -m harness.cli rft test configs/default.yaml train.seed=3 --model runs/default/final"]
     (tmp_path / ".rft-generate.done").write_text("x")
     r = sh("rft.sh", "--dry-run", "configs/default.yaml", RFT_STATE_DIR=tmp_path)
     assert f"generate: done earlier ({tmp_path}/.rft-generate.done), skipped" in r.stdout
