@@ -132,9 +132,10 @@ def test_nonfinite_gradients_are_skipped_then_stop_with_a_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_auto_micro_batch_backs_off_and_keeps_the_global_batch(tmp_path):
     """train.micro_batch_size=auto under a real memory limit (RLIMIT_AS: the CPU allocator fails as a GPU would run
-    out of memory): 256 and 128 do not fit, 64 does; accumulation 4 keeps the global batch of 256, and the run is
-    exactly the one configured by hand with micro-batch 64 x accumulation 4 (the trial step changed nothing). Under
-    DeepSpeed ZeRO-2 the first real step is the trial, and the retry rebuilds the engine."""
+    out of memory; a micro-batch of 256 needs about 3.5 GB here): it backs off by halving, raises accumulation so that
+    micro-batch x accumulation stays the global batch of 256, and trains the same losses as micro-batch 64 x
+    accumulation 4 set by hand (token averaging: the split does not change the loss; the trial step changed nothing).
+    Under DeepSpeed ZeRO-2 the first real step is the trial, and the retry rebuilds the engine."""
     common = ["train.max_steps=2", *FAST, "train.save_final=false"]
     hand = tmp_path / "hand"
     run_train([f"train.output_dir={hand}", "train.micro_batch_size=64", "train.grad_accum=4", *common])
@@ -142,9 +143,12 @@ def test_auto_micro_batch_backs_off_and_keeps_the_global_batch(tmp_path):
         out = tmp_path / name
         proc = run_train([f"train.output_dir={out}", "train.micro_batch_size=auto", "train.global_batch_size=256",
                           *extra, *common], address_space_gb=4.5 if extra else 3.5)
-        rep = report(out)
-        assert rep["micro_batch_auto"] == {"global_batch_size": 256, "tried": [256, 128, 64], "micro_batch_size": 64,
-                                           "grad_accum": 4}, proc.stdout[-2000:]
-        assert rep["micro_batch_size"] == 64 and rep["grad_accum"] == 4
+        auto = report(out)["micro_batch_auto"]
+        tried, micro = auto["tried"], auto["micro_batch_size"]
+        assert tried[:2] == [256, 128] and tried[-1] == micro and micro <= 128, proc.stdout[-2000:]
+        assert all(b == a // 2 for a, b in zip(tried, tried[1:]))  # halving (256 has only powers of two)
+        assert auto["grad_accum"] * micro == 256 == auto["global_batch_size"]
+        assert report(out)["micro_batch_size"] == micro and report(out)["grad_accum"] == auto["grad_accum"]
         assert "micro-batch 256 did not fit: trying 128" in proc.stdout
-        assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(hand)], name
+        for a, b in zip(metrics(out), metrics(hand), strict=True):
+            assert rel_close(a["loss"], b["loss"], 1e-5), (name, a["loss"], b["loss"])
