@@ -45,7 +45,7 @@ from harness.config import Config, load_config
 from harness.errors import ConfigError, HarnessError
 
 WARMUP_STEPS = 5  # calibration steps before the clock starts (compilation, allocator and cache warm-up)
-MEASURE_STEPS = 20  # calibration steps that are timed
+MEASURE_STEPS = 50  # calibration steps that are timed (fewer: run-to-run noise of ±10% seen on a shared CPU)
 SAFETY_MARGIN_MIN = 30.0
 
 
@@ -242,7 +242,8 @@ def calibrate(config_path: Optional[str], overrides: list[str], cfg: Config, war
         records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
         cal, rep = calibration_from_report(run / "report.json")
         cal.s_per_step, cal.warmup_extra_s = steady_rate(records, warmup)
-        cal.startup_s += max(0.0, wall - rep["timings"]["process_wall_s"])  # a launcher's own start-up
+        if launcher:  # the launcher's own start-up comes before the training process starts
+            cal.startup_s += max(0.0, wall - rep["timings"]["process_wall_s"])
         cal.source = f"calibration run of {total} steps ({wall:.1f} s wall)"
         return cal, rep
 
@@ -524,7 +525,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--launcher", help="launch the calibration like the real run, e.g. \"accelerate launch "
                                       "--config_file accelerate_configs/zero2.yaml --num_processes 8\"")
     p.add_argument("--warmup", type=int, default=WARMUP_STEPS, help=argparse.SUPPRESS)
-    p.add_argument("--steps", type=int, default=MEASURE_STEPS, help="timed calibration steps (default 20)")
+    p.add_argument("--steps", type=int, default=MEASURE_STEPS, help=f"timed calibration steps (default {MEASURE_STEPS})")
     p.add_argument("--out", help="plan.json path (default <train.output_dir>/plan.json)")
     return p.parse_intermixed_args(argv)
 
@@ -535,13 +536,13 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("harness plan: --hours must be > 0, --margin-minutes >= 0 and --steps >= 1")
     cfg = load_config(args.config, args.overrides)
     say = lambda m: print(f"[plan] {m}", flush=True)  # noqa: E731
-    data = analyse_data(cfg)
     if args.from_report:
         cal, rep = calibration_from_report(args.from_report)
-    else:
+    else:  # first, while this process is idle and light (threads left by tokenization here slowed the child ~10%)
         if args.steps % args.warmup and args.warmup % args.steps:
             args.steps = -(-args.steps // args.warmup) * args.warmup  # both logged: multiples of the log interval
         cal, rep = calibrate(args.config, args.overrides, cfg, args.warmup, args.steps, args.launcher, say)
+    data = analyse_data(cfg)
     dims = tuple(rep["flop_dims"]) if rep.get("flop_dims") else None
     if cfg.train.micro_batch_size == "auto":  # what the measured run found
         from dataclasses import replace
