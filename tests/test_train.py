@@ -134,7 +134,8 @@ def test_auto_micro_batch_backs_off_and_keeps_the_global_batch(tmp_path):
     """train.micro_batch_size=auto under a real memory limit (RLIMIT_AS: the CPU allocator fails as a GPU would run
     out of memory; a micro-batch of 256 needs about 3.5 GB here): it backs off by halving, raises accumulation so that
     micro-batch x accumulation stays the global batch of 256, and trains the same losses as micro-batch 64 x
-    accumulation 4 set by hand (token averaging: the split does not change the loss; the trial step changed nothing).
+    accumulation 4 set by hand (token averaging: the split does not change the step's loss or gradient; the trial step
+    changed nothing).
     Under DeepSpeed ZeRO-2 the first real step is the trial, and the retry rebuilds the engine."""
     common = ["train.max_steps=2", *FAST, "train.save_final=false"]
     hand = tmp_path / "hand"
@@ -150,5 +151,9 @@ def test_auto_micro_batch_backs_off_and_keeps_the_global_batch(tmp_path):
         assert auto["grad_accum"] * micro == 256 == auto["global_batch_size"]
         assert report(out)["micro_batch_size"] == micro and report(out)["grad_accum"] == auto["grad_accum"]
         assert "micro-batch 256 did not fit: trying 128" in proc.stdout
-        for a, b in zip(metrics(out), metrics(hand), strict=True):
-            assert rel_close(a["loss"], b["loss"], 1e-5), (name, a["loss"], b["loss"])
+        # step 1 holds the same 256 samples whatever the split; later steps cross the epoch end, where the ragged last
+        # micro-batch depends on the micro-batch size
+        a, b = metrics(out)[0], metrics(hand)[0]
+        assert rel_close(a["loss"], b["loss"], 1e-5) and rel_close(a["grad_norm"], b["grad_norm"], 1e-4), (name, a, b)
+        if micro == 64:
+            assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(hand)]
