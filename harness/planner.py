@@ -504,10 +504,16 @@ def plan_vs_actual(plan_path: Path, cfg: Config, actual_s: float) -> Optional[di
         est = float(plan["estimated_s"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return {"path": str(plan_path), "estimated_s": est, "actual_s": actual_s,
+    mine, chosen, which = config_fingerprint(cfg), plan.get("estimate", {}), "plan"
+    for a in plan.get("adjustments", []):
+        if a.get("fingerprint") == mine:  # this run applied one of the plan's adjustments
+            chosen, est = a["estimate"], float(a["estimate"]["total_s"])
+            which = "adjustment " + " ".join(f"{k}={v}" for k, v in a["overrides"].items())
+    return {"path": str(plan_path), "estimate_of": which, "estimated_s": est, "actual_s": actual_s,
             "error_pct": 100 * (est - actual_s) / actual_s, "accuracy": 1 - abs(est - actual_s) / actual_s,
-            "same_config": plan.get("fingerprint") == config_fingerprint(cfg),
-            "phases": {k: v for k, v in plan.get("estimate", {}).items() if k.endswith("_s")}}
+            "same_config": mine in (plan.get("fingerprint"), chosen.get("fingerprint"))
+            or any(a.get("fingerprint") == mine for a in plan.get("adjustments", [])),
+            "phases": {k: v for k, v in chosen.items() if k.endswith("_s")}}
 
 
 # ----------------------------------------------------------------------------------------------- entry point
@@ -554,6 +560,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{i:>2}. {line}")
     plan.update(config=args.config, overrides=args.overrides, fingerprint=config_fingerprint(cfg),
                 created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    for a in plan["adjustments"]:  # a run with an adjustment applied is compared with that adjustment's estimate
+        a["fingerprint"] = config_fingerprint(load_config(args.config, [*args.overrides, *(
+            f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in a["overrides"].items())]))
     dest = Path(args.out) if args.out else Path(cfg.train.output_dir) / "plan.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     from harness.checkpoint import write_json

@@ -191,3 +191,14 @@ def test_plan_prices_the_estimate_and_each_adjustment():
     assert "cost: 0.021 h x 3.6 per machine per hour = 0.0745" in plan["derivations"]
     for a in plan["adjustments"]:
         assert a["estimate"]["cost"] == pytest.approx(a["estimate"]["total_s"] / 3600 * 3.6)
+
+
+def test_a_run_with_an_adjustment_is_compared_with_that_adjustment(tmp_path):
+    cfg = cfg_of("train.epochs=2")
+    plan = {"estimated_s": 300.0, "fingerprint": "other", "estimate": {"total_s": 300.0},
+            "adjustments": [{"overrides": {"train.epochs": 2}, "fingerprint": planner.config_fingerprint(cfg),
+                             "estimate": {"total_s": 100.0, "train_s": 90.0}}]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    acc = planner.plan_vs_actual(tmp_path / "plan.json", cfg, 105.0)
+    assert acc["estimated_s"] == 100.0 and acc["estimate_of"] == "adjustment train.epochs=2" and acc["same_config"]
+    assert acc["error_pct"] == pytest.approx(-100 * 5 / 105)
