@@ -355,7 +355,12 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
         return {**asdict(state), "elapsed_s": state.elapsed_s + meter.elapsed(), "log_acc": acc.tolist()}
 
     if auto_batch is not None and not is_deepspeed:  # DeepSpeed: its first step is the trial
-        memory_trial(accelerator, model, optimizer, objective, data)
+        try:
+            memory_trial(accelerator, model, optimizer, objective, data)
+        except RuntimeError:  # too large: this try ends here (find_executable_batch_size starts a smaller one)
+            if sampler is not None:
+                sampler.stop()
+            raise
     if cfg.train.eval_at_start and resume_from is None:
         first_eval = evaluate(0)
         if first_eval:
