@@ -62,6 +62,14 @@ def ensure_single_process_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
+def process_group_kwargs() -> list:
+    """Accelerator kwargs handlers for the process group. Without a GPU accelerate leaves the backend unset and each
+    rank may believe it is alone: launched ranks get gloo, the CPU backend (a plain single process needs none)."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return [InitProcessGroupKwargs(backend="gloo")] if not torch.cuda.is_available() and "LOCAL_RANK" in os.environ else []
+
+
 def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "none"):
     """The Accelerator for this run. compile_mode: regional | full | none (already resolved from auto)."""
     from accelerate import Accelerator
@@ -69,7 +77,6 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
         DataLoaderConfiguration,
         DeepSpeedPlugin,
         GradientAccumulationPlugin,
-        InitProcessGroupKwargs,
         TorchDynamoPlugin,
     )
 
@@ -83,10 +90,7 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
         path = resolve_ds_config(cfg.train.deepspeed)
         ensure_single_process_env()
         plugin = DeepSpeedPlugin(hf_ds_config=str(path))
-    handlers = []
-    if not torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
-        # Without a GPU accelerate leaves the backend unset and each rank may believe it is alone; gloo is the CPU one.
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    handlers = process_group_kwargs()
     dynamo = None
     if compile_mode != "none":
         from torch import _dynamo

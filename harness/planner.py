@@ -57,7 +57,7 @@ def schedule_steps(items: int, micro_batch: int, world: int, accum: int, max_ste
     over `items` samples or packed rows), optimizer steps per epoch and in all (max_steps wins when > 0)."""
     micro_per_epoch = math.ceil(math.ceil(items / micro_batch) / world)
     steps_per_epoch = max(1, micro_per_epoch // accum)
-    total = max_steps if max_steps > 0 else max(1, math.ceil(epochs * micro_per_epoch / accum))
+    total = max_steps if max_steps > 0 else epoch_steps(micro_per_epoch, accum, epochs)
     return {"micro_per_epoch": micro_per_epoch, "steps_per_epoch": steps_per_epoch, "total_steps": total}
 
 
@@ -91,7 +91,7 @@ class Calibration:
     source: str = ""
 
 
-def estimate(steps: int, cal: Calibration, evals: int, saves_by_steps: int, save_every_minutes: float = 0.0,
+def estimate(steps: int, cal: Calibration, evals: int, save_every_steps: int = 0, save_every_minutes: float = 0.0,
              work_ratio: float = 1.0, opt_steps_ratio: float = 1.0) -> dict:
     """Seconds per phase and in total for a run of `steps` optimizer steps.
 
@@ -100,7 +100,7 @@ def estimate(steps: int, cal: Calibration, evals: int, saves_by_steps: int, save
     compute = cal.s_per_step - cal.optimizer_s_per_step
     per_step = compute * work_ratio + cal.optimizer_s_per_step * opt_steps_ratio
     train = steps * per_step
-    saves = saves_by_steps + (int(train // (60 * save_every_minutes)) if save_every_minutes > 0 else 0)
+    saves = count_saves(steps, save_every_steps, train, save_every_minutes)
     phases = {
         "startup_s": cal.startup_s,
         "warmup_extra_s": cal.warmup_extra_s,
@@ -289,8 +289,7 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
     window = hours * 3600 - margin_min * 60
 
     def run_estimate(steps: int, work_ratio: float = 1.0, opt_ratio: float = 1.0) -> dict:
-        saves = steps // t.save_every_steps if t.save_every_steps else 0
-        return estimate(steps, cal, count_evals(steps, t.eval_every, t.eval_at_start, has_eval), saves,
+        return estimate(steps, cal, count_evals(steps, t.eval_every, t.eval_at_start, has_eval), t.save_every_steps,
                         t.save_every_minutes, work_ratio, opt_ratio)
 
     base = run_estimate(sched["total_steps"])
@@ -382,9 +381,11 @@ def propose(cfg: Config, data: dict, sched: dict, base: dict, run_estimate, wind
             return run_estimate(s, work_ratio=per_item / per_item_now), w
 
         # b. a shorter max_len: the longest samples are truncated
-        total, ordered = sum(gen["full_lengths"]), sorted(gen["full_lengths"])
+        from harness.data import auto_max_len
+
+        total = sum(gen["full_lengths"])
         for pct in (95, 90, 75, 50):
-            cand = -(-ordered[min(len(ordered) - 1, math.ceil(pct / 100 * len(ordered)) - 1)] // 8) * 8
+            cand = auto_max_len(gen["full_lengths"], pct)
             if cand >= gen["max_len"]:
                 continue
             est, w = variant(cand, gen["packing"])

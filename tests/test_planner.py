@@ -51,7 +51,7 @@ def test_counts():
 
 
 def test_estimate_adds_the_phases():
-    e = planner.estimate(100, CAL, evals=2, saves_by_steps=3)
+    e = planner.estimate(100, CAL, evals=2, save_every_steps=30)  # 3 checkpoints
     assert e["train_s"] == pytest.approx(50.0)
     assert e["total_s"] == pytest.approx(12 + 3 + 50 + 8 + 6 + 1.5)
     # twice the compute per step, same optimizer cost: 0.4 * 2 + 0.1

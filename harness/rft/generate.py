@@ -244,11 +244,10 @@ def check_settings(path: Path, settings: dict, write: bool = True) -> None:
 def make_accelerator():
     """A plain Accelerator (no model is prepared: each process samples on its own); gloo when launched on CPU."""
     from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
 
-    handlers = [] if torch.cuda.is_available() or "LOCAL_RANK" not in os.environ else [
-        InitProcessGroupKwargs(backend="gloo")]
-    return Accelerator(kwargs_handlers=handlers)
+    from harness.distributed import process_group_kwargs
+
+    return Accelerator(kwargs_handlers=process_group_kwargs())
 
 
 def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[dict]:
