@@ -32,6 +32,7 @@ import torch
 from harness import checkpoint, distributed, hardware, losses, metrics, planner
 from harness import data as data_lib
 from harness import cost, monitor, summary  # run observability: utilisation, cost, summary
+from harness.compiling import CompilerWarmup
 from harness.config import Config, describe, load_config, save_config
 from harness.errors import HarnessError
 
@@ -231,6 +232,8 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
     hardware.check_attention(cfg.model.attn_implementation)
     compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
     accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision), compile_mode)
+    # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
+    warmup = CompilerWarmup.start(accelerator.device.type) if compile_mode != "none" else None
     tf32 = hardware.enable_tf32(cfg.train.tf32)
     sampler = monitor.start_sampler(cfg.train.monitor_interval_s, accelerator.is_main_process)  # GPU/CPU utilisation
     say = accelerator.print
@@ -289,6 +292,7 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
     if compile_mode == "regional":  # accelerate compiled every leaf too; keep the repeated blocks only
         left_eager = distributed.narrow_regional_compile(model)
         say(f"[harness] regional compile: decoder blocks compiled; left eager: {', '.join(left_eager) or 'nothing'}")
+    toolchain = warmup.join() if warmup else {}  # before the model first runs: compile seconds are the model's own
     loaders = dict(zip(names, loaders))
     gen_eval = accelerator.prepare(data["gen_eval"]) if "gen_eval" in data else None
     objective = Objective(cfg, accelerator, model)
@@ -376,7 +380,8 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
     deadline = budget.deadline if budget else None  # the window counts from the process start
     last_save, save_cost, stopped_by = time.time(), 10.0, None  # save_cost: measured at the first save
     nonfinite_run = 0
-    first_step_s, after_first = 0.0, metrics.dynamo_counters()  # replaced after this process's first step
+    before_first = metrics.dynamo_counters()  # compiled before the loop: step-0 evaluation, auto micro-batch trial
+    first_step_s, after_first = 0.0, before_first  # replaced after this process's first step
     while state.step < stop_at:
         t_step = time.perf_counter()
         # fetch the step's micro-batches first: token averaging needs the step's global trained-token count
@@ -527,11 +532,19 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
             "recompiles_after_first_step": now["graphs"] - after_first["graphs"],
             "block_calls_compiled": probe.calls["compiled"], "block_calls_eager": probe.calls["eager"],
             "ran_compiled": probe.calls["compiled"] > 0, "left_eager": left_eager,
+            "compile_before_first_step_s": before_first["compile_time_s"], **toolchain,
         }
-        say(f"[harness] compile ({compile_mode}): cold compile {after_first['compile_time_s']:.1f}s in the first step "
-            f"({first_step_s:.1f}s), {now['compile_time_s']:.1f}s in all; {now['graphs']} graphs, "
+        before = (f", {before_first['compile_time_s']:.1f}s of it before the loop (step-0 evaluation / batch trial)"
+                  if before_first["compile_time_s"] else "")
+        say(f"[harness] compile ({compile_mode}): cold compile {after_first['compile_time_s']:.1f}s up to the end of "
+            f"the first step ({first_step_s:.1f}s){before}, {now['compile_time_s']:.1f}s in all; {now['graphs']} graphs, "
             f"{compile_report['recompiles_after_first_step']} recompiles after step 1; decoder-block calls compiled "
             f"{probe.calls['compiled']}, eager {probe.calls['eager']}")
+        if toolchain:
+            say(f"[harness] compiler start-up before the first step: imports {toolchain['toolchain_import_s']:.1f}s, "
+                f"ISA probe and workers {toolchain['toolchain_background_s']:.1f}s in the background during set-up "
+                f"(waited {toolchain['toolchain_wait_s']:.1f}s)"
+                + (f"; warm-up failed: {toolchain['toolchain_error']}" if toolchain["toolchain_error"] else ""))
         if not compile_report["ran_compiled"]:
             say("[harness] warning: torch.compile was requested but no compiled decoder block ever ran")
     final_eval = evaluate(state.step)

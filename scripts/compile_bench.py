@@ -35,8 +35,10 @@ def one(mode: str, layers: int) -> dict:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode:
             sys.exit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-        rep = json.loads((out / "report.json").read_text())["compile"]
-        return {"mode": mode, "load_1min": os.getloadavg()[0], **rep}
+        report = json.loads((out / "report.json").read_text())
+        rep, startup = report["compile"], report["timings"]["startup_s"]
+        return {"mode": mode, "load_1min": os.getloadavg()[0], "startup_s": startup,
+                "process_start_to_first_step_end_s": startup + rep["first_step_s"], **rep}
 
 
 def main() -> int:

@@ -2,6 +2,7 @@
 
     python scripts/gpu_check.py                      # all four variants, ~10 minutes on one H100
     python scripts/gpu_check.py --variants eager,regional --steps 20
+    python scripts/gpu_check.py --cpu-smoke          # the script itself, end to end on a CPU (tiny recipe, 2 variants)
 
 Runs `accelerate launch harness/train.py --config configs/gpu-1b.yaml` once per variant (random init, bf16, packed
 2048-token rows, no download), reads each run's report.json and metrics.jsonl, prints a table and writes
@@ -9,6 +10,8 @@ runs/gpu-check/gpu_check.json. Steady-state figures are medians over the logged 
 holds compilation). GPU utilisation is recorded twice: by the run itself (NVML every second, training only:
 report.json["utilisation"]) and by this script around the whole launch (start-up and compilation included), both
 summarised as mean and p10. Not a test: it needs a GPU; the figures go to docs/benchmarks.md with the date and device.
+`--cpu-smoke` runs the same code path on a CPU with the default tiny recipe (CPU utilisation in place of NVML), so
+that the script is known to work before a rented GPU's time is spent on it (tests/test_monitor.py runs it).
 """
 
 from __future__ import annotations
@@ -32,16 +35,24 @@ VARIANTS = {  # name: (accelerate config, overrides)
 }
 
 
-def run_variant(name: str, steps: int, out_root: Path, extra: list[str]) -> dict:
+def run_variant(name: str, steps: int, out_root: Path, extra: list[str], cpu: bool = False) -> dict:
     accel, overrides = VARIANTS[name]
+    if cpu:
+        if accel.startswith("zero"):
+            return {"variant": name, "error": "--cpu-smoke runs the variants without DeepSpeed (tests/test_zero.py "
+                                              "covers ZeRO on the CPU)"}
+        accel, recipe = "cpu", "default.yaml"
+        extra = ["data.eval_files=[]", "train.log_every=1", *extra]
+    else:
+        recipe = "gpu-1b.yaml"
     out = out_root / name
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "accelerate_configs" / f"{accel}.yaml"), "--num_processes", "1",
-           str(ROOT / "harness" / "train.py"), "--config", str(ROOT / "configs" / "gpu-1b.yaml"),
+           str(ROOT / "harness" / "train.py"), "--config", str(ROOT / "configs" / recipe),
            f"train.output_dir={out}", f"train.max_steps={steps}", "train.resume=null", "train.monitor_interval_s=1",
            *overrides, *extra]
     print("$", " ".join(cmd), flush=True)
-    sampler = UtilisationSampler(interval_s=1.0, gpus=True).start()  # the whole launch, start-up included
+    sampler = UtilisationSampler(interval_s=1.0, gpus=not cpu).start()  # the whole launch, start-up included
     proc = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True)
     whole = sampler.stop()
     print(f"  utilisation, whole launch: {describe(whole)}" + (f" ({whole['note']})" if whole["note"] else ""))
@@ -53,11 +64,14 @@ def run_variant(name: str, steps: int, out_root: Path, extra: list[str]) -> dict
     recs = [r for r in recs if "loss" in r][1:]  # drop the first interval (compilation, warm-up)
     util = (rep.get("utilisation") or {}).get("metrics", {})
     print(f"  utilisation, training: {describe(rep.get('utilisation'))}")
-    med = lambda key: statistics.median(r[key] for r in recs if r.get(key) is not None) if recs else None  # noqa
+    def med(key: str):  # None where no interval has it (MFU on a device with no known peak, memory on a CPU)
+        vals = [r[key] for r in recs if r.get(key) is not None]
+        return statistics.median(vals) if vals else None
     return {"variant": name, "tokens_per_s": med("tokens_per_s"), "mfu": med("mfu"), "mem_gb": med("mem_gb"),
             "padding_share": med("padding_share"), "zero_stage": rep.get("zero_stage"), "compile": rep.get("compile"),
-            "final_loss": rep.get("final_loss"), "gpu": (rep["hardware"]["gpus"] or [{}])[0],
+            "final_loss": rep.get("final_loss"), "gpu": (rep["hardware"].get("gpus") or [{}])[0],
             "gpu_util_mean": util.get("gpu_util", {}).get("mean"), "gpu_util_p10": util.get("gpu_util", {}).get("p10"),
+            "cpu_util_mean": util.get("cpu_util", {}).get("mean"),
             "gpu_mem_used_max_gb": util.get("gpu_mem_gb", {}).get("max"),
             "utilisation": rep.get("utilisation"), "utilisation_whole_launch": whole}
 
@@ -67,16 +81,26 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default=str(ROOT / "runs" / "gpu-check"))
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="check the script on a CPU: default tiny recipe, variants eager,regional unless given")
     ap.add_argument("overrides", nargs="*", help="extra section.key=value for every variant")
     args = ap.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA GPU here; run it on a GPU machine", file=sys.stderr)
+    if args.cpu_smoke:
+        if args.variants == ",".join(VARIANTS):
+            args.variants = "eager,regional"
+    elif not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU here; run it on a GPU machine (or --cpu-smoke to check the script)",
+              file=sys.stderr)
+        return 2
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        print(f"gpu_check: unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
     out_root = Path(args.out)
     out_root.mkdir(parents=True, exist_ok=True)
-    rows = [run_variant(v, args.steps, out_root, args.overrides) for v in args.variants.split(",")]
+    rows = [run_variant(v, args.steps, out_root, args.overrides, cpu=args.cpu_smoke) for v in args.variants.split(",")]
     print(f"\n{'variant':<10}{'tokens/s':>12}{'MFU':>8}{'mem GB':>9}{'cold compile s':>16}{'GPU util mean/p10':>20}")
     for r in rows:
         if "error" in r:
@@ -87,10 +111,10 @@ def main() -> int:
               f"{r['mem_gb'] or 0:>9.1f}{cc if cc is not None else float('nan'):>16.1f}"
               f"{r['gpu_util_mean'] or float('nan'):>13.0f}% / {r['gpu_util_p10'] or float('nan'):.0f}%")
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": args.steps, "rows": rows}
+              "device": "cpu (smoke)" if args.cpu_smoke else torch.cuda.get_device_name(), "torch": torch.__version__, "steps": args.steps, "rows": rows}
     (out_root / "gpu_check.json").write_text(json.dumps(result, indent=2))
     print(f"\nwritten {out_root / 'gpu_check.json'}")
-    return 0
+    return 1 if any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -36,6 +36,10 @@ def test_compiled_blocks_run(name, nproc, accel, extra, tmp_path):
     assert rep["block_calls_eager"] == 0, rep
     assert rep["cold_compile_s"] > 0 and rep["graphs"] >= 1
     assert "recompiles_after_first_step" in rep
+    # the compiler's start-up ran in the background during set-up and was finished before the model first ran
+    assert rep["toolchain_error"] is None and rep["toolchain_background_s"] > 0, rep
+    assert rep["compile_before_first_step_s"] == 0, rep
+    assert "compiler start-up before the first step" in proc.stdout
     assert "compiled decoder block ever ran" not in proc.stdout
     if rep["mode"] == "regional":  # only the decoder blocks are compiled; the other leaves run eagerly
         assert set(rep["left_eager"]) == {"lm_head", "model.embed_tokens", "model.norm", "model.rotary_emb"}, rep
@@ -44,3 +48,18 @@ def test_compiled_blocks_run(name, nproc, accel, extra, tmp_path):
 def test_compile_none_reports_nothing(tmp_path):
     run_train([f"train.output_dir={tmp_path}", *SMALL, "train.compile=none"])
     assert report(tmp_path)["compile"] is None
+
+
+def test_compiler_warmup_failure_is_reported_not_raised(monkeypatch):
+    """A warm-up that fails leaves the work to inductor's first compile; the run goes on and the report says why."""
+    import torch._inductor.async_compile
+
+    from harness.compiling import CompilerWarmup
+
+    def broken():
+        raise OSError("no compiler")
+
+    monkeypatch.setattr(torch._inductor.async_compile.AsyncCompile, "warm_pool", staticmethod(broken))
+    got = CompilerWarmup.start("cuda").join()  # "cuda": skips the CPU ISA probe; warm_pool is the only work
+    assert got["toolchain_error"] == "OSError: no compiler"
+    assert got["toolchain_background_s"] >= 0 and got["toolchain_wait_s"] >= 0

@@ -83,6 +83,33 @@ def test_sampler_reads_this_machine_in_the_background():
     assert monitor.start_sampler(0, True) is None and monitor.start_sampler(1.0, False) is None
 
 
+@pytest.mark.slow
+def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
+    """scripts/gpu_check.py --cpu-smoke: the GPU script's own code path (launch, report.json and metrics.jsonl
+    parsing, the utilisation it records around the launch and the run's own) works before a GPU is rented for it."""
+    import json
+    import subprocess
+    import sys
+
+    from harness_launch import ROOT
+
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu-smoke", "--variants", "regional",
+                           "--steps", "3", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "utilisation, training: cpu_util mean" in proc.stdout
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    (row,) = result["rows"]
+    assert result["device"] == "cpu (smoke)" and row["variant"] == "regional"
+    assert row["tokens_per_s"] > 0 and row["compile"]["ran_compiled"]
+    assert 0 < row["cpu_util_mean"] <= 100
+    whole = row["utilisation_whole_launch"]
+    assert whole["samples"] >= 1 and whole["source"] == "cpu" and "cpu_util" in whole["metrics"]
+    unknown = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu-smoke", "--variants", "eagre"],
+                             cwd=ROOT, capture_output=True, text=True)
+    assert unknown.returncode == 2 and "unknown variant(s) eagre" in unknown.stderr
+
+
 # ---------------------------------------------------------------------------------------------- cost
 
 
