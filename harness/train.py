@@ -276,7 +276,8 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
                                           cfg.model.embed_attention)
     n_params = model_lib.count_parameters(model)
     n_matmul = metrics.matmul_params(model)
-    probe = metrics.CompileProbe(metrics.repeated_blocks(model)) if compile_mode != "none" else None
+    probe = (metrics.CompileProbe(metrics.repeated_blocks(model), accelerator.device) if compile_mode != "none"
+             else None)
     optimizer = build_optimizer(model, cfg, offload=zero["offload_optimizer"] not in (None, "none"))
     names = [n for n in ("emb", "gen") if n in data]  # the first is the primary stream: it defines epochs
     accum = cfg.train.grad_accum

@@ -63,3 +63,38 @@ def test_compiler_warmup_failure_is_reported_not_raised(monkeypatch):
     got = CompilerWarmup.start("cuda").join()  # "cuda": skips the CPU ISA probe; warm_pool is the only work
     assert got["toolchain_error"] == "OSError: no compiler"
     assert got["toolchain_background_s"] >= 0 and got["toolchain_wait_s"] >= 0
+
+
+def test_probe_counts_without_recompiling_the_graph_it_sits_in():
+    """The probe's counter must not be a guarded value: with Python ints, each step changed the value dynamo had
+    guarded on and `train.compile=full` recompiled the whole model at every step."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from harness.metrics import CompileProbe, dynamo_counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = blocks
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = torch.relu(b(x))
+            return x.sum()
+
+    net = Net()
+    probe = CompileProbe(list(blocks))
+    net(torch.randn(2, 8)).backward()  # eager
+    compiled = torch.compile(net)
+    for _ in range(4):
+        compiled(torch.randn(2, 8)).backward()
+    assert probe.calls == {"compiled": 3 * 4, "eager": 3}
+    assert dynamo_counters()["graphs"] == 1  # one graph, no recompile after the first call
+    probe.remove()
+    compiled(torch.randn(2, 8))
+    assert probe.calls == {"compiled": 12, "eager": 3}
