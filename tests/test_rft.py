@@ -86,6 +86,17 @@ def test_rft_config_keys_are_checked():
             load_config(RECIPE, [bad])
 
 
+def test_overrides_may_follow_the_options(capsys):
+    from harness.rft import main as rft_main
+
+    # an override after --out reaches the config (its key is checked: the one-line error names it), not argparse
+    assert rft_main(["test", RECIPE, "--out", "unused.json", "rft.oversampl=2"]) == 2
+    assert "unknown config key 'rft.oversampl'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a stray option is still an argparse error
+        rft_main(["test", RECIPE, "--out", "unused.json", "--bogus"])
+    assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------------------- judging, shards
 
 

@@ -37,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--questions", type=int, default=32, help="train questions to sample")
         if name in ("test", "sft-data"):
             s.add_argument("--out", required=name == "sft-data", help="output file")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    # overrides may also come after the options (`... --out x.json rft.oversample=8`): argparse leaves those over
+    args, rest = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+    stray = [a for a in rest if a.startswith("-") or "=" not in a]
+    if stray:
+        p.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides = [*args.overrides, *rest]
     try:
         if args.command == "train":
             from harness import train
