@@ -10,6 +10,7 @@
 #   DRY_RUN=1     print the commands instead of running them (the same as --dry-run)
 # shellcheck shell=bash
 
+LAUNCH_SCRIPT=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")  # absolute: the cd below breaks a relative $0
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 LAUNCH_NAME=$(basename "$0")
 
@@ -19,6 +20,8 @@ fi
 DRY_RUN=${DRY_RUN:-0}
 
 say() { printf '[%s] %s\n' "$LAUNCH_NAME" "$*"; }
+# The calling script's header comment (its lines 2 up to `set -euo`), without the leading '# ': its --help.
+usage() { sed -n '2,/^set -euo/p' "$LAUNCH_SCRIPT" | sed '$d; s/^# \{0,1\}//'; }
 die() { printf '%s: error: %s\n' "$LAUNCH_NAME" "$1" >&2; exit "${2:-2}"; }
 
 # Print a command exactly as it runs ("$ ..."), then run it unless this is a dry run.

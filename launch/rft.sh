@@ -23,7 +23,7 @@ CONFIG=
 ARGS=()
 while [ $# -gt 0 ]; do
   case $1 in
-    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) usage; exit 0 ;;
     --dry-run) DRY_RUN=1 ;;
     --from) [ $# -ge 2 ] || die "--from needs a stage: ${STAGES[*]}"; FROM=$2; shift ;;
     --from=*) FROM=${1#--from=} ;;

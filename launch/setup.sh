@@ -27,7 +27,7 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
 case ${1:-} in
-  -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+  -h | --help) usage; exit 0 ;;
   --dry-run) DRY_RUN=1 ;;
   '') ;;
   *) die "unknown argument $1 (see --help)" ;;

@@ -19,7 +19,7 @@ BIND=${BIND:-127.0.0.1}
 LOGDIR=
 while [ $# -gt 0 ]; do
   case $1 in
-    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) usage; exit 0 ;;
     --dry-run) DRY_RUN=1 ;;
     -*) die "unknown option $1 (see --help)" ;;
     *) [ -z "$LOGDIR" ] || die "one LOGDIR only"; LOGDIR=$1 ;;

@@ -41,7 +41,6 @@ MASTER_PORT=${MASTER_PORT:-29500}
 MAX_RETRIES=${MAX_RETRIES:-3}
 RETRY_DELAY=${RETRY_DELAY:-30}
 
-usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 CONFIG=
 ARGS=()
 while [ $# -gt 0 ]; do
