@@ -525,14 +525,14 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
     if probe is not None:
         probe.remove()
         steady = (train_time - first_step_s) / max(1, state.step - start_step - 1)
-        now = metrics.dynamo_counters()
+        now, calls = metrics.dynamo_counters(), probe.calls  # calls: read off the device once
         compile_report = {
             "mode": compile_mode, "first_step_s": first_step_s, "later_step_mean_s": steady,
             "cold_compile_s": after_first["compile_time_s"], "compile_time_total_s": now["compile_time_s"],
             "graphs": now["graphs"], "frames_compiled": now["frames_compiled"],
             "recompiles_after_first_step": now["graphs"] - after_first["graphs"],
-            "block_calls_compiled": probe.calls["compiled"], "block_calls_eager": probe.calls["eager"],
-            "ran_compiled": probe.calls["compiled"] > 0, "left_eager": left_eager,
+            "block_calls_compiled": calls["compiled"], "block_calls_eager": calls["eager"],
+            "ran_compiled": calls["compiled"] > 0, "left_eager": left_eager,
             "compile_before_first_step_s": before_first["compile_time_s"], **toolchain,
         }
         before = (f", {before_first['compile_time_s']:.1f}s of it before the loop (step-0 evaluation / batch trial)"
@@ -540,7 +540,7 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
         say(f"[harness] compile ({compile_mode}): cold compile {after_first['compile_time_s']:.1f}s up to the end of "
             f"the first step ({first_step_s:.1f}s){before}, {now['compile_time_s']:.1f}s in all; {now['graphs']} graphs, "
             f"{compile_report['recompiles_after_first_step']} recompiles after step 1; decoder-block calls compiled "
-            f"{probe.calls['compiled']}, eager {probe.calls['eager']}")
+            f"{calls['compiled']}, eager {calls['eager']}")
         if toolchain:
             say(f"[harness] compiler start-up before the first step: imports {toolchain['toolchain_import_s']:.1f}s, "
                 f"ISA probe and workers {toolchain['toolchain_background_s']:.1f}s in the background during set-up "
