@@ -86,17 +86,23 @@ class MetricsLogger:
 
 class Throughput:
     """Training time: since the start, and between two logging points (the loop sums tokens and samples on the
-    device and divides by these intervals)."""
+    device and divides by these intervals). Time spent on evaluations and checkpoints inside an interval is
+    `exclude`d from it, so tokens/s measures training alone."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.mark = self.start
+        self.excluded = 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` (an evaluation, a checkpoint) out of the current interval."""
+        self.excluded += seconds
 
     def interval(self) -> float:
-        """Seconds since the previous call; starts the next interval."""
+        """Training seconds since the previous call, without the excluded time; starts the next interval."""
         now = time.perf_counter()
-        dt = max(now - self.mark, 1e-9)
-        self.mark = now
+        dt = max(now - self.mark - self.excluded, 1e-9)
+        self.mark, self.excluded = now, 0.0
         return dt
 
     def elapsed(self) -> float:

@@ -424,7 +424,15 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
         if state.step == start_step + planner.WARMUP_STEPS:
             timings.warmup_done_s = timings.in_loop(meter.elapsed())
 
-        # log every log_every steps and at the end
+        # evaluate every eval_every steps (the last step's evaluation is the final one, after the loop); its time is
+        # left out of the throughput interval
+        eval_results = {}
+        if cfg.train.eval_every and state.step % cfg.train.eval_every == 0 and state.step != total_steps:
+            t_eval = time.perf_counter()
+            eval_results = evaluate(state.step)
+            meter.exclude(time.perf_counter() - t_eval)
+
+        # log every log_every steps and at the end (with the evaluation of this step, if any)
         if state.step % cfg.train.log_every == 0 or state.step == total_steps:
             tot = dict(zip(LOG_KEYS, accelerator.reduce(log_acc, "sum").tolist()))
             log_acc.zero_()
@@ -461,8 +469,7 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
             record.update(sampler.drain() if sampler else {})  # utilisation since the previous log line
             run_cost = cost.of_run(cfg, world, state.elapsed_s + time.time() - t_start, record.get("eta_s"))
             record.update(cost.fields(run_cost))
-            if cfg.train.eval_every and state.step % cfg.train.eval_every == 0 and state.step != total_steps:
-                record.update(evaluate(state.step))
+            record.update(eval_results)
             logger.log(record)
             last.update(record)
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tok_s:,.0f}",
@@ -473,6 +480,8 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
             line += monitor.progress_text(record) + cost.progress_text(run_cost)
             line += f" | {budget.describe(record)}" if budget else ""
             bar.write(line) if not bar.disable else say(line)
+        elif eval_results:
+            logger.log({"step": state.step, **eval_results})
 
         # checkpoint on schedule (steps, minutes), on a stop signal, before the time window closes; every rank
         # takes the same decision (one all-reduce of the flags per step)
@@ -490,6 +499,7 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
             t_save = time.time()
             path = checkpoint.save_checkpoint(accelerator, out, loop_state(), cfg.train.save_total_limit)
             last_save, save_cost = time.time(), time.time() - t_save
+            meter.exclude(save_cost)
             timings.add("save", save_cost)
             say(f"[harness] checkpoint: {path} ({save_cost:.1f}s)")
         if stopped_by:

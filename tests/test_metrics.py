@@ -145,3 +145,15 @@ def test_peak_flops_gh200_label():
 
 def test_peak_flops_rtx_6000_ada():
     assert peak_flops("NVIDIA RTX 6000 Ada Generation") == (364e12, "RTX 6000 Ada")
+
+
+def test_throughput_interval_leaves_out_excluded_time(monkeypatch):
+    """An evaluation or a checkpoint inside a log interval does not count as training time for tokens/s."""
+    from harness import metrics as m
+
+    clock = iter([100.0, 110.0, 125.0])
+    monkeypatch.setattr(m.time, "perf_counter", lambda: next(clock))
+    meter = m.Throughput()  # starts at 100
+    meter.exclude(4.0)  # e.g. an evaluation of 4 s
+    assert meter.interval() == pytest.approx(6.0)  # 10 s, of which 4 s evaluating
+    assert meter.interval() == pytest.approx(15.0)  # the exclusion applied to its own interval only

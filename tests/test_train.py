@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -157,3 +158,20 @@ def test_auto_micro_batch_backs_off_and_keeps_the_global_batch(tmp_path):
         assert rel_close(a["loss"], b["loss"], 1e-5) and rel_close(a["grad_norm"], b["grad_norm"], 1e-4), (name, a, b)
         if micro == 64:
             assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(hand)]
+
+
+@pytest.mark.slow
+def test_evaluation_runs_on_its_own_cadence_not_only_on_log_steps(tmp_path):
+    """train.eval_every=3 with train.log_every=2: evaluations at 0, 3, 6 and the end (8), as README and the planner
+    promise; each evaluation is its own record when its step is not a log step. (It used to sit inside the logging
+    block: evaluations at 0, 6 and 8 only.)"""
+    from harness.planner import count_evals
+
+    out = tmp_path / "run"
+    run_train([f"train.output_dir={out}", "train.max_steps=8", "train.log_every=2", "train.eval_every=3",
+               "train.progress_bar=false", "train.report_to=[]", "train.summary=false"])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    eval_steps = [r["step"] for r in records if "eval_loss" in r]
+    assert eval_steps == [0, 3, 6, 8]
+    assert len(eval_steps) == count_evals(8, 3, True, True)
+    assert [r["step"] for r in records if "loss" in r] == [2, 4, 6, 8]
