@@ -146,7 +146,8 @@ def _build_common(cfg, threads: int) -> dict:
     from harness import data as data_lib
     from harness import hardware
     from harness import model as model_lib
-    from harness.train import build_optimizer, lr_lambda, resolve_max_len
+    from harness.loaders import resolve_max_len
+    from harness.optim import build_optimizer, lr_lambda
 
     torch.set_num_threads(threads)
     if cfg.loss.mode != "generative":

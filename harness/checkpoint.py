@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from harness.errors import ConfigError
 
@@ -158,41 +159,30 @@ def load_checkpoint(accelerator, path: Path) -> dict:
     return json.loads((path / STATE_FILE).read_text())
 
 
-# ----------------------------------------------------------------------------------------------- stopping early
+class Checkpointer:
+    """Decides when a checkpoint is due and writes it: every `train.save_every_steps` steps, when
+    `train.save_every_minutes` have passed (a fact every process agrees on, see harness/stopping.py), and when the
+    attempt stops early. Knows what its last save cost (the time window keeps room for one more)."""
 
+    def __init__(self, accelerator, output_dir: Path, every_steps: int, every_minutes: float, keep: int,
+                 say: Callable[[str], None], on_saved: Callable[[float], None]):
+        self.accelerator, self.output_dir, self.keep, self.say, self.on_saved = accelerator, output_dir, keep, say, on_saved
+        self.every_steps, self.every_minutes = every_steps, every_minutes
+        self.last_save = time.time()
+        self.cost_s = 10.0  # until the first save measures it
 
-class StopSignals:
-    """SIGTERM / SIGINT handling for preemptible machines. The first signal only sets a flag: the loop finishes the
-    optimizer step in flight, every rank agrees (an all-reduce of the flag), a checkpoint is written and the process
-    exits 0. A second signal stops at once (exit 128 + signal number), for a person who really means it; one that
-    comes within `grace_s` of the first is the same request (launchers such as torchrun forward the SIGTERM they got
-    to workers that already received it from the process group)."""
+    def minutes_due(self) -> bool:
+        """train.save_every_minutes have passed since the last save (or the loop's start), by this process's clock."""
+        return self.every_minutes > 0 and time.time() - self.last_save >= 60 * self.every_minutes
 
-    def __init__(self, grace_s: float = 2.0) -> None:
-        import signal
-        import time
+    def due(self, step: int, forced: bool) -> bool:
+        return forced or bool(self.every_steps and step % self.every_steps == 0)
 
-        self._clock, self.grace_s = time.monotonic, grace_s
-        self.received: Optional[int] = None
-        self.at = 0.0
-        self._previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. an embedding application): leave signals alone
-                pass
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is not None:
-            if self._clock() - self.at < self.grace_s:
-                return
-            os._exit(128 + signum)
-        self.received, self.at = signum, self._clock()
-        print(f"[harness] signal {signum} received: finishing this step, then checkpoint and exit "
-              f"(send it again to stop at once)", flush=True)
-
-    def restore(self) -> None:
-        import signal
-
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+    def save(self, loop_state: dict) -> Path:
+        t = time.time()
+        path = save_checkpoint(self.accelerator, self.output_dir, loop_state, self.keep)
+        self.last_save = time.time()
+        self.cost_s = self.last_save - t
+        self.on_saved(self.cost_s)
+        self.say(f"[harness] checkpoint: {path} ({self.cost_s:.1f}s)")
+        return path

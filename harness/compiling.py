@@ -1,23 +1,34 @@
-"""torch.compile's one-off start-up costs, paid while the run sets up instead of inside the first step.
+"""Everything about torch.compile in a run: the compiler's start-up overlapped with the set-up, the regions compiled,
+the probe that proves compiled code ran, dynamo's counters and report.json's `compile` section.
 
-Before inductor compiles the first graph of a process it imports itself (about 2 s here), probes the CPU's vector
-instruction sets by building and loading a small C++ library per candidate (about 6.5 s with an empty inductor cache,
-1 s once the cache holds the probes; CPU devices only) and starts its pool of compile workers. None of that depends on
-the model. `CompilerWarmup.start` does the imports at once in the calling thread (imports from two threads at once
-can deadlock on the import locks) and runs the probe and the pool start-up in a background thread, where they overlap
-the tokenizer, data and model set-up: the probe is mostly a C++ compiler in a subprocess, so it costs the main thread
-nothing. `join()` waits for it before the first step, so the dynamo/inductor seconds counted in the first step are
-the model's own compilation, and reports how long the background work took and how long the main thread waited.
+`train.compile` (harness/profiles.py resolves `auto`): `none`, `regional` (accelerate's TorchDynamoPlugin with
+`use_regional_compilation`: the repeated decoder blocks share one compiled graph) or `full`. The accelerator compiles
+the model in `prepare()`; this module does the rest:
+
+* `CompilerStartup`: before inductor compiles the first graph of a process it imports itself (about 2 s here), probes
+  the CPU's vector instruction sets by building and loading a small C++ library per candidate (about 6.5 s with an
+  empty inductor cache, 1 s once the cache holds the probes; CPU devices only) and starts its pool of compile workers.
+  None of that depends on the model. `CompilerStartup.start` does the imports at once in the calling thread (imports
+  from two threads at once can deadlock on the import locks) and runs the probe and the pool start-up in a background
+  thread, where they overlap the tokenizer, data and model set-up: the probe is mostly a C++ compiler in a subprocess,
+  so it costs the main thread nothing. `join()` waits for it before the first step, so the dynamo/inductor seconds
+  counted in the first step are the model's own compilation, and reports how long the background work took and how
+  long the main thread waited.
+* `narrow_regional_compile`: keeps accelerate's compiled regions on the repeated blocks only.
+* `CompileProbe`, `dynamo_counters`: whether decoder blocks ran compiled, graphs and compile seconds.
+* `CompileWatch`: the above for one run, and its report.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
+
+import torch
 
 
-class CompilerWarmup:
+class CompilerStartup:
     def __init__(self, device_type: str):
         self.device_type = device_type
         self.import_s = 0.0
@@ -26,7 +37,7 @@ class CompilerWarmup:
         self._thread: Optional[threading.Thread] = None
 
     @classmethod
-    def start(cls, device_type: str) -> "CompilerWarmup":
+    def start(cls, device_type: str) -> "CompilerStartup":
         warm = cls(device_type)
         t = time.perf_counter()
         import torch._inductor.async_compile  # noqa: F401
@@ -58,3 +69,148 @@ class CompilerWarmup:
             self._thread.join()
         return {"toolchain_import_s": self.import_s, "toolchain_background_s": self.background_s,
                 "toolchain_wait_s": time.perf_counter() - t, "toolchain_error": self.error}
+
+
+class CompileProbe:
+    """Counts how the repeated blocks (decoder layers) really ran: a forward pre-hook on each block records whether
+    it executed inside compiled code (`torch.compiler.is_compiling()` is constant-folded to True in the compiled
+    graph and its side effect replayed on every call) or eagerly. Catches compiled copies that never run.
+
+    The counts live in a small tensor on the run's device, not in Python ints: dynamo guards on the value of an int it
+    reads, so an int counter inside a compiled graph changes every step and forced a recompile of the whole model each
+    step under `train.compile=full` (measured: 2 recompiles in 3 steps). The whole-tensor `add_` is part of the graph
+    and its guard (shape, dtype, device) never changes. It must be a whole-tensor add: an indexed `counts[i] += 1`
+    (select + in-place add on a view of a graph input, 8 times in an 8-layer graph) took the full compile of the
+    8-layer benchmark model from 25 s to 220 s."""
+
+    def __init__(self, blocks: list[torch.nn.Module], device: torch.device | str = "cpu"):
+        self.counts = torch.zeros(2, dtype=torch.int64, device=device)  # [compiled, eager]
+        self._inc = {True: torch.tensor([1, 0], device=device), False: torch.tensor([0, 1], device=device)}
+        self.handles = [b.register_forward_pre_hook(self._hook) for b in blocks]
+
+    def _hook(self, module, args):
+        self.counts.add_(self._inc[torch.compiler.is_compiling()])
+
+    @property
+    def calls(self) -> dict:
+        compiled, eager = self.counts.tolist()
+        return {"compiled": compiled, "eager": eager}
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def dynamo_counters() -> dict:
+    """Frames compiled, graphs produced and seconds spent compiling (dynamo + inductor, forward and backward
+    graphs) so far by torch.compile in this process."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    seconds = sum(sum(compilation_time_metrics.get(k, [])) for k in
+                  ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler"))
+    return {"frames_compiled": int(counters["frames"]["ok"]), "graphs": int(counters["stats"]["unique_graphs"]),
+            "compile_time_s": seconds}
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers: children of the largest ModuleList whose entries share one class (what regional
+    compilation compiles)."""
+    best: list[torch.nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) > len(best) and len({type(c) for c in m}) == 1:
+            best = list(m)
+    return best
+
+def narrow_regional_compile(model: torch.nn.Module) -> list[str]:
+    """Keep accelerate's regional compilation on the repeated blocks only; returns the children put back to eager.
+
+    accelerate's `compile_regions` (and `compile_regions_deepspeed`) compile the repeated decoder blocks, which share
+    one compiled graph, and also every other leaf child (embeddings, rotary embedding, final norm, lm_head) as graphs
+    of their own. Those are a lookup, an elementwise op and one matmul: compiling them gains next to nothing at run
+    time but each costs a full dynamo + inductor compile (forward and backward) at start-up, which is most of the cold
+    start of a shallow model. torch.compile is lazy, so undoing it after `prepare()` and before the first forward
+    costs nothing: an `OptimizedModule` child is replaced by its original module, and a module compiled in place
+    (DeepSpeed path) has its compiled call dropped."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from accelerate.utils.other import is_repeated_blocks
+
+    restored = []
+    for parent_name, parent in model.named_modules():
+        if isinstance(parent, OptimizedModule) or is_repeated_blocks(parent):
+            continue  # inside a compiled wrapper, or the decoder blocks themselves
+        for name, child in list(parent.named_children()):
+            if isinstance(child, OptimizedModule) and not has_blocks(child._orig_mod):
+                setattr(parent, name, child._orig_mod)
+                restored.append(f"{parent_name}.{name}".lstrip(".").removeprefix("module."))
+            elif getattr(child, "_compiled_call_impl", None) is not None and not has_blocks(child):
+                child._compiled_call_impl = None
+                restored.append(f"{parent_name}.{name}".lstrip(".").removeprefix("module."))
+    return sorted(restored)
+
+
+def has_blocks(module: torch.nn.Module) -> bool:
+    from accelerate.utils.other import has_repeated_blocks, is_repeated_blocks
+
+    return is_repeated_blocks(module) or has_repeated_blocks(module)
+
+
+class CompileWatch:
+    """torch.compile in one run: started before the set-up (`CompilerStartup`), told when the model is built, prepared,
+    the loop starts and the first step ends; `report()` is report.json's `compile` section."""
+
+    def __init__(self, mode: str, device: torch.device):
+        self.mode, self.device = mode, device
+        self.startup = CompilerStartup.start(device.type)
+        self.probe: Optional[CompileProbe] = None
+        self.left_eager: list[str] = []
+        self.toolchain: dict = {}
+        self.before_first = self.after_first = dynamo_counters()
+        self.first_step_s = 0.0
+
+    def model_built(self, model: torch.nn.Module) -> None:
+        self.probe = CompileProbe(repeated_blocks(model), self.device)
+
+    def model_prepared(self, model: torch.nn.Module, say: Callable[[str], None]) -> None:
+        """After `accelerator.prepare` and before the model first runs."""
+        if self.mode == "regional":  # accelerate compiled every leaf too; keep the repeated blocks only
+            self.left_eager = narrow_regional_compile(model)
+            say(f"[harness] regional compile: decoder blocks compiled; left eager: "
+                f"{', '.join(self.left_eager) or 'nothing'}")
+        self.toolchain = self.startup.join()  # compile seconds from here on are the model's own
+
+    def loop_starts(self) -> None:
+        self.before_first = self.after_first = dynamo_counters()  # before: step-0 evaluation, batch-size trial
+
+    def first_step_done(self, seconds: float) -> None:
+        """The first step of this process carries the (cold) compilation."""
+        self.first_step_s, self.after_first = seconds, dynamo_counters()
+
+    def report(self, train_time_s: float, steps: int, say: Callable[[str], None]) -> dict:
+        self.probe.remove()
+        now, calls = dynamo_counters(), self.probe.calls  # calls: read off the device once
+        before, after = self.before_first["compile_time_s"], self.after_first["compile_time_s"]
+        out = {
+            "mode": self.mode, "first_step_s": self.first_step_s,
+            "later_step_mean_s": (train_time_s - self.first_step_s) / max(1, steps - 1),
+            "cold_compile_s": after, "compile_time_total_s": now["compile_time_s"],
+            "graphs": now["graphs"], "frames_compiled": now["frames_compiled"],
+            "recompiles_after_first_step": now["graphs"] - self.after_first["graphs"],
+            "block_calls_compiled": calls["compiled"], "block_calls_eager": calls["eager"],
+            "ran_compiled": calls["compiled"] > 0, "left_eager": self.left_eager,
+            "compile_before_first_step_s": before, **self.toolchain,
+        }
+        say(f"[harness] compile ({self.mode}): cold compile {after:.1f}s up to the end of the first step "
+            f"({self.first_step_s:.1f}s)"
+            + (f", {before:.1f}s of it before the loop (step-0 evaluation / batch trial)" if before else "")
+            + f", {now['compile_time_s']:.1f}s in all; {now['graphs']} graphs, {out['recompiles_after_first_step']} "
+            f"recompiles after step 1; decoder-block calls compiled {calls['compiled']}, eager {calls['eager']}")
+        t = self.toolchain
+        if t:
+            say(f"[harness] compiler start-up before the first step: imports {t['toolchain_import_s']:.1f}s, "
+                f"ISA probe and workers {t['toolchain_background_s']:.1f}s in the background during set-up "
+                f"(waited {t['toolchain_wait_s']:.1f}s)"
+                + (f"; warm-up failed: {t['toolchain_error']}" if t["toolchain_error"] else ""))
+        if not out["ran_compiled"]:
+            say("[harness] warning: torch.compile was requested but no compiled decoder block ever ran")
+        return out

@@ -369,8 +369,15 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, parsed
 
 
-def _flatten(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
-    return [(f"{prefix}{k}", v) for k, v in d.items()]
+def flat(d: dict, prefix: str = "") -> dict:
+    """Nested config dict -> flat {section.key: scalar}, e.g. for the trackers' hyper-parameter table."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
 
 
 def load_config(path: Optional[str | Path] = None, overrides: list[str] | None = None) -> Config:

@@ -31,9 +31,9 @@ from typing import Any, Iterator
 import torch
 
 from harness.errors import DataError
+from harness.losses import IGNORE_INDEX  # labels the loss skips
 
 ROLES = ("system", "user", "assistant")
-IGNORE_INDEX = -100
 
 
 # ----------------------------------------------------------------------------------------------- files

@@ -121,40 +121,6 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
     return accelerator
 
 
-def narrow_regional_compile(model: torch.nn.Module) -> list[str]:
-    """Keep accelerate's regional compilation on the repeated blocks only; returns the children put back to eager.
-
-    accelerate's `compile_regions` (and `compile_regions_deepspeed`) compile the repeated decoder blocks, which share
-    one compiled graph, and also every other leaf child (embeddings, rotary embedding, final norm, lm_head) as graphs
-    of their own. Those are a lookup, an elementwise op and one matmul: compiling them gains next to nothing at run
-    time but each costs a full dynamo + inductor compile (forward and backward) at start-up, which is most of the cold
-    start of a shallow model. torch.compile is lazy, so undoing it after `prepare()` and before the first forward
-    costs nothing: an `OptimizedModule` child is replaced by its original module, and a module compiled in place
-    (DeepSpeed path) has its compiled call dropped."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    from accelerate.utils.other import is_repeated_blocks
-
-    restored = []
-    for parent_name, parent in model.named_modules():
-        if isinstance(parent, OptimizedModule) or is_repeated_blocks(parent):
-            continue  # inside a compiled wrapper, or the decoder blocks themselves
-        for name, child in list(parent.named_children()):
-            if isinstance(child, OptimizedModule) and not has_blocks(child._orig_mod):
-                setattr(parent, name, child._orig_mod)
-                restored.append(f"{parent_name}.{name}".lstrip(".").removeprefix("module."))
-            elif getattr(child, "_compiled_call_impl", None) is not None and not has_blocks(child):
-                child._compiled_call_impl = None
-                restored.append(f"{parent_name}.{name}".lstrip(".").removeprefix("module."))
-    return sorted(restored)
-
-
-def has_blocks(module: torch.nn.Module) -> bool:
-    from accelerate.utils.other import has_repeated_blocks, is_repeated_blocks
-
-    return is_repeated_blocks(module) or has_repeated_blocks(module)
-
-
 def deepspeed_config(accelerator) -> Optional[dict]:
     """The live DeepSpeed config dict (auto values filled at prepare), or None without DeepSpeed."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
@@ -185,18 +151,39 @@ def model_init_context(accelerator, random_init: bool):
     pretrained weights keep zero.Init's partitioned loading."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if random_init and plugin is not None and plugin.is_zero3_init_enabled():
-        return _without_zero3_init(plugin)
+        return without_zero3_init()
     return contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def _without_zero3_init(plugin):
-    # accelerate's zero3_init_context_manager(enable=False) re-registers the same ZeRO-3 config with transformers
-    # (accelerate 1.15), so it does not switch zero.Init off; unregistering it with transformers does.
-    from transformers.integrations import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
+def without_zero3_init():
+    """Build models outside `deepspeed.zero.Init`, which transformers enters while a ZeRO-3 config is registered with
+    it: unregister the config for the build and put it back. (accelerate 1.15's
+    zero3_init_context_manager(enable=False) re-registers the same config, so it does not switch zero.Init off.)"""
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:
+        yield
+        return
+    registered = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
     try:
         yield
     finally:
-        plugin.set_deepspeed_weakref()
+        hf_deepspeed._hf_deepspeed_config_weak_ref = registered
+
+
+def end_training(accelerator):
+    """The run's last clean-up, as an exit callback (`ExitStack.push`): the trackers are finished whatever happened;
+    the process group is destroyed (`accelerator.end_training`) only when the run ended without an exception, since
+    train.micro_batch_size=auto retries a failed try in this same process with the same process group."""
+
+    def close(exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            accelerator.end_training()
+        else:
+            for tracker in accelerator.trackers:
+                tracker.finish()
+        return False
+
+    return close

@@ -28,6 +28,20 @@ DEFAULTS = {"pooling": "mean", "embed_attention": "bidirectional", "instruction_
             "append_eos": False}
 
 
+def embedding_settings(cfg) -> dict:
+    """What `GritModel` needs to embed like training did (from the run's Config), saved as final/harness.json at export."""
+    return {
+        "loss_mode": cfg.loss.mode,
+        "pooling": cfg.model.pooling,
+        "embed_attention": cfg.model.embed_attention,
+        "instruction_template": cfg.data.emb_instruction_template,
+        "plain_template": cfg.data.emb_plain_template,
+        "query_max_len": cfg.data.query_max_len,
+        "passage_max_len": cfg.data.passage_max_len,
+        "append_eos": cfg.model.pooling == "lasttoken",
+    }
+
+
 class GritModel:
     def __init__(self, model, tokenizer, settings: dict | None = None):
         self.model, self.tokenizer = model.eval(), tokenizer

@@ -108,8 +108,10 @@ def merged_copy(peft_model, state_dict: dict):
     the full `state_dict` (gathered from every rank under ZeRO-3) on a fresh copy of the architecture."""
     from peft import get_peft_model
 
+    from harness.distributed import without_zero3_init
+
     base_cfg = peft_model.get_base_model().config
-    with _no_zero3_init():
+    with without_zero3_init():  # a merge on one rank must not enter the collective zero.Init
         fresh = AutoModelForCausalLM.from_config(base_cfg, dtype=torch.float32)
     fresh.resize_token_embeddings(base_cfg.vocab_size)
     adapter = get_peft_model(fresh, peft_model.peft_config["default"])
@@ -120,27 +122,6 @@ def merged_copy(peft_model, state_dict: dict):
         raise RuntimeError(f"merging LoRA: missing {missing[:3]}, unexpected {unexpected[:3]}")
     return adapter.merge_and_unload()
 
-
-def _no_zero3_init():
-    """transformers builds models inside deepspeed.zero.Init while a ZeRO-3 config is registered; a merge on one
-    rank must not (zero.Init is collective)."""
-    import contextlib
-
-    try:
-        from transformers.integrations import deepspeed as ds_int
-    except ImportError:
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def ctx():
-        ref = getattr(ds_int, "_hf_deepspeed_config_weak_ref", None)
-        ds_int._hf_deepspeed_config_weak_ref = None
-        try:
-            yield
-        finally:
-            ds_int._hf_deepspeed_config_weak_ref = ref
-
-    return ctx()
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -195,6 +195,7 @@ class UtilisationSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="harness-utilisation", daemon=True)
         self._t0 = time.time()
+        self._summary: Optional[dict] = None
 
     def start(self) -> "UtilisationSampler":
         self._thread.start()
@@ -225,7 +226,9 @@ class UtilisationSampler:
         return mean_fields(new)
 
     def stop(self) -> dict:
-        """Stops the thread; the summary for report.json["utilisation"]."""
+        """Stops the thread; the summary for report.json["utilisation"] (a second call returns the same summary)."""
+        if self._summary is not None:
+            return self._summary
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=self.interval_s + 5)
@@ -234,8 +237,10 @@ class UtilisationSampler:
                 r.close()
         with self._lock:
             samples = list(self.samples)
-        return {"interval_s": self.interval_s, "samples": len(samples), "gpus": self.gpu_names,
-                "source": "nvml+cpu" if self.gpu_names else "cpu", "note": self.note, "metrics": summarise(samples)}
+        self._summary = {"interval_s": self.interval_s, "samples": len(samples), "gpus": self.gpu_names,
+                         "source": "nvml+cpu" if self.gpu_names else "cpu", "note": self.note,
+                         "metrics": summarise(samples)}
+        return self._summary
 
 
 def start_sampler(interval_s: float, is_main_process: bool) -> Optional[UtilisationSampler]:

@@ -23,6 +23,7 @@ from harness import losses, metrics
 from harness.config import Config
 from harness.data import model_inputs, real_tokens
 from harness.model import embed
+from harness.state import StepSums
 
 
 @contextlib.contextmanager
@@ -122,21 +123,21 @@ class Objective:
 
     # ---- one micro-step
 
-    def micro_step(self, gen: dict | None, emb: dict | None, gen_scale) -> dict:
-        """Run the micro-step's forward and backward passes; returns sums for logging (keys of train.LOG_KEYS),
-        as numbers or device tensors: nothing here waits for the GPU."""
-        acc, model = self.accelerator, self.model
-        out: dict = {}
+    def micro_step(self, gen: dict | None, emb: dict | None, gen_scale) -> StepSums:
+        """Run the micro-step's forward and backward passes; returns its sums for the log line, as numbers or
+        device tensors: nothing here waits for the GPU."""
+        accelerator, model = self.accelerator, self.model
+        sums = StepSums()
         if gen is not None:
-            deferred = deferred_sync(acc, model) if emb is not None else contextlib.nullcontext()
+            deferred = deferred_sync(accelerator, model) if emb is not None else contextlib.nullcontext()
             with deferred:
                 logits = model(**model_inputs(gen), use_cache=False).logits
                 total, count = losses.token_loss_sum(logits, gen["labels"])
                 scale = gen_scale if self.loss.gen_averaging == "token" else losses.mixed_scale(count)
-                acc.backward(self.loss.gen_weight * total * scale)
-            out.update(gen_sum=total.detach(), gen_count=count, gen_mean_sum=(total / count.clamp(min=1)).detach(),
-                       gen_micro=1, tokens=real_tokens(gen), positions=gen["input_ids"].numel(),
-                       samples=gen["input_ids"].shape[0], flops=self.flops(gen, backward=True))
+                accelerator.backward(self.loss.gen_weight * total * scale)
+            sums = StepSums(gen_sum=total.detach(), gen_count=count, gen_mean_sum=(total / count.clamp(min=1)).detach(),
+                            gen_micro=1, tokens=real_tokens(gen), positions=gen["input_ids"].numel(),
+                            samples=gen["input_ids"].shape[0], flops=self.flops(gen, backward=True))
             del logits
         if emb is not None:
             chunks = self.loss.grad_cache_chunks
@@ -145,12 +146,12 @@ class Objective:
             flops = sum(self.flops(b, backward=True) for b in sides)
             if chunks > 1:  # the extra forward without graph
                 flops += sum(self.flops(b, backward=False) for b in sides)
-            out.update(emb_sum=loss_emb, emb_count=1,
-                       tokens=out.get("tokens", 0) + sum(real_tokens(b) for b in sides),
-                       positions=out.get("positions", 0) + sum(b["input_ids"].numel() for b in sides),
-                       samples=out.get("samples", 0) + emb["query"]["input_ids"].shape[0],
-                       flops=out.get("flops", 0.0) + flops)
-        return out
+            sums.emb_sum, sums.emb_count = loss_emb, 1
+            sums.tokens = sums.tokens + sum(real_tokens(b) for b in sides)
+            sums.positions = sums.positions + sum(b["input_ids"].numel() for b in sides)
+            sums.samples = sums.samples + emb["query"]["input_ids"].shape[0]
+            sums.flops = sums.flops + flops
+        return sums
 
     def _embedding_plain(self, emb: dict) -> float:
         q, p = self.embed(emb["query"]), self.embed(emb["passage"])
@@ -163,7 +164,7 @@ class Objective:
         embeddings on the whole batch, then re-embed chunk by chunk with graph and back-propagate
         sum(embedding * its gradient). Same loss and same gradient as one pass over the batch; activation memory
         of one chunk."""
-        acc = self.accelerator
+        accelerator = self.accelerator
         n_q = emb["query"]["input_ids"].shape[0]
         group = emb["passage"]["input_ids"].shape[0] // n_q
         size = n_q // chunks
@@ -182,9 +183,9 @@ class Objective:
         grad_q, grad_p = torch.autograd.grad(self.loss.emb_weight * loss * factor, [reps_q, reps_p])
         for i, (qb, pb) in enumerate(zip(q_parts, p_parts)):
             last = i == chunks - 1
-            with rng.replay(i), (contextlib.nullcontext() if last else deferred_sync(acc, self.model)):
+            with rng.replay(i), (contextlib.nullcontext() if last else deferred_sync(accelerator, self.model)):
                 q, p = self.embed(qb), self.embed(pb)
                 surrogate = (q * grad_q[i * size:(i + 1) * size]).sum() \
                     + (p * grad_p[i * size * group:(i + 1) * size * group]).sum()
-                acc.backward(surrogate)
+                accelerator.backward(surrogate)
         return loss.detach()

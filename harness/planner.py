@@ -43,8 +43,8 @@ from typing import Callable, Optional
 
 from harness.config import Config, load_config
 from harness.errors import ConfigError, HarnessError
+from harness.timing import SETTLE_STEPS, fmt_s
 
-WARMUP_STEPS = 5  # calibration steps before the clock starts (compilation, allocator and cache warm-up)
 MEASURE_STEPS = 50  # calibration steps that are timed (fewer: run-to-run noise of ±10% seen on a shared CPU)
 SAFETY_MARGIN_MIN = 30.0
 
@@ -167,14 +167,6 @@ def config_fingerprint(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def fmt_s(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    h, rem = divmod(int(round(seconds)), 3600)
-    return f"{h} h {rem // 60:02d} min" if h else f"{rem // 60} min {rem % 60:02d} s"
-
-
 # ----------------------------------------------------------------------------------------------- measurement
 
 
@@ -206,32 +198,32 @@ def calibration_from_report(path: str | Path) -> tuple[Calibration, dict]:
     return cal, rep
 
 
-def steady_rate(records: list[dict], warmup: int) -> tuple[float, float]:
-    """(steady seconds per step after `warmup`, extra seconds of the first `warmup` steps) from metrics records
-    that carry step and elapsed_s; elapsed_s at the warm-up step and at the last record."""
+def steady_rate(records: list[dict], settle: int) -> tuple[float, float]:
+    """(steady seconds per step after `settle`, extra seconds of the first `settle` steps) from metrics records
+    that carry step and elapsed_s; elapsed_s at step `settle` and at the last record."""
     timed = {r["step"]: r["elapsed_s"] for r in records if "elapsed_s" in r and "loss" in r}
     last = max(timed)
-    if warmup not in timed or last <= warmup:
-        raise HarnessError(f"calibration logged steps {sorted(timed)}: need step {warmup} and a later one")
-    s = (timed[last] - timed[warmup]) / (last - warmup)
-    return s, max(0.0, timed[warmup] - warmup * s)
+    if settle not in timed or last <= settle:
+        raise HarnessError(f"calibration logged steps {sorted(timed)}: need step {settle} and a later one")
+    s = (timed[last] - timed[settle]) / (last - settle)
+    return s, max(0.0, timed[settle] - settle * s)
 
 
-def calibrate(config_path: Optional[str], overrides: list[str], cfg: Config, warmup: int, steps: int,
+def calibrate(config_path: Optional[str], overrides: list[str], cfg: Config, settle: int, steps: int,
               launcher: Optional[str], say: Callable[[str], None]) -> tuple[Calibration, dict]:
     """Run W + N steps of the config for real (the harness's own entry point, in a subprocess) with one
     checkpoint, the configured evaluations and the export, in a temporary folder; read back the costs."""
     with tempfile.TemporaryDirectory(prefix="harness-plan-") as tmp:
-        total = warmup + steps
+        total = settle + steps
         forced = [f"train.output_dir={tmp}/run", "train.resume=null", f"train.max_steps={total}",
-                  f"train.log_every={math.gcd(warmup, steps)}", "train.progress_bar=false", "train.report_to=[]",
+                  f"train.log_every={math.gcd(settle, steps)}", "train.progress_bar=false", "train.report_to=[]",
                   f"train.save_every_steps={total}", "train.save_total_limit=1", "train.time_budget_hours=0",
                   "train.stop_at_step=0", "train.save_every_minutes=0",
                   f"train.eval_every={total if cfg.train.eval_every else 0}"]
         entry = shlex.split(launcher) + [str(Path(__file__).with_name("train.py"))] if launcher else \
             [sys.executable, "-m", "harness.train"]
         cmd = entry + (["--config", config_path] if config_path else []) + list(overrides) + forced
-        say(f"calibration: {warmup} + {steps} steps of this config: {' '.join(shlex.quote(c) for c in cmd)}")
+        say(f"calibration: {settle} + {steps} steps of this config: {' '.join(shlex.quote(c) for c in cmd)}")
         t0 = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wall = time.time() - t0
@@ -241,7 +233,7 @@ def calibrate(config_path: Optional[str], overrides: list[str], cfg: Config, war
         run = Path(tmp, "run")
         records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
         cal, rep = calibration_from_report(run / "report.json")
-        cal.s_per_step, cal.warmup_extra_s = steady_rate(records, warmup)
+        cal.s_per_step, cal.warmup_extra_s = steady_rate(records, settle)
         if launcher:  # the launcher's own start-up comes before the training process starts
             cal.startup_s += max(0.0, wall - rep["timings"]["process_wall_s"])
         cal.source = f"calibration run of {total} steps ({wall:.1f} s wall)"
@@ -309,7 +301,7 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
                  + (f"train.max_steps = {t.max_steps} steps" if t.max_steps > 0 else
                     f"{t.epochs:g} epoch(s) -> {sched['total_steps']} optimizer steps"))
     lines.append(f"throughput ({cal.source}): {cal.s_per_step:.4f} s per step steady ({cal.optimizer_s_per_step:.4f} s "
-                 f"of it in the optimizer), first {WARMUP_STEPS} steps +{cal.warmup_extra_s:.1f} s, start-up "
+                 f"of it in the optimizer), first {SETTLE_STEPS} steps +{cal.warmup_extra_s:.1f} s, start-up "
                  f"{cal.startup_s:.1f} s, evaluation {cal.eval_s:.1f} s, checkpoint {cal.save_s:.1f} s, export "
                  f"{cal.export_s:.1f} s")
     lines.append(f"estimate: start-up {base['startup_s']:.1f} + warm-up {base['warmup_extra_s']:.1f} + "
@@ -421,83 +413,6 @@ def epoch_steps(micro_per_epoch: int, accum: int, epochs: float) -> int:
     return max(1, math.ceil(epochs * micro_per_epoch / accum))
 
 
-# ----------------------------------------------------------------------------------------------- during the run
-
-
-@dataclass
-class Timings:
-    """Where a training attempt's wall time went (report.json `timings`; calibration reads these)."""
-
-    startup_s: float = 0.0  # process start -> first step, without the step-0 evaluation
-    eval_s: float = 0.0
-    evals: int = 0
-    save_s: float = 0.0
-    saves: int = 0
-    optimizer_s: float = 0.0  # clip + optimizer step + zero_grad, summed
-    eval_before_loop_s: float = 0.0  # the step-0 evaluation (before the loop's clock starts)
-    warmup_done_s: Optional[float] = None  # loop time (without evaluations and saves) after WARMUP_STEPS steps
-    steady_s_per_step: Optional[float] = None
-    warmup_extra_s: float = 0.0
-    export_s: float = 0.0  # after the loop: final export and report, without the final evaluation
-    process_wall_s: float = 0.0
-
-    def loop_started(self, t_process: float) -> None:
-        self.eval_before_loop_s = self.eval_s
-        self.startup_s = time.time() - t_process - self.eval_s
-
-    def in_loop(self, loop_s: float) -> float:
-        """Loop seconds spent on steps: without the evaluations and checkpoints inside the loop."""
-        return loop_s - (self.eval_s - self.eval_before_loop_s) - self.save_s
-
-    def add(self, what: str, seconds: float) -> None:
-        setattr(self, f"{what}_s", getattr(self, f"{what}_s") + seconds)
-        setattr(self, f"{what}s", getattr(self, f"{what}s") + 1)
-
-    def loop(self, loop_s: float, steps: int) -> None:
-        """Steady seconds per step after the warm-up steps, and what the warm-up steps cost beyond that."""
-        compute = self.in_loop(loop_s)
-        if self.warmup_done_s is not None and steps > WARMUP_STEPS:
-            self.steady_s_per_step = (compute - self.warmup_done_s) / (steps - WARMUP_STEPS)
-            self.warmup_extra_s = max(0.0, self.warmup_done_s - WARMUP_STEPS * self.steady_s_per_step)
-        elif steps:
-            self.steady_s_per_step = compute / steps
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-class BudgetTracker:
-    """train.time_budget_hours: the window counts from the process start; elapsed, remaining, ETA of the planned
-    steps at the current pace, and whether they finish in the window with room for the final save and export."""
-
-    def __init__(self, t_process: float, hours: float, reserve_s: float = 60.0):
-        self.t0, self.budget_s, self.reserve_s = t_process, hours * 3600, reserve_s
-        self.deadline = t_process + self.budget_s
-
-    def status(self, steps_done: int, steps_left: int, loop_s: float, now: Optional[float] = None) -> dict:
-        elapsed = (now or time.time()) - self.t0
-        eta = loop_s / steps_done * steps_left if steps_done else None
-        remaining = self.budget_s - elapsed
-        return {"budget_elapsed_s": elapsed, "budget_remaining_s": remaining, "eta_s": eta,
-                "on_track": None if eta is None else int(eta + self.reserve_s <= remaining)}
-
-    @staticmethod
-    def short(r: dict) -> str:
-        return f"{fmt_s(r['budget_remaining_s'])} left" + ("" if r["on_track"] is None else
-                                                         " ok" if r["on_track"] else " SHORT")
-
-    @staticmethod
-    def describe(r: dict) -> str:
-        eta = "?" if r["eta_s"] is None else fmt_s(r["eta_s"])
-        track = {None: "", 1: ", on track", 0: ", NOT on track: will stop at the window with a checkpoint"}
-        return (f"window: {fmt_s(r['budget_elapsed_s'])} elapsed, {fmt_s(r['budget_remaining_s'])} left, "
-                f"ETA {eta}{track[r['on_track']]}")
-
-    def summary(self, used_s: float, stopped: bool) -> dict:
-        return {"hours": self.budget_s / 3600, "used_s": used_s, "left_s": self.budget_s - used_s,
-                "stopped_by_budget": stopped}
-
-
 def plan_vs_actual(plan_path: Path, cfg: Config, actual_s: float) -> Optional[dict]:
     """The plan's estimate against this run's wall time (report.json `plan`), when `harness plan` wrote one."""
     try:
@@ -531,7 +446,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--from-report", help="take the throughput from this earlier run's report.json (no calibration)")
     p.add_argument("--launcher", help="launch the calibration like the real run, e.g. \"accelerate launch "
                                       "--config_file accelerate_configs/zero2.yaml --num_processes 8\"")
-    p.add_argument("--warmup", type=int, default=WARMUP_STEPS, help=argparse.SUPPRESS)
+    p.add_argument("--settle-steps", type=int, default=SETTLE_STEPS, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=MEASURE_STEPS, help=f"timed calibration steps (default {MEASURE_STEPS})")
     p.add_argument("--out", help="plan.json path (default <train.output_dir>/plan.json)")
     return p.parse_intermixed_args(argv)
@@ -546,9 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_report:
         cal, rep = calibration_from_report(args.from_report)
     else:  # first, while this process is idle and light (threads left by tokenization here slowed the child ~10%)
-        if args.steps % args.warmup and args.warmup % args.steps:
-            args.steps = -(-args.steps // args.warmup) * args.warmup  # both logged: multiples of the log interval
-        cal, rep = calibrate(args.config, args.overrides, cfg, args.warmup, args.steps, args.launcher, say)
+        if args.steps % args.settle_steps and args.settle_steps % args.steps:
+            args.steps = -(-args.steps // args.settle_steps) * args.settle_steps  # both logged: multiples of the log interval
+        cal, rep = calibrate(args.config, args.overrides, cfg, args.settle_steps, args.steps, args.launcher, say)
     data = analyse_data(cfg)
     dims = tuple(rep["flop_dims"]) if rep.get("flop_dims") else None
     if cfg.train.micro_batch_size == "auto":  # what the measured run found

@@ -1,6 +1,6 @@
 """torch.compile through accelerate's TorchDynamoPlugin: the compiled code really runs, in every launch path.
 
-The probe (harness.metrics.CompileProbe) counts decoder-block calls made inside compiled code vs eagerly; a
+The probe (harness.compiling.CompileProbe) counts decoder-block calls made inside compiled code vs eagerly; a
 compiled copy that is never called (accelerate's known case with bf16 autocast) would show 0 compiled calls.
 """
 
@@ -54,13 +54,13 @@ def test_compiler_warmup_failure_is_reported_not_raised(monkeypatch):
     """A warm-up that fails leaves the work to inductor's first compile; the run goes on and the report says why."""
     import torch._inductor.async_compile
 
-    from harness.compiling import CompilerWarmup
+    from harness.compiling import CompilerStartup
 
     def broken():
         raise OSError("no compiler")
 
     monkeypatch.setattr(torch._inductor.async_compile.AsyncCompile, "warm_pool", staticmethod(broken))
-    got = CompilerWarmup.start("cuda").join()  # "cuda": skips the CPU ISA probe; warm_pool is the only work
+    got = CompilerStartup.start("cuda").join()  # "cuda": skips the CPU ISA probe; warm_pool is the only work
     assert got["toolchain_error"] == "OSError: no compiler"
     assert got["toolchain_background_s"] >= 0 and got["toolchain_wait_s"] >= 0
 
@@ -71,7 +71,7 @@ def test_probe_counts_without_recompiling_the_graph_it_sits_in():
     import torch
     from torch._dynamo.utils import counters
 
-    from harness.metrics import CompileProbe, dynamo_counters
+    from harness.compiling import CompileProbe, dynamo_counters
 
     torch._dynamo.reset()
     counters.clear()

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from harness import planner
+from harness import planner, timing
 from harness.config import load_config
 from harness.planner import Calibration
 
@@ -103,7 +103,7 @@ def test_epoch_work_padding_and_packing():
 
 
 def test_budget_tracker_and_plan_accuracy(tmp_path):
-    b = planner.BudgetTracker(t_process=1000.0, hours=1.0, reserve_s=60)
+    b = timing.BudgetTracker(t_process=1000.0, hours=1.0, reserve_s=60)
     st = b.status(steps_done=10, steps_left=90, loop_s=100.0, now=1200.0)
     assert st == {"budget_elapsed_s": 200.0, "budget_remaining_s": 3400.0, "eta_s": 900.0, "on_track": 1}
     assert b.status(10, 400, 100.0, now=1200.0)["on_track"] == 0  # 4000 s left to run, 3400 s in the window
@@ -123,10 +123,10 @@ def test_steady_rate_from_records():
 
 
 def test_timings_split_warmup_and_steady():
-    t = planner.Timings(eval_s=2.0, save_s=1.0, warmup_done_s=5.0)
+    t = timing.Timings(eval_s=2.0, save_s=1.0, warmup_done_s=5.0)
     t.loop(loop_s=28.0, steps=25)  # 25 s of steps: the first 5 took 5 s, the next 20 took 20 s
     assert t.steady_s_per_step == pytest.approx(1.0) and t.warmup_extra_s == pytest.approx(0.0)
-    t = planner.Timings(eval_s=3.0)  # a step-0 evaluation of 3 s, before the loop's clock
+    t = timing.Timings(eval_s=3.0)  # a step-0 evaluation of 3 s, before the loop's clock
     t.loop_started(time.time() - 10.0)
     assert t.startup_s == pytest.approx(7.0, abs=0.1)
     t.add("eval", 2.0)  # one inside the loop

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from harness.config import load_config
-from harness.train import lr_lambda
+from harness.optim import lr_lambda
 from harness_launch import FAST, ROOT, final_weights, max_abs_diff, metrics, rel_close, report, run_train
 
 

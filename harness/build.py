@@ -1,0 +1,201 @@
+"""Everything a training run is made of, built from its config: `build_run(cfg, opened) -> Job`.
+
+In order: the checkpoint to resume from (checked first, before anything heavy), precision, the Accelerator (DDP or
+DeepSpeed, compile), the utilisation sampler; the tokenizer and the data loaders; the model (the same seed on every
+process: identical initial weights), the optimizer and the schedule, `accelerator.prepare`; the objective. What the
+run opens is registered with `opened` (an ExitStack), so that it is closed however the run ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from harness import checkpoint, distributed, hardware, loaders, metrics, monitor, optim, planner
+from harness.compiling import CompileWatch
+from harness.config import Config, save_config
+from harness.errors import HarnessError
+from harness.timing import Timings
+
+
+@dataclass
+class Job:
+    """A built run: the objects the loop works with and the facts its report states."""
+
+    cfg: Config
+    accelerator: Any
+    say: Callable[[str], None]  # prints on the main process
+    out: Path
+    t_start: float  # this process's run() start (time.time())
+    t_process: float  # the process's own start (the time window counts from it)
+    timings: Timings
+    resume_from: Optional[Path]
+    precision: str
+    tf32: bool
+    env: dict  # hardware.environment_report()
+    zero: dict  # zero_stage, offload_optimizer, offload_param
+    compile: Optional[CompileWatch]  # None without torch.compile
+    sampler: Optional[monitor.UtilisationSampler]
+    tokenizer: Any = None
+    data: dict = None  # loaders.build_loaders(): loaders before prepare, eval sets, stats
+    model: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    objective: Any = None
+    streams: tuple = ()  # names of the training data streams ("emb", "gen"); the first defines epochs
+    loaders: dict = None  # prepared training loaders by stream name
+    gen_eval: Any = None  # prepared generative eval loader, or None
+    schedule: dict = None  # planner.schedule_steps: micro_per_epoch, steps_per_epoch, total_steps
+    parameters: int = 0
+    held: list = None  # parameter elements held by each rank
+    peak_flops: Optional[float] = None  # all processes together; None where unknown (CPU)
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def is_deepspeed(self) -> bool:
+        return self.zero["zero_stage"] is not None
+
+    @property
+    def accum(self) -> int:
+        return self.cfg.train.grad_accum
+
+    @property
+    def primary(self) -> str:
+        """The stream that defines epochs: the embedding data in unified mode."""
+        return self.streams[0]
+
+    @property
+    def total_steps(self) -> int:
+        return self.schedule["total_steps"]
+
+
+def build_run(cfg: Config, opened: contextlib.ExitStack) -> Job:
+    job = start_processes(cfg, opened)
+    build_data(job)
+    build_model(job)
+    describe_batch(job)
+    return job
+
+
+def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
+    """The resume target, precision, the Accelerator, the compiler's start-up, the sampler, config.yaml."""
+    from harness.profiles import resolve_compile
+
+    t_start, t_process = time.time(), hardware.process_start_time()
+    out = Path(cfg.train.output_dir)
+    resume_from, incomplete = checkpoint.resolve_resume(out, cfg.train.resume)
+    precision = hardware.resolve_precision(cfg.train.precision)
+    hardware.check_attention(cfg.model.attn_implementation)
+    compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
+    accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision), compile_mode)
+    opened.push(distributed.end_training(accelerator))
+    # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
+    watch = CompileWatch(compile_mode, accelerator.device) if compile_mode != "none" else None
+    tf32 = hardware.enable_tf32(cfg.train.tf32)
+    sampler = monitor.start_sampler(cfg.train.monitor_interval_s, accelerator.is_main_process)  # GPU/CPU utilisation
+    if sampler is not None:
+        opened.callback(sampler.stop)
+    job = Job(cfg=cfg, accelerator=accelerator, say=accelerator.print, out=out, t_start=t_start, t_process=t_process,
+              timings=Timings(), resume_from=resume_from, precision=precision, tf32=tf32,
+              env=hardware.environment_report(), zero=distributed.zero_info(accelerator), compile=watch,
+              sampler=sampler)
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.yaml")
+        checkpoint.write_json(out / "environment.json", job.env)
+    else:
+        import datasets
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        datasets.disable_progress_bars()
+    job.say(f"[harness] {job.world} process(es), {accelerator.distributed_type.value}, ZeRO stage "
+            f"{job.zero['zero_stage']}, device {accelerator.device}, precision {precision}, tf32 {tf32}, compile "
+            f"{compile_mode}, profile {cfg.train.profile}, torch {job.env['torch']}, loss {cfg.loss.mode}")
+    job.say(f"[harness] environment: {hardware.describe(job.env)}")
+    for p in incomplete:
+        job.say(f"[harness] warning: {p} is an incomplete checkpoint (no {checkpoint.MARKER} marker): not resumed from")
+    return job
+
+
+def build_data(job: Job) -> None:
+    from harness import model as model_lib
+
+    job.tokenizer = model_lib.load_tokenizer(job.cfg.model)
+    job.data = loaders.build_loaders(job.cfg, job.accelerator, job.tokenizer)
+    for kind, st in job.data["stats"].items():
+        job.say(f"[harness] {kind} data: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                                        for k, v in st.items() if k != "dropped_examples"))
+        if st.get("dropped_no_labels"):
+            job.say(f"[harness] warning: dropped samples with no trained token, e.g. "
+                    f"{', '.join(st['dropped_examples'])}")
+
+
+def build_model(job: Job) -> None:
+    """Model, optimizer and schedule (same seed on every rank: identical initial weights), prepared; the objective."""
+    from accelerate.utils import set_seed
+
+    from harness import model as model_lib
+    from harness.objective import Objective
+
+    cfg, accelerator = job.cfg, job.accelerator
+    set_seed(cfg.train.seed)
+    with distributed.model_init_context(accelerator, cfg.model.name_or_path is None or cfg.model.random_init):
+        model = model_lib.build_model(cfg.model, job.tokenizer)
+    if cfg.loss.mode != "generative":
+        model_lib.check_embedding_support(model.config.model_type, cfg.model.attn_implementation,
+                                          cfg.model.embed_attention)
+    job.parameters, matmul_params = model_lib.count_parameters(model), metrics.matmul_params(model)
+    if job.compile is not None:
+        job.compile.model_built(model)
+    optimizer = optim.build_optimizer(model, cfg, offload=job.zero["offload_optimizer"] not in (None, "none"))
+    job.streams = tuple(n for n in ("emb", "gen") if n in job.data)
+    primary = job.data[job.streams[0]]
+    job.schedule = planner.schedule_steps(len(primary.dataset), primary.batch_size, job.world, job.accum,
+                                          cfg.train.max_steps, cfg.train.epochs)  # the planner's arithmetic
+    # The schedule acts on the raw optimizer's param groups, which DeepSpeed's ZeRO optimizers keep using. It is not
+    # prepared (accelerate would step it once per process) but stepped once per optimizer step, and checkpointed.
+    job.scheduler = optim.build_scheduler(optimizer, cfg, job.total_steps)
+    accelerator.register_for_checkpointing(job.scheduler)
+    job.model, job.optimizer, *prepared = accelerator.prepare(model, optimizer, *[job.data[n] for n in job.streams])
+    if job.compile is not None:
+        job.compile.model_prepared(job.model, job.say)
+    job.loaders = dict(zip(job.streams, prepared))
+    job.gen_eval = accelerator.prepare(job.data["gen_eval"]) if "gen_eval" in job.data else None
+    job.objective = Objective(cfg, accelerator, job.model)
+    mconf = accelerator.unwrap_model(job.model, keep_torch_compile=False).config
+    job.objective.flop_dims = (matmul_params, getattr(mconf, "num_hidden_layers", 0), getattr(mconf, "hidden_size", 0))
+    job.held = accelerator.gather(torch.tensor([distributed.parameters_held(job.model)],
+                                               device=accelerator.device)).tolist()
+    if torch.cuda.is_available():
+        peak_one, _ = hardware.peak_flops(torch.cuda.get_device_name())
+        job.peak_flops = peak_one * job.world if peak_one else None
+
+
+def describe_batch(job: Job) -> None:
+    """Check that the global batch divides as configured; print it with the schedule."""
+    t, world, accum = job.cfg.train, job.world, job.accum
+    if t.global_batch_size and t.micro_batch_size * accum * world != t.global_batch_size:
+        raise HarnessError(f"config key 'train.global_batch_size': {t.global_batch_size} is not micro-batch "
+                           f"{t.micro_batch_size} x grad_accum {accum} x {world} process(es); fix one of them, or "
+                           f"use train.micro_batch_size=auto")
+    parts = []
+    if "gen" in job.loaders:
+        parts.append(f"{t.micro_batch_size * accum * world} sequences")
+    if "emb" in job.loaders:
+        contrastive = t.emb_micro_batch_size * (world if job.cfg.loss.gather_negatives else 1)
+        parts.append(f"{t.emb_micro_batch_size * accum * world} queries x {job.cfg.data.train_group_size} passages "
+                     f"(contrastive batch {contrastive} queries)")
+    s = job.schedule
+    job.say(f"[harness] model: {job.parameters / 1e6:.2f}M parameters ({', '.join(f'{h / 1e6:.2f}M' for h in job.held)}"
+            f" held per rank); global batch per step: {' + '.join(parts)} = micro-batch x accumulation {accum} x "
+            f"{world} process(es); {s['steps_per_epoch']} steps/epoch of {job.primary} data; {s['total_steps']} steps "
+            f"({s['total_steps'] / s['steps_per_epoch']:.2f} epochs)")

@@ -1,0 +1,85 @@
+"""Evaluation during training: the held-out generative loss (data.eval_files) and retrieval recall@1 / MRR
+(data.emb_eval_files), before the first step of a fresh run, every `train.eval_every` steps and at the end.
+
+Every process takes part in every evaluation (under ZeRO-3 each forward needs all of them); the results are reduced
+over processes, so every process returns the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Optional
+
+import torch
+
+from harness import data as data_lib
+from harness import losses, metrics
+
+
+@torch.no_grad()
+def evaluate_generative(accelerator, model, loader) -> float:
+    """Per-token generative loss on the eval set, over all processes."""
+    model.eval()
+    totals = torch.zeros(2, device=accelerator.device, dtype=torch.float64)  # [loss sum, trained tokens]
+    for batch in loader:
+        logits = model(**data_lib.model_inputs(batch), use_cache=False).logits
+        loss_sum, count = losses.token_loss_sum(logits, batch["labels"])
+        totals += torch.stack([loss_sum.double(), count.double()])
+    model.train()
+    totals = accelerator.reduce(totals, "sum")
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+@torch.no_grad()
+def encode_items(accelerator, objective, items: list, batch_size: int, pad_id: int) -> torch.Tensor:
+    """Embeddings of tokenized items [(ids, instr_len)], each process encoding an equal shard (ZeRO-3 needs every
+    process in every forward), gathered in order."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    per = math.ceil(len(items) / world)
+    shard = items[rank * per:(rank + 1) * per]
+    shard += [items[0]] * (per - len(shard))
+    parts = []
+    for i in range(0, per, batch_size):
+        batch = {k: v.to(accelerator.device) for k, v in data_lib.pad_embed(shard[i:i + batch_size], pad_id).items()}
+        parts.append(objective.embed(batch))
+    return accelerator.gather(torch.cat(parts))[: len(items)]
+
+
+def evaluate_retrieval(accelerator, model, objective, eval_set: dict, batch_size: int, pad_id: int) -> dict:
+    """recall@1 and MRR of the held-out queries against the corpus of all their passages."""
+    model.eval()
+    q = encode_items(accelerator, objective, eval_set["queries"], batch_size, pad_id)
+    c = encode_items(accelerator, objective, eval_set["corpus"], batch_size, pad_id)
+    model.train()
+    return metrics.retrieval_metrics(q, c, eval_set["positives"])
+
+
+class Evaluator:
+    """The run's evaluations: `due(step)` says when, `run(step)` evaluates what the run has eval data for."""
+
+    def __init__(self, accelerator, model, objective, gen_eval, retrieval_set: Optional[dict], every: int,
+                 total_steps: int, batch_size: int, pad_id: int, say: Callable[[str], None],
+                 on_done: Callable[[float], None]):
+        self.accelerator, self.model, self.objective = accelerator, model, objective
+        self.gen_eval, self.retrieval_set = gen_eval, retrieval_set
+        self.every, self.total_steps, self.batch_size, self.pad_id = every, total_steps, batch_size, pad_id
+        self.say, self.on_done = say, on_done
+
+    def due(self, step: int) -> bool:
+        """Every `train.eval_every` steps; the last step's evaluation is the final one, after the loop."""
+        return bool(self.every) and step % self.every == 0 and step != self.total_steps
+
+    def run(self, step: int) -> dict:
+        """{"eval_loss", "eval_recall_at_1", "eval_mrr"} for the eval data the run has ({} without any)."""
+        t, results = time.perf_counter(), {}
+        if self.gen_eval is not None:
+            results["eval_loss"] = evaluate_generative(self.accelerator, self.model, self.gen_eval)
+        if self.retrieval_set is not None:
+            r = evaluate_retrieval(self.accelerator, self.model, self.objective, self.retrieval_set, self.batch_size,
+                                   self.pad_id)
+            results.update(eval_recall_at_1=r["recall_at_1"], eval_mrr=r["mrr"])
+        if results:
+            self.say(f"[harness] eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
+            self.on_done(time.perf_counter() - t)
+        return results

@@ -1,0 +1,97 @@
+"""Data sets -> DataLoaders for the configured loss mode, and the endless stream of micro-batches the loop reads.
+
+    generative / unified: data.train_files -> validated, tokenized (cached) rows -> packed or padded batches
+                          (`gen`), data.eval_files -> `gen_eval`
+    embedding / unified:  data.emb_train_files -> query / positive / negatives groups (`emb`, optionally grouped by
+                          length), data.emb_eval_files -> the held-out retrieval set (`emb_eval`)
+
+Rank 0 validates and tokenizes first; the other processes read its cache (`main_process_first`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness import data as data_lib
+from harness.config import Config
+
+
+def resolve_max_len(cfg: Config, rows, tokenizer, say) -> int:
+    """data.max_len, or for `auto` the data's length percentile (what is truncated is reported)."""
+
+    if cfg.data.max_len != "auto":
+        return cfg.data.max_len
+    full, _ = data_lib.tokenize_dataset(rows, tokenizer, 1 << 30)
+    lengths = list(full["length"])
+    max_len = data_lib.auto_max_len(lengths, cfg.data.max_len_percentile)
+    cut = sum(max(0, n - max_len) for n in lengths)
+    say(f"[harness] data.max_len=auto: p{cfg.data.max_len_percentile:g} of {len(lengths)} sample lengths -> "
+        f"{max_len}; {sum(n > max_len for n in lengths)} samples truncated, {cut} tokens "
+        f"({100 * cut / sum(lengths):.2f}%) cut")
+    return max_len
+
+
+def build_loaders(cfg: Config, accelerator, tokenizer) -> dict:
+    """Validated, tokenized data sets and their loaders (not yet prepared) for the configured loss.mode."""
+    from torch.utils.data import DataLoader
+
+    from harness.profiles import resolve_pin_memory
+
+    d, mode, cuda = cfg.data, cfg.loss.mode, torch.cuda.is_available()
+    out: dict = {"stats": {}}
+    common = dict(num_workers=d.num_workers, pin_memory=resolve_pin_memory(d.pin_memory, cuda))
+    if d.num_workers > 0:
+        common.update(prefetch_factor=d.prefetch_factor, persistent_workers=d.persistent_workers)
+    with accelerator.main_process_first():  # rank 0 validates and tokenizes; the others read its cache
+        if mode in ("generative", "unified"):
+            rows = data_lib.load_generative_rows(d.train_files, d.cache_dir)
+            max_len = resolve_max_len(cfg, rows, tokenizer, accelerator.print)
+            ds, st = data_lib.tokenize_dataset(rows, tokenizer, max_len)
+            out["stats"]["generative"] = st
+            padded = data_lib.GenerativeCollator(tokenizer.pad_token_id, pad_to_multiple_of=8 if cuda else 1)
+            if d.packing:
+                ds = data_lib.pack_dataset(ds, max_len)
+                st["packed_rows"] = len(ds)
+                st["packing_fill"] = sum(ds["length"]) / (len(ds) * max_len)
+            collate = data_lib.PackedCollator(tokenizer.pad_token_id, max_len) if d.packing else padded
+            out["gen"] = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=d.shuffle, collate_fn=collate,
+                                    **common)
+            if d.eval_files:
+                rows = data_lib.load_generative_rows(d.eval_files, d.cache_dir, "data.eval_files")
+                ds, _ = data_lib.tokenize_dataset(rows, tokenizer, max_len)
+                out["gen_eval"] = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=False,
+                                             collate_fn=padded, **common)
+        if mode in ("embedding", "unified"):
+            fmt = data_lib.EmbedFormat(d.emb_instruction_template, d.emb_plain_template,
+                                       append_eos=cfg.model.pooling == "lasttoken")
+            rows = data_lib.load_embedding_rows(d.emb_train_files, d.train_group_size - 1, d.cache_dir)
+            ds, out["stats"]["embedding"] = data_lib.tokenize_embedding_dataset(
+                rows, tokenizer, d.query_max_len, d.passage_max_len, fmt)
+            groups = data_lib.EmbeddingGroups(ds, d.train_group_size, cfg.train.seed)
+            order = {"shuffle": d.shuffle}
+            if d.group_by_length:  # queries + their longest passages of similar length batched together
+                lengths = [len(q) + max(map(len, p)) for q, p in zip(ds["q_ids"], ds["pos_ids"])]
+                mega = cfg.train.emb_micro_batch_size * accelerator.num_processes * 32
+                order = {"sampler": data_lib.LengthGroupedSampler(lengths, mega, cfg.train.seed)}
+            out["emb"] = DataLoader(groups, batch_size=cfg.train.emb_micro_batch_size,
+                                    collate_fn=data_lib.EmbeddingCollator(tokenizer.pad_token_id), **order, **common)
+            if d.emb_eval_files:
+                rows = data_lib.load_embedding_rows(d.emb_eval_files, 0, d.cache_dir, "data.emb_eval_files")
+                out["emb_eval"] = data_lib.retrieval_eval_set(rows, tokenizer, d.query_max_len, d.passage_max_len,
+                                                              fmt)
+    return out
+
+
+def micro_batches(accelerator, loader, pos: dict):
+    """Endless stream of micro-batches across epochs; pos = {"epoch", "batches"} is kept current. A resumed epoch
+    skips the micro-batches it has already seen (same seeded order and groups: exactly the same data)."""
+    while True:
+        loader.set_epoch(pos["epoch"])
+        if hasattr(loader.dataset, "set_epoch"):  # accelerate does not forward it when the sampler has one
+            loader.dataset.set_epoch(pos["epoch"])
+        skip = pos["batches"]
+        for batch in (accelerator.skip_first_batches(loader, skip) if skip else loader):
+            pos["batches"] += 1
+            yield batch
+        pos["epoch"] += 1
+        pos["batches"] = 0

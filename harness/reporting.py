@@ -1,0 +1,124 @@
+"""What a run tells: the log line every `train.log_every` steps (`StepLog`) and report.json (`final_report`).
+
+A log line turns the step sums of every process since the previous line (harness/state.py) into the loss (or both
+losses in unified mode), throughput (evaluation and checkpoint time left out), MFU, padding, data wait, memory,
+the time window and the cost, and sends it to metrics.jsonl, the trackers, the progress bar and the console.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from harness import cost, metrics, monitor, planner
+from harness.config import Config
+from harness.state import LoopState, StepSums, UnloggedSums
+
+
+def losses_of(sums: StepSums, cfg: Config) -> dict:
+    """{"loss"} (and "loss_gen", "loss_emb" in unified mode) from summed step sums."""
+    parts = {}
+    if sums.gen_micro:
+        parts["loss_gen"] = (sums.gen_sum / max(sums.gen_count, 1) if cfg.loss.gen_averaging == "token"
+                             else sums.gen_mean_sum / sums.gen_micro)
+    if sums.emb_count:
+        parts["loss_emb"] = sums.emb_sum / sums.emb_count
+    if cfg.loss.mode == "unified":
+        return {"loss": cfg.loss.gen_weight * parts["loss_gen"] + cfg.loss.emb_weight * parts["loss_emb"], **parts}
+    return {"loss": next(iter(parts.values()))}
+
+
+class StepLog:
+    """The periodic log line: `due(step)`, then `write(...)`; evaluation results of a step that is no log step are
+    written on their own (`write_eval`)."""
+
+    def __init__(self, job, logger: metrics.MetricsLogger, bar, budget: Optional[planner.BudgetTracker],
+                 start_step: int):
+        self.job, self.cfg, self.logger, self.bar, self.budget = job, job.cfg, logger, bar, budget
+        self.start_step = start_step
+        self.meter: Optional[metrics.Throughput] = None  # set when the loop's clock starts
+        self.last: dict = {}  # the latest record written (the report's final losses)
+
+    def due(self, step: int) -> bool:
+        return step % self.cfg.train.log_every == 0 or step == self.job.total_steps
+
+    def write_eval(self, step: int, results: dict) -> None:
+        self.logger.log({"step": step, **results})
+
+    def write(self, state: LoopState, unlogged: UnloggedSums, grad_norm, evaluation: dict) -> dict:
+        job, meter = self.job, self.meter
+        sums = unlogged.total(job.accelerator, reset=True)
+        interval_s = meter.interval()
+        tok_s = sums.tokens / interval_s
+        record = {"step": state.step, "epoch": epoch_of(job, state), **losses_of(sums, self.cfg)}
+        state.first_loss = record["loss"] if state.first_loss is None else state.first_loss
+        state.tokens += int(sums.tokens)
+        done, total = state.step - self.start_step, job.total_steps
+        record.update({
+            "lr": job.scheduler.get_last_lr()[0],
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "tokens_per_s": tok_s,
+            "samples_per_s": sums.samples / interval_s,
+            "mfu": metrics.mfu(sums.flops / interval_s, 1.0, job.peak_flops),
+            "padding_share": 1 - sums.tokens / max(sums.positions, 1),
+            "data_wait_share": sums.wait_s / interval_s,
+            "mem_gb": metrics.memory_gb(),
+            "tokens": state.tokens,
+            "elapsed_s": state.elapsed_s + meter.elapsed(),
+            "eta_s": metrics.eta_seconds(meter.elapsed(), done, total - self.start_step),
+        })
+        if self.budget is not None:  # the window: elapsed, remaining, ETA, on track
+            record.update(self.budget.status(done, total - state.step, meter.elapsed()))
+        record.update(job.sampler.drain() if job.sampler else {})  # utilisation since the previous log line
+        run_cost = cost.of_run(self.cfg, job.world, state.elapsed_s + time.time() - job.t_start, record.get("eta_s"))
+        record.update(cost.fields(run_cost), **evaluation)
+        self.logger.log(record)
+        self.last.update(record)
+        self._show(record, tok_s, run_cost)
+        return record
+
+    def _show(self, record: dict, tok_s: float, run_cost) -> None:
+        budget, bar = self.budget, self.bar
+        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tok_s:,.0f}",
+                        **({"window": budget.short(record)} if budget else {}))
+        parts = "".join(f" {k} {record[k]:.4f}" for k in ("loss_gen", "loss_emb") if k in record)
+        line = (f"[harness] step {record['step']}/{self.job.total_steps} loss {record['loss']:.4f}{parts}"
+                f" lr {record['lr']:.2e} grad_norm {record['grad_norm'] or 0:.3f} tokens/s {tok_s:,.0f}")
+        line += monitor.progress_text(record) + cost.progress_text(run_cost)
+        line += f" | {budget.describe(record)}" if budget else ""
+        bar.write(line) if not bar.disable else self.job.say(line)
+
+
+def epoch_of(job, state: LoopState) -> float:
+    """Epochs of the primary stream done, fractional."""
+    pos = state.streams[job.primary]
+    return round(pos["epoch"] + pos["batches"] / job.schedule["micro_per_epoch"], 4)
+
+
+def final_report(job, state: LoopState, log: StepLog, stopped_by: Optional[str], train_time_s: float,
+                 sections: dict) -> dict:
+    """report.json, section by section: the run's set-up, its progress, losses and evaluations, the batch, where the
+    time went, utilisation and cost. `sections`: compile, eval, eval_at_start, final_dir, micro_batch_auto."""
+    cfg, timings, last = job.cfg, job.timings, log.last
+    setup = {"world_size": job.world, "distributed_type": job.accelerator.distributed_type.value, **job.zero,
+             "loss_mode": cfg.loss.mode, "parameters": job.parameters, "parameters_per_rank": job.held,
+             "precision": job.precision, "tf32": job.tf32, "profile": cfg.train.profile,
+             "compile": sections["compile"]}
+    trained_s = state.elapsed_s + train_time_s
+    progress = {"steps": state.step, "planned_steps": job.total_steps, "stopped_by": stopped_by,
+                "resumed_from": str(job.resume_from) if job.resume_from else None, "epochs": epoch_of(job, state),
+                "tokens": state.tokens, "train_time_s": trained_s, "wall_time_s": time.time() - job.t_start,
+                "tokens_per_s": state.tokens / max(trained_s, 1e-9)}
+    results = {"first_loss": state.first_loss, "final_loss": last.get("loss"), "final_loss_gen": last.get("loss_gen"),
+               "final_loss_emb": last.get("loss_emb"), "eval_at_start": sections["eval_at_start"],
+               "eval": sections["eval"], "data": job.data["stats"], "final_dir": sections["final_dir"],
+               "hardware": job.env}
+    batch = {"flop_dims": list(job.objective.flop_dims), "micro_batch_size": cfg.train.micro_batch_size,
+             "grad_accum": job.accum, "micro_batch_auto": sections["micro_batch_auto"]}
+    time_used = {"timings": timings.as_dict(),
+                 "time_budget": log.budget.summary(timings.process_wall_s, stopped_by == "time_budget")
+                 if log.budget else None,
+                 "plan": planner.plan_vs_actual(job.out / "plan.json", cfg, timings.process_wall_s),
+                 "utilisation": job.sampler.stop() if job.sampler else None,
+                 "cost": cost.of_run(cfg, job.world, state.elapsed_s + time.time() - job.t_start, 0.0)}
+    return {**setup, **progress, **results, **batch, **time_used}

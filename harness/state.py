@@ -1,0 +1,80 @@
+"""The loop's named state: where a run is (`LoopState`, saved with every checkpoint) and what its steps add up between
+two log lines (`StepSums`, kept on the device by `UnloggedSums` and all-reduced once per log line)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Optional
+
+import torch
+
+Number = Any  # a Python number or a 0-d device tensor (adding it up never waits for the GPU)
+
+
+@dataclass
+class StepSums:
+    """Sums over micro-steps: what `Objective.micro_step` returns, and what a log line is computed from."""
+
+    gen_sum: Number = 0  # generative loss summed over trained tokens
+    gen_count: Number = 0  # trained (labelled) tokens
+    gen_mean_sum: Number = 0  # per-micro-batch mean generative losses, summed (mixed averaging)
+    gen_micro: Number = 0  # generative micro-batches
+    emb_sum: Number = 0  # contrastive losses, summed over micro-steps
+    emb_count: Number = 0  # embedding micro-steps
+    tokens: Number = 0  # non-padding input tokens
+    samples: Number = 0  # sequences (generative rows + queries)
+    positions: Number = 0  # input positions, padding included
+    flops: Number = 0  # model FLOPs (for MFU)
+    wait_s: Number = 0  # seconds spent waiting for the data loader
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+class UnloggedSums:
+    """The `StepSums` of this process since the last log line, as one float64 vector on the run's device: one
+    addition per micro-step, one all-reduce per log line. Rank 0 also carries what was unlogged when the checkpoint
+    it resumed from was written."""
+
+    def __init__(self, device, carried: Optional[dict] = None):
+        self.device = device
+        values = carried or {}
+        self.vector = torch.tensor([float(values.get(n, 0.0)) for n in StepSums.names()], dtype=torch.float64,
+                                   device=device)
+
+    def add(self, sums: StepSums) -> None:
+        self.vector += torch.stack([torch.as_tensor(getattr(sums, n), dtype=torch.float64, device=self.device)
+                                    for n in StepSums.names()])
+
+    def total(self, accelerator, reset: bool) -> StepSums:
+        """Summed over every process (collective); `reset` starts the next interval."""
+        summed = accelerator.reduce(self.vector.clone(), "sum").tolist()
+        if reset:
+            self.vector.zero_()
+        return StepSums(*summed)
+
+
+@dataclass
+class LoopState:
+    """Where the loop is; with the accelerate state this is everything needed to continue a run exactly."""
+
+    step: int = 0  # optimizer steps done
+    streams: dict = field(default_factory=dict)  # per data stream: {"epoch": e, "batches": micro-batches of e consumed}
+    tokens: int = 0  # non-padding input tokens processed, all processes, up to the last log
+    elapsed_s: float = 0.0  # training wall time of earlier attempts (resume)
+    unlogged: dict = field(default_factory=dict)  # StepSums of every process not yet in a log line, by name
+    first_loss: Optional[float] = None
+
+    @classmethod
+    def from_saved(cls, saved: dict) -> "LoopState":
+        """The state of harness_state.json. Checkpoints written before the sums were named carry them as `log_acc`,
+        a list in StepSums order."""
+        saved = dict(saved)
+        if "log_acc" in saved:
+            saved["unlogged"] = dict(zip(StepSums.names(), saved.pop("log_acc")))
+        return cls(**saved)
+
+    def to_save(self, elapsed_s: float, unlogged: StepSums) -> dict:
+        """What harness_state.json holds: this state with this attempt's time and every process's unlogged sums."""
+        return {**asdict(self), "elapsed_s": self.elapsed_s + elapsed_s, "unlogged": asdict(unlogged)}

@@ -1,0 +1,142 @@
+"""The loop's pieces, in process: the named step sums through a checkpoint, the stop decision as a truth table, and
+the cadences of evaluation, logging and checkpoints (the end-to-end runs are in test_train.py and test_zero.py)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from harness import checkpoint
+from harness.evaluation import Evaluator
+from harness.reporting import StepLog, losses_of
+from harness.state import LoopState, StepSums, UnloggedSums
+from harness.stopping import NONFINITE, SIGNAL, STOP_AT_STEP, TIME_BUDGET, NonfiniteGuard, StopFlags, stop_reason
+
+
+@pytest.fixture
+def accelerator():
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    acc = Accelerator(cpu=True)
+    yield acc
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+# ----------------------------------------------------------------------------------------------- step sums
+
+
+def test_step_sums_add_up_by_name(accelerator):
+    sums = UnloggedSums(accelerator.device)
+    sums.add(StepSums(gen_sum=torch.tensor(6.0), gen_count=torch.tensor(3), tokens=torch.tensor(5), samples=2))
+    sums.add(StepSums(gen_sum=torch.tensor(4.0), gen_count=2, tokens=4, wait_s=0.5))
+    total = sums.total(accelerator, reset=False)
+    assert (total.gen_sum, total.gen_count, total.tokens, total.samples, total.wait_s) == (10.0, 5.0, 9.0, 2.0, 0.5)
+    assert sums.total(accelerator, reset=True) == total  # reset after reading
+    assert sums.total(accelerator, reset=False) == StepSums(*[0.0] * len(StepSums.names()))
+
+
+def test_unlogged_sums_round_trip_through_a_checkpoint(accelerator, tmp_path):
+    """What was summed but not yet logged when a checkpoint was written is carried on by the resumed run."""
+    sums = UnloggedSums(accelerator.device)
+    sums.add(StepSums(gen_sum=7.25, gen_count=3, gen_micro=1, tokens=11, flops=1e9, wait_s=0.125))
+    state = LoopState(step=4, streams={"gen": {"epoch": 1, "batches": 2}}, tokens=100, elapsed_s=3.0, first_loss=2.5)
+    saved = state.to_save(1.5, sums.total(accelerator, reset=False))
+    path = checkpoint.save_checkpoint(accelerator, tmp_path, saved, keep=0)
+    loaded = LoopState.from_saved(checkpoint.load_checkpoint(accelerator, path))
+    assert (loaded.step, loaded.streams, loaded.tokens, loaded.first_loss) == (4, state.streams, 100, 2.5)
+    assert loaded.elapsed_s == 4.5  # earlier attempts + this one
+    carried = UnloggedSums(accelerator.device, loaded.unlogged).total(accelerator, reset=False)
+    assert carried == sums.total(accelerator, reset=False)
+
+
+def test_checkpoints_from_before_the_named_sums_still_resume(accelerator):
+    """harness_state.json written before the sums had names holds them as `log_acc`, a list in StepSums order."""
+    old = {"step": 10, "streams": {"gen": {"epoch": 0, "batches": 10}}, "tokens": 5771, "elapsed_s": 2.0,
+           "log_acc": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0], "first_loss": 7.0}
+    state = LoopState.from_saved(json.loads(json.dumps(old)))
+    assert state.step == 10 and state.unlogged["gen_sum"] == 1.0 and state.unlogged["wait_s"] == 11.0
+    assert asdict(UnloggedSums(accelerator.device, state.unlogged).total(accelerator, reset=False)) == \
+        dict(zip(StepSums.names(), old["log_acc"]))
+
+
+def test_losses_from_sums_token_and_mixed_averaging_and_unified():
+    cfg = lambda mode, avg: SimpleNamespace(loss=SimpleNamespace(mode=mode, gen_averaging=avg, gen_weight=1.0,  # noqa: E731
+                                                                 emb_weight=0.5))
+    s = StepSums(gen_sum=12.0, gen_count=4.0, gen_mean_sum=5.0, gen_micro=2.0, emb_sum=3.0, emb_count=2.0)
+    assert losses_of(s, cfg("generative", "token")) == {"loss": 3.0}
+    assert losses_of(s, cfg("generative", "mixed")) == {"loss": 2.5}
+    assert losses_of(StepSums(emb_sum=3.0, emb_count=2.0), cfg("embedding", "token")) == {"loss": 1.5}
+    assert losses_of(s, cfg("unified", "token")) == {"loss": 3.0 + 0.5 * 1.5, "loss_gen": 3.0, "loss_emb": 1.5}
+
+
+# ----------------------------------------------------------------------------------------------- stopping
+
+
+@pytest.mark.parametrize("signal,window,nonfinite,step", list(itertools.product([False, True], [False, True],
+                                                                                  [False, True], [5, 10, 20])))
+def test_stop_decision_truth_table(signal, window, nonfinite, step):
+    """Non-finite beats a signal beats the window beats stop_at_step; the planned last step is no early stop."""
+    flags = StopFlags(signal=signal, save_due=True, window_closing=window)
+    expected = (NONFINITE if nonfinite else SIGNAL if signal else TIME_BUDGET if window
+                else STOP_AT_STEP if step == 10 else None)
+    assert stop_reason(flags, step, stop_at=10, total_steps=20, nonfinite=nonfinite) == expected
+
+
+def test_stop_at_step_equal_to_the_planned_end_is_no_early_stop():
+    assert stop_reason(StopFlags(), 20, stop_at=20, total_steps=20, nonfinite=False) is None
+
+
+def test_nonfinite_guard_skips_then_stops():
+    said = []
+    guard = NonfiniteGuard(max_skips=2, is_deepspeed=False, say=said.append)
+    norms = [1.0, float("nan"), float("inf"), 0.5, float("nan"), float("nan"), float("nan")]
+    assert [guard.must_stop(i + 1, torch.tensor(n)) for i, n in enumerate(norms)] == \
+        [False, False, False, False, False, False, True]
+    assert guard.in_a_row == 3 and "update skipped (3 in a row, at most 2)" in said[-1]
+    ds = NonfiniteGuard(max_skips=5, is_deepspeed=True, say=said.append)
+    assert ds.must_stop(1, None) is False and ds.must_stop(2, torch.tensor(float("nan"))) is True
+    assert said[-1].endswith("DeepSpeed already applied it")
+
+
+# ----------------------------------------------------------------------------------------------- cadences
+
+
+def due_steps(obj, total: int) -> list[int]:
+    return [s for s in range(1, total + 1) if obj.due(s)]
+
+
+def test_evaluation_log_and_checkpoint_cadences_are_independent():
+    """train.max_steps=8, log_every=2, eval_every=3, save_every_steps=3: each on its own steps."""
+    evaluator = Evaluator(None, None, None, None, None, every=3, total_steps=8, batch_size=1, pad_id=0,
+                          say=print, on_done=print)
+    job = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(log_every=2)), total_steps=8)
+    log = StepLog(job, logger=None, bar=None, budget=None, start_step=0)
+    ckpt = checkpoint.Checkpointer(None, None, every_steps=3, every_minutes=0, keep=0, say=print, on_saved=print)
+    assert due_steps(evaluator, 8) == [3, 6]  # the last step's evaluation is the final one, after the loop
+    assert due_steps(log, 8) == [2, 4, 6, 8]
+    assert [s for s in range(1, 9) if ckpt.due(s, forced=False)] == [3, 6]
+    assert ckpt.due(7, forced=True)  # a stop or save_every_minutes forces one
+    seven = StepLog(SimpleNamespace(cfg=job.cfg, total_steps=7), logger=None, bar=None, budget=None, start_step=0)
+    assert due_steps(seven, 7) == [2, 4, 6, 7]  # and always at the last step
+    never = Evaluator(None, None, None, None, None, every=0, total_steps=8, batch_size=1, pad_id=0, say=print,
+                      on_done=print)
+    assert due_steps(never, 8) == []
+
+
+def test_time_based_checkpoint_is_due_after_its_minutes(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(checkpoint.time, "time", lambda: clock[0])
+    ckpt = checkpoint.Checkpointer(None, None, every_steps=0, every_minutes=2, keep=0, say=print, on_saved=print)
+    clock[0] += 119
+    assert not ckpt.minutes_due()
+    clock[0] += 1
+    assert ckpt.minutes_due()
+    off = checkpoint.Checkpointer(None, None, every_steps=0, every_minutes=0, keep=0, say=print, on_saved=print)
+    clock[0] += 1e6
+    assert not off.minutes_due()
