@@ -140,3 +140,63 @@ def test_time_based_checkpoint_is_due_after_its_minutes(monkeypatch):
     off = checkpoint.Checkpointer(None, None, every_steps=0, every_minutes=0, keep=0, say=print, on_saved=print)
     clock[0] += 1e6
     assert not off.minutes_due()
+
+
+# ----------------------------------------------------------------------------------------------- the one exit path
+
+
+def _open_files_under(folder) -> list[str]:
+    import os
+
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(folder)):
+            out.append(target)
+    return out
+
+
+@pytest.mark.parametrize("how", ["step raises", "stop_at_step"])
+def test_the_run_closes_what_it_opened_however_it_ends(tmp_path, monkeypatch, how):
+    """A step that raises and an early stop both leave no signal handler, sampler thread, open metrics file or open
+    tracker behind (the one ExitStack in train.run)."""
+    import signal
+    import threading
+
+    from accelerate.state import AcceleratorState
+
+    from harness import train
+    from harness.config import load_config
+    from harness_launch import DEFAULT
+
+    out = tmp_path / "run"
+    cfg = load_config(DEFAULT, [f"train.output_dir={out}", "train.max_steps=6", "train.progress_bar=false",
+                                "train.summary=false", "data.eval_files=[]", "train.monitor_interval_s=0.05",
+                                "train.report_to=[tensorboard]", "train.log_every=1"]
+                      + (["train.stop_at_step=2"] if how == "stop_at_step" else []))
+    if how == "step raises":
+        real, calls = train.train_step, []
+
+        def failing_step(*args):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("boom in step 2")
+            return real(*args)
+
+        monkeypatch.setattr(train, "train_step", failing_step)
+    handler_before = signal.getsignal(signal.SIGTERM)
+    try:
+        if how == "step raises":
+            with pytest.raises(RuntimeError, match="boom in step 2"):
+                train.run(cfg)
+        else:
+            assert train.run(cfg) == {"steps": 2, "stopped_early": "stop_at_step"}
+        assert signal.getsignal(signal.SIGTERM) is handler_before
+        assert not [t for t in threading.enumerate() if t.name == "harness-utilisation" and t.is_alive()]
+        assert _open_files_under(out) == []  # metrics.jsonl and the tensorboard event file are closed
+        assert (out / "metrics.jsonl").read_text().count('"loss"') == (1 if how == "step raises" else 2)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
