@@ -6,22 +6,167 @@
     <output_dir>/final/                model (safetensors) + tokenizer, loadable with AutoModelForCausalLM / AutoTokenizer;
                                        with LoRA: the adapter (peft) + tokenizer, and final/merged/ the merged model
 
+Checkpoints prove themselves: COMPLETE is a JSON manifest of what was written (every file's relative path, size and
+checksum, read back from disk after the save). A resume verifies the checkpoint against it before loading
+(`verify_checkpoint`): train.resume=auto falls back to the newest checkpoint that verifies, with a warning naming what
+was wrong. Checksums are xxh3-128 from `xxhash` (a dependency of `datasets`, about 18 GiB/s on one core here, so the
+cost of a verification is reading the files: docs/benchmarks.md), or blake2b from the standard library (about 0.5
+GiB/s) where xxhash is missing; the manifest names its algorithm.
+
 The final export is written to a temporary sibling folder and renamed into place, so a crash never leaves a
 half-written export under the final name.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-from harness.errors import ConfigError
+from harness.errors import ConfigError, HarnessError
+
+try:
+    import xxhash
+except ImportError:  # pragma: no cover - datasets depends on it
+    xxhash = None
 
 MARKER = "COMPLETE"
 STATE_FILE = "harness_state.json"
+MANIFEST_FORMAT = 1
+LEGACY_MARKER = b"complete"  # what COMPLETE held before it carried a manifest
+ALGORITHM = "xxh3_128" if xxhash is not None else "blake2b"
+CHUNK = 4 << 20  # bytes per read when hashing, one reused buffer (1, 4 and 16 MiB measured the same here)
+
+
+# ----------------------------------------------------------------------------------------------- small helpers
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """'Type: message' on one line (messages of torch and others can span several), at most `limit` characters."""
+    text = " ".join(str(exc).split())
+    text = text if len(text) <= limit else text[:limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _hasher(algorithm: str):
+    if algorithm == "xxh3_128" and xxhash is not None:
+        return xxhash.xxh3_128()
+    if algorithm == "blake2b":
+        return hashlib.blake2b()
+    raise ValueError(f"checksum algorithm {algorithm} is not available (pip install xxhash)")
+
+
+def file_checksum(path: str | Path, algorithm: str = ALGORITHM) -> tuple[int, str]:
+    """(bytes read, hex digest) of a file, read in CHUNK-sized pieces into one reused buffer."""
+    h = _hasher(algorithm)
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    total = 0
+    with open(path, "rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            h.update(view[:n])
+            total += n
+    return total, h.hexdigest()
+
+
+def _files(folder: Path) -> list[tuple[str, int]]:
+    """(relative path, size) of every regular file under `folder` but the marker, sorted by path."""
+    out = []
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if p.is_file() and not p.is_symlink() and rel not in (MARKER, MARKER + ".tmp"):
+            out.append((rel, p.stat().st_size))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- across processes
+# accelerator=None (tests, tools) or one process: everything happens here. Under several processes the main process
+# reads the folders and decides, and the others receive what it found (a shared filesystem is assumed, as for
+# accelerate's own checkpoints).
+
+
+def _world(accelerator) -> int:
+    return 1 if accelerator is None else accelerator.num_processes
+
+
+def _is_main(accelerator) -> bool:
+    return accelerator is None or accelerator.is_main_process
+
+
+def _broadcast(accelerator, obj):
+    if _world(accelerator) == 1:
+        return obj
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([obj], from_process=0)[0]
+
+
+def _all_gather(accelerator, obj) -> list:
+    if _world(accelerator) == 1:
+        return [obj]
+    from accelerate.utils import gather_object
+
+    return gather_object([obj])
+
+
+def _on_main(accelerator, fn: Callable):
+    """fn() on the main process only; every process returns its result or raises the HarnessError it raised (one
+    broadcast), so an error there never leaves the other processes waiting in a collective. Any other exception keeps
+    its traceback on the main process; the others stop with a one-line error."""
+    outcome = None
+    if _is_main(accelerator):
+        try:
+            outcome = ("ok", fn())
+        except HarnessError as e:
+            outcome = ("error", type(e), str(e))
+        except Exception as e:
+            _broadcast(accelerator, ("bug", _one_line(e)))
+            raise
+    outcome = _broadcast(accelerator, outcome)
+    if outcome[0] == "error":
+        raise outcome[1](outcome[2])
+    if outcome[0] == "bug":
+        raise HarnessError(f"the main process failed ({outcome[1]}); see its traceback")
+    return outcome[1]
+
+
+def share_by_size(items: list[tuple[str, int]], world: int) -> list[list[str]]:
+    """Split (name, size) items into `world` lists of about equal total size: largest first, each to the least loaded
+    (the same split on every process for the same items)."""
+    loads, shares = [0] * world, [[] for _ in range(world)]
+    for name, size in sorted(items, key=lambda x: (-x[1], x[0])):
+        r = loads.index(min(loads))
+        loads[r] += size + 1
+        shares[r].append(name)
+    return shares
+
+
+def _spread(accelerator, items: list[tuple[str, int]], fn: Callable) -> dict:
+    """{name: fn(name)} for every (name, size) in `items`, which must be the same list on every process. Under several
+    processes each reads its share (`share_by_size`) and every process receives all the results (one all-gather)."""
+    world = _world(accelerator)
+    if world == 1:
+        return {name: fn(name) for name, _ in items}
+    mine = share_by_size(items, world)[accelerator.process_index]
+    merged: dict = {}
+    for part in _all_gather(accelerator, {name: fn(name) for name in mine}):
+        merged.update(part)
+    return merged
+
+
+# ----------------------------------------------------------------------------------------------- final export
 
 
 def _replace_dir(tmp: Path, dest: Path) -> None:
@@ -72,6 +217,136 @@ def write_json(path: str | Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+# ----------------------------------------------------------------------------------------------- manifests
+
+
+def build_manifest(folder: str | Path, accelerator=None, algorithm: str = ALGORITHM) -> dict:
+    """The COMPLETE manifest of what `folder` holds now: {"format", "algorithm", "files": [{"path", "size",
+    "checksum"}]}, the files read back from disk. Collective when `accelerator` runs several processes (the hashing is
+    split between them by size). OSError when a file cannot be read back (the same on every process)."""
+    folder = Path(folder)
+    files = _broadcast(accelerator, _files(folder) if _is_main(accelerator) else None)
+
+    def one(rel: str):
+        try:
+            return file_checksum(folder / rel, algorithm)
+        except OSError as e:
+            return f"{rel}: {e.strerror or e}"
+
+    sums = _spread(accelerator, files, one)
+    bad = [r for r in sums.values() if isinstance(r, str)]
+    if bad:
+        raise OSError(f"could not read back {folder}: {'; '.join(bad)}")
+    return {"format": MANIFEST_FORMAT, "algorithm": algorithm,
+            "files": [{"path": rel, "size": sums[rel][0], "checksum": sums[rel][1]} for rel, _ in files]}
+
+
+def write_marker(folder: str | Path, manifest: dict) -> None:
+    """COMPLETE, atomically (temporary file, fsync, rename): a crash leaves either no marker or the whole one."""
+    folder = Path(folder)
+    tmp = folder / (MARKER + ".tmp")
+    head = json.dumps({k: v for k, v in manifest.items() if k != "files"})[:-1]
+    rows = ",\n".join("  " + json.dumps(e) for e in manifest["files"])
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(f'{head}, "files": [\n{rows}\n]}}\n')  # one line per file
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, folder / MARKER)
+
+
+def read_manifest(folder: str | Path) -> Optional[dict]:
+    """The manifest in `folder`'s COMPLETE marker, or None for the marker of an older harness (the text "complete",
+    no checksums): such a checkpoint is unverifiable but accepted, i.e. resumed from without verification (with a
+    note), kept by rotation like any other, and never preferred to a verifiable one when rotation must choose.
+    ValueError when the marker is not one of the two (cut, zeroed, edited); OSError when it cannot be read."""
+    raw = (Path(folder) / MARKER).read_bytes()
+    if raw.strip() == LEGACY_MARKER:
+        return None
+    try:
+        m = json.loads(raw.decode("utf-8"))
+        ok = (isinstance(m, dict) and isinstance(m.get("algorithm"), str) and isinstance(m.get("files"), list)
+              and all(isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("size"), int)
+                      and isinstance(e.get("checksum"), str) for e in m["files"]))
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        ok = False
+    if not ok:
+        raise ValueError(f"{MARKER} marker unreadable ({len(raw)} bytes, neither a manifest nor an older marker)")
+    return m
+
+
+def has_manifest(folder: str | Path) -> bool:
+    try:
+        return read_manifest(folder) is not None
+    except (OSError, ValueError):
+        return False
+
+
+@dataclass
+class Verification:
+    """What `verify_checkpoint` found: `problems` (empty: intact), one per file, e.g. 'optimizer.bin: checksum
+    differs'; legacy: a marker without checksums (accepted unverified, see `read_manifest`)."""
+
+    path: Path
+    problems: list[str] = field(default_factory=list)
+    legacy: bool = False
+    files: int = 0  # files checked
+    size: int = 0  # their bytes
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def describe(self, limit: int = 3) -> str:
+        more = len(self.problems) - limit
+        return "; ".join(self.problems[:limit]) + (f"; and {more} more" if more > 0 else "")
+
+
+def verify_checkpoint(folder: str | Path, accelerator=None) -> Verification:
+    """Check a checkpoint against its manifest: every file present with its recorded size (cheap, all files first),
+    then every checksum (reads everything). Collective when `accelerator` runs several processes: the main process
+    reads the marker and checks the sizes, the checksums are split between the processes by size, and every process
+    gets the same result."""
+    folder = Path(folder)
+
+    def first_look():
+        try:
+            m = read_manifest(folder)
+        except (OSError, ValueError) as e:
+            return [str(e) if isinstance(e, ValueError) else f"{MARKER} marker unreadable ({e.strerror or e})"], None
+        if m is None:
+            return [], None
+        problems = []
+        for e in m["files"]:
+            p = folder / e["path"]
+            if not p.is_file():
+                problems.append(f"{e['path']}: missing")
+            elif p.stat().st_size != e["size"]:
+                problems.append(f"{e['path']}: size differs ({e['size']} bytes recorded, {p.stat().st_size} on disk)")
+        try:
+            _hasher(m["algorithm"])
+        except ValueError as err:
+            problems.append(str(err))
+        return problems, m
+
+    problems, manifest = _broadcast(accelerator, first_look() if _is_main(accelerator) else None)
+    if problems:
+        return Verification(folder, problems)
+    if manifest is None:
+        return Verification(folder, legacy=True)
+    entries = {e["path"]: e for e in manifest["files"]}
+
+    def one(rel: str) -> Optional[str]:
+        try:
+            n, digest = file_checksum(folder / rel, manifest["algorithm"])
+        except OSError as err:
+            return f"{rel}: unreadable ({err.strerror or err})"
+        return None if (n, digest) == (entries[rel]["size"], entries[rel]["checksum"]) else f"{rel}: checksum differs"
+
+    found = _spread(accelerator, [(rel, e["size"]) for rel, e in entries.items()], one)
+    return Verification(folder, [found[rel] for rel in entries if found[rel]], files=len(entries),
+                        size=sum(e["size"] for e in entries.values()))
+
+
 # ----------------------------------------------------------------------------------------------- checkpoints
 
 
@@ -83,79 +358,143 @@ def is_complete(path: Path) -> bool:
     return (path / MARKER).is_file() and (path / STATE_FILE).is_file()
 
 
+def _step(path: Path) -> int:
+    return int(path.name[5:])
+
+
 def list_checkpoints(output_dir: str | Path) -> tuple[list[tuple[int, Path]], list[Path]]:
-    """(complete checkpoints as (step, path) oldest first, incomplete folders)."""
+    """(complete checkpoints as (step, path) oldest first, incomplete folders). Complete means marked complete;
+    whether the files are intact is `verify_checkpoint`'s business."""
     root = checkpoints_root(output_dir)
     complete, incomplete = [], []
     if root.is_dir():
         for p in root.iterdir():
             if not (p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit()):
                 continue
-            (complete.append((int(p.name[5:]), p)) if is_complete(p) else incomplete.append(p))
+            (complete.append((_step(p), p)) if is_complete(p) else incomplete.append(p))
     return sorted(complete), sorted(incomplete)
 
 
 def save_checkpoint(accelerator, output_dir: str | Path, loop_state: dict, keep: int) -> Path:
-    """Write checkpoints/step-N on every rank (collective), then the loop state, then the COMPLETE marker."""
-    path = checkpoints_root(output_dir) / f"step-{loop_state['step']}"
-    if accelerator.is_main_process and path.exists():
-        shutil.rmtree(path)  # a leftover of a crash at this same step: never mix two saves in one folder
-    accelerator.wait_for_everyone()
+    """Write checkpoints/step-N on every rank (collective), then the loop state, then the COMPLETE marker: the manifest
+    of every file, read back from disk (the hashing split between the processes), written last and atomically."""
+    root = checkpoints_root(output_dir)
+    path = root / f"step-{loop_state['step']}"
+
+    def prepare() -> None:
+        if path.exists():
+            shutil.rmtree(path)  # a leftover of a crash at this same step: never mix two saves in one folder
+
+    _on_main(accelerator, prepare)
     accelerator.save_state(str(path))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_json(path / STATE_FILE, loop_state)
-        with open(path / MARKER, "w") as fh:
-            fh.write("complete\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        rotate(output_dir, keep)
-    accelerator.wait_for_everyone()
+    manifest = build_manifest(path, accelerator)
+
+    def finish() -> None:
+        write_marker(path, manifest)
+        rotate(output_dir, keep, protect=path)
+
+    _on_main(accelerator, finish)
     return path
 
 
-def rotate(output_dir: str | Path, keep: int) -> list[Path]:
+def rotate(output_dir: str | Path, keep: int, protect: Optional[Path] = None) -> list[Path]:
     """Delete complete checkpoints beyond the newest `keep` (0: keep all) and incomplete folders older than the
-    newest complete one; returns what was deleted."""
+    newest complete one; returns what was deleted. Never deleted: `protect` (the checkpoint just written, which is
+    not always the newest: a resume that fell back past a damaged checkpoint leaves that newer folder until the run
+    overwrites it), and, when none of the kept checkpoints has a manifest, the newest one that has (a verifiable
+    checkpoint is never given up for unverifiable ones of an older harness)."""
     complete, incomplete = list_checkpoints(output_dir)
     doomed = [p for _, p in complete[:-keep]] if keep > 0 else []
+    if protect is not None:
+        doomed = [p for p in doomed if p.name != Path(protect).name]
+    kept = [p for _, p in complete if p not in doomed]
+    if doomed and not any(has_manifest(p) for p in kept):
+        spare = next((p for p in reversed(doomed) if has_manifest(p)), None)
+        if spare is not None:
+            doomed.remove(spare)
     if complete:
         newest = complete[-1][0]
-        doomed += [p for p in incomplete if int(p.name[5:]) < newest]
+        doomed += [p for p in incomplete if _step(p) < newest]
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed
 
 
-def resolve_resume(output_dir: str | Path, resume: Optional[str]) -> tuple[Optional[Path], list[Path]]:
+def resolve_resume(output_dir: str | Path, resume: Optional[str],
+                   accelerator=None) -> tuple[Optional[Path], list[Path]]:
     """The checkpoint to resume from (None: start fresh) and the incomplete folders that were passed over.
 
-    resume: "auto" (newest complete checkpoint, if any), a checkpoint folder, or None/"none" (fresh start; refused
-    when output_dir already holds complete checkpoints, so that a restart never overwrites a run by accident).
-    """
-    complete, incomplete = list_checkpoints(output_dir)
-    if resume in (None, "none", "null", ""):
-        if complete:
-            raise ConfigError(
-                f"config key 'train.resume': {checkpoints_root(output_dir)} already holds checkpoints "
-                f"(newest step-{complete[-1][0]}); use train.resume=auto to continue or another train.output_dir"
-            )
-        return None, incomplete
-    if resume == "auto":
-        return (complete[-1][1] if complete else None), incomplete
-    path = Path(resume)
-    if not path.is_dir():
-        raise ConfigError(f"config key 'train.resume': {path} is not a folder")
-    if not is_complete(path):
-        raise ConfigError(f"config key 'train.resume': {path} is not a complete checkpoint (no {MARKER} marker or "
-                          f"{STATE_FILE})")
-    return path, incomplete
+    resume: "auto" (the newest complete checkpoint that verifies, if any), a checkpoint folder (which must verify), or
+    None/"none" (fresh start; refused when output_dir already holds complete checkpoints, so that a restart never
+    overwrites a run by accident).
+
+    Every candidate is checked with `verify_checkpoint` (sizes, then checksums). auto: a checkpoint that fails is
+    passed over with a one-line warning naming what was wrong, and the next older one is tried; when checkpoints
+    exist but none verifies: a one-line HarnessError. An explicit folder that fails: a one-line ConfigError. A
+    checkpoint written by an older harness (marker without checksums) is accepted unverified, with a note.
+
+    accelerator: pass it when it exists (it must, under several processes): the main process lists the folders and
+    reads the markers, the checksum work is split between the processes, and every process gets the same results,
+    hence the same choice. Warnings are printed with accelerator.print (else print)."""
+    say = accelerator.print if accelerator is not None else print
+
+    def plan() -> tuple[list[Path], list[Path], bool]:
+        complete, incomplete = list_checkpoints(output_dir)
+        if resume in (None, "none", "null", ""):
+            if complete:
+                raise ConfigError(
+                    f"config key 'train.resume': {checkpoints_root(output_dir)} already holds checkpoints "
+                    f"(newest step-{complete[-1][0]}); use train.resume=auto to continue or another train.output_dir"
+                )
+            return [], incomplete, False
+        if resume == "auto":
+            return [p for _, p in reversed(complete)], incomplete, False
+        path = Path(resume)
+        if not path.is_dir():
+            raise ConfigError(f"config key 'train.resume': {path} is not a folder")
+        if not is_complete(path):
+            raise ConfigError(f"config key 'train.resume': {path} is not a complete checkpoint (no {MARKER} marker "
+                              f"or {STATE_FILE})")
+        return [path], incomplete, True
+
+    candidates, incomplete, explicit = _on_main(accelerator, plan)
+    failed: list[Verification] = []
+    for path in candidates:
+        t0 = time.perf_counter()
+        check = verify_checkpoint(path, accelerator)
+        if check.ok:
+            if check.legacy:
+                say(f"[harness] note: {path} has no checksums (marker of an older harness): resumed from unverified")
+            else:
+                say(f"[harness] checkpoint {path} verified: {check.files} files, {human_bytes(check.size)} in "
+                    f"{time.perf_counter() - t0:.1f}s")
+            return path, incomplete
+        if explicit:
+            raise ConfigError(f"config key 'train.resume': {path} fails verification: {check.describe()}")
+        say(f"[harness] warning: checkpoint {path} fails verification ({check.describe()}): not resumed from, "
+            f"trying an older one")
+        failed.append(check)
+    if failed:
+        raise HarnessError(
+            f"no checkpoint in {checkpoints_root(output_dir)} verifies ("
+            + "; ".join(f"{c.path.name}: {c.describe(limit=2)}" for c in failed)
+            + "): move the damaged folders away to start afresh, or use another train.output_dir")
+    return None, incomplete
 
 
 def load_checkpoint(accelerator, path: Path) -> dict:
-    """Restore the accelerate state (every rank) and return the loop state saved with it."""
-    accelerator.load_state(str(path))
-    return json.loads((path / STATE_FILE).read_text())
+    """Restore the accelerate state (every rank) and return the loop state saved with it. A checkpoint that cannot be
+    loaded (unverifiable and damaged, or written for another model) is a one-line HarnessError."""
+    try:
+        accelerator.load_state(str(path))
+        return json.loads((path / STATE_FILE).read_text())
+    except Exception as e:  # noqa: BLE001 - a damaged file or a user mistake, reported on one line
+        raise HarnessError(f"could not load checkpoint {path} ({_one_line(e, 400)}); resume from another "
+                           f"one with train.resume=<folder>, or check that the config matches the run that wrote it"
+                           ) from e
 
 
 # ----------------------------------------------------------------------------------------------- stopping early

@@ -227,11 +227,11 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
     t_start, t_process = time.time(), hardware.process_start_time()
     timings = planner.Timings()  # where the wall time goes (report.json; what `harness plan` calibrates from)
     out = Path(cfg.train.output_dir)
-    resume_from, incomplete = checkpoint.resolve_resume(out, cfg.train.resume)
     precision = hardware.resolve_precision(cfg.train.precision)
     hardware.check_attention(cfg.model.attn_implementation)
     compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
     accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision), compile_mode)
+    resume_from, incomplete = checkpoint.resolve_resume(out, cfg.train.resume, accelerator)
     # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
     warmup = CompilerWarmup.start(accelerator.device.type) if compile_mode != "none" else None
     tf32 = hardware.enable_tf32(cfg.train.tf32)
