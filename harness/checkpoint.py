@@ -13,12 +13,17 @@ was wrong. Checksums are xxh3-128 from `xxhash` (a dependency of `datasets`, abo
 cost of a verification is reading the files: docs/benchmarks.md), or blake2b from the standard library (about 0.5
 GiB/s) where xxhash is missing; the manifest names its algorithm.
 
+Disk space: a save first compares the free space of the checkpoints folder with the size of the newest checkpoint
+(`make_room`), and the export with the size of the previous export (or of the weights); a write that fails for lack
+of space (ENOSPC) is a one-line HarnessError on every process, its partial folder (never marked complete) removed.
+
 The final export is written to a temporary sibling folder and renamed into place, so a crash never leaves a
 half-written export under the final name.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -41,6 +46,7 @@ MANIFEST_FORMAT = 1
 LEGACY_MARKER = b"complete"  # what COMPLETE held before it carried a manifest
 ALGORITHM = "xxh3_128" if xxhash is not None else "blake2b"
 CHUNK = 4 << 20  # bytes per read when hashing, one reused buffer (1, 4 and 16 MiB measured the same here)
+NEARLY_FULL = 64 << 20  # free bytes below which a failed write is taken for a full disk (see `_disk_full`)
 
 
 # ----------------------------------------------------------------------------------------------- small helpers
@@ -89,6 +95,31 @@ def _files(folder: Path) -> list[tuple[str, int]]:
         if p.is_file() and not p.is_symlink() and rel not in (MARKER, MARKER + ".tmp"):
             out.append((rel, p.stat().st_size))
     return out
+
+
+def _folder_size(folder: Path) -> int:
+    return sum(size for _, size in _files(folder)) if folder.is_dir() else 0
+
+
+def _free(folder: Path) -> int:
+    return shutil.disk_usage(folder).free
+
+
+def _disk_full(exc: BaseException, folder: Path) -> bool:
+    """Whether a failed write ran out of space. ENOSPC / EDQUOT anywhere in the exception's chain, or a message that
+    says so (safetensors: 'No space left on device (os error 28)'); torch.save reports ENOSPC only as 'unexpected pos
+    ... vs ...', so a failure while the folder's filesystem has under NEARLY_FULL bytes free counts as well."""
+    seen, e = 0, exc
+    while e is not None and seen < 8:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(s in str(e) for s in ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    try:
+        return _free(folder) < NEARLY_FULL
+    except OSError:
+        return False
 
 
 # ----------------------------------------------------------------------------------------------- across processes
@@ -184,29 +215,59 @@ def _replace_dir(tmp: Path, dest: Path) -> None:
 def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optional[dict] = None) -> Path:
     """Save the unwrapped model (weights gathered from every rank) and tokenizer in HF format to `dest`.
 
-    Call on every process: under DeepSpeed ZeRO-3 gathering the weights is a collective operation.
+    Call on every process: under DeepSpeed ZeRO-3 gathering the weights is a collective operation. Before writing,
+    the free space is compared with the size of the previous export (or, for the first, of the weights); too little,
+    or a disk that fills up while writing: a HarnessError on every process, the previous export and the checkpoints
+    untouched.
     """
     dest = Path(dest)
     tmp = dest.with_name(dest.name + ".tmp")
     state_dict = accelerator.get_state_dict(model)  # collective: every rank takes part
-    if accelerator.is_main_process:
+
+    def write() -> None:
         if tmp.exists():
             shutil.rmtree(tmp)
-        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        for name, obj in (extra or {}).items():  # small JSON side files, e.g. harness.json
-            (tmp / name).write_text(json.dumps(obj, indent=2))
-        from harness.model import is_peft, merged_copy
-
-        if is_peft(unwrapped):  # LoRA: final/ holds the adapter, final/merged/ the model with the adapter merged in
-            merged_copy(unwrapped, state_dict).save_pretrained(tmp / "merged", safe_serialization=True)
-            tokenizer.save_pretrained(tmp / "merged")
-            for name, obj in (extra or {}).items():
-                (tmp / "merged" / name).write_text(json.dumps(obj, indent=2))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if dest.is_dir():
+            need, what = _folder_size(dest), f"the size of the previous export {dest.name}/"
+        else:
+            need = sum(t.numel() * t.element_size() for t in state_dict.values() if hasattr(t, "element_size"))
+            what = "the size of the weights"
+        free = _free(dest.parent)
+        if free < need:
+            raise HarnessError(f"not enough disk space for the final export in {dest.parent}: about {human_bytes(need)} "
+                               f"needed ({what}), {human_bytes(free)} free; the checkpoints are intact: free some "
+                               f"space, then run again with train.resume=auto")
+        try:
+            _write_export(accelerator, model, tokenizer, state_dict, tmp, extra)
+        except Exception as e:
+            full = _disk_full(e, dest.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not full:
+                raise
+            raise HarnessError(f"disk full while writing the final export to {dest.parent} ({_one_line(e)}): about "
+                               f"{human_bytes(need)} needed ({what}), {human_bytes(_free(dest.parent))} free after "
+                               f"removing the partial {tmp.name}/; the checkpoints are intact: free some space, then "
+                               f"run again with train.resume=auto") from e
         _replace_dir(tmp, dest)
-    accelerator.wait_for_everyone()
+
+    _on_main(accelerator, write)  # also where every rank waits for the main process
     return dest
+
+
+def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, extra: Optional[dict]) -> None:
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    for name, obj in (extra or {}).items():  # small JSON side files, e.g. harness.json
+        (tmp / name).write_text(json.dumps(obj, indent=2))
+    from harness.model import is_peft, merged_copy
+
+    if is_peft(unwrapped):  # LoRA: final/ holds the adapter, final/merged/ the model with the adapter merged in
+        merged_copy(unwrapped, state_dict).save_pretrained(tmp / "merged", safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "merged")
+        for name, obj in (extra or {}).items():
+            (tmp / "merged" / name).write_text(json.dumps(obj, indent=2))
 
 
 def write_json(path: str | Path, obj: dict) -> None:
@@ -279,6 +340,15 @@ def has_manifest(folder: str | Path) -> bool:
         return read_manifest(folder) is not None
     except (OSError, ValueError):
         return False
+
+
+def checkpoint_size(folder: str | Path) -> int:
+    """Bytes of a checkpoint: what its manifest recorded, else what is on disk."""
+    try:
+        m = read_manifest(folder)
+    except (OSError, ValueError):
+        m = None
+    return sum(e["size"] for e in m["files"]) if m else _folder_size(Path(folder))
 
 
 @dataclass
@@ -377,27 +447,142 @@ def list_checkpoints(output_dir: str | Path) -> tuple[list[tuple[int, Path]], li
 
 def save_checkpoint(accelerator, output_dir: str | Path, loop_state: dict, keep: int) -> Path:
     """Write checkpoints/step-N on every rank (collective), then the loop state, then the COMPLETE marker: the manifest
-    of every file, read back from disk (the hashing split between the processes), written last and atomically."""
+    of every file, read back from disk (the hashing split between the processes), written last and atomically.
+
+    Before writing, `make_room` checks the free space (and may remove what rotation would remove anyway). A write that
+    fails on any process (e.g. ENOSPC) ends in the same HarnessError on every process: the partial folder, which
+    never got a marker, is removed and the older checkpoints are untouched. (Under DeepSpeed a rank that fails inside
+    DeepSpeed's own collective save can leave the others waiting there; the launcher then stops them.)"""
     root = checkpoints_root(output_dir)
     path = root / f"step-{loop_state['step']}"
 
     def prepare() -> None:
         if path.exists():
             shutil.rmtree(path)  # a leftover of a crash at this same step: never mix two saves in one folder
+        root.mkdir(parents=True, exist_ok=True)
+        make_room(output_dir, path, keep, say=accelerator.print)
 
     _on_main(accelerator, prepare)
-    accelerator.save_state(str(path))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        write_json(path / STATE_FILE, loop_state)
-    manifest = build_manifest(path, accelerator)
+    failure = None
+    try:
+        accelerator.save_state(str(path))
+        if accelerator.is_main_process:
+            write_json(path / STATE_FILE, loop_state)
+    except Exception as e:  # noqa: BLE001 - sorted out in _agree
+        failure = e
+    _agree(accelerator, failure, path)
+    failure, manifest = None, None
+    try:
+        manifest = build_manifest(path, accelerator)
+    except OSError as e:
+        failure = e
+    _agree(accelerator, failure, path)
 
     def finish() -> None:
-        write_marker(path, manifest)
+        try:
+            write_marker(path, manifest)
+        except OSError as e:
+            (path / (MARKER + ".tmp")).unlink(missing_ok=True)
+            shutil.rmtree(path, ignore_errors=True)
+            raise HarnessError(_write_failure(e, path)) from e
         rotate(output_dir, keep, protect=path)
 
     _on_main(accelerator, finish)
     return path
+
+
+def _write_failure(exc: BaseException, path: Path) -> str:
+    """The one-line message for a checkpoint write that failed with `exc` (the partial folder is being removed)."""
+    root = path.parent
+    if not _disk_full(exc, root):
+        return (f"could not write checkpoint {path} ({_one_line(exc)}); the partial folder is removed "
+                f"(never marked complete), older checkpoints are intact")
+    complete = [p for _, p in list_checkpoints(root.parent)[0] if p != path]
+    need = (f"about {human_bytes(checkpoint_size(complete[-1]))} needed (the size of {complete[-1].name}), "
+            if complete else "")
+    try:
+        free = human_bytes(_free(root))
+    except OSError:
+        free = "unknown"
+    return (f"disk full while writing checkpoint {path.name} in {root} ({_one_line(exc)}): {need}{free} "
+            f"free; the partial folder is removed (never marked complete), older checkpoints are intact: free some "
+            f"space, then continue with train.resume=auto")
+
+
+def _agree(accelerator, failure: Optional[BaseException], path: Path) -> None:
+    """After a collective write step: nothing when it worked everywhere; else every process stops (one all-gather):
+    the main process removes the partial folder, a process whose failure was a bug re-raises it (traceback), the
+    others raise a one-line HarnessError."""
+    mine = None
+    if failure is not None:
+        bug = not (isinstance(failure, OSError) or _disk_full(failure, path.parent))
+        mine = (bug, _write_failure(failure, path) if not bug else _one_line(failure))
+    everyone = _all_gather(accelerator, mine)
+    failed = [(rank, f) for rank, f in enumerate(everyone) if f is not None]
+    if not failed:
+        return
+    if _is_main(accelerator):
+        shutil.rmtree(path, ignore_errors=True)
+    if mine is not None and mine[0]:
+        raise failure
+    rank, (bug, message) = next(((r, f) for r, f in failed if not f[0]), failed[0])
+    if bug:
+        message = f"process {rank} failed while writing checkpoint {path} ({message}); see its traceback"
+    elif _world(accelerator) > 1 and mine is None:
+        message = f"process {rank}: {message}"
+    raise HarnessError(message)
+
+
+def make_room(output_dir: str | Path, path: Path, keep: int, say: Callable = print) -> None:
+    """Before writing checkpoint `path`: make sure the checkpoints folder has free space for one the size of the
+    newest complete checkpoint (nothing to compare with before the first), else raise a one-line HarnessError naming
+    the folder, the space needed and the space free, with nothing deleted but garbage.
+
+    When space is short, what would be deleted right after this save anyway goes first: incomplete folders older than
+    the newest complete checkpoint (never resumed from), then the complete checkpoints that rotation would delete
+    (beyond the newest `keep`), the latter only while the checkpoint this run continues from (the newest one older
+    than `path`) stays and verifies now (so a crash during this save still finds a verified checkpoint). That trades
+    the spare older checkpoint during the save for not needing room for keep + 1 checkpoints; it happens only when
+    space is short, is announced, and never removes the checkpoint continued from (so with keep=1 nothing goes
+    early but extras older than it)."""
+    root = checkpoints_root(output_dir)
+    complete, incomplete = list_checkpoints(output_dir)
+    if not complete:
+        return
+    newest = complete[-1][1]
+    need, free = checkpoint_size(newest), _free(root)
+    if free >= need:
+        return
+    removed = []  # folder names
+    for p in incomplete:  # stale partial folders: rotation would delete them after this save
+        if _step(p) < complete[-1][0] and p != path:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(f"the partial {p.name}")
+    free = _free(root)
+    older = [(s, p) for s, p in complete if s < _step(path)]
+    if free < need and keep > 0 and older:
+        anchor = older[-1][1]
+        after = sorted([*complete, (_step(path), path)])
+        doomed = [p for s, p in after[:-keep] if s < _step(anchor)]  # beyond the limit once `path` exists
+        reclaim = sum(checkpoint_size(p) for p in doomed)
+        if doomed and free + reclaim >= need:
+            check = verify_checkpoint(anchor)
+            if check.ok and not check.legacy:
+                for p in doomed:
+                    shutil.rmtree(p, ignore_errors=True)
+                    removed.append(p.name)
+                # (the estimate can be off when files changed since they were recorded: the check below decides)
+                free = _free(root)
+    if removed and free >= need:
+        say(f"[harness] warning: little disk space in {root}: removed {', '.join(removed)} before writing "
+            f"{path.name} instead of after it (now {human_bytes(free)} free, about {human_bytes(need)} needed)")
+        return
+    if free < need:
+        raise HarnessError(
+            f"not enough disk space for checkpoint {path.name} in {root}: about {human_bytes(need)} needed (the size "
+            f"of {newest.name}), {human_bytes(free)} free; older checkpoints are intact"
+            + (f" (removed only {', '.join(removed)})" if removed else "")
+            + ": free some space or lower train.save_total_limit, then continue with train.resume=auto")
 
 
 def rotate(output_dir: str | Path, keep: int, protect: Optional[Path] = None) -> list[Path]:

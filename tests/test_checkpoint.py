@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from harness import checkpoint
 from harness.errors import ConfigError, HarnessError
-from harness_launch import FAST, final_weights, max_abs_diff, metrics, run_train
+from harness_launch import FAST, ROOT, final_weights, max_abs_diff, metrics, run_train
 
 
 def make_ckpt(root, step, complete=True):
@@ -255,6 +260,140 @@ def test_unloadable_checkpoint_is_one_line(tmp_path):
                             "or check that the config matches the run that wrote it")
 
 
+# ----------------------------------------------------------------------------------------------- disk space
+
+
+class Usage:
+    """A stand-in for shutil.disk_usage: `free` bytes, less what has been written under `root` since (a disk that
+    fills up and frees as files come and go)."""
+
+    def __init__(self, free: int, root: Path | None = None):
+        self.root = root
+        self.free = free + self.used()
+
+    def used(self) -> int:
+        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file()) if self.root else 0
+
+    def __call__(self, path):
+        free = self.free - self.used()
+        return shutil._ntuple_diskusage(10**12, 10**12 - free, free)
+
+
+def test_save_refused_when_the_last_checkpoint_would_not_fit(tmp_path, monkeypatch):
+    acc = FakeAccelerator()
+    older = [save(acc, tmp_path, s, keep=2) for s in (2, 4)]
+    size = checkpoint.checkpoint_size(older[-1])
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", Usage(size - 1))
+    with pytest.raises(HarnessError) as e:
+        save(acc, tmp_path, 6, keep=0)  # keep all: nothing could go first
+    assert str(e.value) == (
+        f"not enough disk space for checkpoint step-6 in {tmp_path}/checkpoints: about "
+        f"{checkpoint.human_bytes(size)} needed (the size of step-4), {checkpoint.human_bytes(size - 1)} free; older "
+        "checkpoints are intact: free some space or lower train.save_total_limit, then continue with "
+        "train.resume=auto")
+    assert not (tmp_path / "checkpoints" / "step-6").exists()
+    assert all(checkpoint.verify_checkpoint(p).ok for p in older)
+
+
+def test_short_space_removes_what_rotation_would_remove_only_when_the_newest_verifies(tmp_path, monkeypatch):
+    """save_total_limit=2 with room for 2 checkpoints, not 3: the oldest goes before the save instead of after it,
+    but only while the checkpoint the run continues from verifies."""
+    acc = FakeAccelerator()
+    first, second = save(acc, tmp_path, 2, keep=2), save(acc, tmp_path, 4, keep=2)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", Usage(checkpoint.checkpoint_size(second) - 1, tmp_path))
+    good = (second / "random_states_0.pkl").read_bytes()
+    damage(second / "random_states_0.pkl", "zeroed")
+    with pytest.raises(HarnessError, match="not enough disk space for checkpoint step-6"):
+        save(acc, tmp_path, 6, keep=2)
+    assert first.exists() and second.exists() and not (tmp_path / "checkpoints" / "step-6").exists()
+    (second / "random_states_0.pkl").write_bytes(good)
+    save(acc, tmp_path, 6, keep=2)
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)[0]] == [4, 6]
+    assert any("little disk space" in line and "removed step-2 before writing step-6" in line for line in acc.printed)
+
+
+@pytest.mark.parametrize("stage", ["save_state", "marker"])
+def test_disk_full_during_a_save_is_one_line_and_leaves_no_complete_partial(tmp_path, monkeypatch, stage):
+    acc = FakeAccelerator()
+    older = save(acc, tmp_path, 2)
+    enospc = OSError(errno.ENOSPC, "No space left on device")
+    if stage == "save_state":
+        acc.fail_on, acc.error = "optimizer.bin", enospc
+    else:
+        def full(*args, **kwargs):
+            raise enospc
+        monkeypatch.setattr(checkpoint, "write_marker", full)
+    with pytest.raises(HarnessError) as e:
+        save(acc, tmp_path, 4)
+    msg = str(e.value)
+    assert msg.startswith(f"disk full while writing checkpoint step-4 in {tmp_path}/checkpoints (OSError: [Errno 28] "
+                          f"No space left on device): about {checkpoint.human_bytes(checkpoint.checkpoint_size(older))}"
+                          " needed (the size of step-2), ")
+    assert msg.endswith(" free; the partial folder is removed (never marked complete), older checkpoints are intact: "
+                        "free some space, then continue with train.resume=auto")
+    assert "\n" not in msg
+    assert not (tmp_path / "checkpoints" / "step-4").exists()
+    assert checkpoint.list_checkpoints(tmp_path) == ([(2, older)], [])
+    assert checkpoint.verify_checkpoint(older).ok
+
+
+def test_torch_style_write_error_on_a_full_disk_counts_as_disk_full(tmp_path, monkeypatch):
+    """torch.save reports ENOSPC as RuntimeError('... unexpected pos ...'): judged by the free space left."""
+    acc = FakeAccelerator(fail_on="optimizer.bin", error=RuntimeError("[enforce fail at inline_container.cc:672] . "
+                                                                      "unexpected pos 576 vs 534"))
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", Usage(4096))
+    with pytest.raises(HarnessError, match=r"^disk full while writing checkpoint step-2 .*RuntimeError.* 4\.0 KiB free"):
+        save(acc, tmp_path, 2)
+    assert not (tmp_path / "checkpoints" / "step-2").exists()
+    # the same error with plenty of space is a bug: it keeps its type (and traceback), the partial folder still goes
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", Usage(10**11))
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        save(acc, tmp_path, 2)
+    assert not (tmp_path / "checkpoints" / "step-2").exists()
+
+
+class FakeModel:
+    def save_pretrained(self, folder, state_dict=None, safe_serialization=True):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "model.safetensors").write_bytes(b"\x02" * 50_000)
+
+
+class FakeTokenizer:
+    def save_pretrained(self, folder):
+        (Path(folder) / "tokenizer.json").write_text("{}")
+
+
+class ExportAccelerator(FakeAccelerator):
+    def get_state_dict(self, model):
+        import torch
+
+        return {"w": torch.zeros(12_500)}  # 50,000 bytes
+
+    def unwrap_model(self, model, keep_torch_compile=False):
+        return model
+
+
+def test_export_refused_or_cut_by_a_full_disk_is_one_line(tmp_path, monkeypatch):
+    acc, dest = ExportAccelerator(), tmp_path / "final"
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", Usage(49_999))
+    with pytest.raises(HarnessError) as e:
+        checkpoint.export_final(acc, FakeModel(), FakeTokenizer(), dest)
+    assert str(e.value) == (f"not enough disk space for the final export in {tmp_path}: about 48.8 KiB needed (the "
+                            "size of the weights), 48.8 KiB free; the checkpoints are intact: free some space, then "
+                            "run again with train.resume=auto")
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", Usage(10**11))
+    checkpoint.export_final(acc, FakeModel(), FakeTokenizer(), dest)
+    before = (dest / "model.safetensors").read_bytes()
+
+    def full(self, folder):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(FakeTokenizer, "save_pretrained", full)
+    with pytest.raises(HarnessError, match=r"^disk full while writing the final export .* 48\.8 KiB needed \(the size "
+                                           r"of the previous export final/\)"):
+        checkpoint.export_final(acc, FakeModel(), FakeTokenizer(), dest)
+    assert (dest / "model.safetensors").read_bytes() == before and not (tmp_path / "final.tmp").exists()
+
+
 # ----------------------------------------------------------------------------------------------- end to end
 
 
@@ -285,6 +424,43 @@ def test_zeroed_weights_and_cut_metrics_line_resume_to_the_same_weights(tmp_path
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(
         f"harness: error: no checkpoint in {out}/checkpoints verifies (step-6: optimizer.bin: size differs (")
+
+
+# accelerate writes the optimizer state with accelerate.checkpointing.save: make it fail like a full disk at one step
+ENOSPC_AT = """
+import errno, os, sys
+import accelerate.checkpointing as ck
+real = ck.save
+def save(obj, f, *args, **kwargs):
+    if str(f).endswith(os.path.join("step-" + os.environ["ENOSPC_AT_STEP"], "optimizer.bin")):
+        open(f, "wb").write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return real(obj, f, *args, **kwargs)
+ck.save = save
+from harness.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_disk_full_during_a_real_save_is_one_line_and_a_restart_continues(tmp_path):
+    out = tmp_path / "run"
+    args = [f"train.output_dir={out}", "train.max_steps=6", "train.save_every_steps=2", *FAST, "train.save_final=false"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "ENOSPC_AT_STEP": "4"}
+    proc = subprocess.run([sys.executable, "-c", ENOSPC_AT, "--config", str(ROOT / "configs/default.yaml"), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"harness: error: disk full while writing checkpoint step-4 in {out}/checkpoints (OSError: "
+                           "[Errno 28] No space left on device): about ")
+    assert last.endswith(" free; the partial folder is removed (never marked complete), older checkpoints are intact: "
+                         "free some space, then continue with train.resume=auto")
+    complete, incomplete = checkpoint.list_checkpoints(out)
+    assert [s for s, _ in complete] == [2] and incomplete == []
+    assert checkpoint.verify_checkpoint(complete[0][1]).ok
+    resumed = run_train(args)
+    assert f"resumed from {out}/checkpoints/step-2" in resumed.stdout
+    assert [s for s, _ in checkpoint.list_checkpoints(out)[0]] == [4, 6]
 
 
 @pytest.mark.slow
