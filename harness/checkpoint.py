@@ -231,8 +231,9 @@ def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optiona
         if dest.is_dir():
             need, what = _folder_size(dest), f"the size of the previous export {dest.name}/"
         else:
-            need = sum(t.numel() * t.element_size() for t in state_dict.values() if hasattr(t, "element_size"))
-            what = "the size of the weights"
+            tensors = {(t.data_ptr(), t.numel() * t.element_size()) for t in state_dict.values()
+                       if hasattr(t, "element_size")}  # tied weights (one tensor under two names) are saved once
+            need, what = sum(n for _, n in tensors), "the size of the weights"
         free = _free(dest.parent)
         if free < need:
             raise HarnessError(f"not enough disk space for the final export in {dest.parent}: about {human_bytes(need)} "
