@@ -91,12 +91,12 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
 
     t_start, t_process = time.time(), hardware.process_start_time()
     out = Path(cfg.train.output_dir)
-    resume_from, incomplete = checkpoint.resolve_resume(out, cfg.train.resume)
     precision = hardware.resolve_precision(cfg.train.precision)
     hardware.check_attention(cfg.model.attn_implementation)
     compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
     accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision), compile_mode)
     opened.push(distributed.end_training(accelerator))
+    resume_from, incomplete = checkpoint.resolve_resume(out, cfg.train.resume, accelerator)  # verified, agreed
     # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
     watch = CompileWatch(compile_mode, accelerator.device) if compile_mode != "none" else None
     tf32 = hardware.enable_tf32(cfg.train.tf32)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -51,24 +52,55 @@ def memory_gb() -> float:
         return float("nan")
 
 
+def read_records(path: str | Path, warn=print, max_warnings: int = 5) -> list[tuple[dict, str]]:
+    """(record, line) for every line of a JSON-lines file that holds a JSON object. Any other non-blank line (cut by
+    a crash mid-write, zeroed, not UTF-8) is dropped with a warning `path:line: ...` (the first `max_warnings`, then
+    one count)."""
+    out, bad = [], []
+    for n, raw in enumerate(Path(path).read_bytes().split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            line = raw.decode("utf-8")
+            rec = json.loads(line)
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError
+            rec = None
+        if isinstance(rec, dict):
+            out.append((rec, line.rstrip("\r")))
+        else:
+            bad.append(n)
+    for n in bad[:max_warnings]:
+        warn(f"[harness] warning: {path}:{n}: not a JSON record (cut by a crash while it was written?): dropped")
+    if len(bad) > max_warnings:
+        warn(f"[harness] warning: {path}: {len(bad) - max_warnings} more invalid lines dropped")
+    return out
+
+
 class MetricsLogger:
     """Writes metrics.jsonl and forwards scalars to accelerate's trackers. Call on every process; only the main
     process writes."""
 
     def __init__(self, accelerator, output_dir: str | Path, resume_step: Optional[int] = None):
         """A fresh run starts an empty metrics.jsonl; a resumed one keeps the records up to `resume_step` (later
-        ones belong to the interrupted attempt and are logged again)."""
+        ones belong to the interrupted attempt and are logged again). A line that is not a JSON object (the last one
+        cut by a crash mid-write, or damage anywhere) is dropped with a warning naming it. The kept records are
+        written to a temporary file that replaces metrics.jsonl in one rename, so a kill during the resume leaves
+        the old file or the new one, never a cut one."""
         self.accelerator = accelerator
         self.path = Path(output_dir) / "metrics.jsonl"
         self._fh = None
         if accelerator.is_main_process:
             kept = []
             if resume_step is not None and self.path.exists():
-                lines = self.path.read_text(encoding="utf-8").splitlines()
-                kept = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-            self._fh = open(self.path, "w", encoding="utf-8")
-            self._fh.writelines(ln + "\n" for ln in kept)
-            self._fh.flush()
+                kept = [ln for rec, ln in read_records(self.path, accelerator.print)
+                        if rec.get("step", 0) <= resume_step]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.writelines(ln + "\n" for ln in kept)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+            self._fh = open(self.path, "a", encoding="utf-8")
 
     def log(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from harness import checkpoint
-from harness.errors import ConfigError
-from harness_launch import FAST, metrics, run_train
+from harness.errors import ConfigError, HarnessError
+from harness_launch import FAST, ROOT, final_weights, max_abs_diff, metrics, run_train
 
 
 def make_ckpt(root, step, complete=True):
@@ -101,3 +107,375 @@ def test_resume_from_a_path_that_is_not_a_checkpoint_is_one_line(tmp_path):
         f"harness: error: config key 'train.resume': {tmp_path} is not a complete checkpoint "
         "(no COMPLETE marker or harness_state.json)")
     assert "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------- damage (issue 17)
+# In-process, with a stand-in for the Accelerator whose save_state writes a weights file and an optimizer file.
+
+
+class FakeAccelerator:
+    """Enough of accelerate's Accelerator for save_checkpoint / load_checkpoint / export_final in one process."""
+
+    num_processes, process_index, is_main_process = 1, 0, True
+
+    def __init__(self, fail_on: str | None = None, error: BaseException | None = None):
+        self.fail_on, self.error, self.printed, self.loaded = fail_on, error, [], None
+        self.seed = 0
+
+    def save_state(self, path):
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.seed += 1
+        for name, size in (("model.safetensors", 40_000), ("optimizer.bin", 80_000), ("random_states_0.pkl", 300)):
+            if name == self.fail_on:
+                (path / name).write_bytes(b"\x01" * (size // 3))  # half-written, then the disk is full
+                raise self.error
+            (path / name).write_bytes(bytes((self.seed + i) % 251 for i in range(size)))
+
+    def load_state(self, path):
+        if self.error is not None and self.fail_on is None:
+            raise self.error
+        self.loaded = Path(path)
+
+    def print(self, *args):
+        self.printed.append(" ".join(map(str, args)))
+
+    def wait_for_everyone(self):
+        pass
+
+
+def save(acc, root, step, keep=0):
+    return checkpoint.save_checkpoint(acc, root, {"step": step}, keep)
+
+
+def damage(path: Path, how: str) -> None:
+    if how == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif how == "deleted":
+        path.unlink()
+    elif how == "zeroed":  # same size, 4000 zero bytes in the middle (in the tensor data of a weights file): what
+        data = bytearray(path.read_bytes())  # a torn write or a bad block leaves, and what loads without a complaint
+        data[len(data) // 2: len(data) // 2 + 4000] = bytes(4000)
+        path.write_bytes(bytes(data))
+
+
+def test_marker_is_a_manifest_of_every_file(tmp_path):
+    acc = FakeAccelerator()
+    path = save(acc, tmp_path, 2)
+    manifest = json.loads((path / checkpoint.MARKER).read_text())
+    assert manifest["algorithm"] == checkpoint.ALGORITHM == "xxh3_128"
+    files = {e["path"]: e for e in manifest["files"]}
+    assert sorted(files) == ["harness_state.json", "model.safetensors", "optimizer.bin", "random_states_0.pkl"]
+    assert files["optimizer.bin"]["size"] == 80_000
+    assert files["optimizer.bin"]["checksum"] == checkpoint.file_checksum(path / "optimizer.bin")[1]
+    assert not (path / (checkpoint.MARKER + ".tmp")).exists()
+    assert checkpoint.verify_checkpoint(path).ok
+
+
+@pytest.mark.parametrize("how, problem", [
+    ("truncated", "size differs (40000 bytes recorded, 20000 on disk)"),
+    ("deleted", "missing"),
+    ("zeroed", "checksum differs"),
+])
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.bin"])
+def test_damaged_newest_checkpoint_falls_back_to_the_older_one(tmp_path, name, how, problem):
+    acc = FakeAccelerator()
+    older, newest = save(acc, tmp_path, 2), save(acc, tmp_path, 4)
+    damage(newest / name, how)
+    if name == "optimizer.bin":
+        problem = problem.replace("40000", "80000").replace("20000", "40000")
+    assert checkpoint.resolve_resume(tmp_path, "auto", acc) == (older, [])
+    assert acc.printed[0] == (f"[harness] warning: checkpoint {newest} fails verification ({name}: {problem}): not "
+                              f"resumed from, trying an older one")
+    assert acc.printed[1].startswith(f"[harness] checkpoint {older} verified: 4 files, 117.5 KiB in ")
+    assert len(acc.printed) == 2
+    with pytest.raises(ConfigError) as e:  # named explicitly: no fallback
+        checkpoint.resolve_resume(tmp_path, str(newest), acc)
+    assert str(e.value) == f"config key 'train.resume': {newest} fails verification: {name}: {problem}"
+
+
+def test_no_checkpoint_verifies_is_one_line(tmp_path):
+    acc = FakeAccelerator()
+    damage(save(acc, tmp_path, 2) / "optimizer.bin", "zeroed")
+    damage(save(acc, tmp_path, 4) / "model.safetensors", "deleted")
+    with pytest.raises(HarnessError) as e:
+        checkpoint.resolve_resume(tmp_path, "auto", acc)
+    assert str(e.value) == (
+        f"no checkpoint in {tmp_path}/checkpoints verifies (step-4: model.safetensors: missing; step-2: optimizer.bin: "
+        "checksum differs): move the damaged folders away to start afresh, or use another train.output_dir")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00" * 64, b'{"format": 1, "algorithm": "xxh3_128", "fi'])
+def test_damaged_marker_is_a_failed_verification(tmp_path, content):
+    acc = FakeAccelerator()
+    older, newest = save(acc, tmp_path, 2), save(acc, tmp_path, 4)
+    (newest / checkpoint.MARKER).write_bytes(content)
+    assert checkpoint.resolve_resume(tmp_path, "auto", acc)[0] == older
+    assert "COMPLETE marker unreadable" in acc.printed[0]
+
+
+def test_older_marker_without_checksums_is_accepted_unverified(tmp_path):
+    """Checkpoints of an older harness (COMPLETE holds "complete") still resume, with a note, even when damaged."""
+    acc = FakeAccelerator()
+    legacy = make_ckpt(tmp_path, 6)
+    check = checkpoint.verify_checkpoint(legacy)
+    assert check.ok and check.legacy and checkpoint.read_manifest(legacy) is None
+    assert checkpoint.resolve_resume(tmp_path, "auto", acc) == (legacy, [])
+    assert acc.printed == [f"[harness] note: {legacy} has no checksums (marker of an older harness): resumed from "
+                           "unverified"]
+
+
+def test_rotation_keeps_the_checkpoint_just_written_and_a_verifiable_one(tmp_path):
+    acc = FakeAccelerator()
+    save(acc, tmp_path, 2)
+    make_ckpt(tmp_path, 6)  # newer, from an abandoned attempt (or an older harness): no manifest
+    path = save(acc, tmp_path, 4, keep=1)  # rotation must not delete what it just wrote in favour of step-6
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)[0]] == [4, 6]
+    assert checkpoint.verify_checkpoint(path).ok
+    # without `protect`: the last checkpoint with a manifest is spared when only unverifiable ones would be kept
+    make_ckpt(tmp_path, 8)
+    assert [p.name for p in checkpoint.rotate(tmp_path, keep=2)] == []
+    make_ckpt(tmp_path, 9)
+    assert [p.name for p in checkpoint.rotate(tmp_path, keep=2)] == ["step-6"]
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)[0]] == [4, 8, 9]
+
+
+def test_share_by_size_balances_bytes():
+    items = [("optim-0", 100), ("optim-1", 100), ("model", 150), ("rng-0", 1), ("rng-1", 1), ("state", 1)]
+    shares = checkpoint.share_by_size(items, 2)
+    assert sorted(sum(shares, [])) == sorted(n for n, _ in items)
+    loads = [sum(dict(items)[n] for n in s) for s in shares]
+    assert max(loads) - min(loads) <= 52  # 150+1+1 vs 100+100+1 would be the worst greedy outcome here
+    assert checkpoint.share_by_size(items, 2) == shares  # deterministic: every process computes the same split
+
+
+def test_unloadable_checkpoint_is_one_line(tmp_path):
+    acc = FakeAccelerator(error=RuntimeError("Error(s) in loading state_dict for LlamaForCausalLM:\n\tsize mismatch"))
+    path = make_ckpt(tmp_path, 2)
+    with pytest.raises(HarnessError) as e:
+        checkpoint.load_checkpoint(acc, path)
+    assert str(e.value) == (f"could not load checkpoint {path} (RuntimeError: Error(s) in loading state_dict for "
+                            "LlamaForCausalLM: size mismatch); resume from another one with train.resume=<folder>, "
+                            "or check that the config matches the run that wrote it")
+
+
+# ----------------------------------------------------------------------------------------------- disk space
+
+
+class Usage:
+    """A stand-in for shutil.disk_usage: `free` bytes, less what has been written under `root` since (a disk that
+    fills up and frees as files come and go)."""
+
+    def __init__(self, free: int, root: Path | None = None):
+        self.root = root
+        self.free = free + self.used()
+
+    def used(self) -> int:
+        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file()) if self.root else 0
+
+    def __call__(self, path):
+        free = self.free - self.used()
+        return shutil._ntuple_diskusage(10**12, 10**12 - free, free)
+
+
+def test_save_refused_when_the_last_checkpoint_would_not_fit(tmp_path, monkeypatch):
+    acc = FakeAccelerator()
+    older = [save(acc, tmp_path, s, keep=2) for s in (2, 4)]
+    size = checkpoint.checkpoint_size(older[-1])
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", Usage(size - 1))
+    with pytest.raises(HarnessError) as e:
+        save(acc, tmp_path, 6, keep=0)  # keep all: nothing could go first
+    assert str(e.value) == (
+        f"not enough disk space for checkpoint step-6 in {tmp_path}/checkpoints: about "
+        f"{checkpoint.human_bytes(size)} needed (the size of step-4), {checkpoint.human_bytes(size - 1)} free; older "
+        "checkpoints are intact: free some space or lower train.save_total_limit, then continue with "
+        "train.resume=auto")
+    assert not (tmp_path / "checkpoints" / "step-6").exists()
+    assert all(checkpoint.verify_checkpoint(p).ok for p in older)
+
+
+def test_short_space_removes_what_rotation_would_remove_only_when_the_newest_verifies(tmp_path, monkeypatch):
+    """save_total_limit=2 with room for 2 checkpoints, not 3: the oldest goes before the save instead of after it,
+    but only while the checkpoint the run continues from verifies."""
+    acc = FakeAccelerator()
+    first, second = save(acc, tmp_path, 2, keep=2), save(acc, tmp_path, 4, keep=2)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", Usage(checkpoint.checkpoint_size(second) - 1, tmp_path))
+    good = (second / "random_states_0.pkl").read_bytes()
+    damage(second / "random_states_0.pkl", "zeroed")
+    with pytest.raises(HarnessError, match="not enough disk space for checkpoint step-6"):
+        save(acc, tmp_path, 6, keep=2)
+    assert first.exists() and second.exists() and not (tmp_path / "checkpoints" / "step-6").exists()
+    (second / "random_states_0.pkl").write_bytes(good)
+    save(acc, tmp_path, 6, keep=2)
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)[0]] == [4, 6]
+    assert any("little disk space" in line and "removed step-2 before writing step-6" in line for line in acc.printed)
+
+
+@pytest.mark.parametrize("stage", ["save_state", "marker"])
+def test_disk_full_during_a_save_is_one_line_and_leaves_no_complete_partial(tmp_path, monkeypatch, stage):
+    acc = FakeAccelerator()
+    older = save(acc, tmp_path, 2)
+    enospc = OSError(errno.ENOSPC, "No space left on device")
+    if stage == "save_state":
+        acc.fail_on, acc.error = "optimizer.bin", enospc
+    else:
+        def full(*args, **kwargs):
+            raise enospc
+        monkeypatch.setattr(checkpoint, "write_marker", full)
+    with pytest.raises(HarnessError) as e:
+        save(acc, tmp_path, 4)
+    msg = str(e.value)
+    assert msg.startswith(f"disk full while writing checkpoint step-4 in {tmp_path}/checkpoints (OSError: [Errno 28] "
+                          f"No space left on device): about {checkpoint.human_bytes(checkpoint.checkpoint_size(older))}"
+                          " needed (the size of step-2), ")
+    assert msg.endswith(" free; the partial folder is removed (never marked complete), older checkpoints are intact: "
+                        "free some space, then continue with train.resume=auto")
+    assert "\n" not in msg
+    assert not (tmp_path / "checkpoints" / "step-4").exists()
+    assert checkpoint.list_checkpoints(tmp_path) == ([(2, older)], [])
+    assert checkpoint.verify_checkpoint(older).ok
+
+
+def test_torch_style_write_error_on_a_full_disk_counts_as_disk_full(tmp_path, monkeypatch):
+    """torch.save reports ENOSPC as RuntimeError('... unexpected pos ...'): judged by the free space left."""
+    acc = FakeAccelerator(fail_on="optimizer.bin", error=RuntimeError("[enforce fail at inline_container.cc:672] . "
+                                                                      "unexpected pos 576 vs 534"))
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", Usage(4096))
+    with pytest.raises(HarnessError, match=r"^disk full while writing checkpoint step-2 .*RuntimeError.* 4\.0 KiB free"):
+        save(acc, tmp_path, 2)
+    assert not (tmp_path / "checkpoints" / "step-2").exists()
+    # the same error with plenty of space is a bug: it keeps its type (and traceback), the partial folder still goes
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", Usage(10**11))
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        save(acc, tmp_path, 2)
+    assert not (tmp_path / "checkpoints" / "step-2").exists()
+
+
+class FakeModel:
+    def save_pretrained(self, folder, state_dict=None, safe_serialization=True):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "model.safetensors").write_bytes(b"\x02" * 50_000)
+
+
+class FakeTokenizer:
+    def save_pretrained(self, folder):
+        (Path(folder) / "tokenizer.json").write_text("{}")
+
+
+class ExportAccelerator(FakeAccelerator):
+    def get_state_dict(self, model):
+        import torch
+
+        w = torch.zeros(12_500)
+        return {"w": w, "tied": w}  # 50,000 bytes: tied weights are saved once
+
+    def unwrap_model(self, model, keep_torch_compile=False):
+        return model
+
+
+def test_export_refused_or_cut_by_a_full_disk_is_one_line(tmp_path, monkeypatch):
+    acc, dest = ExportAccelerator(), tmp_path / "final"
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", Usage(49_999))
+    with pytest.raises(HarnessError) as e:
+        checkpoint.export_final(acc, FakeModel(), FakeTokenizer(), dest)
+    assert str(e.value) == (f"not enough disk space for the final export in {tmp_path}: about 48.8 KiB needed (the "
+                            "size of the weights), 48.8 KiB free; the checkpoints are intact: free some space, then "
+                            "run again with train.resume=auto")
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", Usage(10**11))
+    checkpoint.export_final(acc, FakeModel(), FakeTokenizer(), dest)
+    before = (dest / "model.safetensors").read_bytes()
+
+    def full(self, folder):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(FakeTokenizer, "save_pretrained", full)
+    with pytest.raises(HarnessError, match=r"^disk full while writing the final export .* 48\.8 KiB needed \(the size "
+                                           r"of the previous export final/\)"):
+        checkpoint.export_final(acc, FakeModel(), FakeTokenizer(), dest)
+    assert (dest / "model.safetensors").read_bytes() == before and not (tmp_path / "final.tmp").exists()
+
+
+# ----------------------------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+def test_zeroed_weights_and_cut_metrics_line_resume_to_the_same_weights(tmp_path):
+    """The newest checkpoint's weights have zeroed bytes (they would load silently) and metrics.jsonl ends in a cut
+    line: the resume passes over step-4 with a warning, continues from step-2, drops the cut line, and ends on the
+    weights of an uninterrupted run. Then with every checkpoint damaged: one line, exit 1."""
+    args = ["train.max_steps=6", "train.save_every_steps=2", *FAST]
+    full, out = tmp_path / "full", tmp_path / "run"
+    run_train([f"train.output_dir={full}", *args])
+    run_train([f"train.output_dir={out}", *args, "train.stop_at_step=4"])
+    step4 = out / "checkpoints" / "step-4"
+    damage(step4 / "model.safetensors", "zeroed")
+    with open(out / "metrics.jsonl", "ab") as fh:
+        fh.write(b'{"step": 5, "loss": 1.2')
+    proc = run_train([f"train.output_dir={out}", *args])
+    assert (f"[harness] warning: checkpoint {step4} fails verification (model.safetensors: checksum differs): not "
+            "resumed from, trying an older one") in proc.stdout
+    assert f"resumed from {out}/checkpoints/step-2: step 2" in proc.stdout
+    assert f"{out}/metrics.jsonl:5: not a JSON record" in proc.stdout
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]
+    assert max_abs_diff(final_weights(out), final_weights(full)) == 0.0
+
+    for p in (out / "checkpoints").iterdir():
+        damage(p / "optimizer.bin", "truncated")
+    proc = run_train([f"train.output_dir={out}", "train.max_steps=8", *FAST], check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"harness: error: no checkpoint in {out}/checkpoints verifies (step-6: optimizer.bin: size differs (")
+
+
+# accelerate writes the optimizer state with accelerate.checkpointing.save: make it fail like a full disk at one step
+ENOSPC_AT = """
+import errno, os, sys
+import accelerate.checkpointing as ck
+real = ck.save
+def save(obj, f, *args, **kwargs):
+    if str(f).endswith(os.path.join("step-" + os.environ["ENOSPC_AT_STEP"], "optimizer.bin")):
+        open(f, "wb").write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return real(obj, f, *args, **kwargs)
+ck.save = save
+from harness.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_disk_full_during_a_real_save_is_one_line_and_a_restart_continues(tmp_path):
+    out = tmp_path / "run"
+    args = [f"train.output_dir={out}", "train.max_steps=6", "train.save_every_steps=2", *FAST, "train.save_final=false"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "ENOSPC_AT_STEP": "4"}
+    proc = subprocess.run([sys.executable, "-c", ENOSPC_AT, "--config", str(ROOT / "configs/default.yaml"), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"harness: error: disk full while writing checkpoint step-4 in {out}/checkpoints (OSError: "
+                           "[Errno 28] No space left on device): about ")
+    assert last.endswith(" free; the partial folder is removed (never marked complete), older checkpoints are intact: "
+                         "free some space, then continue with train.resume=auto")
+    complete, incomplete = checkpoint.list_checkpoints(out)
+    assert [s for s, _ in complete] == [2] and incomplete == []
+    assert checkpoint.verify_checkpoint(complete[0][1]).ok
+    resumed = run_train(args)
+    assert f"resumed from {out}/checkpoints/step-2" in resumed.stdout
+    assert [s for s, _ in checkpoint.list_checkpoints(out)[0]] == [4, 6]
+
+
+@pytest.mark.slow
+def test_two_processes_pass_over_a_damaged_checkpoint_together(tmp_path):
+    """Under 2 processes: the checksums are split between them at save and at resume, the main process lists and
+    warns, and both continue from the same older checkpoint."""
+    out = tmp_path / "run"
+    args = [f"train.output_dir={out}", "train.max_steps=4", "train.save_every_steps=1", *FAST, "train.save_final=false"]
+    run_train([*args, "train.stop_at_step=3"], nproc=2)
+    step3 = out / "checkpoints" / "step-3"
+    assert {e["path"] for e in checkpoint.read_manifest(step3)["files"]} >= {"random_states_0.pkl",
+                                                                              "random_states_1.pkl"}
+    damage(step3 / "optimizer.bin", "truncated")
+    proc = run_train(args, nproc=2)
+    assert proc.stdout.count(f"checkpoint {step3} fails verification (optimizer.bin: size differs") == 1
+    assert f"resumed from {out}/checkpoints/step-2: step 2" in proc.stdout
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]

@@ -157,3 +157,43 @@ def test_throughput_interval_leaves_out_excluded_time(monkeypatch):
     meter.exclude(4.0)  # e.g. an evaluation of 4 s
     assert meter.interval() == pytest.approx(6.0)  # 10 s, of which 4 s evaluating
     assert meter.interval() == pytest.approx(15.0)  # the exclusion applied to its own interval only
+
+
+# ----------------------------------------------------------------------------------------------- metrics.jsonl on resume
+
+
+class _Acc:
+    is_main_process = True
+
+    def __init__(self):
+        self.printed = []
+
+    def print(self, *args):
+        self.printed.append(" ".join(map(str, args)))
+
+
+def test_resume_drops_cut_and_invalid_lines_with_a_warning_and_replaces_the_file(tmp_path, monkeypatch):
+    import json
+    import os
+
+    from harness.metrics import MetricsLogger
+
+    path = tmp_path / "metrics.jsonl"
+    good = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3, 4, 5)]
+    # line 3: zeroed bytes inside the file; line 7: a record cut by a crash mid-write (no newline)
+    path.write_bytes(("\n".join(good[:2]) + "\n").encode() + b"\x00" * 20 + b"\n"
+                     + ("\n".join(good[2:]) + "\n").encode() + b'{"step": 6, "lo')
+    replaced = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (replaced.append((str(a), str(b))), real_replace(a, b)))
+    acc = _Acc()
+    logger = MetricsLogger(acc, tmp_path, resume_step=4)
+    logger._fh.write(json.dumps({"step": 5, "loss": 0.2}) + "\n")
+    logger.close()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert acc.printed == [
+        f"[harness] warning: {path}:3: not a JSON record (cut by a crash while it was written?): dropped",
+        f"[harness] warning: {path}:7: not a JSON record (cut by a crash while it was written?): dropped",
+    ]
+    assert replaced == [(str(path) + ".tmp", str(path))]  # the rewrite is one rename, never an in-place truncation
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
