@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from harness.errors import ConfigError
 from harness.losses import IGNORE_INDEX, chunked_token_loss_sum, token_loss_sum
+from harness.model import ChunkedHeadLoss, output_head, unwrap
 
 B, T, H, V = 3, 16, 12, 37  # 48 positions
 
@@ -307,3 +310,148 @@ def test_autocast_computes_in_the_autocast_dtype():
     for g, p, r in zip(got, plain, fp32):
         err, plain_err = _rel_err(g, r.double()), _rel_err(p, r.double())
         assert err <= 2e-2 and err <= 1.5 * plain_err + 1e-3, (err, plain_err)
+
+
+# ----------------------------------------------------------------------------------------------- inside a HF model
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+            max_position_embeddings=64, vocab_size=96)
+
+
+def _tiny(model_type: str = "llama", **extra):
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, **{**TINY, **extra})
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+
+
+def _batch(gen: torch.Generator, vocab: int = 96):
+    ids = torch.randint(0, vocab, (2, 12), generator=gen)
+    labels = ids.clone()
+    labels[0, :4] = IGNORE_INDEX  # a prompt
+    labels[1, 7] = IGNORE_INDEX  # a packing boundary
+    pos = torch.cat([torch.arange(7), torch.arange(5)]).unsqueeze(0)
+    return {"input_ids": ids, "position_ids": torch.cat([torch.arange(12).unsqueeze(0), pos])}, labels
+
+
+def _model_grads(model, inputs, labels, chunked: bool, chunk_size: int = 5):
+    model.zero_grad(set_to_none=True)
+    if chunked:
+        with ChunkedHeadLoss(model, labels, chunk_size=chunk_size) as head_loss:
+            out = model(**inputs, use_cache=False)
+        total, count = head_loss.result(out)
+    else:
+        total, count = token_loss_sum(model(**inputs, use_cache=False).logits, labels)
+    (total * 0.25).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return total.detach(), int(count), grads
+
+
+@pytest.mark.parametrize("family,extra", [
+    ("llama", {"tie_word_embeddings": False}),
+    ("llama", {"tie_word_embeddings": True}),
+    ("qwen2", {}),
+    ("gemma2", {"final_logit_softcapping": 5.0, "head_dim": 16}),
+])
+def test_head_loss_in_a_model_matches_full_logits(family, extra):
+    model = _tiny(family, **extra)
+    if extra.get("tie_word_embeddings"):
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    inputs, labels = _batch(torch.Generator().manual_seed(15))
+    got = _model_grads(model, inputs, labels, chunked=True)
+    ref = _model_grads(model, inputs, labels, chunked=False)
+    _close(got[0], ref[0], 1e-5)
+    assert got[1] == ref[1] == int((labels[:, 1:] != IGNORE_INDEX).sum())
+    assert got[2].keys() == ref[2].keys() and len(ref[2]) == len(list(model.parameters()))
+    for name in ref[2]:
+        _close(got[2][name], ref[2][name], 1e-5)
+    # the head is restored, and so is the config
+    assert "forward" not in vars(model.get_output_embeddings())
+    assert getattr(model.config, "final_logit_softcapping", None) == extra.get("final_logit_softcapping")
+    logits = model(**inputs, use_cache=False).logits
+    assert logits.shape == (*labels.shape, 96)
+
+
+def test_head_loss_through_peft_and_torch_compile_wrappers():
+    from peft import LoraConfig, get_peft_model
+
+    base = _tiny("llama")
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            task_type="CAUSAL_LM"))
+    assert output_head(model)[0] is base.lm_head
+    assert unwrap(torch.compile(model)) is model
+    inputs, labels = _batch(torch.Generator().manual_seed(16))
+    got = _model_grads(model, inputs, labels, chunked=True)
+    ref = _model_grads(model, inputs, labels, chunked=False)
+    _close(got[0], ref[0], 1e-5)
+    assert ref[2] and all("lora_" in n for n in ref[2])
+    for name in ref[2]:
+        _close(got[2][name], ref[2][name], 1e-5)
+
+
+def test_head_loss_refusals():
+    from peft import LoraConfig, get_peft_model
+
+    with pytest.raises(ConfigError, match="logit_scale"):
+        output_head(_tiny("cohere", logit_scale=0.0625))
+    with pytest.raises(ConfigError, match="logits_scaling"):
+        output_head(_tiny("granite", logits_scaling=8.0))
+    lora_head = get_peft_model(_tiny("llama"), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(ConfigError, match="not a plain Linear"):
+        output_head(lora_head)
+
+    class Doubling(torch.nn.Module):  # a family that transforms the head's output without a config flag for it
+        def __init__(self):
+            super().__init__()
+            self.lm = _tiny("llama")
+            self.config = self.lm.config
+
+        def get_output_embeddings(self):
+            return self.lm.lm_head
+
+        def forward(self, **kw):
+            out = self.lm(**kw)
+            out.logits = out.logits * 2
+            return out
+
+    model = Doubling()
+    inputs, labels = _batch(torch.Generator().manual_seed(17))
+    with ChunkedHeadLoss(model, labels) as head_loss:
+        out = model(**inputs, use_cache=False)
+    with pytest.raises(RuntimeError, match="transforms the output head"):
+        head_loss.result(out)
+    with ChunkedHeadLoss(model, labels) as head_loss, pytest.raises(RuntimeError, match="logits_to_keep=0"):
+        model(**inputs, use_cache=False, logits_to_keep=1)
+
+
+class _DetachedView(torch.autograd.Function):
+    """What ZeRO-3's pre-backward hook does to every module output: a detached view with a backward of its own."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_head_loss_accepts_outputs_rewrapped_like_zero3():
+    """ZeRO-3 replaces the head's output and then the model's ModelOutput values with views of them (forward hooks
+    registered at engine start, before ChunkedHeadLoss's): accepted, and the gradients still arrive."""
+    model = _tiny("llama")
+
+    def wrap_head(module, args, out):
+        return _DetachedView.apply(out)
+
+    def wrap_logits(module, args, out):
+        out["logits"] = _DetachedView.apply(out["logits"])
+
+    hooks = [model.lm_head.register_forward_hook(wrap_head), model.register_forward_hook(wrap_logits)]
+    inputs, labels = _batch(torch.Generator().manual_seed(18))
+    got = _model_grads(model, inputs, labels, chunked=True)
+    for h in hooks:
+        h.remove()
+    ref = _model_grads(model, inputs, labels, chunked=False)
+    _close(got[0], ref[0], 1e-5)
+    for name in ref[2]:
+        _close(got[2][name], ref[2][name], 1e-5)
