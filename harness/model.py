@@ -182,3 +182,123 @@ def _config_of(model):
     while not hasattr(model, "config") and hasattr(model, "module"):
         model = model.module
     return model.config
+
+
+# ----------------------------------------------------------------------------------------------- chunked output head
+#
+# harness.losses.chunked_token_loss_sum takes the final hidden states and the output head's weight. ChunkedHeadLoss
+# gets them from the model's own forward: for its duration the output head returns the loss sum instead of logits,
+# so the forward still goes through the DDP / DeepSpeed wrapper (gradient-sync preparation, ZeRO-3 gathering of the
+# head's weight while it runs, ZeRO-3's backward hooks on its output), and no [B, T, V] tensor is ever built.
+
+# Config attributes by which some families transform the head's output after it (Cohere multiplies by logit_scale,
+# Granite divides by logits_scaling, HyperCLOVA X multiplies by it, ...): refused, their meanings differ by family.
+LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
+_WRAPPERS = ("DistributedDataParallel", "DeepSpeedEngine", "PipelineEngine")
+
+
+def unwrap(model):
+    """The model inside DDP / DeepSpeed (.module) and torch.compile (._orig_mod) wrappers; a peft model stays."""
+    while True:
+        if type(model).__name__ in _WRAPPERS:
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def output_head(model) -> tuple[torch.nn.Linear, float | None, object]:
+    """(output head, final-logit softcap or None, HF config) of a causal LM, through DDP/DeepSpeed/compile wrappers
+    and peft (the head of the base model; tied to the input embedding or not, the same Parameter either way).
+
+    Refused with a ConfigError: a head that is not a plain nn.Linear (peft LoRA or modules_to_save on lm_head) and a
+    config that scales the logits after the head (LOGIT_TRANSFORMS). Gemma-2-style final_logit_softcapping is
+    handled (returned, and applied inside the chunked loss)."""
+    inner = unwrap(model)
+    base = inner.get_base_model() if is_peft(inner) else inner
+    head = base.get_output_embeddings()
+    if head is None:
+        raise ConfigError(f"chunked loss: {type(base).__name__} has no output embeddings (not a causal LM?)")
+    if not isinstance(head, torch.nn.Linear):
+        raise ConfigError(f"chunked loss: the output head is a {type(head).__name__}, not a plain Linear (a LoRA "
+                          f"adapter or modules_to_save on lm_head?); the chunked loss needs its weight as is")
+    config = base.config
+    configs = [config]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config:
+        configs.append(text)
+    for cfg in configs:
+        for attr in LOGIT_TRANSFORMS:
+            value = getattr(cfg, attr, None)
+            if value is not None and value != 1:
+                raise ConfigError(f"chunked loss: {getattr(cfg, 'model_type', '?')} config sets {attr}={value}, a "
+                                  f"transform of the logits after the head that the chunked loss does not apply")
+    if text is not config and getattr(text, "final_logit_softcapping", None) is not None:
+        raise ConfigError("chunked loss: final_logit_softcapping in a nested text config is not supported")
+    return head, getattr(config, "final_logit_softcapping", None), config
+
+
+class ChunkedHeadLoss:
+    """While active, `model`'s output head returns the chunked next-token loss sum (a 0-d fp32 tensor) in place of
+    the logits; run the model's forward (through its wrappers) with logits_to_keep=0 and without `labels`, then
+    `result(out)` gives (total, count) as token_loss_sum(out.logits, labels) would, and total back-propagates
+    like it::
+
+        with ChunkedHeadLoss(model, batch["labels"], chunk_size=1024) as head_loss:
+            out = model(**model_inputs(batch), use_cache=False)
+        total, count = head_loss.result(out)
+
+    The head must be called exactly once, on all positions; `result` checks that the model returned the head's
+    output unchanged (a family that transforms it after the head is refused there, whatever its config says). With
+    final_logit_softcapping the config value is set to None for the duration, and the cap applied in the loss."""
+
+    def __init__(self, model, labels: torch.Tensor, chunk_size: int = 1024, skip_ignored: bool = False):
+        self.model, self.labels, self.chunk_size, self.skip_ignored = model, labels, chunk_size, skip_ignored
+        self.count = self.returned = None
+        self.calls = 0
+
+    def __enter__(self) -> "ChunkedHeadLoss":
+        self.head, self.softcap, self.config = output_head(self.model)
+        self.head.forward = self._forward  # nn.Module.__call__ runs hooks around self.forward: ZeRO-3's included
+        self._hook = self.head.register_forward_hook(self._record)
+        if self.softcap is not None:
+            self.config.final_logit_softcapping = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.head.forward
+        self._hook.remove()
+        if self.softcap is not None:
+            self.config.final_logit_softcapping = self.softcap
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from harness.losses import chunked_token_loss_sum
+
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError("ChunkedHeadLoss: the output head was called more than once in one forward")
+        if hidden.shape[:2] != self.labels.shape:
+            raise RuntimeError(f"ChunkedHeadLoss: the head got hidden states {tuple(hidden.shape)} for labels "
+                               f"{tuple(self.labels.shape)}; call the model with logits_to_keep=0")
+        total, self.count = chunked_token_loss_sum(hidden, self.head.weight, self.labels, self.head.bias,
+                                                   self.chunk_size, softcap=self.softcap,
+                                                   skip_ignored=self.skip_ignored)
+        return total
+
+    def _record(self, module, args, output) -> None:
+        self.returned = output  # after the hooks registered before ours (ZeRO-3 wraps the output in its own Function)
+
+    def result(self, out) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss sum, trained tokens) from the model's output."""
+        if self.returned is None:
+            raise RuntimeError("ChunkedHeadLoss: the output head was not called")
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        # Not an identity check: ZeRO-3 replaces every module's output tensors (the head's, then the model's, in
+        # the returned ModelOutput) with detached views through its backward-hook Functions. Those share the storage;
+        # a transform of the logits (scale, softcap, cast) would not.
+        if not (torch.is_tensor(logits) and logits.shape == self.returned.shape and logits.dtype == self.returned.dtype
+                and logits.data_ptr() == self.returned.data_ptr()):
+            raise RuntimeError(f"ChunkedHeadLoss: {type(unwrap(self.model)).__name__} transforms the output head's "
+                               f"result before returning it; the chunked loss does not support this model")
+        return logits, self.count
