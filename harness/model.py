@@ -165,7 +165,11 @@ def bidirectional_mask(attention_mask: torch.Tensor, attn_implementation: str) -
 
 def embed(model, batch: dict, pooling: str, bidirectional: bool) -> torch.Tensor:
     """Normalised fp32 embeddings of a padded batch {input_ids, attention_mask, pool_mask}. Goes through the
-    (possibly DDP/DeepSpeed-wrapped) model's own forward; logits only for the last position (cheap)."""
+    (possibly DDP/DeepSpeed-wrapped) model's own forward; logits only for the last position (cheap).
+
+    With an untied, trainable output head (tie_word_embeddings=false) and autograd on, the embeddings are tied to
+    those logits by a zero gradient (`_ZeroGradTie`): the head then takes part in every backward pass with a
+    gradient of exactly zero, as the distributed reducers expect of every trainable parameter (see the class)."""
     from harness.losses import pool
 
     mask = batch["attention_mask"]
@@ -174,7 +178,52 @@ def embed(model, batch: dict, pooling: str, bidirectional: bool) -> torch.Tensor
         mask = bidirectional_mask(mask, impl)
     out = model(input_ids=batch["input_ids"], attention_mask=mask, output_hidden_states=True, logits_to_keep=1,
                 use_cache=False)
-    return pool(out.hidden_states[-1], batch["pool_mask"], pooling)
+    emb = pool(out.hidden_states[-1], batch["pool_mask"], pooling)
+    logits = getattr(out, "logits", None)
+    if emb.requires_grad and logits is not None and logits.requires_grad and has_untied_trainable_head(model):
+        emb = _ZeroGradTie.apply(emb, logits)
+    return emb
+
+
+class _ZeroGradTie(torch.autograd.Function):
+    """x unchanged in the forward; in the backward, x's gradient passes through and `other` gets a gradient of
+    zeros. Its forward never reads `other`'s values (a `0 * logits.sum()` term would turn an inf logit into NaN).
+
+    Why: an embedding pass computes the last position's logits but no loss uses them. With a tied head that does
+    not matter (lm_head.weight is the input embedding matrix, which every pass trains). With an untied head, lm_head
+    would take no part in the embedding backward pass, and that pass is the micro-step's last, the one that reduces
+    gradients across processes: DDP's reducer waits for a gradient of every trainable parameter, so lm_head's
+    gradient is never averaged (in the unified mode each rank steps with its own generative gradient) and the next
+    forward fails with "Expected to have finished reduction in the prior iteration". A zero gradient through the
+    head's own forward marks it ready in DDP, fires ZeRO's gradient hooks (reduce / reduce-scatter) like any other
+    parameter's, and adds exactly nothing to any gradient; the backward costs one [vocab x hidden] product of zeros
+    per pass. Skipping the head instead (running only the decoder) would leave lm_head unused in that pass all the
+    same, so DDP would need find_unused_parameters=True (a graph search every step) to cope.
+
+    In the embedding mode lm_head's gradient is now zero rather than absent on every backend, so AdamW's decoupled
+    weight decay applies to it everywhere (ZeRO's flat gradient buffers already gave it a zero gradient; a single
+    process used to skip it), which keeps one process and N processes on the same update."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        ctx.other_meta = (other.shape, other.dtype, other.device)
+        return x.clone()  # not a view: callers may modify the embeddings in place
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.other_meta
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
+def has_untied_trainable_head(model) -> bool:
+    """Whether the output head has a trainable parameter that is not one of the input embeddings' (an untied
+    lm_head, or adapters on it), through DDP / DeepSpeed / peft wrappers."""
+    inner = unwrap(model)
+    head, inputs = inner.get_output_embeddings(), inner.get_input_embeddings()
+    if head is None:
+        return False
+    shared = {id(p) for p in inputs.parameters()} if inputs is not None else set()
+    return any(p.requires_grad and id(p) not in shared for p in head.parameters())
 
 
 def _config_of(model):
