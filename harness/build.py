@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from harness import checkpoint, distributed, hardware, loaders, metrics, monitor, optim, planner
+from harness import checkpoint, distributed, hardware, loaders, metrics, monitor, optim, planner, runlock
 from harness.compiling import CompileWatch
 from harness.config import Config, save_config
 from harness.errors import HarnessError
@@ -86,7 +86,8 @@ def build_run(cfg: Config, opened: contextlib.ExitStack) -> Job:
 
 
 def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
-    """The resume target, precision, the Accelerator, the compiler's start-up, the sampler, config.yaml."""
+    """Precision, the Accelerator, the output folder's lock, the resume target, the compiler's start-up, the sampler,
+    config.yaml."""
     from harness.profiles import resolve_compile
 
     t_start, t_process = time.time(), hardware.process_start_time()
@@ -96,6 +97,7 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
     accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision), compile_mode)
     opened.push(distributed.end_training(accelerator))
+    hold_output_dir(out, accelerator, opened)  # one run per output folder
     resume_from, incomplete = checkpoint.resolve_resume(out, cfg.train.resume, accelerator)  # verified, agreed
     # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
     watch = CompileWatch(compile_mode, accelerator.device) if compile_mode != "none" else None
@@ -124,6 +126,17 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     for p in incomplete:
         job.say(f"[harness] warning: {p} is an incomplete checkpoint (no {checkpoint.MARKER} marker): not resumed from")
     return job
+
+
+def hold_output_dir(out: Path, accelerator, opened: contextlib.ExitStack) -> None:
+    """The main process takes <output_dir>/.lock (released when the run ends, however it ends); a refusal stops every
+    process with the same one-line error."""
+
+    def take() -> None:
+        lock = runlock.acquire(out, accelerator.print)
+        opened.callback(runlock.release, lock)
+
+    checkpoint.on_main(accelerator, take)
 
 
 def build_data(job: Job) -> None:
