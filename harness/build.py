@@ -1,8 +1,9 @@
 """Everything a training run is made of, built from its config: `build_run(cfg, opened) -> Job`.
 
-In order: the checkpoint to resume from (checked first, before anything heavy), precision, the Accelerator (DDP or
-DeepSpeed, compile), the utilisation sampler; the tokenizer and the data loaders; the model (the same seed on every
-process: identical initial weights), the optimizer and the schedule, `accelerator.prepare`; the objective. What the
+In order: precision, the Accelerator (DDP or DeepSpeed, compile), the output folder's lock (one run per folder),
+with train.overwrite=true the previous run's outputs deleted, the checkpoint to resume from (before anything heavy),
+the utilisation sampler; the tokenizer and the data loaders; the model (the same seed on every process: identical
+initial weights), the optimizer and the schedule, `accelerator.prepare`; the objective. What the
 run opens is registered with `opened` (an ExitStack), so that it is closed however the run ends.
 """
 
@@ -98,7 +99,10 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision), compile_mode)
     opened.push(distributed.end_training(accelerator))
     hold_output_dir(out, accelerator, opened)  # one run per output folder
-    resume_from, incomplete = checkpoint.resolve_resume(out, cfg.train.resume, accelerator)  # verified, agreed
+    if cfg.train.overwrite:
+        checkpoint.on_main(accelerator, lambda: start_over(out, accelerator.print))
+    resume = None if cfg.train.overwrite else cfg.train.resume
+    resume_from, incomplete = checkpoint.resolve_resume(out, resume, accelerator)  # verified, agreed
     # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
     watch = CompileWatch(compile_mode, accelerator.device) if compile_mode != "none" else None
     tf32 = hardware.enable_tf32(cfg.train.tf32)
@@ -137,6 +141,23 @@ def hold_output_dir(out: Path, accelerator, opened: contextlib.ExitStack) -> Non
         opened.callback(runlock.release, lock)
 
     checkpoint.on_main(accelerator, take)
+
+
+# what a training run writes into its output folder and train.overwrite=true deletes (config.yaml, environment.json
+# are rewritten anyway; plan.json (harness plan) and train.log (launch/train.sh) are the user's, kept)
+RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "report.json", "summary.md", "plots", "tensorboard")
+
+
+def start_over(out: Path, say: Callable[[str], None]) -> None:
+    """train.overwrite=true: delete the previous run's outputs (main process, holding the lock)."""
+    import shutil
+
+    gone = [name for name in RUN_OUTPUTS if (out / name).exists()]
+    for name in gone:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if gone:
+        say(f"[harness] train.overwrite=true: deleted the previous run's {', '.join(gone)} in {out}")
 
 
 def build_data(job: Job) -> None:
