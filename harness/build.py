@@ -1,8 +1,9 @@
 """Everything a training run is made of, built from its config: `build_run(cfg, opened) -> Job`.
 
-In order: the checkpoint to resume from (checked first, before anything heavy), precision, the Accelerator (DDP or
-DeepSpeed, compile), the utilisation sampler; the tokenizer and the data loaders; the model (the same seed on every
-process: identical initial weights), the optimizer and the schedule, `accelerator.prepare`; the objective. What the
+In order: precision, the Accelerator (DDP or DeepSpeed, compile), the output folder's lock (one run per folder),
+with train.overwrite=true the previous run's outputs deleted, the checkpoint to resume from (before anything heavy),
+the utilisation sampler; the tokenizer and the data loaders; the model (the same seed on every process: identical
+initial weights), the optimizer and the schedule, `accelerator.prepare`; the objective. What the
 run opens is registered with `opened` (an ExitStack), so that it is closed however the run ends.
 """
 
@@ -16,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from harness import checkpoint, distributed, hardware, loaders, metrics, monitor, optim, planner
+from harness import checkpoint, distributed, hardware, loaders, metrics, monitor, optim, planner, runlock
 from harness.compiling import CompileWatch
 from harness.config import Config, save_config
 from harness.errors import HarnessError
@@ -86,7 +87,8 @@ def build_run(cfg: Config, opened: contextlib.ExitStack) -> Job:
 
 
 def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
-    """The resume target, precision, the Accelerator, the compiler's start-up, the sampler, config.yaml."""
+    """Precision, the Accelerator, the output folder's lock, the resume target, the compiler's start-up, the sampler,
+    config.yaml."""
     from harness.profiles import resolve_compile
 
     t_start, t_process = time.time(), hardware.process_start_time()
@@ -96,7 +98,11 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
     accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision), compile_mode)
     opened.push(distributed.end_training(accelerator))
-    resume_from, incomplete = checkpoint.resolve_resume(out, cfg.train.resume, accelerator)  # verified, agreed
+    hold_output_dir(out, accelerator, opened)  # one run per output folder
+    if cfg.train.overwrite:
+        checkpoint.on_main(accelerator, lambda: start_over(out, accelerator.print))
+    resume = None if cfg.train.overwrite else cfg.train.resume
+    resume_from, incomplete = checkpoint.resolve_resume(out, resume, accelerator)  # verified, agreed
     # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
     watch = CompileWatch(compile_mode, accelerator.device) if compile_mode != "none" else None
     tf32 = hardware.enable_tf32(cfg.train.tf32)
@@ -124,6 +130,34 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     for p in incomplete:
         job.say(f"[harness] warning: {p} is an incomplete checkpoint (no {checkpoint.MARKER} marker): not resumed from")
     return job
+
+
+def hold_output_dir(out: Path, accelerator, opened: contextlib.ExitStack) -> None:
+    """The main process takes <output_dir>/.lock (released when the run ends, however it ends); a refusal stops every
+    process with the same one-line error."""
+
+    def take() -> None:
+        lock = runlock.acquire(out, accelerator.print)
+        opened.callback(runlock.release, lock)
+
+    checkpoint.on_main(accelerator, take)
+
+
+# what a training run writes into its output folder and train.overwrite=true deletes (config.yaml, environment.json
+# are rewritten anyway; plan.json (harness plan) and train.log (launch/train.sh) are the user's, kept)
+RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "report.json", "summary.md", "plots", "tensorboard")
+
+
+def start_over(out: Path, say: Callable[[str], None]) -> None:
+    """train.overwrite=true: delete the previous run's outputs (main process, holding the lock)."""
+    import shutil
+
+    gone = [name for name in RUN_OUTPUTS if (out / name).exists()]
+    for name in gone:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if gone:
+        say(f"[harness] train.overwrite=true: deleted the previous run's {', '.join(gone)} in {out}")
 
 
 def build_data(job: Job) -> None:

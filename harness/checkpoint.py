@@ -152,7 +152,7 @@ def _all_gather(accelerator, obj) -> list:
     return gather_object([obj])
 
 
-def _on_main(accelerator, fn: Callable):
+def on_main(accelerator, fn: Callable):
     """fn() on the main process only; every process returns its result or raises the HarnessError it raised (one
     broadcast), so an error there never leaves the other processes waiting in a collective. Any other exception keeps
     its traceback on the main process; the others stop with a one-line error."""
@@ -252,7 +252,7 @@ def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optiona
                                f"run again with train.resume=auto") from e
         _replace_dir(tmp, dest)
 
-    _on_main(accelerator, write)  # also where every rank waits for the main process
+    on_main(accelerator, write)  # also where every rank waits for the main process
     return dest
 
 
@@ -463,7 +463,7 @@ def save_checkpoint(accelerator, output_dir: str | Path, loop_state: dict, keep:
         root.mkdir(parents=True, exist_ok=True)
         make_room(output_dir, path, keep, say=accelerator.print)
 
-    _on_main(accelerator, prepare)
+    on_main(accelerator, prepare)
     failure = None
     try:
         accelerator.save_state(str(path))
@@ -488,7 +488,7 @@ def save_checkpoint(accelerator, output_dir: str | Path, loop_state: dict, keep:
             raise HarnessError(_write_failure(e, path)) from e
         rotate(output_dir, keep, protect=path)
 
-    _on_main(accelerator, finish)
+    on_main(accelerator, finish)
     return path
 
 
@@ -646,7 +646,7 @@ def resolve_resume(output_dir: str | Path, resume: Optional[str],
                               f"or {STATE_FILE})")
         return [path], incomplete, True
 
-    candidates, incomplete, explicit = _on_main(accelerator, plan)
+    candidates, incomplete, explicit = on_main(accelerator, plan)
     failed: list[Verification] = []
     for path in candidates:
         t0 = time.perf_counter()

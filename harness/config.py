@@ -213,14 +213,20 @@ class TrainConfig:
     save_every_steps: int = _f(0, "Write a full training checkpoint every N optimizer steps; 0: never.")
     max_nonfinite_skips: int = _f(3, "Skip an optimizer step whose gradient is NaN/inf, up to this many in a row; "
                                      "then stop with a checkpoint of the last good weights (exit 1).")
-    save_every_minutes: float = _f(0.0, "Also checkpoint when this many minutes passed since the last save; 0: off.")
+    save_every_minutes: float = _f(30.0, "Also checkpoint when this many minutes passed since the last save, so "
+                                         "that a preemptible box loses at most this much work (default 30 min); "
+                                         "0: off.")
     time_budget_hours: float = _f(0.0, "Wall-clock window of this attempt: stop in time for a final checkpoint and "
                                        "export before it closes; 0: no window.")
     save_total_limit: int = _f(2, "Keep only the newest N complete checkpoints; 0: keep all.")
     resume: Optional[str] = _f(
         "auto", "auto: continue from the newest complete checkpoint in output_dir if there is one; "
-        "a checkpoint folder; or null to start fresh (refused when output_dir already holds checkpoints)."
+        "a checkpoint folder; or null to start fresh (refused when output_dir already holds checkpoints). A run "
+        "whose report.json says it finished is not run again: the rerun prints where its outputs are and exits 0."
     )
+    overwrite: bool = _f(False, "Start over in an output_dir that holds a finished or interrupted run: its "
+                                "checkpoints/, final/, metrics.jsonl, report.json, summary.md, plots/ and "
+                                "tensorboard/ are deleted first (not kept aside).")
     deepspeed: Optional[str] = _f(
         None, "DeepSpeed config for runs without a DeepSpeed accelerate launcher: a JSON path or a shipped name "
         "(zero0, zero1, zero2, zero2_offload, zero3, zero3_offload)."
@@ -459,6 +465,9 @@ def validate(cfg: Config) -> None:
     if t.monitor_interval_s < 0 or t.price_per_hour < 0:
         raise ConfigError(f"config key '{'train.price_per_hour' if t.price_per_hour < 0 else 'train.monitor_interval_s'}"
                           "': must be >= 0")
+    if t.overwrite and t.resume not in (None, "auto", "none", "null", ""):
+        raise ConfigError(f"config key 'train.overwrite': starts the run over, so it cannot resume from "
+                          f"train.resume={t.resume}")
     mode = cfg.loss.mode
     if mode in ("generative", "unified") and not d.train_files:
         raise ConfigError(f"config key 'data.train_files': loss.mode={mode} needs generative JSONL files or folders")

@@ -6,7 +6,8 @@ How a run becomes distributed, in order of precedence:
   2. `train.deepspeed` in the run config (a JSON path, or a shipped name: zero0, zero1, zero2, zero2_offload, zero3,
      zero3_offload). This is how plain `python -m harness.train` uses DeepSpeed: for a single process the rendezvous
      variables are filled in here, so DeepSpeed does not look for mpi4py.
-Giving both is an error. The DeepSpeed JSONs leave batch, accumulation, clipping and precision on "auto"; accelerate
+Giving both is an error, and so is DeepSpeed asked for but not in effect (`ACCELERATE_USE_CPU=1` with a DeepSpeed
+accelerate config would otherwise run plain DDP without a word). The JSON is checked when read. The DeepSpeed JSONs leave batch, accumulation, clipping and precision on "auto"; accelerate
 fills them from the run config at prepare(), and `train.py` fills the clipping value from optim.max_grad_norm.
 
 CPU: two ranks need `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2` (accelerate's `--cpu`
@@ -41,11 +42,67 @@ def resolve_ds_config(value: str) -> Path:
     if not path.is_file():
         shipped = ", ".join(sorted(p.stem for p in DS_CONFIG_DIR.glob("*.json")))
         raise ConfigError(f"config key 'train.deepspeed': no DeepSpeed config '{value}' (shipped: {shipped})")
+    check_ds_config(path)
+    return path
+
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def check_ds_config(path: Path) -> dict:
+    """Read a DeepSpeed JSON and check what DeepSpeed would otherwise reject deep inside its start-up (or ignore):
+    valid JSON (file:line), zero_optimization.stage in 0..3, offload devices none/cpu/nvme. One-line ConfigErrors."""
     try:
-        json.loads(path.read_text())
+        ds = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the DeepSpeed config ({e.strerror})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}:{e.lineno}: invalid JSON in DeepSpeed config ({e.msg})") from None
-    return path
+    if not isinstance(ds, dict):
+        raise ConfigError(f"{path}: a DeepSpeed config must be a JSON object, got {type(ds).__name__}")
+    zero = ds.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError(f"{path}: zero_optimization must be an object")
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ConfigError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key) or {}
+        device = section.get("device", "none") if isinstance(section, dict) else section
+        if device not in OFFLOAD_DEVICES:
+            raise ConfigError(f"{path}: zero_optimization.{key}.device must be none, cpu or nvme, got {device!r}")
+    return ds
+
+
+def check_launcher_ds_config() -> None:
+    """The DeepSpeed JSON named by the launcher's accelerate config, checked before accelerate reads it."""
+    name = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if launcher_uses_deepspeed() and name and name.endswith(".json"):
+        check_ds_config(Path(name))
+
+
+def deepspeed_wanted(cfg: Config) -> Optional[str]:
+    """Why this run should be DeepSpeed (None: it should not): the launcher's accelerate config, or train.deepspeed."""
+    if cfg.train.deepspeed:  # first: accelerate's DeepSpeedPlugin sets ACCELERATE_USE_DEEPSPEED itself
+        return f"train.deepspeed={cfg.train.deepspeed} asks for DeepSpeed"
+    if launcher_uses_deepspeed():
+        return "the accelerate config asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true)"
+    return None
+
+
+def check_deepspeed_in_effect(cfg: Config, accelerator) -> None:
+    """DeepSpeed asked for but not in effect is an error, never a silent DDP run."""
+    from accelerate.utils import DistributedType
+
+    wanted = deepspeed_wanted(cfg)
+    if wanted is None or accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return
+    got = accelerator.distributed_type.value
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        raise ConfigError(f"{wanted}, but ACCELERATE_USE_CPU=1 turns DeepSpeed off (the run would be {got}); launch "
+                          f"DeepSpeed without it (DeepSpeed runs on CPU by itself)")
+    raise ConfigError(f"{wanted}, but accelerate set up {got}: check the accelerate config and launcher flags "
+                      f"(--cpu turns DeepSpeed off)")
 
 
 def _free_port() -> int:
@@ -81,6 +138,7 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
     )
 
     plugin = None
+    check_launcher_ds_config()
     if cfg.train.deepspeed:
         if launcher_uses_deepspeed():
             raise ConfigError(
@@ -115,6 +173,7 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
         project_dir=cfg.train.output_dir,
         kwargs_handlers=handlers,
     )
+    check_deepspeed_in_effect(cfg, accelerator)
     ds = deepspeed_config(accelerator)
     if ds is not None and ds.get("gradient_clipping", "auto") == "auto":
         ds["gradient_clipping"] = cfg.optim.max_grad_norm

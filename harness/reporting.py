@@ -7,7 +7,9 @@ the time window and the cost, and sends it to metrics.jsonl, the trackers, the p
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Optional
 
 from harness import cost, metrics, monitor, planner
@@ -122,3 +124,25 @@ def final_report(job, state: LoopState, log: StepLog, stopped_by: Optional[str],
                  "utilisation": job.sampler.stop() if job.sampler else None,
                  "cost": cost.of_run(cfg, job.world, state.elapsed_s + time.time() - job.t_start, 0.0)}
     return {**setup, **progress, **results, **batch, **time_used}
+
+
+def finished_run(output_dir: str | Path) -> Optional[dict]:
+    """The report of the run that finished in `output_dir` (report.json says it ran to its end or to its time
+    budget, and its final/ export, if it made one, is there), else None: nothing there, or a run to continue."""
+    try:
+        rep = json.loads(Path(output_dir, "report.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rep, dict) or "stopped_by" not in rep or rep["stopped_by"] not in (None, "time_budget"):
+        return None
+    final = rep.get("final_dir")
+    return rep if final is None or Path(final).is_dir() else None
+
+
+def describe_finished(output_dir: str | Path, rep: dict) -> str:
+    """The rerun's one line: where the finished run's outputs are."""
+    out = Path(output_dir)
+    final = f"final model {rep['final_dir']}, " if rep.get("final_dir") else ""
+    return (f"[harness] {out} holds a finished run (step {rep.get('steps')}/{rep.get('planned_steps')}"
+            f"{', stopped by its time budget' if rep['stopped_by'] else ''}): {final}report {out / 'report.json'}, "
+            f"metrics {out / 'metrics.jsonl'}; nothing to do (train.overwrite=true trains it again)")

@@ -272,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = load_config(args.config, args.overrides)
+        done = None if cfg.train.overwrite else reporting.finished_run(cfg.train.output_dir)
+        if done is not None:  # a finished run stays finished: nothing is started or rewritten
+            if os.environ.get("RANK", "0") == "0":
+                print(reporting.describe_finished(cfg.train.output_dir, done), flush=True)
+            return 0
         run_auto_batch(cfg, run) if cfg.train.micro_batch_size == "auto" else run(cfg)
     except HarnessError as e:
         print(f"harness: error: {e}", file=sys.stderr)

@@ -35,9 +35,9 @@ def run_train(overrides: list[str], nproc: int = 1, accel: str | None = None, co
     """Train with `overrides`. accel: None (plain python -m harness.train when nproc == 1, else DDP),
     or the name of a file in accelerate_configs/ (ddp = multi_gpu). address_space_gb: an RLIMIT_AS for the run, so
     that large allocations fail for real with the CPU allocator's out-of-memory error."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           **(extra_env or {})}
-    env.pop("ACCELERATE_USE_CPU", None)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("ACCELERATE_USE_CPU", None)  # from this shell: only where set below, or asked for in extra_env
+    env.update(extra_env or {})
     if python_module or (accel is None and nproc == 1):
         cmd = [sys.executable, "-m", "harness.train"]
     else:

@@ -93,6 +93,21 @@ CASES = [
      ["train", "configs/default.yaml", "train.deepspeed={d}/ds.json"], 2,
      "harness: error: {d}/ds.json:1: invalid JSON in DeepSpeed config (Expecting property name enclosed in double "
      "quotes)"),
+    ("deepspeed-not-an-object", {"ds.json": '[1]'}, ["train", "configs/default.yaml", "train.deepspeed={d}/ds.json"],
+     2, "harness: error: {d}/ds.json: a DeepSpeed config must be a JSON object, got list"),
+    ("deepspeed-bad-stage", {"ds.json": '{"zero_optimization": {"stage": 4}}'},
+     ["train", "configs/default.yaml", "train.deepspeed={d}/ds.json"], 2,
+     "harness: error: {d}/ds.json: zero_optimization.stage must be 0, 1, 2 or 3, got 4"),
+    ("deepspeed-bad-offload", {"ds.json": '{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}}'},
+     ["train", "configs/default.yaml", "train.deepspeed={d}/ds.json"], 2,
+     "harness: error: {d}/ds.json: zero_optimization.offload_optimizer.device must be none, cpu or nvme, got 'gpu'"),
+    ("deepspeed-bad-param-offload", {"ds.json": '{\n "zero_optimization": {"stage": 3, "offload_param": "disk"}}'},
+     ["train", "configs/default.yaml", "train.deepspeed={d}/ds.json"], 2,
+     "harness: error: {d}/ds.json: zero_optimization.offload_param.device must be none, cpu or nvme, got 'disk'"),
+    ("launcher-deepspeed-bad-json", {"l.json": '{\n  "zero_optimization": {"stage": 2,}\n}'},
+     ["train", "configs/default.yaml", "env:ACCELERATE_USE_DEEPSPEED=true", "env:ACCELERATE_DEEPSPEED_CONFIG_FILE={d}/l.json"],
+     2, "harness: error: {d}/l.json:2: invalid JSON in DeepSpeed config (Expecting property name enclosed in double "
+     "quotes)"),
     # ---- resume
     ("resume-not-a-folder", {"ck": "x"}, ["train", "configs/default.yaml", "train.output_dir={d}/out",
                                           "train.resume={d}/ck"], 2,
@@ -131,6 +146,10 @@ def test_the_table_is_large_enough():
 @pytest.mark.parametrize("name, files, argv, status, line", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_gives_one_line(name, files, argv, status, line, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
+    for item in [a for a in argv if a.startswith("env:")]:  # env:NAME=value: an environment variable for the case
+        name, _, value = item[4:].partition("=")
+        monkeypatch.setenv(name, _fill(value, tmp_path))
+    argv = [a for a in argv if not a.startswith("env:")]
     for rel, content in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(content)

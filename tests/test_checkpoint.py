@@ -421,6 +421,7 @@ def test_zeroed_weights_and_cut_metrics_line_resume_to_the_same_weights(tmp_path
 
     for p in (out / "checkpoints").iterdir():
         damage(p / "optimizer.bin", "truncated")
+    (out / "report.json").unlink()  # else the finished run is not run again (tests/test_rerun.py)
     proc = run_train([f"train.output_dir={out}", "train.max_steps=8", *FAST], check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(

@@ -108,3 +108,15 @@ def test_deepspeed_bf16_on_cpu_and_zero2_optimizer_offload(tmp_path):
     rep = report(off)
     assert rep["zero_stage"] == 2 and rep["offload_optimizer"] == "cpu"
     assert metrics(off)[-1]["loss"] < metrics(off)[0]["loss"]
+
+
+def test_deepspeed_launcher_with_accelerate_use_cpu_is_refused_not_silent_ddp(tmp_path):
+    """ACCELERATE_USE_CPU=1 with a DeepSpeed accelerate config would run plain DDP: one line, before any training."""
+    out = tmp_path / "run"
+    proc = run_train([f"train.output_dir={out}", "train.max_steps=3", *FAST], nproc=1, accel="zero2",
+                     extra_env={"ACCELERATE_USE_CPU": "1"}, check=False)
+    assert proc.returncode != 0
+    assert ("harness: error: the accelerate config asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true), but "
+            "ACCELERATE_USE_CPU=1 turns DeepSpeed off (the run would be MULTI_CPU); launch DeepSpeed without it "
+            "(DeepSpeed runs on CPU by itself)") in proc.stderr.splitlines()
+    assert not (out / "config.yaml").exists() and not (out / ".lock").exists()

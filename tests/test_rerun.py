@@ -1,0 +1,64 @@
+"""A finished run stays finished: rerunning its command changes nothing and exits 0; train.overwrite=true trains
+it again (deleting the previous outputs first, even with checkpoints there).
+
+    .venv/bin/python -m pytest tests/test_rerun.py
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import reporting
+from harness.config import load_config
+from harness.errors import ConfigError
+from harness_launch import DEFAULT, FAST, metrics, report, run_train
+
+
+def _mtimes(out) -> dict:
+    return {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("*")}
+
+
+def test_finished_run_is_not_run_again_unless_overwrite(tmp_path):
+    out = tmp_path / "run"
+    args = [f"train.output_dir={out}", "train.max_steps=3", "train.save_every_steps=2", *FAST]
+    run_train(args)
+    assert report(out)["steps"] == 3 and not (out / ".lock").exists()  # released at the end
+    before = _mtimes(out)
+    assert {"metrics.jsonl", "report.json", "final", "config.yaml", "checkpoints/step-2"} <= set(before)
+
+    again = run_train(args)
+    assert again.stdout.strip().splitlines() == [
+        f"[harness] {out} holds a finished run (step 3/3): final model {out}/final, report {out}/report.json, "
+        f"metrics {out}/metrics.jsonl; nothing to do (train.overwrite=true trains it again)"]
+    assert _mtimes(out) == before  # nothing rewritten, nothing added
+
+    over = run_train([*args, "train.overwrite=true"])
+    assert f"[harness] train.overwrite=true: deleted the previous run's checkpoints, final, metrics.jsonl, " \
+           f"report.json in {out}" in over.stdout
+    assert "resumed from" not in over.stdout and "[harness] done: step 3" in over.stdout
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    assert (out / "report.json").stat().st_mtime_ns > before["report.json"]
+
+
+def test_what_counts_as_finished(tmp_path):
+    import json
+
+    def rep(**kw):
+        (tmp_path / "report.json").write_text(json.dumps({"steps": 3, "planned_steps": 3, "final_dir": None, **kw}))
+        return reporting.finished_run(tmp_path)
+
+    assert reporting.finished_run(tmp_path) is None  # no report
+    assert rep(stopped_by=None) and rep(stopped_by="time_budget")
+    assert rep(stopped_by=None, final_dir=str(tmp_path / "final")) is None  # its export is gone
+    (tmp_path / "final").mkdir()
+    assert rep(stopped_by=None, final_dir=str(tmp_path / "final"))
+    assert rep(stopped_by="nonfinite") is None
+    (tmp_path / "report.json").write_text("{cut")
+    assert reporting.finished_run(tmp_path) is None
+
+
+def test_defaults_resume_and_save_every_30_minutes():
+    t = load_config(DEFAULT).train
+    assert t.resume == "auto" and t.save_every_minutes == 30 and t.overwrite is False
+    with pytest.raises(ConfigError, match="train.overwrite': starts the run over, so it cannot resume from"):
+        load_config(DEFAULT, ["train.overwrite=true", "train.resume=/some/step-4"])
