@@ -154,6 +154,15 @@ class LossConfig:
     grad_cache_chunks: int = _f(
         1, "Cached-representation mode (GradCache): embed each embedding micro-batch in this many chunks without "
         "graph, compute the loss on the whole batch, then back-propagate chunk by chunk. 1: off.")
+    chunked_ce: Union[bool, Literal["auto"]] = _f(
+        "auto", "Generative loss through the output head in chunks of positions (harness.losses."
+        "chunked_token_loss_sum): the [batch, seq, vocab] logits are never built; same loss and gradients. true, "
+        "false, or auto: on when the fp32 logits of the longest generative micro-batch (micro-batch x its longest "
+        "row x vocab x 4 bytes) would take at least 256 MiB and the model's head supports it (a plain Linear head, "
+        "no logit scaling, not with train.compile=full); off otherwise, with a one-line note when only the head "
+        "stood in the way. Also used by the generative evaluation.")
+    chunked_ce_size: int = _f(1024, "Positions per chunk with loss.chunked_ce (each chunk builds chunk x vocab "
+                                    "logits).")
 
 
 @dataclass
@@ -475,9 +484,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'data.emb_train_files': loss.mode={mode} needs embedding JSONL files or folders")
     for key, v in {"data.train_group_size": d.train_group_size, "data.query_max_len": d.query_max_len,
                    "data.passage_max_len": d.passage_max_len, "train.emb_micro_batch_size": t.emb_micro_batch_size,
-                   "loss.grad_cache_chunks": cfg.loss.grad_cache_chunks}.items():
+                   "loss.grad_cache_chunks": cfg.loss.grad_cache_chunks,
+                   "loss.chunked_ce_size": cfg.loss.chunked_ce_size}.items():
         if v < 1:
             raise ConfigError(f"config key '{key}': must be >= 1, got {v}")
+    if cfg.loss.chunked_ce is True and t.compile == "full":
+        raise ConfigError("config key 'loss.chunked_ce': true is not supported with train.compile=full (the chunked "
+                          "loss replaces the output head's forward, inside the compiled graph); use "
+                          "train.compile=regional or loss.chunked_ce=false")
     if cfg.loss.temperature <= 0:
         raise ConfigError(f"config key 'loss.temperature': must be > 0, got {cfg.loss.temperature}")
     if t.emb_micro_batch_size % cfg.loss.grad_cache_chunks:
