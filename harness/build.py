@@ -178,7 +178,7 @@ def build_model(job: Job) -> None:
     from accelerate.utils import set_seed
 
     from harness import model as model_lib
-    from harness.objective import Objective
+    from harness.objective import Objective, resolve_chunked_ce
 
     cfg, accelerator = job.cfg, job.accelerator
     set_seed(cfg.train.seed)
@@ -204,7 +204,11 @@ def build_model(job: Job) -> None:
         job.compile.model_prepared(job.model, job.say)
     job.loaders = dict(zip(job.streams, prepared))
     job.gen_eval = accelerator.prepare(job.data["gen_eval"]) if "gen_eval" in job.data else None
-    job.objective = Objective(cfg, accelerator, job.model)
+    chunk_size = resolve_chunked_ce(cfg, job.model, longest_micro_batch(job.data), job.say)
+    if chunk_size is not None:
+        job.say(f"[harness] generative loss: chunked through the output head, {chunk_size} positions per chunk "
+                f"(loss.chunked_ce={cfg.loss.chunked_ce})")
+    job.objective = Objective(cfg, accelerator, job.model, chunk_size=chunk_size)
     mconf = accelerator.unwrap_model(job.model, keep_torch_compile=False).config
     job.objective.flop_dims = (matmul_params, getattr(mconf, "num_hidden_layers", 0), getattr(mconf, "hidden_size", 0))
     job.held = accelerator.gather(torch.tensor([distributed.parameters_held(job.model)],
@@ -212,6 +216,19 @@ def build_model(job: Job) -> None:
     if torch.cuda.is_available():
         peak_one, _ = hardware.peak_flops(torch.cuda.get_device_name())
         job.peak_flops = peak_one * job.world if peak_one else None
+
+
+def longest_micro_batch(data: dict) -> int:
+    """The most positions one generative micro-batch (training or evaluation) can have: batch size x the longest
+    row (packed rows: the packing width); 0 without generative data."""
+    most = 0
+    for name in ("gen", "gen_eval"):
+        loader = data.get(name)
+        if loader is None:
+            continue
+        width = getattr(loader.collate_fn, "width", None) or max(loader.dataset["length"], default=0)
+        most = max(most, loader.batch_size * width)
+    return most
 
 
 def describe_batch(job: Job) -> None:

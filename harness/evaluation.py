@@ -14,17 +14,19 @@ from typing import Callable, Optional
 import torch
 
 from harness import data as data_lib
-from harness import losses, metrics
+from harness import metrics
 
 
 @torch.no_grad()
-def evaluate_generative(accelerator, model, loader) -> float:
-    """Per-token generative loss on the eval set, over all processes."""
+def evaluate_generative(accelerator, model, loader, chunk_size: Optional[int] = None) -> float:
+    """Per-token generative loss on the eval set, over all processes. chunk_size: loss.chunked_ce resolved (the
+    output head's chunked loss, no [B, T, V] logits), or None for the full logits."""
+    from harness.objective import generative_loss_sum
+
     model.eval()
     totals = torch.zeros(2, device=accelerator.device, dtype=torch.float64)  # [loss sum, trained tokens]
     for batch in loader:
-        logits = model(**data_lib.model_inputs(batch), use_cache=False).logits
-        loss_sum, count = losses.token_loss_sum(logits, batch["labels"])
+        loss_sum, count = generative_loss_sum(model, batch, chunk_size)
         totals += torch.stack([loss_sum.double(), count.double()])
     model.train()
     totals = accelerator.reduce(totals, "sum")
@@ -74,7 +76,8 @@ class Evaluator:
         """{"eval_loss", "eval_recall_at_1", "eval_mrr"} for the eval data the run has ({} without any)."""
         t, results = time.perf_counter(), {}
         if self.gen_eval is not None:
-            results["eval_loss"] = evaluate_generative(self.accelerator, self.model, self.gen_eval)
+            results["eval_loss"] = evaluate_generative(self.accelerator, self.model, self.gen_eval,
+                                                       getattr(self.objective, "chunk_size", None))
         if self.retrieval_set is not None:
             r = evaluate_retrieval(self.accelerator, self.model, self.objective, self.retrieval_set, self.batch_size,
                                    self.pad_id)

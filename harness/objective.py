@@ -22,8 +22,50 @@ import torch
 from harness import losses, metrics
 from harness.config import Config
 from harness.data import model_inputs, real_tokens
-from harness.model import embed
+from harness.errors import ConfigError
+from harness.model import ChunkedHeadLoss, embed, output_head
 from harness.state import StepSums
+
+# loss.chunked_ce=auto turns the chunked loss on from this size of a micro-batch's fp32 logits (see resolve_chunked_ce)
+AUTO_MIN_LOGITS_BYTES = 256 * 2**20
+
+
+def resolve_chunked_ce(cfg: Config, model, positions: int, say=print) -> int | None:
+    """loss.chunked_ce -> positions per chunk for the generative loss, or None for the full logits.
+
+    positions: the most positions one generative micro-batch can have (micro-batch size x longest row; 0 without
+    generative data, then always None). auto: on when positions x vocab x 4 bytes >= AUTO_MIN_LOGITS_BYTES (256 MiB),
+    unless train.compile=full or the model's head is refused by harness.model.output_head (then a one-line note).
+    true with a refused head: a ConfigError. The result depends only on the config and the model, so every process
+    decides the same."""
+    setting = cfg.loss.chunked_ce
+    if setting is False or positions <= 0:
+        return None
+    if setting == "auto":
+        if cfg.train.compile == "full":
+            return None
+        vocab = _vocab_size(model)
+        if vocab is None or positions * vocab * 4 < AUTO_MIN_LOGITS_BYTES:
+            return None
+    try:
+        output_head(model)
+    except ConfigError as e:
+        reason = str(e).removeprefix("chunked loss: ")
+        if setting is True:
+            raise ConfigError(f"config key 'loss.chunked_ce': true, but the model's output head is not supported: "
+                              f"{reason}; use loss.chunked_ce=false") from None
+        say(f"[harness] note: loss.chunked_ce=auto stays off (full logits): {reason}")
+        return None
+    return cfg.loss.chunked_ce_size
+
+
+def _vocab_size(model) -> int | None:
+    """Rows of the output head (out_features: also right under ZeRO-3, where the weight is a 0-size shard)."""
+    from harness.model import unwrap
+
+    inner = unwrap(model)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    return getattr(head, "out_features", None)
 
 
 @contextlib.contextmanager
@@ -83,9 +125,20 @@ class _RngReplay:
             self._set(after)
 
 
+def generative_loss_sum(model, gen: dict, chunk_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """See Objective.generative_loss_sum (also the evaluation's, under no_grad)."""
+    if chunk_size is None:
+        logits = model(**model_inputs(gen), use_cache=False).logits
+        return losses.token_loss_sum(logits, gen["labels"])
+    with ChunkedHeadLoss(model, gen["labels"], chunk_size=chunk_size) as head_loss:
+        out = model(**model_inputs(gen), use_cache=False)
+    return head_loss.result(out)
+
+
 class Objective:
-    def __init__(self, cfg: Config, accelerator, model):
+    def __init__(self, cfg: Config, accelerator, model, chunk_size: int | None = None):
         self.accelerator, self.model = accelerator, model
+        self.chunk_size = chunk_size  # loss.chunked_ce resolved (resolve_chunked_ce): positions per chunk, or None
         self.loss = cfg.loss
         self.mode = cfg.loss.mode
         self.pooling = cfg.model.pooling
@@ -121,6 +174,12 @@ class Objective:
     def embed(self, batch: dict) -> torch.Tensor:
         return embed(self.model, batch, self.pooling, self.bidirectional)
 
+    def generative_loss_sum(self, gen: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of next-token losses, trained tokens) of a generative batch: the full logits and token_loss_sum, or
+        with loss.chunked_ce the output head's chunked loss (ChunkedHeadLoss: the model's forward, through its
+        wrappers, returns the loss sum in place of the logits)."""
+        return generative_loss_sum(self.model, gen, self.chunk_size)
+
     # ---- one micro-step
 
     def micro_step(self, gen: dict | None, emb: dict | None, gen_scale) -> StepSums:
@@ -131,14 +190,13 @@ class Objective:
         if gen is not None:
             deferred = deferred_sync(accelerator, model) if emb is not None else contextlib.nullcontext()
             with deferred:
-                logits = model(**model_inputs(gen), use_cache=False).logits
-                total, count = losses.token_loss_sum(logits, gen["labels"])
+                total, count = self.generative_loss_sum(gen)
                 scale = gen_scale if self.loss.gen_averaging == "token" else losses.mixed_scale(count)
                 accelerator.backward(self.loss.gen_weight * total * scale)
-            sums = StepSums(gen_sum=total.detach(), gen_count=count, gen_mean_sum=(total / count.clamp(min=1)).detach(),
+            total = total.detach()
+            sums = StepSums(gen_sum=total, gen_count=count, gen_mean_sum=total / count.clamp(min=1),
                             gen_micro=1, tokens=real_tokens(gen), positions=gen["input_ids"].numel(),
                             samples=gen["input_ids"].shape[0], flops=self.flops(gen, backward=True))
-            del logits
         if emb is not None:
             chunks = self.loss.grad_cache_chunks
             loss_emb = self._embedding_plain(emb) if chunks == 1 else self._embedding_cached(emb, chunks)
