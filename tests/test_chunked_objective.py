@@ -18,7 +18,7 @@ from harness.errors import ConfigError
 from harness.losses import IGNORE_INDEX
 from harness.model import build_model, load_tokenizer
 from harness.objective import AUTO_MIN_LOGITS_BYTES, Objective, resolve_chunked_ce
-from harness_launch import DEFAULT, FAST, final_weights, initial_weights, metrics, rel_close, run_train, \
+from harness_launch import DEFAULT, FAST, final_weights, initial_weights, metrics, rel_close, report, run_train, \
     update_rel_diff
 
 TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -203,3 +203,60 @@ def test_chunked_ce_config_keys():
         load_config(DEFAULT, ["loss.chunked_ce_size=0"])
     with pytest.raises(ConfigError, match="'loss.chunked_ce': true is not supported with train.compile=full"):
         load_config(DEFAULT, ["loss.chunked_ce=true", "train.compile=full"])
+
+
+# ----------------------------------------------------------------------------------------------- end to end
+
+E2E = ["train.max_steps=5", "train.progress_bar=false", "train.log_every=1", "train.report_to=[]",
+       "train.summary=false", "loss.chunked_ce_size=300"]  # 300 does not divide a micro-batch's positions
+assert "data.eval_files=[]" in FAST  # these runs keep the recipe's eval files: the eval loss is compared too
+
+
+def _e2e(out, chunked: bool, nproc: int = 1, accel: str | None = None, micro: int = 16):
+    proc = run_train([f"train.output_dir={out}", *E2E, f"loss.chunked_ce={str(chunked).lower()}",
+                      f"train.micro_batch_size={micro}"], nproc=nproc, accel=accel)
+    assert ("generative loss: chunked through the output head, 300 positions" in proc.stdout) == chunked
+    return metrics(out), _evals(out), final_weights(out)
+
+
+def _evals(out) -> list[float]:
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(x) for x in Path(out, "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [r["eval_loss"] for r in rows if "eval_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def full_logits_run(tmp_path_factory):
+    """The default recipe, 5 steps, one process, loss.chunked_ce=false: the reference of the runs below."""
+    return _e2e(tmp_path_factory.mktemp("full"), chunked=False)
+
+
+def _same(got, ref, rel: float, evals: bool = True) -> None:
+    """evals: compare the eval losses too (not across process counts: the prepared eval loader of 2 processes
+    repeats samples to even out the shards, so its mean differs from one process's whatever the loss path)."""
+    (m, ev, w), (m_ref, ev_ref, w_ref) = got, ref
+    assert len(m) == len(m_ref) == 5 and len(ev) == len(ev_ref) == 2  # eval at the start and at the end
+    for a, b in zip(m, m_ref):
+        for key in ("loss", "grad_norm"):
+            assert rel_close(a[key], b[key], rel), (a["step"], key, a[key], b[key])
+    if evals:
+        for a, b in zip(ev, ev_ref):
+            assert rel_close(a, b, rel), (ev, ev_ref)
+    assert update_rel_diff(w, w_ref, initial_weights()) < rel
+
+
+@pytest.mark.slow
+def test_one_process_chunked_equals_full_logits(full_logits_run, tmp_path):
+    _same(_e2e(tmp_path / "chunked", chunked=True), full_logits_run, 1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accel", ["ddp", "zero3"])
+def test_two_processes_chunked_equal_one_process_full_logits(accel, full_logits_run, tmp_path):
+    """2 processes x 8 rows with the chunked loss (under ZeRO-3 the head's weight is gathered by the engine's hooks
+    while the chunked loss runs) against 1 process x 16 rows with the full logits: the same global batch."""
+    _same(_e2e(tmp_path / accel, chunked=True, nproc=2, accel=accel, micro=8), full_logits_run, 1e-4, evals=False)
+    rep = report(tmp_path / accel)
+    assert rep["world_size"] == 2 and rep["zero_stage"] == (3 if accel == "zero3" else None)
