@@ -18,7 +18,9 @@ size, AdamW settings and param groups, learning-rate schedule, gradient clipping
 Each run is its own subprocess (accelerate keeps process-wide state), and the contenders alternate within each
 round (harness, raw, trainer, harness, raw, trainer, ...) so that slow drifts of the machine hit them alike. The
 measurement covers steps W+1..W+N: tokens/s = non-padding input tokens / seconds, step time = seconds / N; the
-medians over rounds are reported, with ratios, on stdout and in a JSON file (default
+medians over rounds are reported, with ratios and each contender's peak memory (the largest over rounds of
+`peak_mem_gb`: torch.cuda.max_memory_allocated on a GPU, the process's peak RSS on CPU), on stdout and in a JSON
+file (default
 `<train.output_dir>/bench/bench.json`).
 
 Every run skips evaluation, checkpoints, export, trackers and the progress bar. To compare like with like, the
@@ -303,6 +305,14 @@ def run_trainer(cfg, warmup: int, steps: int, threads: int, log_every: int) -> d
                    logged[-1] if logged else None, threads=torch.get_num_threads())
 
 
+def peak_memory_gb() -> float:
+    """This process's peak memory so far, in GiB: torch.cuda.max_memory_allocated on a GPU, the peak resident set
+    size (VmHWM, getrusage's ru_maxrss) on CPU. The harness logs the same figure as mem_gb in metrics.jsonl."""
+    from harness.metrics import memory_gb
+
+    return memory_gb()
+
+
 def _result(kind: str, steps: int, tokens: int, seconds: float, final_loss: Optional[float], **extra) -> dict:
     return {"kind": kind, "steps": steps, "tokens": int(tokens), "seconds": seconds,
             "tokens_per_s": tokens / seconds, "step_time_s": seconds / steps, "final_loss": final_loss, **extra}
@@ -319,7 +329,9 @@ def read_harness_metrics(run_dir: str | Path, warmup: int, steps: int) -> dict:
     if a is None or b is None:
         raise HarnessError(f"{run_dir}/metrics.jsonl has no record at step {warmup} or {warmup + steps} "
                            f"(steps logged: {sorted(records)})")
-    return _result("harness", steps, b["tokens"] - a["tokens"], b["elapsed_s"] - a["elapsed_s"], b.get("loss"))
+    peaks = [r["mem_gb"] for r in records.values() if r.get("mem_gb") is not None]
+    return _result("harness", steps, b["tokens"] - a["tokens"], b["elapsed_s"] - a["elapsed_s"], b.get("loss"),
+                   peak_mem_gb=max(peaks) if peaks else None)
 
 
 # ----------------------------------------------------------------------------------------------- the parent
@@ -386,6 +398,8 @@ def summarise(rounds: list[list[dict]], names: list[str], baseline: Optional[str
                      "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
                      "tokens_per_s_rounds": tps, "step_time_s_rounds": st,
                      "tokens_median": statistics.median(r["tokens"] for r in rs),
+                     "peak_mem_gb_max": max((r["peak_mem_gb"] for r in rs if r.get("peak_mem_gb") is not None),
+                                            default=None),
                      "final_loss": [r.get("final_loss") for r in rs]}
     if baseline in out:
         b = out[baseline]
@@ -416,13 +430,14 @@ def headline_ratios(summary: dict) -> dict:
 
 
 def format_table(summary: dict, baseline: Optional[str], label: str) -> str:
-    head = [label, "tokens/s (median)", "step time", "min..max tokens/s"]
+    head = [label, "tokens/s (median)", "step time", "min..max tokens/s", "peak mem"]
     if baseline in summary:
         head += [f"tokens/s vs {baseline}", f"step time vs {baseline}"]
     rows = [head]
     for name, s in summary.items():
         row = [name, f"{s['tokens_per_s_median']:,.0f}", f"{s['step_time_s_median'] * 1e3:.1f} ms",
-               f"{s['tokens_per_s_min']:,.0f}..{s['tokens_per_s_max']:,.0f}"]
+               f"{s['tokens_per_s_min']:,.0f}..{s['tokens_per_s_max']:,.0f}",
+               "?" if s.get("peak_mem_gb_max") is None else f"{s['peak_mem_gb_max']:.2f} GiB"]
         if baseline in summary:
             row += [f"{s[f'tokens_per_s_vs_{baseline}']:.3f}x", f"{s[f'step_time_vs_{baseline}']:.3f}x"]
         rows.append(row)
@@ -556,6 +571,7 @@ def _worker(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # the parent appended the forced overrides
     fn = {"raw": run_raw, "trainer": run_trainer}[args.worker]
     res = fn(cfg, args.warmup, args.steps, args.threads, cfg.train.log_every)
+    res["peak_mem_gb"] = peak_memory_gb()
     print(RESULT_TAG + json.dumps(res), flush=True)
     return 0
 

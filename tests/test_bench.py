@@ -37,10 +37,14 @@ def test_bad_profile_or_key_stops_before_any_run(tmp_path, capsys):
 
 
 def test_summary_ratios():
-    rounds = [[{"name": "harness", "tokens_per_s": 90.0, "step_time_s": 1.1, "tokens": 99},
-               {"name": "raw", "tokens_per_s": 100.0, "step_time_s": 1.0, "tokens": 99},
+    rounds = [[{"name": "harness", "tokens_per_s": 90.0, "step_time_s": 1.1, "tokens": 99, "peak_mem_gb": 1.5},
+               {"name": "raw", "tokens_per_s": 100.0, "step_time_s": 1.0, "tokens": 99, "peak_mem_gb": 1.25},
                {"name": "trainer", "tokens_per_s": 80.0, "step_time_s": 1.25, "tokens": 99}]]
     s = bench.summarise(rounds, ["harness", "raw", "trainer"], "raw")
+    assert s["harness"]["peak_mem_gb_max"] == 1.5 and s["trainer"]["peak_mem_gb_max"] is None
+    table = bench.format_table(s, "raw", "contender")
+    assert "peak mem" in table and "1.50 GiB" in table
+    assert bench.peak_memory_gb() > 0  # this process's peak RSS (CPU) or allocated GPU memory
     r = bench.headline_ratios(s)
     assert r["harness_step_time_over_raw"] == pytest.approx(1.1)
     assert r["harness_tokens_per_s_over_trainer"] == pytest.approx(90 / 80)
@@ -60,6 +64,7 @@ def test_bench_three_contenders(tmp_path, monkeypatch):
     for name, s in res["summary"].items():
         assert s["tokens_per_s_median"] > 0 and s["step_time_s_median"] > 0, name
         assert s["tokens_per_s_vs_raw"] > 0 and s["step_time_vs_raw"] > 0, name
+        assert s["peak_mem_gb_max"] > 0, name
     for key in ("harness_step_time_over_raw", "harness_tokens_per_s_over_trainer"):
         assert res["ratios"][key] > 0
     (rnd,) = res["rounds"]
