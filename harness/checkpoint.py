@@ -257,12 +257,18 @@ def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optiona
 
 
 def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, extra: Optional[dict]) -> None:
+    from harness.model import is_peft, merged_copy, uses_trainable_tokens
+
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    kwargs = {}
+    if is_peft(unwrapped) and uses_trainable_tokens(unwrapped):
+        # the added tokens' rows are in the adapter (trainable_tokens_delta); peft would otherwise also save the
+        # whole resized embedding matrices because the vocabulary grew
+        kwargs["save_embedding_layers"] = False
+    unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, **kwargs)
     tokenizer.save_pretrained(tmp)
     for name, obj in (extra or {}).items():  # small JSON side files, e.g. harness.json
         (tmp / name).write_text(json.dumps(obj, indent=2))
-    from harness.model import is_peft, merged_copy
 
     if is_peft(unwrapped):  # LoRA: final/ holds the adapter, final/merged/ the model with the adapter merged in
         merged_copy(unwrapped, state_dict).save_pretrained(tmp / "merged", safe_serialization=True)

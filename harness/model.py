@@ -67,22 +67,29 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
     except (OSError, ValueError, KeyError) as e:
         what = cfg.name_or_path or cfg.config.get("model_type")
         raise ConfigError(f"config key 'model.name_or_path': cannot build model '{what}': {str(e).splitlines()[0]}")
-    if model.get_input_embeddings().num_embeddings < len(tokenizer):
+    base_vocab = model.get_input_embeddings().num_embeddings
+    if base_vocab < len(tokenizer):
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    return apply_lora(model, cfg)
+    added = list(range(base_vocab, len(tokenizer)))  # rows of the tokens added to the base's vocabulary
+    return apply_lora(model, cfg, added_tokens=added)
 
 
 # ----------------------------------------------------------------------------------------------- LoRA
 
 
-def apply_lora(model, cfg: ModelConfig):
+def apply_lora(model, cfg: ModelConfig, added_tokens: list[int] | None = None):
     """With `model.lora.enabled`, wrap the model in a peft LoRA model: base weights frozen, adapters trainable
-    (works under DDP and ZeRO-1/2/3: the adapters are ordinary parameters). Otherwise the model unchanged."""
+    (works under DDP and ZeRO-1/2/3: the adapters are ordinary parameters). Otherwise the model unchanged.
+
+    `added_tokens`: ids of tokens that the tokenizer added to the base's vocabulary (the chat markers). Their rows of
+    the input embedding and of the output head were created by the resize and would stay random under a frozen
+    base: they are trained through peft's `trainable_token_indices` (only those rows, saved with the adapter as
+    `trainable_tokens_delta`). A tied head follows the embedding's rows; an untied head gets its own."""
     from harness.config import lora_config
 
     lc = lora_config(cfg)
@@ -93,10 +100,26 @@ def apply_lora(model, cfg: ModelConfig):
     targets = lc.target_modules
     try:
         peft_cfg = LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets,
-                              task_type="CAUSAL_LM")
+                              task_type="CAUSAL_LM", trainable_token_indices=_token_targets(model, added_tokens))
         return get_peft_model(model, peft_cfg)
     except ValueError as e:
         raise ConfigError(f"config key 'model.lora.target_modules': {str(e).splitlines()[0]}")
+
+
+def _token_targets(model, added: list[int] | None):
+    """peft's trainable_token_indices for the added rows: a list (the input embedding; a tied head follows it) or,
+    with an untied head, {input embedding module: rows, output head module: rows}. None when nothing was added."""
+    if not added:
+        return None
+    inputs, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or head.weight is inputs.weight:
+        return list(added)
+    names = {id(m): n for n, m in model.named_modules()}
+    return {names[id(inputs)]: list(added), names[id(head)]: list(added)}
+
+
+def uses_trainable_tokens(peft_model) -> bool:
+    return any(getattr(c, "trainable_token_indices", None) for c in peft_model.peft_config.values())
 
 
 def is_peft(model) -> bool:
