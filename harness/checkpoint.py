@@ -677,11 +677,29 @@ def resolve_resume(output_dir: str | Path, resume: Optional[str],
     return None, incomplete
 
 
-def load_checkpoint(accelerator, path: Path) -> dict:
+def load_checkpoint(accelerator, path: Path, quantized: bool = False) -> dict:
     """Restore the accelerate state (every rank) and return the loop state saved with it. A checkpoint that cannot be
-    loaded (unverifiable and damaged, or written for another model) is a one-line HarnessError."""
+    loaded (unverifiable and damaged, or written for another model) is a one-line HarnessError.
+
+    `quantized` (QLoRA): the frozen base is loaded quantized from model.name_or_path again, and its quantization
+    state entries (absmax, quant_map, ...) in the checkpoint do not load as parameters: the model is loaded
+    non-strictly, after checking that the checkpoint holds every trainable parameter (adapters, added tokens)."""
     try:
-        accelerator.load_state(str(path))
+        kwargs = {}
+        if quantized:
+            from safetensors import safe_open
+
+            files = sorted(path.glob("model*.safetensors"))
+            saved = set()
+            for f in files:
+                with safe_open(str(f), "pt") as st:
+                    saved.update(st.keys())
+            unwrapped = accelerator.unwrap_model(accelerator._models[0], keep_torch_compile=False)
+            lacking = [n for n, p in unwrapped.named_parameters() if p.requires_grad and n not in saved]
+            if not files or lacking:
+                raise RuntimeError(f"the checkpoint lacks trainable parameters, e.g. {(lacking or ['model*.safetensors'])[0]}")
+            kwargs["strict"] = False
+        accelerator.load_state(str(path), **kwargs)
         return json.loads((path / STATE_FILE).read_text())
     except Exception as e:  # noqa: BLE001 - a damaged file or a user mistake, reported on one line
         raise HarnessError(f"could not load checkpoint {path} ({_one_line(e, 400)}); resume from another "

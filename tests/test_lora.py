@@ -153,6 +153,7 @@ def load_adapter_on_base(base, final):
     return PeftModel.from_pretrained(model, final).eval(), tok
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_added_token_rows_are_trained_and_saved_with_the_adapter(tmp_path, tied):
     """Regression: the chat markers added to a pretrained base's tokenizer used to keep random, frozen rows under
