@@ -19,8 +19,8 @@ import torch
 
 from harness import checkpoint, distributed, hardware, loaders, metrics, monitor, optim, planner, runlock
 from harness.compiling import CompileWatch
-from harness.config import Config, save_config
-from harness.errors import HarnessError
+from harness.config import Config, quantization_zero3_error, save_config
+from harness.errors import ConfigError, HarnessError
 from harness.timing import Timings
 
 
@@ -181,9 +181,11 @@ def build_model(job: Job) -> None:
     from harness.objective import Objective, resolve_chunked_ce
 
     cfg, accelerator = job.cfg, job.accelerator
+    if cfg.model.quantization != "none" and job.zero["zero_stage"] == 3:  # a launcher's ZeRO-3 (config.py: the rest)
+        raise ConfigError(quantization_zero3_error(cfg.model.quantization, "the accelerate config's DeepSpeed"))
     set_seed(cfg.train.seed)
     with distributed.model_init_context(accelerator, cfg.model.name_or_path is None or cfg.model.random_init):
-        model = model_lib.build_model(cfg.model, job.tokenizer)
+        model = model_lib.build_model(cfg.model, job.tokenizer, precision=job.precision)
     if cfg.loss.mode != "generative":
         model_lib.check_embedding_support(model.config.model_type, cfg.model.attn_implementation,
                                           cfg.model.embed_attention)

@@ -257,12 +257,18 @@ def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optiona
 
 
 def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, extra: Optional[dict]) -> None:
+    from harness.model import is_peft, merged_copy, uses_trainable_tokens
+
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    kwargs = {}
+    if is_peft(unwrapped) and uses_trainable_tokens(unwrapped):
+        # the added tokens' rows are in the adapter (trainable_tokens_delta); peft would otherwise also save the
+        # whole resized embedding matrices because the vocabulary grew
+        kwargs["save_embedding_layers"] = False
+    unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, **kwargs)
     tokenizer.save_pretrained(tmp)
     for name, obj in (extra or {}).items():  # small JSON side files, e.g. harness.json
         (tmp / name).write_text(json.dumps(obj, indent=2))
-    from harness.model import is_peft, merged_copy
 
     if is_peft(unwrapped):  # LoRA: final/ holds the adapter, final/merged/ the model with the adapter merged in
         merged_copy(unwrapped, state_dict).save_pretrained(tmp / "merged", safe_serialization=True)
@@ -671,11 +677,29 @@ def resolve_resume(output_dir: str | Path, resume: Optional[str],
     return None, incomplete
 
 
-def load_checkpoint(accelerator, path: Path) -> dict:
+def load_checkpoint(accelerator, path: Path, quantized: bool = False) -> dict:
     """Restore the accelerate state (every rank) and return the loop state saved with it. A checkpoint that cannot be
-    loaded (unverifiable and damaged, or written for another model) is a one-line HarnessError."""
+    loaded (unverifiable and damaged, or written for another model) is a one-line HarnessError.
+
+    `quantized` (QLoRA): the frozen base is loaded quantized from model.name_or_path again, and its quantization
+    state entries (absmax, quant_map, ...) in the checkpoint do not load as parameters: the model is loaded
+    non-strictly, after checking that the checkpoint holds every trainable parameter (adapters, added tokens)."""
     try:
-        accelerator.load_state(str(path))
+        kwargs = {}
+        if quantized:
+            from safetensors import safe_open
+
+            files = sorted(path.glob("model*.safetensors"))
+            saved = set()
+            for f in files:
+                with safe_open(str(f), "pt") as st:
+                    saved.update(st.keys())
+            unwrapped = accelerator.unwrap_model(accelerator._models[0], keep_torch_compile=False)
+            lacking = [n for n, p in unwrapped.named_parameters() if p.requires_grad and n not in saved]
+            if not files or lacking:
+                raise RuntimeError(f"the checkpoint lacks trainable parameters, e.g. {(lacking or ['model*.safetensors'])[0]}")
+            kwargs["strict"] = False
+        accelerator.load_state(str(path), **kwargs)
         return json.loads((path / STATE_FILE).read_text())
     except Exception as e:  # noqa: BLE001 - a damaged file or a user mistake, reported on one line
         raise HarnessError(f"could not load checkpoint {path} ({_one_line(e, 400)}); resume from another "

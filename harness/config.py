@@ -80,6 +80,10 @@ class ModelConfig:
     embed_attention: Literal["bidirectional", "causal"] = _f(
         "bidirectional", "Attention in embedding passes (generation is always causal). bidirectional: "
         "llama, mistral, qwen2, qwen3 with sdpa or eager attention.")
+    quantization: Literal["none", "4bit", "8bit"] = _f(
+        "none", "QLoRA: load the pretrained base quantized by bitsandbytes (pip install harness[qlora]) and train LoRA "
+        "adapters on it. 4bit: nf4 with double quantisation, computing in the run's precision (bf16 or fp32); 8bit: "
+        "LLM.int8. Needs model.lora.enabled=true and a pretrained model.name_or_path; not under ZeRO-3.")
     lora: dict = _f({}, "LoRA through peft (keys below, LoraConfig); e.g. model.lora.enabled=true model.lora.r=16. "
                         "final/ then holds the adapter and final/merged/ the merged model.")
 
@@ -499,7 +503,7 @@ def validate(cfg: Config) -> None:
                           f"({t.emb_micro_batch_size}), got {cfg.loss.grad_cache_chunks}")
     if "{instruction}" not in d.emb_instruction_template:
         raise ConfigError("config key 'data.emb_instruction_template': must contain {instruction}")
-    lora_config(cfg.model)
+    check_quantization(cfg)
     r = cfg.rft
     for key, v in {"rft.oversample": r.oversample, "rft.max_new_tokens": r.max_new_tokens,
                    "rft.questions_per_batch": r.questions_per_batch, "rft.keep_per_question": r.keep_per_question,
@@ -513,6 +517,43 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config key 'model.name_or_path': set it, or give model.config (with model_type) for random init")
     if cfg.model.name_or_path is None and "model_type" not in cfg.model.config:
         raise ConfigError("config key 'model.config.model_type': required to build a model from config (e.g. llama)")
+
+
+def check_quantization(cfg: Config) -> None:
+    """model.quantization needs LoRA on a pretrained base and no ZeRO-3 (as far as the config tells: train.deepspeed;
+    a launcher's ZeRO-3 is refused when the run starts, harness.build)."""
+    m = cfg.model
+    lc = lora_config(m)
+    q = m.quantization
+    if q == "none":
+        return
+    if not lc.enabled:
+        raise ConfigError(f"config key 'model.quantization': {q} trains LoRA adapters on a frozen quantized base; set "
+                          f"model.lora.enabled=true (or model.quantization=none)")
+    if m.name_or_path is None or m.random_init:
+        raise ConfigError(f"config key 'model.quantization': {q} quantizes pretrained weights loaded from "
+                          f"model.name_or_path (a hub id or a folder); not a model from model.config or random_init")
+    if deepspeed_stage(cfg.train.deepspeed) == 3:
+        raise ConfigError(quantization_zero3_error(q, f"train.deepspeed={cfg.train.deepspeed}"))
+
+
+def quantization_zero3_error(q: str, why: str) -> str:
+    return (f"config key 'model.quantization': {q} does not work under DeepSpeed ZeRO-3 ({why}): bitsandbytes' "
+            f"quantized weights cannot be partitioned; use one process, DDP, or ZeRO stage 0, 1 or 2")
+
+
+def deepspeed_stage(value: Optional[str]) -> Optional[int]:
+    """The ZeRO stage that train.deepspeed names (a shipped name or a JSON path), None if unknown/unset."""
+    import json
+
+    if not value:
+        return None
+    shipped = Path(__file__).resolve().parent.parent / "ds_configs"
+    path = shipped / f"{value}.json" if "/" not in value and not value.endswith(".json") else Path(value)
+    try:
+        return json.loads(path.read_text()).get("zero_optimization", {}).get("stage", 0)
+    except (OSError, ValueError, AttributeError):
+        return None  # reported with its own message when the run starts (distributed.resolve_ds_config)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

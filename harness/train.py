@@ -63,7 +63,8 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
 def resume_or_start(job: Job) -> LoopState:
     if job.resume_from is None:
         return LoopState(streams={n: {"epoch": 0, "batches": 0} for n in job.streams})
-    state = LoopState.from_saved(checkpoint.load_checkpoint(job.accelerator, job.resume_from))
+    state = LoopState.from_saved(checkpoint.load_checkpoint(job.accelerator, job.resume_from,
+                                                                job.cfg.model.quantization != "none"))
     job.say(f"[harness] resumed from {job.resume_from}: step {state.step}, data position {state.streams}")
     return state
 

@@ -111,3 +111,80 @@ def check_lora_run(run_dir) -> None:
 def test_lora_under_ddp_and_zero3(tmp_path, accel):
     run_train([*FAST, *LORA, f"train.output_dir={tmp_path}"], nproc=2, accel=accel)
     check_lora_run(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------- added tokens
+
+
+def save_base(folder, tied: bool = True, vocab_size: int = 300):
+    """A tiny pretrained-style base in `folder`: a llama saved with save_pretrained and a BPE tokenizer (trained on
+    the sample data) without the chat markers, so that load_tokenizer adds them and build_model resizes."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    from tests.harness_launch import ROOT
+
+    texts = [json.dumps(json.loads(line)) for line in (ROOT / "data" / "sample" / "gen.jsonl").read_text().splitlines()]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(), decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                  pad_token="</s>")
+    tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    conf = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                       tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    AutoModelForCausalLM.from_config(conf).save_pretrained(folder)
+    return len(tok)
+
+
+def load_adapter_on_base(base, final):
+    """What a user does with final/ (docs/guide.md): the original base, resized to the tokenizer saved with the
+    adapter (the same padding to a multiple of 64 as in training), then the adapter."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(final)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    model.resize_token_embeddings(len(tok), pad_to_multiple_of=64)
+    return PeftModel.from_pretrained(model, final).eval(), tok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_added_token_rows_are_trained_and_saved_with_the_adapter(tmp_path, tied):
+    """Regression: the chat markers added to a pretrained base's tokenizer used to keep random, frozen rows under
+    LoRA, and final/ did not carry them."""
+    base, run = tmp_path / "base", tmp_path / "run"
+    n_base = save_base(base, tied)
+    over = [*FAST, f"model.name_or_path={base}", "model.config={}", "model.tokenizer=null",
+            "model.lora.enabled=true", "model.lora.r=4",
+            "train.max_steps=4", "optim.lr=5e-2", "optim.warmup_steps=0", "train.micro_batch_size=4"]
+    start = initial_weights(DEFAULT, over)
+    run_train([*over, f"train.output_dir={run}"])
+    final = run / "final"
+    adapter = load_file(str(final / "adapter_model.safetensors"))
+    deltas = {k: v for k, v in adapter.items() if "trainable_tokens_delta" in k}
+    assert len(deltas) == (1 if tied else 2), sorted(adapter)  # embedding (+ untied head), not whole matrices
+    assert not any(k.endswith(("embed_tokens.weight", "lm_head.weight")) for k in adapter)
+    for k, v in deltas.items():
+        assert v.shape[0] == 4  # the four chat markers
+        k0 = next(s for s in start if s.startswith(k.removesuffix(".weight").rsplit(".", 1)[0]) and "delta" in s)
+        assert not torch.allclose(v, start[k0]), k  # trained
+
+    peft_model, tok = load_adapter_on_base(base, final)
+    marker = tok.convert_tokens_to_ids("<|assistant|>")
+    assert marker >= n_base
+    emb = peft_model.get_input_embeddings()
+    row = emb(torch.tensor([[marker]]))[0, 0]
+    trained = deltas[next(k for k in deltas if "embed_tokens" in k)]
+    assert torch.allclose(row, trained[marker - n_base], atol=1e-6)
+    merged = AutoModelForCausalLM.from_pretrained(final / "merged").eval()
+    ids = tok("<|user|>\nHow many people live in Dunmore?\n<|assistant|>\n", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.allclose(peft_model(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)
+        out = peft_model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 5
