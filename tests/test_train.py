@@ -156,8 +156,11 @@ def test_auto_micro_batch_backs_off_and_keeps_the_global_batch(tmp_path):
         # micro-batch depends on the micro-batch size
         a, b = metrics(out)[0], metrics(hand)[0]
         assert rel_close(a["loss"], b["loss"], 1e-5) and rel_close(a["grad_norm"], b["grad_norm"], 1e-4), (name, a, b)
-        if micro == 64:
-            assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(hand)]
+        if micro == 64:  # the same split as the hand-set run: the same losses (bit for bit without DeepSpeed; ZeRO-2's
+            # flat-buffer AdamW rounds differently from torch's per-tensor one: 7.19813658791866 vs 7.198136634644139
+            # at step 2, measured with micro-batch 64 x 4 set by hand under both)
+            losses, expected = [r["loss"] for r in metrics(out)], [r["loss"] for r in metrics(hand)]
+            assert losses == expected if not extra else all(map(rel_close, losses, expected, [1e-7] * 2)), (name, losses)
 
 
 @pytest.mark.slow
