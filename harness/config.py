@@ -504,7 +504,15 @@ def validate(cfg: Config) -> None:
     if "{instruction}" not in d.emb_instruction_template:
         raise ConfigError("config key 'data.emb_instruction_template': must contain {instruction}")
     check_quantization(cfg)
-    r = cfg.rft
+    check_rft(cfg.rft)
+    if cfg.model.name_or_path is None and not cfg.model.config:
+        raise ConfigError("config key 'model.name_or_path': set it, or give model.config (with model_type) for random init")
+    if cfg.model.name_or_path is None and "model_type" not in cfg.model.config:
+        raise ConfigError("config key 'model.config.model_type': required to build a model from config (e.g. llama)")
+
+
+def check_rft(r) -> None:
+    """The rft section's ranges."""
     for key, v in {"rft.oversample": r.oversample, "rft.max_new_tokens": r.max_new_tokens,
                    "rft.questions_per_batch": r.questions_per_batch, "rft.keep_per_question": r.keep_per_question,
                    "rft.micro_batch_sequences": r.micro_batch_sequences}.items():
@@ -513,10 +521,6 @@ def validate(cfg: Config) -> None:
     if r.temperature <= 0 or not 0 < r.top_p <= 1 or r.tolerance < 0:
         bad = "rft.temperature" if r.temperature <= 0 else "rft.top_p" if not 0 < r.top_p <= 1 else "rft.tolerance"
         raise ConfigError(f"config key '{bad}': out of range")
-    if cfg.model.name_or_path is None and not cfg.model.config:
-        raise ConfigError("config key 'model.name_or_path': set it, or give model.config (with model_type) for random init")
-    if cfg.model.name_or_path is None and "model_type" not in cfg.model.config:
-        raise ConfigError("config key 'model.config.model_type': required to build a model from config (e.g. llama)")
 
 
 def check_quantization(cfg: Config) -> None:

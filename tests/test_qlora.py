@@ -14,7 +14,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from harness.config import ModelConfig, load_config
+from harness.config import load_config
 from harness.errors import ConfigError
 from tests.harness_launch import DEFAULT, FAST, run_train
 from tests.test_lora import load_adapter_on_base, save_base
