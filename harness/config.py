@@ -34,7 +34,27 @@ from harness.errors import ConfigError
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads 1e-3 / 3E-4 as floats (YAML 1.2; PyYAML's 1.1 rules want a dot: 1.0e-3)."""
+    """SafeLoader that also reads 1e-3 / 3E-4 as floats (YAML 1.2; PyYAML's 1.1 rules want a dot: 1.0e-3), and
+    refuses a key given twice in one mapping (PyYAML would keep the last one without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise DuplicateKey(key, first, key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+class DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, first_line: int, mark):
+        self.problem = f"key '{key}' given twice, first on line {first_line}"
+        self.problem_mark = mark
+        super().__init__(self.problem)
 
 
 _Loader.add_implicit_resolver(
@@ -478,6 +498,21 @@ def validate(cfg: Config) -> None:
     if t.monitor_interval_s < 0 or t.price_per_hour < 0:
         raise ConfigError(f"config key '{'train.price_per_hour' if t.price_per_hour < 0 else 'train.monitor_interval_s'}"
                           "': must be >= 0")
+    if t.max_nonfinite_skips < 0:
+        raise ConfigError(f"config key 'train.max_nonfinite_skips': must be >= 0, got {t.max_nonfinite_skips}")
+    out = Path(t.output_dir)
+    existing = next((p for p in (out, *out.parents) if p.exists()), None)  # mkdir would fail under a file
+    if existing is not None and not existing.is_dir():
+        raise ConfigError(f"config key 'train.output_dir': {existing} is a file, not a folder"
+                          + (f" (in {out})" if existing != out else ""))
+    mc = cfg.model.config
+    heads, kv, hidden = mc.get("num_attention_heads"), mc.get("num_key_value_heads"), mc.get("hidden_size")
+    if isinstance(heads, int) and isinstance(hidden, int) and (heads < 1 or hidden % heads):
+        raise ConfigError(f"config key 'model.config.num_attention_heads': must divide model.config.hidden_size "
+                          f"({hidden}), got {heads}")
+    if isinstance(heads, int) and isinstance(kv, int) and (kv < 1 or heads % kv):
+        raise ConfigError(f"config key 'model.config.num_key_value_heads': must divide "
+                          f"model.config.num_attention_heads ({heads}), got {kv}")
     if t.overwrite and t.resume not in (None, "auto", "none", "null", ""):
         raise ConfigError(f"config key 'train.overwrite': starts the run over, so it cannot resume from "
                           f"train.resume={t.resume}")

@@ -59,8 +59,13 @@ def expand_files(paths: list[str], what: str = "data.train_files") -> list[str]:
 def read_jsonl(path: str) -> Iterator[tuple[int, dict]]:
     """(line number, object) for each non-blank line; malformed JSON or an empty file raises DataError."""
     n = 0
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1});"
+                                f" convert the file, e.g. iconv -f latin1 -t utf-8") from None
             if not line.strip():
                 continue
             try:
@@ -83,6 +88,11 @@ def _string(value: Any, where: str, field: str) -> str:
         raise DataError(f"{where}: field '{field}' must be a string, got {type(value).__name__}")
     if not value.strip():
         raise DataError(f"{where}: field '{field}' is empty")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # json.loads accepts a lone "\ud800" escape; no tokenizer or file can hold it
+        raise DataError(f"{where}: field '{field}' has an unpaired surrogate {ascii(value[e.start])[1:-1]} at "
+                        f"character {e.start + 1} (not valid Unicode)") from None
     return value
 
 

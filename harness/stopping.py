@@ -5,6 +5,12 @@
     stop_at_step  train.stop_at_step reached: checkpoint, exit 0 (planned pauses, tests)
     nonfinite     too many non-finite gradients in a row (train.max_nonfinite_skips): the last good state is saved
 
+A training process started by a launcher (accelerate launch, torchrun, deepspeed: LOCAL_RANK is set) watches the
+launcher: torch's launcher starts its workers in process sessions of their own, so a `kill -9` of the launcher (or
+of its process group) would leave them training unsupervised. `watch_launcher()` asks Linux to send SIGTERM when the
+launcher dies (prctl PR_SET_PDEATHSIG), and every step also checks that the parent is still the launcher (any OS):
+a dead launcher is a stop signal like SIGTERM (finish the step, agree, checkpoint, exit 0).
+
 Every process must take the same decision at the same step, so the facts that can differ between processes (a
 signal seen by one rank, each rank's clock) are agreed by one all-reduce per step (`StopDecision.agree`); the
 decision itself is the pure function `stop_reason`.
@@ -12,9 +18,11 @@ decision itself is the pure function `stop_reason`.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -58,7 +66,7 @@ class StopDecision:
         """This process's facts, agreed with every other process (collective). The window is closing when two
         more steps, two saves and 15 s would not fit before the deadline."""
         closing = self.deadline is not None and time.time() + 2 * step_s + 2 * save_cost_s + 15 >= self.deadline
-        local = torch.tensor([self.signals.received is not None, save_due, closing], dtype=torch.float32,
+        local = torch.tensor([self.signals.poll() is not None, save_due, closing], dtype=torch.float32,
                              device=self.accelerator.device)
         return StopFlags(*(bool(v) for v in self.accelerator.reduce(local, "max").tolist()))
 
@@ -89,6 +97,52 @@ class NonfiniteGuard:
         return self.is_deepspeed or self.in_a_row > self.max_skips
 
 
+_launcher_pid: Optional[int] = None  # the parent process that started this worker (watch_launcher)
+# read at import, before harness.distributed fills in LOCAL_RANK for a single-process DeepSpeed run
+_UNDER_LAUNCHER = "LOCAL_RANK" in os.environ
+
+PR_SET_PDEATHSIG = 1
+
+
+def watch_launcher() -> Optional[int]:
+    """In a process started by a launcher (LOCAL_RANK set by torchrun / accelerate launch / deepspeed): SIGTERM to
+    this process when the launcher dies (Linux), and remember the launcher's pid for `launcher_gone`. Returns the
+    launcher's pid, or None (not under a launcher)."""
+    global _launcher_pid
+    if not _UNDER_LAUNCHER or os.getppid() == 1:
+        return None
+    _launcher_pid = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl: the per-step parent check still works
+            pass
+        if os.getppid() != _launcher_pid:  # died before the prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+    return _launcher_pid
+
+
+def launcher_gone() -> bool:
+    """True when this process was started by a launcher that has since died (it has another parent now)."""
+    return _launcher_pid is not None and os.getppid() != _launcher_pid
+
+
+def exit_now(code: int) -> None:
+    """End the process after a finished `main()`: the atexit handlers run and stdout/stderr are flushed, but the
+    interpreter's teardown of torch, DeepSpeed and transformers (2-4 s measured on a loaded 2-core CPU box, in native
+    code) is skipped, so a launcher and a stop signal's sender see the exit as soon as the checkpoint is written.
+    Everything the run wrote is closed by then (the run's ExitStack)."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 class StopSignals:
     """SIGTERM / SIGINT handling for preemptible machines. The first signal only sets a flag: the loop finishes the
     optimizer step in flight, every rank agrees (an all-reduce of the flag), a checkpoint is written and the process
@@ -100,6 +154,7 @@ class StopSignals:
         self._clock, self.grace_s = time.monotonic, grace_s
         self.received: Optional[int] = None
         self.at = 0.0
+        self._orphan_said = False
         self._previous = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
@@ -115,6 +170,18 @@ class StopSignals:
         self.received, self.at = signum, self._clock()
         print(f"[harness] signal {signum} received: finishing this step, then checkpoint and exit "
               f"(send it again to stop at once)", flush=True)
+
+    def poll(self) -> Optional[int]:
+        """The stop signal received, if any; a launcher that died counts as SIGTERM (also where no PDEATHSIG
+        exists, or one was missed). (PR_SET_PDEATHSIG may fire twice, as the launcher's threads end: the grace
+        period takes the second as the same request.)"""
+        if launcher_gone() and not self._orphan_said:
+            self._orphan_said = True
+            print(f"[harness] the launcher (pid {_launcher_pid}) is gone: this process stops by itself after this "
+                  f"step, with a checkpoint", flush=True)
+            if self.received is None:
+                self.received, self.at = signal.SIGTERM, self._clock()
+        return self.received
 
     def restore(self) -> None:
         """Put the previous handlers back (idempotent)."""

@@ -35,7 +35,8 @@ from harness.encode import embedding_settings
 from harness.errors import HarnessError
 from harness.evaluation import Evaluator
 from harness.state import LoopState, StepSums, UnloggedSums
-from harness.stopping import EARLY_WITHOUT_EXPORT, NONFINITE, TIME_BUDGET, NonfiniteGuard, StopDecision
+from harness.stopping import (EARLY_WITHOUT_EXPORT, NONFINITE, TIME_BUDGET, NonfiniteGuard, StopDecision, exit_now,
+                              watch_launcher)
 from harness.timing import SETTLE_STEPS, BudgetTracker
 
 # DeepSpeed still calls collectives that torch deprecated; the warning repeats every step and says nothing to users.
@@ -268,6 +269,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    watch_launcher()  # under a launcher: its death is a stop signal (checkpoint, exit), never an unsupervised run
     if args.help_config:
         print(describe())
         return 0
@@ -286,4 +288,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # without the interpreter's slow teardown: the launcher sees the exit at once

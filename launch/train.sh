@@ -12,8 +12,9 @@
 # Restarting the same command resumes from the newest complete checkpoint (train.resume=auto is the default).
 # If the launcher fails (a lost worker, an NCCL error), the run is retried up to MAX_RETRIES times, each retry
 # resuming; a bad config or data (a `harness: error:` line) is not retried. On SIGTERM/SIGINT the signal is
-# forwarded to the training processes, which finish their step, write a checkpoint and exit; the script then
-# exits 143 (130 for SIGINT) without retrying: run the same command again to continue.
+# forwarded to the training processes (not to accelerate's launcher, which would exit 1 with a traceback), which
+# finish their step, write a checkpoint and exit; the script then exits 0 without retrying (a checkpoint was written
+# after the signal; otherwise the launcher's exit status): run the same command again to continue.
 #
 # Without a GPU it runs one CPU process (accelerate_configs/cpu.yaml) and says so.
 #
@@ -114,10 +115,12 @@ mkdir -p "$(dirname "$LOG")"
 
 # ------------------------------------------------------------------ run, forward stop signals, retry on failure
 SIGNAL=
+SIGNAL_AT=
 LAUNCHER=
 WORKERS=()
 on_signal() {
   SIGNAL=$1
+  SIGNAL_AT=${SIGNAL_AT:-$(date +%s)}  # a second signal is forwarded too (the workers then stop at once)
   if [ -z "$LAUNCHER" ]; then exit 130; fi
   mapfile -t WORKERS < <(workers_of "$LAUNCHER")
   if [ ${#WORKERS[@]} -eq 0 ]; then WORKERS=("$LAUNCHER"); fi
@@ -143,12 +146,18 @@ while :; do
   done
   if [ -n "$SIGNAL" ]; then
     for pid in "${WORKERS[@]}"; do
-      while kill -0 "$pid" 2> /dev/null; do sleep 1; done
+      while kill -0 "$pid" 2> /dev/null; do sleep 0.2; done
     done
-    # torch elastic exits 1 on a forwarded signal even when the workers saved and exited 0: this is a stop, not a failure
-    say "stopped by SIG$SIGNAL (launcher exit $rc): the checkpoint is in $OUT/checkpoints; run the same command to resume"
-    [ "$SIGNAL" = INT ] && exit 130
-    exit 143
+    # a checkpoint completed since the signal (its COMPLETE marker is written last) = a clean stop, whatever the
+    # launcher says (torch elastic exits 1 when it got the signal itself, e.g. from Ctrl-C to the process group)
+    SAVED=$(find "$OUT/checkpoints" -mindepth 2 -maxdepth 2 -name COMPLETE -newermt "@$((SIGNAL_AT - 1))" 2> /dev/null \
+      | sort -V | tail -n 1)
+    if [ "$rc" -eq 0 ] || [ -n "$SAVED" ]; then
+      say "stopped by SIG$SIGNAL${SAVED:+ with checkpoint ${SAVED%/COMPLETE}}; run the same command to resume"
+      exit 0
+    fi
+    say "stopped by SIG$SIGNAL (launcher exit $rc) without a new checkpoint; the newest is in $OUT/checkpoints"
+    exit "$rc"
   fi
   if [ "$rc" -eq 0 ]; then
     say "finished: $OUT (report.json, final/, tensorboard/, log $LOG)"

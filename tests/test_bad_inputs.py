@@ -49,12 +49,21 @@ CASES = [
      "harness: error: {d}/a.jsonl:1: field 'messages[0].role' must be one of system, user, assistant, got 'bot'"),
     ("no-assistant", {"a.jsonl": '{"messages": [{"role": "user", "content": "x"}]}\n'}, ["data-check", "{d}/a.jsonl"],
      1, "harness: error: {d}/a.jsonl:1: field 'messages' has no assistant turn (nothing to train on)"),
+    ("not-utf8", {"a.jsonl": GOOD_GEN.encode() + b'{"text": "caf\xe9"}\n'}, ["data-check", "{d}/a.jsonl"], 1,
+     "harness: error: {d}/a.jsonl:2: not UTF-8 text (byte 0xe9 at column 14); convert the file, e.g. iconv -f latin1 "
+     "-t utf-8"),
+    ("lone-surrogate", {"a.jsonl": GOOD_GEN + '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", '
+                                              '"content": "a \\ud800"}]}\n'}, ["data-check", "{d}/a.jsonl"], 1,
+     "harness: error: {d}/a.jsonl:2: field 'messages[1].content' has an unpaired surrogate \\ud800 at character 3 "
+     "(not valid Unicode)"),
     ("message-not-object", {"a.jsonl": '{"messages": ["hi"]}\n'}, ["data-check", "{d}/a.jsonl"], 1,
      "harness: error: {d}/a.jsonl:1: field 'messages[0]' must be an object with role and content"),
     # ---- config files and keys
     ("config-missing", {}, ["train", "{d}/nope.yaml"], 2, "harness: error: config file not found: {d}/nope.yaml"),
     ("config-bad-yaml", {"c.yaml": "train:\n  max_steps: [1,\n"}, ["train", "{d}/c.yaml"], 2,
      "harness: error: {d}/c.yaml:3: invalid YAML (expected the node content, but found '<stream end>')"),
+    ("config-duplicate-key", {"c.yaml": "train:\n  max_steps: 3\n  log_every: 1\n  max_steps: 4\n"}, ["train", "{d}/c.yaml"], 2,
+     "harness: error: {d}/c.yaml:4: invalid YAML (key 'max_steps' given twice, first on line 2)"),
     ("config-not-mapping", {"c.yaml": "- a\n- b\n"}, ["train", "{d}/c.yaml"], 2,
      "harness: error: {d}/c.yaml: expected a mapping of sections (model:, data:, optim:, train:)"),
     ("unknown-section", {}, ["train", "configs/default.yaml", "trian.max_steps=3"], 2,
@@ -70,6 +79,13 @@ CASES = [
     ("unknown-profile", {}, ["train", "configs/default.yaml", "train.profile=turbo"], 2,
      "harness: error: config key 'train.profile': unknown profile 'turbo' (known: conservative, balanced, aggressive, "
      "memory_efficient)"),
+    ("negative-nonfinite-skips", {}, ["train", "configs/default.yaml", "train.max_nonfinite_skips=-1"], 2,
+     "harness: error: config key 'train.max_nonfinite_skips': must be >= 0, got -1"),
+    ("heads-do-not-divide", {}, ["train", "configs/default.yaml", "model.config.num_attention_heads=3"], 2,
+     "harness: error: config key 'model.config.num_attention_heads': must divide model.config.hidden_size (256), "
+     "got 3"),
+    ("output-dir-is-a-file", {"out": "x"}, ["train", "configs/default.yaml", "train.output_dir={d}/out"], 2,
+     "harness: error: config key 'train.output_dir': {d}/out is a file, not a folder"),
     ("fp16-on-cpu", {}, ["train", "configs/default.yaml", "train.precision=fp16"], 2,
      "harness: error: config key 'train.precision': fp16 needs a CUDA GPU; use fp32 or bf16 on CPU"),
     ("flash-attention-on-cpu", {}, ["train", "configs/default.yaml", "model.attn_implementation=flash_attention_2"], 2,
@@ -140,7 +156,7 @@ def _fill(text: str, d: Path) -> str:
 
 
 def test_the_table_is_large_enough():
-    assert len(CASES) >= 25 and len({c[0] for c in CASES}) == len(CASES)
+    assert len(CASES) >= 47 and len({c[0] for c in CASES}) == len(CASES)
 
 
 @pytest.mark.parametrize("name, files, argv, status, line", CASES, ids=[c[0] for c in CASES])
@@ -152,7 +168,7 @@ def test_bad_input_gives_one_line(name, files, argv, status, line, tmp_path, cap
     argv = [a for a in argv if not a.startswith("env:")]
     for rel, content in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(content)
+        (tmp_path / rel).write_bytes(content) if isinstance(content, bytes) else (tmp_path / rel).write_text(content)
     code = cli.main([_fill(a, tmp_path) for a in argv])
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("Generating", "tokenize", "Map"))]
