@@ -50,7 +50,7 @@ class Job:
     objective: Any = None
     streams: tuple = ()  # names of the training data streams ("emb", "gen"); the first defines epochs
     loaders: dict = None  # prepared training loaders by stream name
-    gen_eval: Any = None  # prepared generative eval loader, or None
+    gen_eval: Any = None  # generative eval loader (unprepared: evaluation.evaluate_generative shards it), or None
     schedule: dict = None  # planner.schedule_steps: micro_per_epoch, steps_per_epoch, total_steps
     parameters: int = 0
     held: list = None  # parameter elements held by each rank
@@ -205,7 +205,7 @@ def build_model(job: Job) -> None:
     if job.compile is not None:
         job.compile.model_prepared(job.model, job.say)
     job.loaders = dict(zip(job.streams, prepared))
-    job.gen_eval = accelerator.prepare(job.data["gen_eval"]) if "gen_eval" in job.data else None
+    job.gen_eval = job.data.get("gen_eval")  # not prepared: evaluate_generative shards it (each sample once)
     chunk_size = resolve_chunked_ce(cfg, job.model, longest_micro_batch(job.data), job.say)
     if chunk_size is not None:
         job.say(f"[harness] generative loss: chunked through the output head, {chunk_size} positions per chunk "

@@ -15,17 +15,27 @@ import torch
 
 from harness import data as data_lib
 from harness import metrics
+from harness.losses import IGNORE_INDEX
 
 
 @torch.no_grad()
 def evaluate_generative(accelerator, model, loader, chunk_size: Optional[int] = None) -> float:
-    """Per-token generative loss on the eval set, over all processes. chunk_size: loss.chunked_ce resolved (the
-    output head's chunked loss, no [B, T, V] logits), or None for the full logits."""
+    """Per-token generative loss on the eval set (`loader`: the unprepared DataLoader), over all processes, each
+    sample counted once whatever the process count. Process r evaluates rows r, r + W, r + 2W, ... in batches of the
+    loader's size; a process left with fewer batches than the others runs a batch whose labels are all ignored
+    (every process takes part in every forward: ZeRO-3). (accelerate's prepared loader would pad the last shards with
+    repeated samples, which the sums would count twice.) chunk_size: loss.chunked_ce resolved (the output head's
+    chunked loss, no [B, T, V] logits), or None for the full logits."""
     from harness.objective import generative_loss_sum
 
+    world, rank, size, ds = accelerator.num_processes, accelerator.process_index, loader.batch_size, loader.dataset
+    rows = list(range(rank, len(ds), world))
     model.eval()
     totals = torch.zeros(2, device=accelerator.device, dtype=torch.float64)  # [loss sum, trained tokens]
-    for batch in loader:
+    for i in range(math.ceil(math.ceil(len(ds) / world) / size)):
+        samples = [ds[j] for j in rows[i * size:(i + 1) * size]]
+        samples = samples or [{**ds[0], "labels": [IGNORE_INDEX] * len(ds[0]["labels"])}]  # counts nothing
+        batch = {k: v.to(accelerator.device) for k, v in loader.collate_fn(samples).items()}
         loss_sum, count = generative_loss_sum(model, batch, chunk_size)
         totals += torch.stack([loss_sum.double(), count.double()])
     model.train()
