@@ -28,8 +28,20 @@ The arithmetic, printed line by line (GiB = 2**30 bytes):
 * A fixed overhead per GPU for the CUDA context, NCCL and library workspaces (--overhead-gb, default 2 GiB), and
   a margin for the allocator's fragmentation (--margin, default 10% of the GPU).
 
+LoRA / QLoRA (model.lora.enabled, model.quantization): the T trainable parameters (adapters r x (in + out) per
+targeted Linear, counted on the meta model, plus added token rows) take the 16 bytes above, partitioned the same
+way; the frozen base F takes only its storage: fp32 4 under DDP (stage 0), 16-bit 2 under DeepSpeed, and with
+model.quantization its Linear weights (output head excepted) at 0.5 + 1/64 + 4/16384 = 0.516 B/param (4bit: nf4
+with double quantisation) or 1 B/param (8bit), the rest (embeddings, head, norms) at the stage's weight bytes. The
+frozen base is partitioned only under ZeRO-3, which refuses quantized weights (the rows say "not supported").
+A recipe with a hub model.name_or_path and the architecture in model.config (with model_type) is sized offline from
+model.config.
+
 It prints the table and ends with one line `choice: zero0|zero1|zero2|zero3|zero3_offload|none`; exit status 0
-when a stage fits, 3 when none does (the table says how many GPUs would be needed).
+when a stage fits, 3 when none does (the table says how many GPUs would be needed). When the recipe has no
+activation checkpointing and needs CPU offload (or fits nowhere) but model.gradient_checkpointing=true makes stage
+0-3 fit, a line `proposed: zeroN model.gradient_checkpointing=true` before the choice says so (exit 0);
+launch/train.sh --zero auto takes the proposal and adds the override.
 """
 
 from __future__ import annotations
@@ -40,9 +52,10 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
-from harness.config import Config, load_config
+from harness.config import Config, load_config, lora_config
 from harness.errors import HarnessError
 
 GIB = 2**30
@@ -62,6 +75,14 @@ class ModelShape:
     model_type: str
     layer_params: int  # parameters of the largest decoder layer
     embed_params: int  # parameters of the input embedding
+    trainable: Optional[int] = None  # LoRA: adapter (+ added token rows) parameters; None: full fine-tune, all of P
+    linear_params: int = 0  # weights of the frozen base's Linear layers but the output head (what bitsandbytes
+    # quantizes under model.quantization)
+    note: str = ""  # how the shape was obtained when not from the recipe as is (offline sizing)
+
+    @property
+    def frozen(self) -> int:
+        return 0 if self.trainable is None else self.params - self.trainable
 
 
 def model_shape(cfg: Config) -> ModelShape:
@@ -70,11 +91,27 @@ def model_shape(cfg: Config) -> ModelShape:
 
     from harness.model import build_model, load_tokenizer
 
-    mc = dataclasses.replace(cfg.model, gradient_checkpointing=False,
-                             random_init=cfg.model.name_or_path is not None)
+    m = cfg.model
+    note = ""
+    # quantization is left out: the meta model is built in full precision and bitsandbytes' bytes are counted per
+    # Linear (plan); LoRA adapters are built as configured
+    mc = dataclasses.replace(m, gradient_checkpointing=False, quantization="none",
+                             random_init=m.name_or_path is not None)
+    if m.name_or_path is not None and "model_type" in m.config and not Path(m.name_or_path).is_dir():
+        # the recipe carries the architecture's shape: size it offline from model.config (no hub download), with the
+        # bundled tokenizer (the hub tokenizer's added chat-marker rows, a few, are not counted)
+        mc = dataclasses.replace(mc, name_or_path=None, random_init=False, tokenizer="bundled")
+        note = (f"sizing offline from model.config ({m.config['model_type']} shape of {m.name_or_path}); the bundled "
+                f"tokenizer stands in for the hub one")
     tok = load_tokenizer(mc)
     with torch.device("meta"):
         model = build_model(mc, tok)
+    lora = lora_config(m).enabled
+    head = model.get_output_embeddings()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if lora else None
+    linear_params = sum(mod.weight.numel() for name, mod in model.named_modules()
+                        if isinstance(mod, torch.nn.Linear) and mod is not head and not mod.weight.requires_grad
+                        and "lora_" not in name) if lora else 0
     c = model.config
     c = getattr(c, "text_config", None) or c
     layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
@@ -93,6 +130,9 @@ def model_shape(cfg: Config) -> ModelShape:
         model_type=c.model_type,
         layer_params=layer_params,
         embed_params=model.get_input_embeddings().weight.numel(),
+        trainable=trainable,
+        linear_params=linear_params,
+        note=note,
     )
 
 
@@ -169,15 +209,31 @@ class Row:
     activations: float
     overhead: float
     host: float = 0.0
+    supported: bool = True  # False: QLoRA under ZeRO-3 (bitsandbytes' weights cannot be partitioned)
 
     @property
     def total(self) -> float:
         return self.weights + self.grads + self.optim + self.extra + self.activations + self.overhead
 
 
+# bytes per parameter of a frozen base Linear weight quantized by bitsandbytes (harness.model.quantization_kwargs):
+# nf4 with double quantisation: 4 bits + an 8-bit absmax per block of 64 + an fp32 constant per 256 blocks;
+# LLM.int8: 1 byte (its fp32 scale per output row is left out)
+QUANT_BYTES = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
+
+
+def frozen_bytes(shape: ModelShape, quantization: str, w: float) -> float:
+    """Bytes of the frozen base: quantized Linear weights at QUANT_BYTES, everything else at w bytes."""
+    if quantization == "none":
+        return shape.frozen * w
+    return shape.linear_params * QUANT_BYTES[quantization] + (shape.frozen - shape.linear_params) * w
+
+
 def state_row(option: str, shape: ModelShape, hw: Hardware, precision: str, activations: float,
-              overhead: float) -> Row:
+              overhead: float, quantization: str = "none") -> Row:
     """Model-state bytes per GPU for one option (see the module docstring for the byte counts)."""
+    if shape.trainable is not None:
+        return lora_row(option, shape, hw, precision, activations, overhead, quantization)
     P, N = shape.params, hw.world
     half = precision != "fp32"
     if option == "0":
@@ -192,48 +248,88 @@ def state_row(option: str, shape: ModelShape, hw: Hardware, precision: str, acti
                working if stage == 3 else 0, activations, overhead)
 
 
-@dataclass
-class Plan:
-    text: str
-    choice: Optional[str]  # an OPTIONS entry, or None when nothing fits
-    rows: list[Row]
-    shape: ModelShape
-    usable_gb: float
+def lora_row(option: str, shape: ModelShape, hw: Hardware, precision: str, activations: float, overhead: float,
+             quantization: str) -> Row:
+    """LoRA/QLoRA: optimizer states and gradients for the T trainable parameters only (16 B/param, partitioned like a
+    full fine-tune); the frozen base at its storage bytes (fp32 4 under DDP, 16-bit 2 under DeepSpeed bf16, quantized
+    Linears at QUANT_BYTES), partitioned only under ZeRO-3. QLoRA under ZeRO-3: not supported."""
+    T, N = shape.trainable, hw.world
+    half = precision != "fp32"
+    if option == "0":
+        return Row(option, frozen_bytes(shape, quantization, 4) + 4 * T, 4 * T, 8 * T, 4 * T if N > 1 else 0,
+                   activations, overhead)
+    if quantization != "none" and option in ("3", "3-offload"):
+        return Row(option, 0, 0, 0, 0, activations, overhead, supported=False)
+    w, g, o = (2, 2, 12) if half else (4, 4, 8)
+    working = 2 * max(shape.layer_params, shape.embed_params) * w
+    base = frozen_bytes(shape, quantization, w)
+    if option == "3-offload":
+        host = (base + (w + 4 + 8 + 4) * T) * hw.gpus_per_node / N
+        return Row(option, 0, 0, 0, working, activations, overhead, host=host)
+    stage = int(option)
+    return Row(option, (base + w * T) / (N if stage >= 3 else 1), g * T / (N if stage >= 2 else 1), o * T / N,
+               working if stage == 3 else 0, activations, overhead)
 
 
-def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2.0, source: str = "",
-         shape: Optional[ModelShape] = None) -> Plan:
-    shape = shape or model_shape(cfg)
-    precision = "fp32" if cfg.train.precision == "fp32" else "bf16"
-    w = 2 if precision == "bf16" else 4
-    usable = hw.gpu_mem_gb * (1 - margin)
-    size = f"{shape.params / 1e9:.2f}B" if shape.params >= 1e9 else f"{shape.params / 1e6:.1f}M"
-    out = [
-        f"zero-plan: {source or 'recipe'} on {hw.nodes} node(s) x {hw.gpus_per_node} GPU(s) of {hw.gpu_mem_gb:g} GiB "
-        f"= {hw.world} data-parallel processes; usable per GPU {usable:.1f} GiB ({margin:.0%} margin)",
-        f"model: {shape.model_type}, P = {shape.params:,} parameters ({size}): hidden h={shape.hidden}, "
-        f"intermediate i={shape.intermediate}, {shape.layers} layers, {shape.heads} heads ({shape.kv_heads} kv), "
-        f"vocab {shape.vocab}",
-        f"model states, 16 B/param: {'bf16' if w == 2 else 'fp32'} weights {w} + grads {w} + "
-        + ("fp32 master 4 + Adam m 4 + v 4" if w == 2 else "Adam m 4 + v 4")
-        + f"; stage 0 (DDP): fp32 weights 4 + grads 4 + Adam 8"
-        + (" + DDP gradient buckets 4" if hw.world > 1 else ""),
-        f"partitioned over N={hw.world}: stage 1 optimizer states ({16 - 2 * w}), stage 2 + gradients ({w}), "
-        f"stage 3 + weights ({w}); ZeRO-3 working set = 2 x {max(shape.layer_params, shape.embed_params):,} "
-        f"(largest layer or embedding) x {w} B",
-        f"activations ({'16-bit' if w == 2 else 'fp32'}, micro-batch {cfg.train.micro_batch_size}, "
-        f"max_len {cfg.data.max_len}, gradient checkpointing {'on' if cfg.model.gradient_checkpointing else 'off'}):",
-    ]
+def _state_lines(cfg: Config, shape: ModelShape, hw: Hardware, w: int) -> list[str]:
+    """The model-state arithmetic lines: 16 B/param for a full fine-tune; LoRA/QLoRA: trainable vs frozen."""
+    if shape.trainable is None:
+        return [
+            f"model states, 16 B/param: {'bf16' if w == 2 else 'fp32'} weights {w} + grads {w} + "
+            + ("fp32 master 4 + Adam m 4 + v 4" if w == 2 else "Adam m 4 + v 4")
+            + f"; stage 0 (DDP): fp32 weights 4 + grads 4 + Adam 8"
+            + (" + DDP gradient buckets 4" if hw.world > 1 else ""),
+            f"partitioned over N={hw.world}: stage 1 optimizer states ({16 - 2 * w}), stage 2 + gradients ({w}), "
+            f"stage 3 + weights ({w}); ZeRO-3 working set = 2 x {max(shape.layer_params, shape.embed_params):,} "
+            f"(largest layer or embedding) x {w} B",
+        ]
+    q = cfg.model.quantization
+    lc = lora_config(cfg.model)
+    T, F = shape.trainable, shape.frozen
+    targets = lc.target_modules if isinstance(lc.target_modules, str) else ",".join(lc.target_modules)
+    out = [f"{'QLoRA' if q != 'none' else 'LoRA'} (r={lc.r}, target_modules={targets}): trainable T = {T:,} "
+           f"(adapters r x (in + out) per targeted Linear, plus added token rows), frozen base F = {F:,}"]
+    out.append(f"trainable states, 16 B/param of T: {'bf16' if w == 2 else 'fp32'} weights {w} + grads {w} + "
+               + ("fp32 master 4 + Adam m 4 + v 4" if w == 2 else "Adam m 4 + v 4")
+               + "; stage 0 (DDP): fp32 4 + 4 + Adam 8" + (" + DDP gradient buckets 4" if hw.world > 1 else "")
+               + f" = {16 * T / GIB:.2f} GiB unpartitioned")
+    if q == "none":
+        out.append(f"frozen base (no gradients, no optimizer states): F x {w} B = {F * w / GIB:.2f} GiB under DeepSpeed "
+                   f"(stage 0: fp32 F x 4 B = {F * 4 / GIB:.2f} GiB), partitioned over N={hw.world} only under ZeRO-3")
+    else:
+        qb = QUANT_BYTES[q]
+        what = ("nf4 + double quantisation: 0.5 + 1/64 (8-bit absmax per 64) + 4/16384 (fp32 per 256 blocks)"
+                if q == "4bit" else "LLM.int8: 1 (row scales left out)")
+        rest = F - shape.linear_params
+        out.append(f"frozen base, {q}: Linear weights {shape.linear_params:,} x {qb:.4f} B ({what}) = "
+                   f"{shape.linear_params * qb / GIB:.2f} GiB + the rest (embeddings, head, norms) {rest:,} x {w} B = "
+                   f"{rest * w / GIB:.2f} GiB (stage 0: fp32 x 4 = {rest * 4 / GIB:.2f} GiB); not partitioned; "
+                   f"ZeRO-3 not supported with quantization")
+    out.append(f"partitioned over N={hw.world}: stage 1 optimizer states of T, stage 2 + gradients of T, stage 3 + "
+               f"weights (frozen base too); ZeRO-3 working set = 2 x {max(shape.layer_params, shape.embed_params):,} "
+               f"(largest layer or embedding) x {w} B")
+    return out
+
+
+def _table(cfg: Config, shape: ModelShape, hw: Hardware, w: int, precision: str, usable: float,
+           overhead_gb: float) -> tuple[list[str], list[Row], Optional[str]]:
+    """Activation lines, the table rows and the lowest option that fits."""
+    out = [f"activations ({'16-bit' if w == 2 else 'fp32'}, micro-batch {cfg.train.micro_batch_size}, "
+           f"max_len {cfg.data.max_len}, gradient checkpointing {'on' if cfg.model.gradient_checkpointing else 'off'}):"]
     act_lines, act = activation_terms(cfg, shape, w)
     out += [f"  {x}" for x in act_lines]
     out.append(f"fixed overhead per GPU (CUDA context, NCCL, workspaces): {overhead_gb:g} GiB; extra = DDP gradient "
                "buckets (stage 0) or the ZeRO-3 working set")
-    rows = [state_row(o, shape, hw, precision, act, overhead_gb * GIB) for o in OPTIONS]
+    rows = [state_row(o, shape, hw, precision, act, overhead_gb * GIB, cfg.model.quantization) for o in OPTIONS]
     out.append("")
     out.append(f"{'stage':<10}{'weights':>9}{'grads':>9}{'optim':>9}{'extra':>9}{'activ':>9}{'overhead':>9}"
                f"{'total':>9}  GiB per GPU")
     choice = None
     for r in rows:
+        if not r.supported:
+            out.append(f"{r.option:<10}{'':>54}  not supported (model.quantization={cfg.model.quantization}: "
+                       "bitsandbytes' weights cannot be partitioned)")
+            continue
         fits = r.total / GIB <= usable
         note = "fits" if fits else "too big"
         if r.option == "3-offload":
@@ -247,19 +343,79 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
                    (r.weights, r.grads, r.optim, r.extra, r.activations, r.overhead, r.total)) + f"  {note}")
         if fits and choice is None:
             choice = r.option
+    return out, rows, choice
+
+
+@dataclass
+class Plan:
+    text: str
+    choice: Optional[str]  # an OPTIONS entry, or None when nothing fits
+    rows: list[Row]
+    shape: ModelShape
+    usable_gb: float
+    # a stage 0-3 that fits with model.gradient_checkpointing=true when the recipe as given needs CPU offload or
+    # fits nowhere (printed as `proposed: zeroN model.gradient_checkpointing=true`)
+    proposal: Optional[str] = None
+
+
+CHECKPOINTING = "model.gradient_checkpointing=true"
+
+
+def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2.0, source: str = "",
+         shape: Optional[ModelShape] = None) -> Plan:
+    shape = shape or model_shape(cfg)
+    precision = "fp32" if cfg.train.precision == "fp32" else "bf16"
+    w = 2 if precision == "bf16" else 4
+    usable = hw.gpu_mem_gb * (1 - margin)
+    size = f"{shape.params / 1e9:.2f}B" if shape.params >= 1e9 else f"{shape.params / 1e6:.1f}M"
+    out = [
+        f"zero-plan: {source or 'recipe'} on {hw.nodes} node(s) x {hw.gpus_per_node} GPU(s) of {hw.gpu_mem_gb:g} GiB "
+        f"= {hw.world} data-parallel processes; usable per GPU {usable:.1f} GiB ({margin:.0%} margin)",
+    ]
+    if shape.note:
+        out.append(shape.note)
+    out += [
+        f"model: {shape.model_type}, P = {shape.params:,} parameters ({size}): hidden h={shape.hidden}, "
+        f"intermediate i={shape.intermediate}, {shape.layers} layers, {shape.heads} heads ({shape.kv_heads} kv), "
+        f"vocab {shape.vocab}",
+    ]
+    out += _state_lines(cfg, shape, hw, w)
+    table, rows, choice = _table(cfg, shape, hw, w, precision, usable, overhead_gb)
+    out += table
+    proposal: Optional[str] = None
+    if choice not in OPTIONS[:4] and not cfg.model.gradient_checkpointing:
+        # activation checkpointing costs a recomputation of the forward (about a third more compute); CPU offload
+        # costs far more: propose it first when it makes a stage fit without offload
+        ckpt = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gradient_checkpointing=True))
+        _, ck_rows, ck_choice = _table(ckpt, shape, hw, w, precision, usable, overhead_gb)
+        if ck_choice in OPTIONS[:4]:
+            r = ck_rows[OPTIONS.index(ck_choice)]
+            proposal = ck_choice
+            out.append(f"with activation checkpointing ({CHECKPOINTING}): activations {r.activations / GIB:.1f} GiB, "
+                       f"stage {ck_choice} fits at {r.total / GIB:.1f} GiB per GPU (of {usable:.1f}), before "
+                       + ("CPU offload" if choice == "3-offload" else "any stage fits without it"))
     if choice not in OPTIONS[:4]:
         room = usable - (rows[3].total - rows[3].weights - rows[3].grads - rows[3].optim) / GIB
-        need = math.ceil(16 * shape.params / GIB / room) if room > 0 else None
+        states = 16 * shape.params if shape.trainable is None else \
+            16 * shape.trainable + frozen_bytes(shape, "none", w)
+        need = math.ceil(states / GIB / room) if room > 0 and rows[3].supported else None
         out.append(("no stage fits" if choice is None else "ZeRO-3 without offload does not fit") + ": " + (
             f"it needs at least {need} GPUs of {hw.gpu_mem_gb:g} GiB ({math.ceil(need / hw.gpus_per_node)} nodes of "
-            f"{hw.gpus_per_node}): 16 x P = {16 * shape.params / GIB:.1f} GiB over {room:.1f} GiB left per GPU"
+            f"{hw.gpus_per_node}): " + ("16 x P" if shape.trainable is None else f"16 x T + {w} x F")
+            + f" = {states / GIB:.1f} GiB over {room:.1f} GiB left per GPU"
             if need else "the activations alone exceed a GPU: lower train.micro_batch_size or data.max_len, or set "
-            "model.gradient_checkpointing=true"))
+            "model.gradient_checkpointing=true" if rows[3].supported else
+            "quantized weights are not partitioned (no ZeRO-3): lower train.micro_batch_size or data.max_len, or use "
+            "a larger GPU"))
     if choice is not None:
         name = "single_gpu" if choice == "0" and hw.world == 1 else ACCELERATE_CONFIG[choice]
         out.append(f"lowest stage that fits: {choice} -> accelerate_configs/{name}.yaml")
+    if proposal is not None:
+        name = "single_gpu" if proposal == "0" and hw.world == 1 else ACCELERATE_CONFIG[proposal]
+        out.append(f"proposed: zero{proposal} {CHECKPOINTING} -> accelerate_configs/{name}.yaml (launch/train.sh "
+                   f"--zero auto takes it unless model.gradient_checkpointing is given)")
     out.append(f"choice: {'zero' + choice.replace('-', '_') if choice else 'none'}")
-    return Plan("\n".join(out), choice, rows, shape, usable)
+    return Plan("\n".join(out), choice, rows, shape, usable, proposal)
 
 
 def _host_mem_gb() -> Optional[float]:
@@ -301,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"harness: error: {err}", file=sys.stderr)
         return err.exit_code
     print(result.text)
-    return 0 if result.choice else 3
+    return 0 if result.choice or result.proposal else 3
 
 
 if __name__ == "__main__":

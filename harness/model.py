@@ -64,7 +64,9 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
             mconf = AutoConfig.for_model(model_type, **kwargs)
             model = AutoModelForCausalLM.from_config(mconf, dtype=dtype, **common)
         else:
-            mconf = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **cfg.config)
+            # model_type in model.config (recipes carry the shape for offline sizing, harness.memory) is the hub's own
+            overrides = {k: v for k, v in cfg.config.items() if k != "model_type"}
+            mconf = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **overrides)
             if cfg.random_init:
                 model = AutoModelForCausalLM.from_config(mconf, dtype=dtype, **common)
             else:

@@ -5,8 +5,10 @@
 # accelerate config for the ZeRO stage: 0 = DDP (accelerate_configs/multi_gpu.yaml, single_gpu.yaml for one GPU),
 # 1/2/3 = zero1/2/3.yaml, 3-offload = zero3_offload.yaml. `--zero auto` (the default) estimates the memory per GPU
 # for each stage (harness/memory.py: parameters, 16 bytes/param partitioned by stage, activations), prints the
-# arithmetic and takes the lowest stage that fits. Overrides go to the run unchanged. Paths are relative to the
-# repository root (the script runs there).
+# arithmetic and takes the lowest stage that fits; when only CPU offload (or nothing) fits but activation
+# checkpointing makes a stage fit, it takes that stage and adds model.gradient_checkpointing=true (the plan's
+# `proposed:` line; not when the command sets model.gradient_checkpointing). Other overrides go to the run
+# unchanged. Paths are relative to the repository root (the script runs there).
 #
 # Output goes to the terminal and to <train.output_dir>/train.log (train-node<R>.log on several nodes).
 # Restarting the same command resumes from the newest complete checkpoint (train.resume=auto is the default).
@@ -82,7 +84,18 @@ else
     PLAN=$("${PLAN_CMD[@]}") || PLAN_RC=$?
     printf '%s\n' "$PLAN"
     CHOICE=${PLAN##*choice: }
-    if [ "$PLAN_RC" -ne 0 ] || [ "$CHOICE" = none ]; then die "--zero auto: no ZeRO stage fits (see above)" 3; fi
+    # `proposed: zeroN model.gradient_checkpointing=true ...`: activation checkpointing makes a stage fit without
+    # CPU offload; taken unless the command sets model.gradient_checkpointing itself
+    PROPOSED=$(printf '%s\n' "$PLAN" | sed -n 's/^proposed: \(zero[0-3]\) \(model\.gradient_checkpointing=true\) .*/\1 \2/p' | tail -n 1)
+    for a in "${ARGS[@]}"; do case $a in model.gradient_checkpointing=*) PROPOSED= ;; esac; done
+    if [ "$PLAN_RC" -ne 0 ] || { [ "$CHOICE" = none ] && [ -z "$PROPOSED" ]; }; then
+      die "--zero auto: no ZeRO stage fits (see above)" 3
+    fi
+    if [ -n "$PROPOSED" ]; then
+      CHOICE=${PROPOSED%% *}
+      ARGS+=("${PROPOSED#* }")
+      say "--zero auto: activation checkpointing makes stage ${CHOICE#zero} fit; adding ${PROPOSED#* }"
+    fi
     ZERO=${CHOICE#zero}
     ZERO=${ZERO/_/-}
     say "--zero auto chose stage $ZERO"

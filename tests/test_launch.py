@@ -169,6 +169,32 @@ def test_zero_auto_70b_on_8x80():
     assert "--config_file accelerate_configs/zero3_offload.yaml --num_processes 8 " in launch_cmd(out)
 
 
+def test_zero_auto_70b_lora_on_8x80_takes_zero3():
+    # issue 16: LoRA trains only the adapters; the frozen bf16 base is partitioned by ZeRO-3 (tests/test_memory_lora.py)
+    r = sh("train.sh", "--dry-run", "configs/llama-70b.yaml", "model.lora.enabled=true", NUM_GPUS=8, GPU_MEM_GB=80,
+           HOST_MEM_GB=2000)
+    assert r.returncode == 0, r.stderr
+    assert "choice: zero3" in r.stdout and "--zero auto chose stage 3" in r.stdout
+    assert "--config_file accelerate_configs/zero3.yaml --num_processes 8 " in launch_cmd(r.stdout)
+
+
+def test_zero_auto_takes_activation_checkpointing_before_offload():
+    # a 1.1B full fine-tune on one 24 GB GPU: only 3-offload fits as given, stage 0 with activation checkpointing
+    args = ("--dry-run", "configs/gpu-1b.yaml", "train.micro_batch_size=2")
+    r = sh("train.sh", *args, NUM_GPUS=1, GPU_MEM_GB=24, HOST_MEM_GB=64)
+    assert r.returncode == 0, r.stderr
+    assert "proposed: zero0 model.gradient_checkpointing=true" in r.stdout and "choice: zero3_offload" in r.stdout
+    assert "adding model.gradient_checkpointing=true" in r.stdout and "--zero auto chose stage 0" in r.stdout
+    cmd = launch_cmd(r.stdout)
+    assert "--config_file accelerate_configs/single_gpu.yaml --num_processes 1 " in cmd
+    assert cmd.endswith("train.micro_batch_size=2 model.gradient_checkpointing=true")
+    # the command's own model.gradient_checkpointing wins: offload as planned
+    r = sh("train.sh", *args, "model.gradient_checkpointing=false", NUM_GPUS=1, GPU_MEM_GB=24, HOST_MEM_GB=64)
+    assert r.returncode == 0, r.stderr
+    assert "--zero auto chose stage 3-offload" in r.stdout
+    assert "--config_file accelerate_configs/zero3_offload.yaml" in launch_cmd(r.stdout)
+
+
 def test_cpu_fallback_says_so():
     r = sh("train.sh", "--dry-run", "configs/default.yaml", CUDA_VISIBLE_DEVICES="")
     assert r.returncode == 0, r.stderr
