@@ -187,7 +187,7 @@ def build_model(job: Job) -> None:
     with distributed.model_init_context(accelerator, cfg.model.name_or_path is None or cfg.model.random_init):
         model = model_lib.build_model(cfg.model, job.tokenizer, precision=job.precision)
     if cfg.loss.mode != "generative":
-        model_lib.check_embedding_support(model.config.model_type, cfg.model.attn_implementation,
+        model_lib.check_embedding_support(model.config.model_type, model.config._attn_implementation,
                                           cfg.model.embed_attention)
     job.parameters, matmul_params = model_lib.count_parameters(model), metrics.matmul_params(model)
     if job.compile is not None:

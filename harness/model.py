@@ -51,7 +51,9 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
     """The causal LM in `dtype` (fp32 master weights for mixed precision), embeddings sized to the tokenizer.
     With model.quantization, the pretrained base is loaded quantized (bitsandbytes; computing in `precision`) and
     prepared for k-bit training (peft's prepare_model_for_kbit_training) before LoRA goes on top."""
-    common = dict(attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code)
+    auto = cfg.attn_implementation == "auto"
+    common = dict(attn_implementation="sdpa" if auto else cfg.attn_implementation,
+                  trust_remote_code=cfg.trust_remote_code)
     if cfg.quantization != "none":
         common.update(quantization_kwargs(cfg.quantization, precision))
     special = dict(
@@ -62,15 +64,18 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
             kwargs = {"vocab_size": len(tokenizer), **special, **cfg.config}
             model_type = kwargs.pop("model_type")
             mconf = AutoConfig.for_model(model_type, **kwargs)
-            model = AutoModelForCausalLM.from_config(mconf, dtype=dtype, **common)
         else:
             # model_type in model.config (recipes carry the shape for offline sizing, harness.memory) is the hub's own
             overrides = {k: v for k, v in cfg.config.items() if k != "model_type"}
             mconf = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **overrides)
-            if cfg.random_init:
-                model = AutoModelForCausalLM.from_config(mconf, dtype=dtype, **common)
-            else:
-                model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, config=mconf, dtype=dtype, **common)
+        if auto and not supports_sdpa(mconf):
+            common["attn_implementation"] = "eager"
+            print(f"harness: model.attn_implementation=auto: {mconf.model_type} does not support sdpa, using eager",
+                  flush=True)
+        if cfg.name_or_path is None or cfg.random_init:
+            model = AutoModelForCausalLM.from_config(mconf, dtype=dtype, **common)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, config=mconf, dtype=dtype, **common)
     except (OSError, ValueError, KeyError) as e:
         what = cfg.name_or_path or cfg.config.get("model_type")
         raise ConfigError(f"config key 'model.name_or_path': cannot build model '{what}': {str(e).splitlines()[0]}")
@@ -89,6 +94,18 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
         model.config.use_cache = False
     added = list(range(base_vocab, len(tokenizer)))  # rows of the tokens added to the base's vocabulary
     return apply_lora(model, cfg, added_tokens=added)
+
+
+def supports_sdpa(mconf) -> bool:
+    """Whether the causal-LM class of this config can run sdpa attention (what model.attn_implementation=auto picks
+    when it can; eager otherwise). Unknown classes (remote code) are assumed to: their own error then says why."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(mconf)]
+    except KeyError:
+        return True
+    return bool(getattr(cls, "_supports_sdpa", True))
 
 
 # ----------------------------------------------------------------------------------------------- QLoRA

@@ -443,3 +443,25 @@ def test_check_embedding_support(model_type, impl):
     else:
         with pytest.raises(ConfigError):
             check_embedding_support(model_type, impl, "bidirectional")
+
+
+# ----------------------------------------------------------------------------------------------- attn_implementation=auto
+
+
+def test_auto_attention_picks_sdpa_or_eager(tok, capsys):
+    """auto (the default): sdpa where the family supports it; eager with one line where it does not (gemma2)."""
+    small = {**TINY, "num_key_value_heads": 2, "head_dim": 16}
+    assert ModelConfig().attn_implementation == "auto"
+    llama = build_model(ModelConfig(config={**small, "model_type": "llama"}), tok)
+    assert llama.config._attn_implementation == "sdpa"
+    assert capsys.readouterr().out == ""
+    gemma2 = build_model(ModelConfig(config={**small, "model_type": "gemma2"}), tok)
+    assert gemma2.config._attn_implementation == "eager"
+    assert capsys.readouterr().out.strip().splitlines() == [
+        "harness: model.attn_implementation=auto: gemma2 does not support sdpa, using eager"]
+
+
+def test_explicit_sdpa_is_not_replaced(tok):
+    small = {**TINY, "num_key_value_heads": 2, "head_dim": 16, "model_type": "gemma2"}
+    with pytest.raises(ConfigError, match="does not support an attention implementation"):
+        build_model(ModelConfig(config=small, attn_implementation="sdpa"), tok)
