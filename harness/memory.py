@@ -277,7 +277,7 @@ def _state_lines(cfg: Config, shape: ModelShape, hw: Hardware, w: int) -> list[s
         return [
             f"model states, 16 B/param: {'bf16' if w == 2 else 'fp32'} weights {w} + grads {w} + "
             + ("fp32 master 4 + Adam m 4 + v 4" if w == 2 else "Adam m 4 + v 4")
-            + f"; stage 0 (DDP): fp32 weights 4 + grads 4 + Adam 8"
+            + "; stage 0 (DDP): fp32 weights 4 + grads 4 + Adam 8"
             + (" + DDP gradient buckets 4" if hw.world > 1 else ""),
             f"partitioned over N={hw.world}: stage 1 optimizer states ({16 - 2 * w}), stage 2 + gradients ({w}), "
             f"stage 3 + weights ({w}); ZeRO-3 working set = 2 x {max(shape.layer_params, shape.embed_params):,} "

@@ -34,7 +34,7 @@ class _Accelerator:
     """What Objective uses of accelerate's Accelerator, for one process: backward divides by the accumulation
     (as accelerate does), reduce and no_sync are identities."""
 
-    num_processes = 1
+    num_processes, process_index = 1, 0
     device = torch.device("cpu")
 
     def __init__(self, accum: int):
@@ -152,7 +152,8 @@ def test_evaluation_chunked_equals_full_logits():
     model = _model(tied=False, lora=False)
     vocab = model.get_output_embeddings().out_features
     gen = torch.Generator().manual_seed(3)
-    loader = [_gen_batch(gen, vocab, packed=p) for p in (False, True, False)]
+    batches = [_gen_batch(gen, vocab, packed=p) for p in (False, True, False)]
+    loader = torch.utils.data.DataLoader(batches, batch_size=1, collate_fn=lambda one: one[0])  # ready-made batches
     acc = _Accelerator(1)
     ref = evaluate_generative(acc, model, loader)
     got = evaluate_generative(acc, model, loader, chunk_size=5)
