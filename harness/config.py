@@ -507,14 +507,6 @@ def validate(cfg: Config) -> None:
     if existing is not None and not existing.is_dir():
         raise ConfigError(f"config key 'train.output_dir': {existing} is a file, not a folder"
                           + (f" (in {out})" if existing != out else ""))
-    mc = cfg.model.config
-    heads, kv, hidden = mc.get("num_attention_heads"), mc.get("num_key_value_heads"), mc.get("hidden_size")
-    if isinstance(heads, int) and isinstance(hidden, int) and (heads < 1 or hidden % heads):
-        raise ConfigError(f"config key 'model.config.num_attention_heads': must divide model.config.hidden_size "
-                          f"({hidden}), got {heads}")
-    if isinstance(heads, int) and isinstance(kv, int) and (kv < 1 or heads % kv):
-        raise ConfigError(f"config key 'model.config.num_key_value_heads': must divide "
-                          f"model.config.num_attention_heads ({heads}), got {kv}")
     if t.overwrite and t.resume not in (None, "auto", "none", "null", ""):
         raise ConfigError(f"config key 'train.overwrite': starts the run over, so it cannot resume from "
                           f"train.resume={t.resume}")
@@ -542,10 +534,23 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config key 'data.emb_instruction_template': must contain {instruction}")
     check_quantization(cfg)
     check_rft(cfg.rft)
-    if cfg.model.name_or_path is None and not cfg.model.config:
+    check_model(cfg.model)
+
+
+def check_model(m) -> None:
+    """The model section: something to build, and attention heads that divide."""
+    if m.name_or_path is None and not m.config:
         raise ConfigError("config key 'model.name_or_path': set it, or give model.config (with model_type) for random init")
-    if cfg.model.name_or_path is None and "model_type" not in cfg.model.config:
+    if m.name_or_path is None and "model_type" not in m.config:
         raise ConfigError("config key 'model.config.model_type': required to build a model from config (e.g. llama)")
+    c = m.config
+    heads, kv, hidden = c.get("num_attention_heads"), c.get("num_key_value_heads"), c.get("hidden_size")
+    if isinstance(heads, int) and isinstance(hidden, int) and (heads < 1 or hidden % heads):
+        raise ConfigError(f"config key 'model.config.num_attention_heads': must divide model.config.hidden_size "
+                          f"({hidden}), got {heads}")
+    if isinstance(heads, int) and isinstance(kv, int) and (kv < 1 or heads % kv):
+        raise ConfigError(f"config key 'model.config.num_key_value_heads': must divide "
+                          f"model.config.num_attention_heads ({heads}), got {kv}")
 
 
 def check_rft(r) -> None:
