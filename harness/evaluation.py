@@ -87,7 +87,7 @@ class Evaluator:
         t, results = time.perf_counter(), {}
         if self.gen_eval is not None:
             results["eval_loss"] = evaluate_generative(self.accelerator, self.model, self.gen_eval,
-                                                       getattr(self.objective, "chunk_size", None))
+                                                       self.objective.chunk_size)
         if self.retrieval_set is not None:
             r = evaluate_retrieval(self.accelerator, self.model, self.objective, self.retrieval_set, self.batch_size,
                                    self.pad_id)

@@ -272,7 +272,7 @@ def embed(model, batch: dict, pooling: str, bidirectional: bool) -> torch.Tensor
 
     mask = batch["attention_mask"]
     if bidirectional:
-        impl = getattr(_config_of(model), "_attn_implementation", "sdpa")
+        impl = getattr(unwrap(model).config, "_attn_implementation", "sdpa")
         mask = bidirectional_mask(mask, impl)
     out = model(input_ids=batch["input_ids"], attention_mask=mask, output_hidden_states=True, logits_to_keep=1,
                 use_cache=False)
@@ -322,13 +322,6 @@ def has_untied_trainable_head(model) -> bool:
         return False
     shared = {id(p) for p in inputs.parameters()} if inputs is not None else set()
     return any(p.requires_grad and id(p) not in shared for p in head.parameters())
-
-
-def _config_of(model):
-    """The HF config of a model, through DDP (.module) or DeepSpeed (.module) wrappers."""
-    while not hasattr(model, "config") and hasattr(model, "module"):
-        model = model.module
-    return model.config
 
 
 # ----------------------------------------------------------------------------------------------- chunked output head

@@ -15,6 +15,7 @@ from typing import Optional
 from harness import cost, metrics, monitor, planner
 from harness.config import Config
 from harness.state import LoopState, StepSums, UnloggedSums
+from harness.stopping import TIME_BUDGET
 
 
 def losses_of(sums: StepSums, cfg: Config) -> dict:
@@ -118,7 +119,7 @@ def final_report(job, state: LoopState, log: StepLog, stopped_by: Optional[str],
     batch = {"flop_dims": list(job.objective.flop_dims), "micro_batch_size": cfg.train.micro_batch_size,
              "grad_accum": job.accum, "micro_batch_auto": sections["micro_batch_auto"]}
     time_used = {"timings": timings.as_dict(),
-                 "time_budget": log.budget.summary(timings.process_wall_s, stopped_by == "time_budget")
+                 "time_budget": log.budget.summary(timings.process_wall_s, stopped_by == TIME_BUDGET)
                  if log.budget else None,
                  "plan": planner.plan_vs_actual(job.out / "plan.json", cfg, timings.process_wall_s),
                  "utilisation": job.sampler.stop() if job.sampler else None,
@@ -133,7 +134,7 @@ def finished_run(output_dir: str | Path) -> Optional[dict]:
         rep = json.loads(Path(output_dir, "report.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(rep, dict) or "stopped_by" not in rep or rep["stopped_by"] not in (None, "time_budget"):
+    if not isinstance(rep, dict) or "stopped_by" not in rep or rep["stopped_by"] not in (None, TIME_BUDGET):
         return None
     final = rep.get("final_dir")
     return rep if final is None or Path(final).is_dir() else None

@@ -77,6 +77,11 @@ class StopDecision:
         self.signals.restore()
 
 
+def finite(grad_norm) -> bool:
+    """Whether an optimizer step's gradient norm is finite (None: clipping was off, nothing to check)."""
+    return grad_norm is None or math.isfinite(float(grad_norm))
+
+
 class NonfiniteGuard:
     """Counts optimizer steps whose gradient norm is not finite. Outside DeepSpeed such a step is skipped (the loop
     does not apply it) up to `max_skips` in a row; DeepSpeed has applied it already, so the run stops at once."""
@@ -87,7 +92,7 @@ class NonfiniteGuard:
 
     def must_stop(self, step: int, grad_norm) -> bool:
         """After optimizer step `step`: warn about a non-finite gradient; True when the run must stop."""
-        if grad_norm is None or math.isfinite(float(grad_norm)):
+        if finite(grad_norm):
             self.in_a_row = 0
             return False
         self.in_a_row += 1

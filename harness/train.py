@@ -21,7 +21,6 @@ if __name__ == "__main__" and not __package__:
 
 import argparse
 import contextlib
-import math
 import time
 import warnings
 from typing import Optional
@@ -36,7 +35,7 @@ from harness.errors import HarnessError
 from harness.evaluation import Evaluator
 from harness.state import LoopState, StepSums, UnloggedSums
 from harness.stopping import (EARLY_WITHOUT_EXPORT, NONFINITE, TIME_BUDGET, NonfiniteGuard, StopDecision, exit_now,
-                              watch_launcher)
+                              finite, watch_launcher)
 from harness.timing import SETTLE_STEPS, BudgetTracker
 
 # DeepSpeed still calls collectives that torch deprecated; the warning repeats every step and says nothing to users.
@@ -119,7 +118,7 @@ def train_step(job: Job, gen_batches: list, emb_batches: list, unlogged: Unlogge
             unlogged.add(objective.micro_step(gen, emb, gen_scale))
     t_opt = time.perf_counter()
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), job.cfg.optim.max_grad_norm or float("inf"))
-    if grad_norm is None or math.isfinite(float(grad_norm)) or job.is_deepspeed:
+    if finite(grad_norm) or job.is_deepspeed:
         optimizer.step()
         if not accelerator.optimizer_step_was_skipped:
             job.scheduler.step()
@@ -213,8 +212,12 @@ class SideWork:
                                                     t.save_total_limit, job.say, self._saved)
         # this process's sums since the last log line; rank 0 carries what the resumed checkpoint had not logged
         self.unlogged = UnloggedSums(accelerator.device, state.unlogged if accelerator.is_main_process else None)
-        self.meter: Optional[metrics.Throughput] = None
         self.eval_at_start: Optional[dict] = None
+
+    @property
+    def meter(self) -> Optional[metrics.Throughput]:
+        """The training clock (the log line's): None until `start`."""
+        return self.log.meter
 
     def start(self, fresh: bool) -> None:
         """A fresh run's step-0 evaluation (the baseline), then the training clock starts."""
@@ -222,7 +225,7 @@ class SideWork:
             self.eval_at_start = self.evaluator.run(0) or None
             if self.eval_at_start:
                 self.log.write_eval(0, self.eval_at_start)
-        self.meter = self.log.meter = metrics.Throughput()
+        self.log.meter = metrics.Throughput()
         self.job.timings.loop_started(self.job.t_process)
         if self.job.compile is not None:
             self.job.compile.loop_starts()
