@@ -10,6 +10,8 @@
     harness compare RUN_DIR RUN_DIR ... [--out compare.png]  key figures side by side, losses overlaid
     harness zero-plan FILE [overrides] --gpus N --gpu-mem-gb G [--nodes M]  memory per GPU for each ZeRO stage
     harness rft sft-data|generate|train|test FILE ...  rejection-sampling fine-tuning (docs/rft.md)
+    harness chat RUN_DIR/final [--max-new-tokens N] [--temperature T] [--top-p P] [--system TEXT]  chat on stdin
+    harness push RUN_DIR REPO_ID [--private] [--revision BRANCH] [--token T]  upload final/ and its model card
 
 For several processes use accelerate's launcher on harness/train.py (see README.md).
 """
@@ -105,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # commands with their own options (harness X --help): module, and whether it takes the command name too
     own = {"bench": ("harness.bench", False), "plan": ("harness.planner", False), "zero-plan": ("harness.memory", False),
-           "summary": ("harness.summary", True), "compare": ("harness.summary", True), "rft": ("harness.rft", False)}
+           "summary": ("harness.summary", True), "compare": ("harness.summary", True), "rft": ("harness.rft", False),
+           "chat": ("harness.chat_cli", False), "push": ("harness.push", False)}
     if argv and argv[0] in own:
         import importlib
 
@@ -120,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("rft", help="rejection-sampling fine-tuning: sft-data, generate, train, test (docs/rft.md)")
     sub.add_parser("bench", help="harness vs raw PyTorch vs HF Trainer, or profiles (see python -m harness.bench -h)")
     sub.add_parser("plan", help="fit a run into a wall-clock window (harness plan FILE --hours H; see --help)")
+    sub.add_parser("chat", help="chat with a trained model (its final/ folder) on stdin (harness chat -h)")
+    sub.add_parser("push", help="upload a run's final/ with its model card to the Hugging Face hub (harness push -h)")
     sub.add_parser("zero-plan", help="GPU memory per ZeRO stage and the lowest that fits (python -m harness.memory -h)")
     args = p.parse_args(argv)
     try:

@@ -26,7 +26,7 @@ import warnings
 from typing import Optional
 
 
-from harness import checkpoint, loaders, metrics, monitor, reporting, summary
+from harness import checkpoint, loaders, metrics, modelcard, monitor, reporting, summary
 from harness.auto_batch import memory_trial, run_auto_batch
 from harness.build import Job, build_run
 from harness.config import Config, describe, flat, load_config
@@ -159,6 +159,8 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
         "final_dir": str(final_dir) if final_dir else None, "micro_batch_auto": auto_batch})
     if job.accelerator.is_main_process:
         checkpoint.write_json(job.out / "report.json", report)
+        if final_dir:  # final/README.md, a Hugging Face model card; a failure is a warning line
+            modelcard.try_write_model_card(job.out, job.say, final_dir=final_dir)
         if job.cfg.train.summary:  # the figures table, summary.md, plots/*.png
             summary.finish_run(job.out, job.say)
     if report["plan"]:
