@@ -2,7 +2,8 @@
 
     harness train FILE [section.key=value ...]    train (same loop as python -m harness.train --config FILE)
     harness env                                   print the environment report (versions, devices)
-    harness data-check FILE_OR_DIR ...            validate generative JSONL files and print token-length statistics
+    harness data-check SOURCE ...                 validate data sources (paths, hub ids, '{path: x, format: y}'):
+                                                  format, kind, records, token-length statistics
     harness data-stats FILE_OR_DIR ... [--max-len N]  token-length distribution, truncation, what max_len=auto picks
     harness bench FILE [overrides] [--profiles ...]  harness vs raw PyTorch vs HF Trainer (or profiles), tokens/s
     harness plan FILE [overrides] --hours H        fit the run into a wall-clock window (calibrates, writes plan.json)
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from harness.errors import HarnessError
 
@@ -38,15 +40,53 @@ def _env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cli_sources(paths: list[str]) -> list:
+    """data-check arguments: each a path / hub id or a YAML mapping ('{path: x.csv, format: alpaca}'); a folder of
+    plain files is checked file by file (each gets its own line and format)."""
+    import yaml
+
+    from harness.sources import Source, expand_files, is_saved_dataset, parse_sources
+
+    out = []
+    for i, text in enumerate(paths):
+        try:
+            entry = yaml.safe_load(text) if text.lstrip().startswith("{") else text
+        except yaml.YAMLError:
+            entry = text
+        src = parse_sources([entry], "paths")[0]
+        if Path(src.path).is_dir() and not is_saved_dataset(Path(src.path)):
+            out += [Source(f, src.split, src.subset, src.format, src.weight, src.columns)
+                    for f in expand_files([src.path], "paths")]
+        else:
+            out.append(src)
+    return out
+
+
 def _data_check(args: argparse.Namespace) -> int:
-    from harness import data
+    """Per source: name, format, kind, records (generative: token-length stats); then the generative stats."""
+    from harness import data, sources
     from harness.config import ModelConfig
     from harness.model import load_tokenizer
 
-    rows = data.load_generative_rows(args.paths, what="paths")
-    tok = load_tokenizer(ModelConfig(tokenizer=args.tokenizer))
-    _, stats = data.tokenize_dataset(rows, tok, max_len=args.max_len)
-    print(json.dumps(stats, indent=2))
+    gen, tok = [], None
+    for src in _cli_sources(args.paths):
+        fmts = sources.unit_formats(src, "paths")
+        kind = "embedding" if set(fmts.values()) == {"embedding"} else "generative"
+        rows = sources.load_source_rows(src, kind, need_negatives=0, what="paths")
+        names = ", ".join(sorted({f or "text" for f in fmts.values()}))
+        line = f"{src.name}: format {names}, {kind}, {len(rows)} records"
+        if kind == "generative":
+            tok = tok or load_tokenizer(ModelConfig(tokenizer=args.tokenizer))
+            _, st = data.tokenize_dataset(rows, tok, max_len=args.max_len)
+            gen.append(rows)
+            line += (f", {st['tokens']} tokens, mean {st['mean_len']:.1f}, p95 {st['p95_len']}, max {st['max_len']}, "
+                     f"{st['truncated']} truncated, {st['dropped_no_labels']} dropped")
+        print(line)
+    if gen:
+        import datasets
+
+        _, stats = data.tokenize_dataset(datasets.concatenate_datasets(gen), tok, max_len=args.max_len)
+        print(json.dumps(stats, indent=2))
     return 0
 
 
@@ -98,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--percentile", type=float, default=99.0, help="percentile used by data.max_len=auto")
     st.set_defaults(fn=_data_stats)
 
-    d = sub.add_parser("data-check", help="validate generative JSONL data")
+    d = sub.add_parser("data-check", help="validate data sources: format, kind, records, token lengths")
     d.add_argument("paths", nargs="+")
     d.add_argument("--tokenizer", default="bundled")
     d.add_argument("--max-len", type=int, default=1 << 20)

@@ -139,8 +139,13 @@ def lora_config(model: "ModelConfig") -> LoraConfig:
 
 @dataclass
 class DataConfig:
-    train_files: list = _f([], "JSONL files or folders of *.jsonl with generative records ({text} or {messages}).")
-    eval_files: list = _f([], "Held-out JSONL files or folders; evaluated every train.eval_every steps and at the end.")
+    train_files: list = _f([], "Generative data sources. A source is a path (.jsonl, .jsonl.gz, .json, .parquet, "
+                              ".csv, .tsv, .arrow file; a folder of them; a save_to_disk folder) or a hub data set id, "
+                              "or a mapping {path, split, subset, format, weight, columns}. format: text, messages, "
+                              "sharegpt, alpaca, gritlm (detected from the columns when not given); columns: {field: "
+                              "column}; weight: for data mixing.")
+    eval_files: list = _f([], "Held-out generative sources (as data.train_files); evaluated every train.eval_every "
+                              "steps and at the end.")
     max_len: Union[int, Literal["auto"]] = _f(
         512, "Tokens per sample; longer samples are truncated (and counted in the log). auto: the "
         "max_len_percentile of the data's token lengths, rounded up to a multiple of 8.")
@@ -148,9 +153,10 @@ class DataConfig:
     packing: bool = _f(False, "Pack generative samples into rows of max_len (best-fit; no attention across "
                               "documents: per-document position ids).")
     group_by_length: bool = _f(False, "Embedding data: batch queries of similar length together (less padding).")
-    emb_train_files: list = _f([], "Embedding JSONL files/folders: {query, pos, neg} (loss.mode embedding or unified).")
-    emb_eval_files: list = _f([], "Held-out embedding files: retrieval recall@1 and MRR every train.eval_every steps "
-                                  "and at the end.")
+    emb_train_files: list = _f([], "Embedding sources (as data.train_files, format embedding: {query, pos, neg}; "
+                                   "loss.mode embedding or unified).")
+    emb_eval_files: list = _f([], "Held-out embedding sources: retrieval recall@1 and MRR every train.eval_every "
+                                  "steps and at the end.")
     train_group_size: int = _f(2, "Passages per query in training: 1 positive + (n-1) sampled hard negatives.")
     query_max_len: int = _f(64, "Tokens per query, instruction included (the text is truncated, not the instruction).")
     passage_max_len: int = _f(128, "Tokens per passage, instruction included.")
@@ -510,11 +516,7 @@ def validate(cfg: Config) -> None:
     if t.overwrite and t.resume not in (None, "auto", "none", "null", ""):
         raise ConfigError(f"config key 'train.overwrite': starts the run over, so it cannot resume from "
                           f"train.resume={t.resume}")
-    mode = cfg.loss.mode
-    if mode in ("generative", "unified") and not d.train_files:
-        raise ConfigError(f"config key 'data.train_files': loss.mode={mode} needs generative JSONL files or folders")
-    if mode in ("embedding", "unified") and not d.emb_train_files:
-        raise ConfigError(f"config key 'data.emb_train_files': loss.mode={mode} needs embedding JSONL files or folders")
+    check_data_sources(cfg)
     for key, v in {"data.train_group_size": d.train_group_size, "data.query_max_len": d.query_max_len,
                    "data.passage_max_len": d.passage_max_len, "train.emb_micro_batch_size": t.emb_micro_batch_size,
                    "loss.grad_cache_chunks": cfg.loss.grad_cache_chunks,
@@ -535,6 +537,19 @@ def validate(cfg: Config) -> None:
     check_quantization(cfg)
     check_rft(cfg.rft)
     check_model(cfg.model)
+
+
+def check_data_sources(cfg: Config) -> None:
+    """The data lists: each entry a path or a valid source mapping (harness.sources), and the lists the mode needs."""
+    from harness.sources import parse_sources
+
+    d, mode = cfg.data, cfg.loss.mode
+    for key in ("train_files", "eval_files", "emb_train_files", "emb_eval_files"):
+        parse_sources(getattr(d, key), f"data.{key}")
+    if mode in ("generative", "unified") and not d.train_files:
+        raise ConfigError(f"config key 'data.train_files': loss.mode={mode} needs generative JSONL files or folders")
+    if mode in ("embedding", "unified") and not d.emb_train_files:
+        raise ConfigError(f"config key 'data.emb_train_files': loss.mode={mode} needs embedding JSONL files or folders")
 
 
 def check_model(m) -> None:

@@ -1,19 +1,20 @@
-"""Generative training data: JSONL records -> validated rows -> tokenized samples -> padded batches.
+"""Generative training data: sources -> validated canonical rows -> tokenized samples -> padded batches.
 
-Records (one JSON object a line; files or folders of *.jsonl):
-    {"text": "..."}                                                     loss on every token
-    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}   loss on assistant turns only
-
-Every line is checked; a malformed one stops the run with `file:line: <problem>` (a DataError), and so do an
-empty file, a missing path and a record with nothing to train on. Nothing is dropped silently: samples that
-lose all their trainable tokens to truncation are counted and reported.
-
-Loading and caching go through `datasets`: the validated rows become an Arrow dataset (`Dataset.from_generator`,
-fingerprinted by the files' paths, sizes and modification times) and tokenization is a batched, cached `map`.
+Where rows come from is harness.sources (files, folders, save_to_disk folders, hub ids; one-line `file:line` /
+`file:row N` errors); record layouts are harness.formats:
+    text       {"text": "..."}                                   loss on every token
+    messages   {"messages": [{"role": system|user|assistant|tool, "content", "tool_calls"?...}], "tools"?}
+    sharegpt   {"conversations": [{"from": human|gpt|system|function_call|observation, "value"}]}
+    alpaca     {"instruction", "input"?, "output", "system"?, "history"?}
+    gritlm     {"text": [user, assistant, ...]}
+all become rows {segments: [{role, content, extra}], tools, origin}; loss on assistant turns only (text: all).
+Nothing is dropped silently: samples that lose all their trainable tokens to truncation are counted and reported.
+Tokenization is a batched, cached `map` over the rows' Arrow dataset.
 
 Chat layout (GritLM's format; the markers are special tokens, see harness.model.CHAT_MARKERS):
     <s><|system|>\\n{system}\\n<|user|>\\n{user}\\n<|assistant|>\\n{assistant}</s><|user|>\\n...
-The loss covers `{assistant}</s>` of every assistant turn.
+The loss covers `{assistant}</s>` of every assistant turn. For now a tool turn is laid out like a user turn and
+`extra` / `tools` are not rendered.
 
     python -m harness.data data/sample/gen.jsonl     # validate files and print token-length statistics
 """
@@ -22,151 +23,25 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Iterator
 
 import torch
 
+from harness import sources
 from harness.errors import DataError
+from harness.formats import ROLES, embedding_record, generative_row, string  # noqa: F401 - re-exported
 from harness.losses import IGNORE_INDEX  # labels the loss skips
-
-ROLES = ("system", "user", "assistant")
-
-
-# ----------------------------------------------------------------------------------------------- files
+from harness.sources import expand_files, read_jsonl  # noqa: F401 - re-exported
 
 
-def expand_files(paths: list[str], what: str = "data.train_files") -> list[str]:
-    """Files and folders (-> their *.jsonl, sorted) to a list of files; a missing path or empty folder is an error."""
-    files: list[str] = []
-    for p in paths:
-        path = Path(p)
-        if path.is_dir():
-            found = sorted(str(f) for f in path.rglob("*.jsonl"))
-            if not found:
-                raise DataError(f"{p}: folder has no *.jsonl files ({what})")
-            files.extend(found)
-        elif path.is_file():
-            files.append(str(path))
-        else:
-            raise DataError(f"{p}: no such file or folder ({what}; relative paths are read from {os.getcwd()})")
-    return files
+# ----------------------------------------------------------------------------------------------- rows
 
 
-def read_jsonl(path: str) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for each non-blank line; malformed JSON or an empty file raises DataError."""
-    n = 0
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1});"
-                                f" convert the file, e.g. iconv -f latin1 -t utf-8") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line.rstrip("\r\n"))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON, column {e.colno}: {e.msg}") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            n += 1
-            yield lineno, obj
-    if n == 0:
-        raise DataError(f"{path}: file is empty (no records)")
-
-
-# ----------------------------------------------------------------------------------------------- validation
-
-
-def _string(value: Any, where: str, field: str) -> str:
-    if not isinstance(value, str):
-        raise DataError(f"{where}: field '{field}' must be a string, got {type(value).__name__}")
-    if not value.strip():
-        raise DataError(f"{where}: field '{field}' is empty")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:  # json.loads accepts a lone "\ud800" escape; no tokenizer or file can hold it
-        raise DataError(f"{where}: field '{field}' has an unpaired surrogate {ascii(value[e.start])[1:-1]} at "
-                        f"character {e.start + 1} (not valid Unicode)") from None
-    return value
-
-
-def generative_segments(obj: dict, where: str) -> list[dict]:
-    """A record as a list of {role, content} segments; `text` records become one segment of role "text"."""
-    has_text, has_messages = "text" in obj, "messages" in obj
-    if has_text and has_messages:
-        raise DataError(f"{where}: record has both 'text' and 'messages'; give one")
-    if has_text:
-        return [{"role": "text", "content": _string(obj["text"], where, "text")}]
-    if not has_messages:
-        raise DataError(f"{where}: missing field 'text' or 'messages' (keys: {', '.join(obj) or 'none'})")
-    msgs = obj["messages"]
-    if not isinstance(msgs, list) or not msgs:
-        raise DataError(f"{where}: field 'messages' must be a non-empty list")
-    segments = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise DataError(f"{where}: field 'messages[{i}]' must be an object with role and content")
-        role = m.get("role")
-        if role not in ROLES:
-            raise DataError(f"{where}: field 'messages[{i}].role' must be one of {', '.join(ROLES)}, got {role!r}")
-        if "content" not in m:
-            raise DataError(f"{where}: missing field 'messages[{i}].content'")
-        segments.append({"role": role, "content": _string(m["content"], where, f"messages[{i}].content")})
-    if not any(s["role"] == "assistant" for s in segments):
-        raise DataError(f"{where}: field 'messages' has no assistant turn (nothing to train on)")
-    return segments
-
-
-def _generate_rows(files: list[str], stamps: list) -> Iterator[dict]:
-    """Validated rows for datasets.Dataset.from_generator (`stamps` only feeds the cache fingerprint)."""
-    for path in files:
-        for lineno, obj in read_jsonl(path):
-            yield {"segments": generative_segments(obj, f"{path}:{lineno}"), "origin": f"{path}:{lineno}"}
-
-
-def _unwrap(e: BaseException) -> BaseException:
-    """datasets wraps errors raised inside a generator; find our DataError in the chain."""
-    seen = e
-    while seen is not None:
-        if isinstance(seen, DataError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return e
-
-
-def load_generative_rows(paths: list[str], cache_dir: str | None = None, what: str = "data.train_files"):
-    """Validate the files and return a `datasets.Dataset` of rows {segments: [{role, content}], origin}."""
-    import datasets
-
-    datasets.disable_progress_bars()  # one-line errors stay one line; the run prints its own data summary
-    files = expand_files(paths, what)
-    features = datasets.Features({
-        "segments": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
-        "origin": datasets.Value("string"),
-    })
-    return _validated_dataset(_generate_rows, files, features, cache_dir)
-
-
-def _validated_dataset(generator, files: list[str], features, cache_dir: str | None, **gen_kwargs):
-    """`datasets.Dataset.from_generator` over validated rows, fingerprinted by the files' paths, sizes and
-    modification times (an edited file is read again); a DataError raised by the generator comes out unwrapped."""
-    import datasets
-
-    stamps = [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
-    try:
-        return datasets.Dataset.from_generator(generator, gen_kwargs={"files": files, "stamps": stamps, **gen_kwargs},
-                                               features=features, cache_dir=cache_dir)
-    except Exception as e:  # noqa: BLE001 - re-raised unless it wraps a DataError
-        err = _unwrap(e)
-        if isinstance(err, DataError):
-            raise err from None
-        raise
+def load_generative_rows(entries: list, cache_dir: str | None = None, what: str = "data.train_files"):
+    """Validate the sources and return a `datasets.Dataset` of rows {segments: [{role, content, extra}], tools,
+    origin}: the concatenation of each source's `harness.sources.load_source_rows`."""
+    return sources.load_rows(entries, "generative", cache_dir, what)
 
 
 # ----------------------------------------------------------------------------------------------- tokenization
@@ -192,6 +67,8 @@ def tokenize_generative(batch: dict, tokenizer, max_len: int, fmt: ChatFormat = 
             role, content = seg["role"], seg["content"]
             if role == "text":
                 parts += [(content, True)]
+            elif role == "tool":  # for now laid out like a user turn; `extra` and `tools` are not rendered
+                parts += [(fmt.user.format(content=content), False)]
             elif role == "assistant":
                 parts += [(fmt.assistant_prefix, False), (content, True)]
             else:
@@ -227,7 +104,7 @@ def tokenize_dataset(rows, tokenizer, max_len: int):
         batched=True,
         batch_size=1000,
         fn_kwargs={"tokenizer": tokenizer, "max_len": max_len},
-        remove_columns=["segments"],
+        remove_columns=[c for c in ("segments", "tools") if c in rows.column_names],
         desc="tokenize",
     )
     has_labels = [any(x != IGNORE_INDEX for x in lab[1:]) for lab in ds["labels"]]
@@ -370,53 +247,11 @@ class PackedCollator:
 # instruction) or data.emb_plain_template; only the text's tokens are pooled (instr_len marks where they start).
 
 
-def _embed_text(value: Any, where: str, field: str) -> dict:
-    if isinstance(value, str):
-        return {"instruction": "", "text": _string(value, where, field)}
-    if isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value):
-        return {"instruction": value[0], "text": _string(value[1], where, f"{field}[1]")}
-    raise DataError(f"{where}: field '{field}' must be a string or [instruction, text], got {json.dumps(value)[:60]}")
-
-
-def embedding_record(obj: dict, where: str, need_negatives: int) -> dict:
-    """Validate one embedding record; `need_negatives` > 0 requires at least one hard negative."""
-    for key in ("query", "pos"):
-        if key not in obj:
-            raise DataError(f"{where}: missing field '{key}' (keys: {', '.join(obj) or 'none'})")
-    pos, neg = obj["pos"], obj.get("neg", [])
-    for key, val in (("pos", pos), ("neg", neg)):
-        if not isinstance(val, list):
-            raise DataError(f"{where}: field '{key}' must be a list")
-    if not pos:
-        raise DataError(f"{where}: field 'pos' is empty (each query needs a positive)")
-    if need_negatives and not neg:
-        raise DataError(f"{where}: field 'neg' is empty but data.train_group_size={need_negatives + 1} needs "
-                        f"hard negatives")
-    return {
-        "query": _embed_text(obj["query"], where, "query"),
-        "pos": [_embed_text(v, where, f"pos[{i}]") for i, v in enumerate(pos)],
-        "neg": [_embed_text(v, where, f"neg[{i}]") for i, v in enumerate(neg)],
-        "origin": where,
-    }
-
-
-def _generate_embedding_rows(files: list[str], stamps: list, need_negatives: int) -> Iterator[dict]:
-    for path in files:
-        for lineno, obj in read_jsonl(path):
-            yield embedding_record(obj, f"{path}:{lineno}", need_negatives)
-
-
-def load_embedding_rows(paths: list[str], need_negatives: int, cache_dir: str | None = None,
+def load_embedding_rows(entries: list, need_negatives: int, cache_dir: str | None = None,
                         what: str = "data.emb_train_files"):
-    """Validate embedding files into a `datasets.Dataset` of {query, pos, neg, origin} (texts as {instruction, text})."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    files = expand_files(paths, what)
-    text = {"instruction": datasets.Value("string"), "text": datasets.Value("string")}
-    features = datasets.Features({"query": text, "pos": datasets.List(text), "neg": datasets.List(text),
-                                  "origin": datasets.Value("string")})
-    return _validated_dataset(_generate_embedding_rows, files, features, cache_dir, need_negatives=need_negatives)
+    """Validate embedding sources into a `datasets.Dataset` of {query, pos, neg, origin} (texts as {instruction,
+    text}); `need_negatives` > 0 requires hard negatives."""
+    return sources.load_rows(entries, "embedding", cache_dir, what, need_negatives)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ CASES = [
     ("missing-path", {}, ["data-check", "{d}/nope.jsonl"], 1,
      "harness: error: {d}/nope.jsonl: no such file or folder (paths; relative paths are read from {cwd})"),
     ("empty-folder", {"sub/x.txt": "x"}, ["data-check", "{d}/sub"], 1,
-     "harness: error: {d}/sub: folder has no *.jsonl files (paths)"),
+     "harness: error: {d}/sub: folder has no data files (*.jsonl, *.json, *.jsonl.gz, *.parquet, *.csv, *.tsv, "
+     "*.arrow) (paths)"),
     ("missing-field", {"a.jsonl": '{"txt": "x"}\n'}, ["data-check", "{d}/a.jsonl"], 1,
      "harness: error: {d}/a.jsonl:1: missing field 'text' or 'messages' (keys: txt)"),
     ("wrong-type", {"a.jsonl": GOOD_GEN + '{"text": 5}\n'}, ["data-check", "{d}/a.jsonl"], 1,
@@ -46,7 +47,7 @@ CASES = [
     ("text-and-messages", {"a.jsonl": '{"text": "x", "messages": []}\n'}, ["data-check", "{d}/a.jsonl"], 1,
      "harness: error: {d}/a.jsonl:1: record has both 'text' and 'messages'; give one"),
     ("bad-role", {"a.jsonl": '{"messages": [{"role": "bot", "content": "x"}]}\n'}, ["data-check", "{d}/a.jsonl"], 1,
-     "harness: error: {d}/a.jsonl:1: field 'messages[0].role' must be one of system, user, assistant, got 'bot'"),
+     "harness: error: {d}/a.jsonl:1: field 'messages[0].role' must be one of system, user, assistant, tool, got 'bot'"),
     ("no-assistant", {"a.jsonl": '{"messages": [{"role": "user", "content": "x"}]}\n'}, ["data-check", "{d}/a.jsonl"],
      1, "harness: error: {d}/a.jsonl:1: field 'messages' has no assistant turn (nothing to train on)"),
     ("not-utf8", {"a.jsonl": GOOD_GEN.encode() + b'{"text": "caf\xe9"}\n'}, ["data-check", "{d}/a.jsonl"], 1,

@@ -152,8 +152,8 @@ def test_mixed_file_keeps_order_and_columns(tmp_path, tok):
     f = write_jsonl(tmp_path / "mix.jsonl", [TEXT, CONVERSATION, {"text": "Second text."}])
     rows = rows_of(tmp_path, [f])
     assert rows["origin"] == [f"{f}:1", f"{f}:2", f"{f}:3"]
-    assert rows[0]["segments"] == [{"role": "text", "content": TEXT["text"]}]
-    assert rows[1]["segments"] == CONVERSATION["messages"]
+    assert rows[0]["segments"] == [{"role": "text", "content": TEXT["text"], "extra": ""}]
+    assert rows[1]["segments"] == [{**m, "extra": ""} for m in CONVERSATION["messages"]]
     ds, stats = tokenize_dataset(rows, tok, max_len=1 << 20)
     assert sorted(ds.column_names) == ["input_ids", "labels", "length"]
     assert stats["samples"] == 3
@@ -277,9 +277,9 @@ BAD_FILES = [
     ("messages-empty", '{"messages": []}\n', "{f}:1: field 'messages' must be a non-empty list"),
     ("message-not-object", MSG(USER, "hi") + "\n", "{f}:1: field 'messages[1]' must be an object with role and content"),
     ("bad-role", MSG({"role": "bot", "content": "x"}, ASSISTANT) + "\n",
-     "{f}:1: field 'messages[0].role' must be one of system, user, assistant, got 'bot'"),
+     "{f}:1: field 'messages[0].role' must be one of system, user, assistant, tool, got 'bot'"),
     ("missing-role", MSG({"content": "x"}, ASSISTANT) + "\n",
-     "{f}:1: field 'messages[0].role' must be one of system, user, assistant, got None"),
+     "{f}:1: field 'messages[0].role' must be one of system, user, assistant, tool, got None"),
     ("missing-content", MSG(USER, {"role": "assistant"}) + "\n", "{f}:1: missing field 'messages[1].content'"),
     ("content-not-string", MSG(USER, {"role": "assistant", "content": ["a"]}) + "\n",
      "{f}:1: field 'messages[1].content' must be a string, got list"),
@@ -338,10 +338,11 @@ def test_empty_folder(tmp_path, with_other_file):
     d = tmp_path / "empty"
     d.mkdir()
     if with_other_file:
-        (d / "data.json").write_text(json.dumps(TEXT) + "\n")
+        (d / "notes.txt").write_text(json.dumps(TEXT) + "\n")
     with pytest.raises(DataError) as excinfo:
         rows_of(tmp_path, [d])
-    assert str(excinfo.value) == f"{d}: folder has no *.jsonl files (data.train_files)"
+    assert str(excinfo.value) == (f"{d}: folder has no data files (*.jsonl, *.json, *.jsonl.gz, *.parquet, *.csv, "
+                                  f"*.tsv, *.arrow) (data.train_files)")
 
 
 def test_folder_with_bad_nested_file(tmp_path):
@@ -398,7 +399,10 @@ def test_cli_data_check_good_file(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
     f = write_jsonl(tmp_path / "good.jsonl", [TEXT, CONVERSATION])
     assert cli.main(["data-check", str(f), "--max-len", "16"]) == 0
-    stats = json.loads(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    first, _, rest = out.partition("\n")  # one line per source, then the statistics of all generative data
+    assert first.startswith(f"{f}: format text, generative, 2 records, ")
+    stats = json.loads(rest)
     # The text sample is cut to 16 tokens; the conversation's first answer starts after 16 tokens: dropped.
     assert stats["samples"] == 1 and stats["truncated"] == 1 and stats["max_len"] == 16
     assert stats["dropped_no_labels"] == 1 and stats["dropped_examples"] == [f"{f}:2"]
@@ -410,7 +414,7 @@ def test_cli_data_check_good_file(tmp_path, capsys, monkeypatch):
 def test_cache_sees_rewritten_file(tmp_path, tok):
     f = write_jsonl(tmp_path / "data.jsonl", [{"text": "first version"}])
     rows = rows_of(tmp_path, [f])
-    assert rows["segments"] == [[{"role": "text", "content": "first version"}]]
+    assert rows["segments"] == [[{"role": "text", "content": "first version", "extra": ""}]]
     ds, _ = tokenize_dataset(rows, tok, max_len=64)
     assert tok.decode(ds[0]["input_ids"]) == "<s>first version</s>"
 
