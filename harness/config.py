@@ -141,6 +141,10 @@ def lora_config(model: "ModelConfig") -> LoraConfig:
 class DataConfig:
     train_files: list = _f([], "JSONL files or folders of *.jsonl with generative records ({text} or {messages}).")
     eval_files: list = _f([], "Held-out JSONL files or folders; evaluated every train.eval_every steps and at the end.")
+    eval_split: Union[int, float, None] = _f(
+        None, "Hold out part of the training data for evaluation when no eval files are given (data.eval_files, "
+        "data.emb_eval_files): a fraction in (0, 1) or a number of records, drawn once from train.seed before "
+        "weighting (the same on every process and on resume; never trained on).")
     max_len: Union[int, Literal["auto"]] = _f(
         512, "Tokens per sample; longer samples are truncated (and counted in the log). auto: the "
         "max_len_percentile of the data's token lengths, rounded up to a multiple of 8.")
@@ -535,6 +539,23 @@ def validate(cfg: Config) -> None:
     check_quantization(cfg)
     check_rft(cfg.rft)
     check_model(cfg.model)
+    check_eval_split(cfg)
+
+
+def check_eval_split(cfg: Config) -> None:
+    """data.eval_split: a fraction in (0, 1) or a count >= 1, and a stream without eval files to take it from."""
+    d, mode = cfg.data, cfg.loss.mode
+    split = d.eval_split
+    if split is None:
+        return
+    if not (0 < split < 1 if isinstance(split, float) else split >= 1):
+        raise ConfigError(f"config key 'data.eval_split': a fraction in (0, 1) or a number of records >= 1, "
+                          f"got {split}")
+    needs = [k for k, files in (("data.eval_files", d.eval_files), ("data.emb_eval_files", d.emb_eval_files))
+             if not files and (mode != "generative" if k.startswith("data.emb") else mode != "embedding")]
+    if not needs:
+        raise ConfigError("config key 'data.eval_split': every training list already has eval files "
+                          "(data.eval_files / data.emb_eval_files); give one or the other")
 
 
 def check_model(m) -> None:
