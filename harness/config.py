@@ -143,9 +143,13 @@ class DataConfig:
                               ".csv, .tsv, .arrow file; a folder of them; a save_to_disk folder) or a hub data set id, "
                               "or a mapping {path, split, subset, format, weight, columns}. format: text, messages, "
                               "sharegpt, alpaca, gritlm (detected from the columns when not given); columns: {field: "
-                              "column}; weight: for data mixing.")
+                              "column}; weight: the source's share of each epoch (give all or none; harness.mixing).")
     eval_files: list = _f([], "Held-out generative sources (as data.train_files); evaluated every train.eval_every "
                               "steps and at the end.")
+    eval_split: Union[int, float, None] = _f(
+        None, "Hold out part of the training data for evaluation when no eval files are given (data.eval_files, "
+        "data.emb_eval_files): a fraction in (0, 1) or a number of records, drawn once from train.seed before "
+        "weighting (the same on every process and on resume; never trained on).")
     max_len: Union[int, Literal["auto"]] = _f(
         512, "Tokens per sample; longer samples are truncated (and counted in the log). auto: the "
         "max_len_percentile of the data's token lengths, rounded up to a multiple of 8.")
@@ -539,17 +543,40 @@ def validate(cfg: Config) -> None:
     check_model(cfg.model)
 
 
+def check_eval_split(cfg: Config) -> None:
+    """data.eval_split: a fraction in (0, 1) or a count >= 1, and a stream without eval files to take it from."""
+    d, mode = cfg.data, cfg.loss.mode
+    split = d.eval_split
+    if split is None:
+        return
+    if not (0 < split < 1 if isinstance(split, float) else split >= 1):
+        raise ConfigError(f"config key 'data.eval_split': a fraction in (0, 1) or a number of records >= 1, "
+                          f"got {split}")
+    needs = [k for k, files in (("data.eval_files", d.eval_files), ("data.emb_eval_files", d.emb_eval_files))
+             if not files and (mode != "generative" if k.startswith("data.emb") else mode != "embedding")]
+    if not needs:
+        raise ConfigError("config key 'data.eval_split': every training list already has eval files "
+                          "(data.eval_files / data.emb_eval_files); give one or the other")
+
+
 def check_data_sources(cfg: Config) -> None:
     """The data lists: each entry a path or a valid source mapping (harness.sources), and the lists the mode needs."""
     from harness.sources import parse_sources
 
     d, mode = cfg.data, cfg.loss.mode
     for key in ("train_files", "eval_files", "emb_train_files", "emb_eval_files"):
-        parse_sources(getattr(d, key), f"data.{key}")
+        weighted = [s.weight is not None for s in parse_sources(getattr(d, key), f"data.{key}")]
+        if any(weighted) and "eval" in key:
+            raise ConfigError(f"config key 'data.{key}[{weighted.index(True)}]': 'weight' mixes training data; an "
+                              f"eval list is evaluated whole")
+        if any(weighted) and not all(weighted):
+            raise ConfigError(f"config key 'data.{key}[{weighted.index(False)}]': has no weight while other sources "
+                              f"of the list have one; give every source a weight, or none")
     if mode in ("generative", "unified") and not d.train_files:
         raise ConfigError(f"config key 'data.train_files': loss.mode={mode} needs generative JSONL files or folders")
     if mode in ("embedding", "unified") and not d.emb_train_files:
         raise ConfigError(f"config key 'data.emb_train_files': loss.mode={mode} needs embedding JSONL files or folders")
+    check_eval_split(cfg)
 
 
 def check_model(m) -> None:

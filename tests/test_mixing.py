@@ -1,0 +1,89 @@
+"""Weighted mixing of sources and the eval split (harness.mixing), on real `datasets.Dataset`s."""
+
+from collections import Counter
+
+import datasets
+import numpy as np
+import pytest
+
+from harness.errors import ConfigError
+from harness.mixing import epoch_counts, hold_out, mix
+
+
+def source(name: str, n: int) -> datasets.Dataset:
+    return datasets.Dataset.from_dict({"origin": [f"{name}:{i + 1}" for i in range(n)]})
+
+
+def test_counts_add_up_and_follow_the_weights():
+    assert epoch_counts([400, 400], [3, 1]) == [600, 200]
+    assert epoch_counts([10, 7, 3], [1, 1, 1]) == [7, 7, 6]
+    assert sum(epoch_counts([123, 45, 6], [0.5, 2, 7.25])) == 174
+
+
+@pytest.mark.parametrize("sizes", [(400, 400), (1000, 60), (30, 500)])
+def test_weights_3_to_1_give_a_3_to_1_mix_over_an_epoch(sizes):
+    parts = [source("a", sizes[0]), source("b", sizes[1])]
+    mixed, shares = mix(parts, ["a", "b"], [3.0, 1.0], seed=7)
+    by_source = Counter(o.split(":")[0] for o in mixed["origin"])
+    assert len(mixed) == sum(sizes)
+    assert by_source["a"] / by_source["b"] == pytest.approx(3.0, rel=0.05)
+    assert [s.samples for s in shares] == [by_source["a"], by_source["b"]]
+
+
+def test_a_down_weighted_source_gives_distinct_rows_an_up_weighted_one_whole_passes():
+    parts = [source("big", 1000), source("small", 60)]
+    mixed, shares = mix(parts, ["big", "small"], [1.0, 1.0], seed=0)
+    counts = Counter(mixed["origin"])
+    big = {o: c for o, c in counts.items() if o.startswith("big")}
+    small = {o: c for o, c in counts.items() if o.startswith("small")}
+    assert len(big) == 530 and set(big.values()) == {1}  # a subset, no repeats
+    assert sum(small.values()) == 530 and set(small.values()) == {8, 9}  # 8 whole passes + 50 rows once more
+    assert shares[1].passes == pytest.approx(530 / 60)
+
+
+def test_the_mix_is_seeded():
+    parts = [source("a", 300), source("b", 200)]
+    first = mix(parts, ["a", "b"], [1.0, 4.0], seed=3)[0]["origin"]
+    assert mix(parts, ["a", "b"], [1.0, 4.0], seed=3)[0]["origin"] == first
+    assert mix(parts, ["a", "b"], [1.0, 4.0], seed=4)[0]["origin"] != first
+
+
+def test_no_weights_concatenate_and_some_weights_are_an_error():
+    parts = [source("a", 5), source("b", 3)]
+    mixed, shares = mix(parts, ["a", "b"], [None, None], seed=0)
+    assert mixed["origin"] == [f"a:{i}" for i in range(1, 6)] + [f"b:{i}" for i in range(1, 4)]
+    with pytest.raises(ConfigError, match="'b' has no weight"):
+        mix(parts, ["a", "b"], [2.0, None], seed=0)
+
+
+@pytest.mark.parametrize("split, expect", [(0.1, 50), (7, 7)])
+def test_eval_split_is_deterministic_and_disjoint(split, expect):
+    parts = [source("a", 300), source("b", 200)]
+    train, held = hold_out(parts, split, seed=11, what="data.train_files")
+    again_train, again_held = hold_out(parts, split, seed=11, what="data.train_files")
+    train_rows = [o for p in train for o in p["origin"]]
+    assert len(held) == expect and held["origin"] == again_held["origin"]
+    assert [p["origin"] for p in train] == [p["origin"] for p in again_train]
+    assert not set(held["origin"]) & set(train_rows)
+    assert sorted(set(held["origin"]) | set(train_rows)) == sorted(o for p in parts for o in p["origin"])
+    assert hold_out(parts, split, seed=12, what="x")[1]["origin"] != held["origin"]
+
+
+def test_eval_split_then_mix_never_puts_a_held_out_row_into_training():
+    parts = [source("a", 50), source("b", 400)]
+    train, held = hold_out(parts, 0.2, seed=1, what="data.train_files")
+    mixed, _ = mix(train, ["a", "b"], [5.0, 1.0], seed=1)
+    assert not set(held["origin"]) & set(mixed["origin"])
+
+
+@pytest.mark.parametrize("split", [0.0001, 500, 900])
+def test_eval_split_that_leaves_nothing_is_a_config_error(split):
+    with pytest.raises(ConfigError, match="data.eval_split"):
+        hold_out([source("a", 500)], split, seed=0, what="data.train_files")
+
+
+def test_pick_keeps_file_order_within_a_pass():
+    from harness.mixing import pick
+
+    idx = pick(10, 4, np.random.default_rng(0))
+    assert list(idx) == sorted(idx) and len(set(idx)) == 4
