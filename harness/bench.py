@@ -148,7 +148,7 @@ def _build_common(cfg, threads: int) -> dict:
     from harness import data as data_lib
     from harness import hardware
     from harness import model as model_lib
-    from harness.loaders import resolve_max_len
+    from harness.loaders import resolve_max_len, training_rows
     from harness.optim import build_optimizer, lr_lambda
 
     torch.set_num_threads(threads)
@@ -158,7 +158,7 @@ def _build_common(cfg, threads: int) -> dict:
     precision = hardware.resolve_precision(cfg.train.precision)
     hardware.enable_tf32(cfg.train.tf32)
     tok = model_lib.load_tokenizer(cfg.model)
-    rows = data_lib.load_generative_rows(cfg.data.train_files, cfg.data.cache_dir)
+    rows, _ = training_rows(cfg, "generative")  # the sources mixed by weight, as the harness trains on them
     max_len = resolve_max_len(cfg, rows, tok, lambda *a: None)  # data.max_len=auto: the harness's resolution
     ds, _ = data_lib.tokenize_dataset(rows, tok, max_len)
     collate = data_lib.GenerativeCollator(tok.pad_token_id, pad_to_multiple_of=8 if cuda else 1)

@@ -13,7 +13,30 @@ from __future__ import annotations
 import torch
 
 from harness import data as data_lib
+from harness import mixing, sources
 from harness.config import Config
+
+STREAMS = {"generative": ("train_files", "eval_files"), "embedding": ("emb_train_files", "emb_eval_files")}
+
+
+def training_rows(cfg: Config, kind: str, say=lambda *a: None):
+    """One stream's training rows, its sources mixed by weight (harness.mixing), and the rows data.eval_split held
+    out of them (None without a split). The same on every process and on resume (seeded by train.seed)."""
+    d = cfg.data
+    key, eval_key = STREAMS[kind]
+    what = f"data.{key}"
+    need_negatives = d.train_group_size - 1 if kind == "embedding" else 0
+    srcs = sources.parse_sources(getattr(d, key), what)
+    parts = [sources.load_source_rows(s, kind, d.cache_dir, need_negatives, what) for s in srcs]
+    held = None
+    if d.eval_split is not None and not getattr(d, eval_key):
+        parts, held = mixing.hold_out(parts, d.eval_split, cfg.train.seed, what)
+        say(f"[harness] data.eval_split={d.eval_split}: {len(held)} of {len(held) + sum(map(len, parts))} records "
+            f"of {what} held out for evaluation")
+    rows, shares = mixing.mix(parts, [s.name for s in srcs], [s.weight for s in srcs], cfg.train.seed)
+    if any(s.weight is not None for s in srcs):
+        say(f"[harness] {what} mixed by weight, {len(rows)} samples an epoch:\n{mixing.describe(shares)}")
+    return rows, held
 
 
 def resolve_max_len(cfg: Config, rows, tokenizer, say) -> int:
@@ -44,7 +67,7 @@ def build_loaders(cfg: Config, accelerator, tokenizer) -> dict:
         common.update(prefetch_factor=d.prefetch_factor, persistent_workers=d.persistent_workers)
     with accelerator.main_process_first():  # rank 0 validates and tokenizes; the others read its cache
         if mode in ("generative", "unified"):
-            rows = data_lib.load_generative_rows(d.train_files, d.cache_dir)
+            rows, held = training_rows(cfg, "generative", accelerator.print)
             max_len = resolve_max_len(cfg, rows, tokenizer, accelerator.print)
             ds, st = data_lib.tokenize_dataset(rows, tokenizer, max_len)
             out["stats"]["generative"] = st
@@ -56,15 +79,16 @@ def build_loaders(cfg: Config, accelerator, tokenizer) -> dict:
             collate = data_lib.PackedCollator(tokenizer.pad_token_id, max_len) if d.packing else padded
             out["gen"] = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=d.shuffle, collate_fn=collate,
                                     **common)
-            if d.eval_files:
-                rows = data_lib.load_generative_rows(d.eval_files, d.cache_dir, "data.eval_files")
+            if d.eval_files or held is not None:
+                rows = held if held is not None else data_lib.load_generative_rows(d.eval_files, d.cache_dir,
+                                                                                   "data.eval_files")
                 ds, _ = data_lib.tokenize_dataset(rows, tokenizer, max_len)
                 out["gen_eval"] = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=False,
                                              collate_fn=padded, **common)
         if mode in ("embedding", "unified"):
             fmt = data_lib.EmbedFormat(d.emb_instruction_template, d.emb_plain_template,
                                        append_eos=cfg.model.pooling == "lasttoken")
-            rows = data_lib.load_embedding_rows(d.emb_train_files, d.train_group_size - 1, d.cache_dir)
+            rows, held = training_rows(cfg, "embedding", accelerator.print)
             ds, out["stats"]["embedding"] = data_lib.tokenize_embedding_dataset(
                 rows, tokenizer, d.query_max_len, d.passage_max_len, fmt)
             groups = data_lib.EmbeddingGroups(ds, d.train_group_size, cfg.train.seed)
@@ -75,8 +99,9 @@ def build_loaders(cfg: Config, accelerator, tokenizer) -> dict:
                 order = {"sampler": data_lib.LengthGroupedSampler(lengths, mega, cfg.train.seed)}
             out["emb"] = DataLoader(groups, batch_size=cfg.train.emb_micro_batch_size,
                                     collate_fn=data_lib.EmbeddingCollator(tokenizer.pad_token_id), **order, **common)
-            if d.emb_eval_files:
-                rows = data_lib.load_embedding_rows(d.emb_eval_files, 0, d.cache_dir, "data.emb_eval_files")
+            if d.emb_eval_files or held is not None:
+                rows = held if held is not None else data_lib.load_embedding_rows(d.emb_eval_files, 0, d.cache_dir,
+                                                                                  "data.emb_eval_files")
                 out["emb_eval"] = data_lib.retrieval_eval_set(rows, tokenizer, d.query_max_len, d.passage_max_len,
                                                               fmt)
     return out

@@ -246,12 +246,13 @@ def calibrate(config_path: Optional[str], overrides: list[str], cfg: Config, set
 def analyse_data(cfg: Config) -> dict:
     """Samples, full and truncated token lengths, items per epoch of the primary stream (the loop's rules)."""
     from harness import data as data_lib
+    from harness.loaders import training_rows
     from harness.model import load_tokenizer
 
     d, mode, out = cfg.data, cfg.loss.mode, {}
     tok = load_tokenizer(cfg.model)
     if mode in ("generative", "unified"):
-        rows = data_lib.load_generative_rows(d.train_files, d.cache_dir)
+        rows, _ = training_rows(cfg, "generative")
         full_ds, _ = data_lib.tokenize_dataset(rows, tok, 1 << 30)
         full = list(full_ds["length"])
         max_len = d.max_len if d.max_len != "auto" else data_lib.auto_max_len(full, d.max_len_percentile)
@@ -263,7 +264,7 @@ def analyse_data(cfg: Config) -> dict:
                              "truncated_samples": st["truncated"], "truncated_tokens": sum(full) - st["tokens"],
                              "items": items, "packing": d.packing, "full_lengths": full}
     if mode in ("embedding", "unified"):
-        rows = data_lib.load_embedding_rows(d.emb_train_files, d.train_group_size - 1, d.cache_dir)
+        rows, _ = training_rows(cfg, "embedding")
         out["embedding"] = {"samples": len(rows), "items": len(rows)}
     out["primary"] = "embedding" if "embedding" in out else "generative"
     return out

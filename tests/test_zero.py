@@ -1,8 +1,10 @@
 """DeepSpeed ZeRO stages and exact resume, with two real CPU ranks (gloo).
 
-One set of 2-process runs of the default recipe (16 steps, crossing an epoch boundary at step 13) serves several
+One set of 2-process runs of the default recipe (16 steps, crossing an epoch boundary after step 14) serves several
 checks: equal losses under DDP and ZeRO-1/2/3, ZeRO-3's partitioned parameters, the ZeRO-3 export, and the
-uninterrupted baselines for the resume tests.
+uninterrupted baselines for the resume tests. The training data is a weighted mix of two sources (3:1: a subset of
+gen.jsonl and 2.75 passes over gen_eval.jsonl) with 24 records held out by data.eval_split, so the mix and the split
+are shown to be the same on every process, under every stage and on resume.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from harness_launch import FAST, final_weights, max_abs_diff, metrics, rel_close
 
 pytestmark = pytest.mark.slow
 
-STEPS = ["train.max_steps=16", "train.micro_batch_size=16", *FAST]
+MIX = ["data.train_files=[{path: data/sample/gen.jsonl, weight: 3}, {path: data/sample/gen_eval.jsonl, weight: 1}]",
+       "data.eval_split=24"]
+STEPS = ["train.max_steps=16", "train.micro_batch_size=16", *FAST, *MIX]
 STAGES = {"ddp": "multi_gpu", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3"}
 
 
@@ -35,6 +39,8 @@ def test_first_ten_losses_equal_across_ddp_and_zero_stages(stage_runs):
         assert not bad, f"{name} differs from DDP at (step, ddp, {name}): {bad}"
         rep = report(stage_runs / name)
         assert rep["world_size"] == 2 and rep["zero_stage"] == int(name[-1])
+        start = report(stage_runs / "ddp")["eval_at_start"]["eval_loss"]  # the same held-out records everywhere
+        assert rel_close(rep["eval_at_start"]["eval_loss"], start, 1e-5), (name, rep["eval_at_start"], start)
     assert report(stage_runs / "ddp")["zero_stage"] is None
 
 
@@ -60,7 +66,7 @@ def test_zero3_export_reloads_and_matches_the_trained_weights(stage_runs):
 @pytest.mark.parametrize("stage", ["ddp", "zero3"])
 def test_stopped_and_resumed_run_ends_with_the_same_weights(stage, stage_runs, tmp_path):
     """Stop after step 10 (checkpoint), resume with train.resume=auto: same final weights (<= 1e-6) and the same
-    metrics for the steps after the resume (which cross the epoch boundary at step 13)."""
+    metrics for the steps after the resume (which cross the epoch boundary after step 14) and the same eval loss."""
     out = tmp_path / stage
     args = [f"train.output_dir={out}", *STEPS, "train.save_every_steps=5"]
     first = run_train([*args, "train.stop_at_step=10"], nproc=2, accel=STAGES[stage])
@@ -78,6 +84,7 @@ def test_stopped_and_resumed_run_ends_with_the_same_weights(stage, stage_runs, t
     for step in range(11, 17):
         for key in ("loss", "lr", "grad_norm", "epoch"):
             assert rel_close(resumed[step][key], baseline[step][key], 1e-6), (step, key, resumed[step], baseline[step])
+    assert rel_close(report(out)["eval"]["eval_loss"], report(stage_runs / stage)["eval"]["eval_loss"], 1e-6)
 
 
 @pytest.mark.parametrize("launcher", ["python", "accelerate"])
