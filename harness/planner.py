@@ -246,10 +246,10 @@ def calibrate(config_path: Optional[str], overrides: list[str], cfg: Config, set
 def analyse_data(cfg: Config) -> dict:
     """Samples, full and truncated token lengths, items per epoch of the primary stream (the loop's rules)."""
     from harness import data as data_lib
-    from harness.model import load_tokenizer
+    from harness.model import load_run_tokenizer
 
     d, mode, out = cfg.data, cfg.loss.mode, {}
-    tok = load_tokenizer(cfg.model)
+    tok = load_run_tokenizer(cfg)
     if mode in ("generative", "unified"):
         rows = data_lib.load_generative_rows(d.train_files, d.cache_dir)
         full_ds, _ = data_lib.tokenize_dataset(rows, tok, 1 << 30)
