@@ -14,8 +14,8 @@ P_i = render(messages[:i], add_generation_prompt=True) and S_i = render(messages
 the full text, and the characters [len(P_i), len(S_i)) are trained: the assistant content and whatever the template
 puts after it up to the next message (its end-of-turn token: </s>, <|im_end|>, <|eot_id|>; for ChatML also the "\\n"
 after <|im_end|>, which is harmless: generation stops at <|im_end|>). The full text is tokenized once
-(add_special_tokens=False, as apply_chat_template does) and a token is trained when its first character lies in a
-trained span.
+(add_special_tokens=False, as apply_chat_template does) and a token is trained when it holds a character of a
+trained span (token offsets).
 """
 
 from __future__ import annotations
@@ -131,11 +131,15 @@ def trained_spans(tokenizer, template: str, segments: list[dict], tools_json: st
 
 
 def _labels(offsets: list, ids: list[int], spans: list[tuple[int, int]]) -> list[int]:
-    out, k = [], 0
-    for (start, _), tid in zip(offsets, ids):
+    """Labels: a token's id where it holds a character of a trained span (a token that straddles the start of a
+    span, e.g. " Sure" after a prompt ending in a space, is trained: it carries content). A token starts at its
+    offset or, where the tokenizer trims whitespace off offsets (ByteLevel trim_offsets), where the previous ended."""
+    out, k, prev_end = [], 0, 0
+    for (start, end), tid in zip(offsets, ids):
+        start, prev_end = min(start, prev_end) if out else start, end
         while k < len(spans) and start >= spans[k][1]:
             k += 1
-        out.append(tid if k < len(spans) and spans[k][0] <= start else IGNORE_INDEX)
+        out.append(tid if k < len(spans) and spans[k][0] < max(end, start + 1) else IGNORE_INDEX)
     return out
 
 

@@ -29,7 +29,8 @@ def _tokenizer_source(cfg: ModelConfig) -> str:
     return str(BUNDLED_TOKENIZER) if src == "bundled" else src
 
 
-def load_tokenizer(cfg: ModelConfig, chat_template: str = "auto", markers: bool | None = True) -> PreTrainedTokenizerBase:
+def load_tokenizer(cfg: ModelConfig, chat_template: str = "auto",
+                   markers: bool | None = True) -> PreTrainedTokenizerBase:
     """The tokenizer with a pad token and its chat template resolved from `chat_template` (data.chat_template) and
     set on it (so save_pretrained stores it). markers: add the GritLM chat markers as special tokens (True),
     never (False), or only when the chat layout uses them (None)."""

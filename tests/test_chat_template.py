@@ -73,7 +73,8 @@ def rows_of(conversations: list[list[dict]], tools: list[str] | None = None) -> 
     segs = [[{"role": m["role"], "content": m["content"] or "",
               "extra": json.dumps({k: v for k, v in m.items() if k not in ("role", "content")}) if len(m) > 2 else ""}
              for m in conv] for conv in conversations]
-    return {"segments": segs, "tools": tools or [""] * len(segs), "origin": [f"t.jsonl:{i + 1}" for i in range(len(segs))]}
+    origins = [f"t.jsonl:{i + 1}" for i in range(len(segs))]
+    return {"segments": segs, "tools": tools or [""] * len(segs), "origin": origins}
 
 
 def trained_runs(tok, ids: list[int], labels: list[int]) -> list[str]:
@@ -121,7 +122,8 @@ def test_gritlm_layout_is_the_gritlm_template(tmp_path):
     out = data_lib.tokenize_generative(rows_of([CONVERSATION]), tok, max_len=4096)
     ids = out["input_ids"][0]
     assert ids == _template_ids(tok, CONVERSATION)
-    assert tok.decode(ids).startswith("<s><|system|>\nYou are terse.\n<|user|>\nWhat is 2 + 2?\n<|assistant|>\nIt is 4.</s>")
+    assert tok.decode(ids).startswith("<s><|system|>\nYou are terse.\n<|user|>\nWhat is 2 + 2?\n<|assistant|>\n"
+                                      "It is 4.</s>")
     assert trained_runs(tok, ids, out["labels"][0]) == ["It is 4.</s>", "Then 12, since 4 x 3 = 12.</s>"]
     prompt = tok.apply_chat_template(CONVERSATION[:2], add_generation_prompt=True, tokenize=False)
     assert prompt == "<s><|system|>\nYou are terse.\n<|user|>\nWhat is 2 + 2?\n<|assistant|>\n"
@@ -247,3 +249,19 @@ def test_runs_save_their_template_in_final(tmp_path):
             assert text == "<s><|system|>\nYou are terse.\n<|user|>\nWhat is 2 + 2?\n<|assistant|>\n"
             trained = data_lib.tokenize_generative(rows_of([CONVERSATION]), load_tokenizer(ModelConfig()), 4096)
             assert trained["input_ids"][0] == _template_ids(final, CONVERSATION)
+
+
+def test_labels_hold_with_trimmed_offsets_and_straddling_tokens(tmp_path):
+    """A token that straddles the start of an answer (" Sure" after "assistant:" + space) is trained; a ByteLevel
+    post-processor with trim_offsets (" word" reported as starting at "w") labels the same tokens."""
+    from tokenizers import processors
+
+    tok = load_tokenizer(ModelConfig())
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    conv = [{"role": "user", "content": "Hi  there"}, {"role": "assistant", "content": "Sure,  then more. "},
+            {"role": "user", "content": "ok"}]
+    out = data_lib.tokenize_generative(rows_of([conv]), tok, max_len=4096)
+    assert trained_runs(tok, out["input_ids"][0], out["labels"][0]) == [" Sure,  then more. \n"]
+    tok.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
+    assert data_lib.tokenize_generative(rows_of([conv]), tok, max_len=4096) == out
