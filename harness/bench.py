@@ -157,7 +157,7 @@ def _build_common(cfg, threads: int) -> dict:
     cuda = torch.cuda.is_available()
     precision = hardware.resolve_precision(cfg.train.precision)
     hardware.enable_tf32(cfg.train.tf32)
-    tok = model_lib.load_tokenizer(cfg.model)
+    tok = model_lib.load_run_tokenizer(cfg)
     rows, _ = training_rows(cfg, "generative")  # the sources mixed by weight, as the harness trains on them
     max_len = resolve_max_len(cfg, rows, tok, lambda *a: None)  # data.max_len=auto: the harness's resolution
     ds, _ = data_lib.tokenize_dataset(rows, tok, max_len)

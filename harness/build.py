@@ -163,7 +163,7 @@ def start_over(out: Path, say: Callable[[str], None]) -> None:
 def build_data(job: Job) -> None:
     from harness import model as model_lib
 
-    job.tokenizer = model_lib.load_tokenizer(job.cfg.model)
+    job.tokenizer = model_lib.load_run_tokenizer(job.cfg)
     job.data = loaders.build_loaders(job.cfg, job.accelerator, job.tokenizer)
     for kind, st in job.data["stats"].items():
         job.say(f"[harness] {kind} data: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"

@@ -76,7 +76,7 @@ def _data_check(args: argparse.Namespace) -> int:
         names = ", ".join(sorted({f or "text" for f in fmts.values()}))
         line = f"{src.name}: format {names}, {kind}, {len(rows)} records"
         if kind == "generative":
-            tok = tok or load_tokenizer(ModelConfig(tokenizer=args.tokenizer))
+            tok = tok or load_tokenizer(ModelConfig(tokenizer=args.tokenizer), args.chat_template, markers=None)
             _, st = data.tokenize_dataset(rows, tok, max_len=args.max_len)
             gen.append(rows)
             line += (f", {st['tokens']} tokens, mean {st['mean_len']:.1f}, p95 {st['p95_len']}, max {st['max_len']}, "
@@ -97,7 +97,7 @@ def _data_stats(args: argparse.Namespace) -> int:
     from harness.model import load_tokenizer
 
     rows = data.load_generative_rows(args.paths, what="paths")
-    tok = load_tokenizer(ModelConfig(tokenizer=args.tokenizer))
+    tok = load_tokenizer(ModelConfig(tokenizer=args.tokenizer), args.chat_template, markers=None)
     ds, stats = data.tokenize_dataset(rows, tok, max_len=1 << 30)
     lengths = sorted(ds["length"])
     pct = {p: lengths[min(len(lengths) - 1, max(0, -(-p * len(lengths) // 100) - 1))] for p in (50, 90, 95, 99, 100)}
@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("data-stats", help="token-length distribution of generative JSONL data")
     st.add_argument("paths", nargs="+")
     st.add_argument("--tokenizer", default="bundled")
+    st.add_argument("--chat-template", default="auto", help="auto, tokenizer, gritlm or a Jinja file "
+                    "(data.chat_template)")
     st.add_argument("--max-len", type=int, default=0, help="report what this max_len would truncate")
     st.add_argument("--percentile", type=float, default=99.0, help="percentile used by data.max_len=auto")
     st.set_defaults(fn=_data_stats)
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("data-check", help="validate data sources: format, kind, records, token lengths")
     d.add_argument("paths", nargs="+")
     d.add_argument("--tokenizer", default="bundled")
+    d.add_argument("--chat-template", default="auto", help="auto, tokenizer, gritlm or a Jinja file "
+                    "(data.chat_template)")
     d.add_argument("--max-len", type=int, default=1 << 20)
     d.set_defaults(fn=_data_check)
 

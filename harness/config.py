@@ -153,6 +153,11 @@ class DataConfig:
     max_len: Union[int, Literal["auto"]] = _f(
         512, "Tokens per sample; longer samples are truncated (and counted in the log). auto: the "
         "max_len_percentile of the data's token lengths, rounded up to a multiple of 8.")
+    chat_template: str = _f(
+        "auto", "How chat records are laid out (harness.chat): auto (the tokenizer's own chat template, else the "
+        "GritLM layout <|user|>/<|assistant|>), tokenizer (its own; an error if it has none), gritlm, or the path of "
+        "a Jinja file. The ids trained are apply_chat_template's, the loss is on the assistant turns, and the "
+        "template is saved with the tokenizer (final/, checkpoints).")
     max_len_percentile: float = _f(99.0, "Percentile of sample lengths that data.max_len=auto covers.")
     packing: bool = _f(False, "Pack generative samples into rows of max_len (best-fit; no attention across "
                               "documents: per-document position ids).")
@@ -541,6 +546,14 @@ def validate(cfg: Config) -> None:
     check_quantization(cfg)
     check_rft(cfg.rft)
     check_model(cfg.model)
+    check_data(d)
+
+
+def check_data(d) -> None:
+    """The data section's checks that need more than a type: a data.chat_template file that exists."""
+    from harness.chat import check_choice
+
+    check_choice(d.chat_template)
 
 
 def check_eval_split(cfg: Config) -> None:

@@ -11,10 +11,12 @@ all become rows {segments: [{role, content, extra}], tools, origin}; loss on ass
 Nothing is dropped silently: samples that lose all their trainable tokens to truncation are counted and reported.
 Tokenization is a batched, cached `map` over the rows' Arrow dataset.
 
-Chat layout (GritLM's format; the markers are special tokens, see harness.model.CHAT_MARKERS):
+Chat layout: the run's chat template (data.chat_template, harness.chat): the tokenizer's own (Qwen's ChatML,
+Llama-3's headers, ...) or, for a tokenizer without one, GritLM's format (the markers are special tokens, see
+harness.model.CHAT_MARKERS):
     <s><|system|>\\n{system}\\n<|user|>\\n{user}\\n<|assistant|>\\n{assistant}</s><|user|>\\n...
-The loss covers `{assistant}</s>` of every assistant turn. For now a tool turn is laid out like a user turn and
-`extra` / `tools` are not rendered.
+The token ids are exactly `tokenizer.apply_chat_template(messages)`'s; the loss covers every assistant turn's
+content and what the template closes it with (`</s>`, `<|im_end|>`, `<|eot_id|>`).
 
     python -m harness.data data/sample/gen.jsonl     # validate files and print token-length statistics
 """
@@ -30,9 +32,7 @@ import torch
 
 from harness import sources
 from harness.errors import DataError
-from harness.formats import ROLES, embedding_record, generative_row, string  # noqa: F401 - re-exported
 from harness.losses import IGNORE_INDEX  # labels the loss skips
-from harness.sources import expand_files, read_jsonl  # noqa: F401 - re-exported
 
 
 # ----------------------------------------------------------------------------------------------- rows
@@ -47,63 +47,28 @@ def load_generative_rows(entries: list, cache_dir: str | None = None, what: str 
 # ----------------------------------------------------------------------------------------------- tokenization
 
 
-@dataclass(frozen=True)
-class ChatFormat:
-    """Strings around each turn. Loss covers the assistant content and the eos that follows it."""
+def tokenize_generative(batch: dict, tokenizer, max_len: int, template: str | None = None) -> dict:
+    """Batched `map` function: rows -> input_ids, labels (IGNORE_INDEX outside the trained spans), length, truncated.
+    Conversations go through the chat template (`template`, default the tokenizer's, else the GritLM layout):
+    see harness.chat."""
+    from harness import chat
 
-    system: str = "<|system|>\n{content}\n"
-    user: str = "<|user|>\n{content}\n"
-    assistant_prefix: str = "<|assistant|>\n"
-
-
-def tokenize_generative(batch: dict, tokenizer, max_len: int, fmt: ChatFormat = ChatFormat()) -> dict:
-    """Batched `map` function: segments -> input_ids, labels (IGNORE_INDEX outside the trained spans)."""
-    # Collect every string piece with its trained flag, tokenize them all in one call, then reassemble.
-    pieces: list[str] = []
-    layout: list[list[tuple[int, bool]]] = []
-    for segments in batch["segments"]:
-        parts = []
-        for seg in segments:
-            role, content = seg["role"], seg["content"]
-            if role == "text":
-                parts += [(content, True)]
-            elif role == "tool":  # for now laid out like a user turn; `extra` and `tools` are not rendered
-                parts += [(fmt.user.format(content=content), False)]
-            elif role == "assistant":
-                parts += [(fmt.assistant_prefix, False), (content, True)]
-            else:
-                parts += [(getattr(fmt, role).format(content=content), False)]
-        row = []
-        for text, trained in parts:
-            row.append((len(pieces), trained))
-            pieces.append(text)
-        layout.append(row)
-    ids = tokenizer(pieces, add_special_tokens=False)["input_ids"]
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "truncated": []}
-    for row in layout:
-        input_ids = [bos] if bos is not None else []
-        labels = [IGNORE_INDEX] * len(input_ids)
-        for idx, trained in row:
-            piece = ids[idx] + ([eos] if trained else [])  # a trained span (text, assistant turn) ends with eos
-            input_ids += piece
-            labels += piece if trained else [IGNORE_INDEX] * len(piece)
-        out["truncated"].append(len(input_ids) > max_len)
-        out["input_ids"].append(input_ids[:max_len])
-        out["labels"].append(labels[:max_len])
-        out["length"].append(min(len(input_ids), max_len))
-    return out
+    template = template or chat.own_template(tokenizer) or chat.GRITLM_TEMPLATE
+    return chat.tokenize_conversations(batch, tokenizer, max_len, template)
 
 
 def tokenize_dataset(rows, tokenizer, max_len: int):
     """Tokenize rows (cached by datasets next to the rows' Arrow files); returns (dataset, stats). Samples left
     with no trained token are removed and counted in stats['dropped_no_labels'] (the other stats describe the
-    kept samples)."""
+    kept samples). The chat template is one of the map's fn_kwargs: another template, another cache entry."""
+    from harness import chat
+
+    template = chat.own_template(tokenizer) or chat.GRITLM_TEMPLATE
     ds = rows.map(
         tokenize_generative,
         batched=True,
         batch_size=1000,
-        fn_kwargs={"tokenizer": tokenizer, "max_len": max_len},
+        fn_kwargs={"tokenizer": tokenizer, "max_len": max_len, "template": template},
         remove_columns=[c for c in ("segments", "tools") if c in rows.column_names],
         desc="tokenize",
     )

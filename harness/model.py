@@ -29,8 +29,13 @@ def _tokenizer_source(cfg: ModelConfig) -> str:
     return str(BUNDLED_TOKENIZER) if src == "bundled" else src
 
 
-def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    """The tokenizer, with a pad token and the chat markers guaranteed."""
+def load_tokenizer(cfg: ModelConfig, chat_template: str = "auto",
+                   markers: bool | None = True) -> PreTrainedTokenizerBase:
+    """The tokenizer with a pad token and its chat template resolved from `chat_template` (data.chat_template) and
+    set on it (so save_pretrained stores it). markers: add the GritLM chat markers as special tokens (True),
+    never (False), or only when the chat layout uses them (None)."""
+    from harness.chat import resolve_template, uses_markers
+
     src = _tokenizer_source(cfg)
     try:
         tok = AutoTokenizer.from_pretrained(src, trust_remote_code=cfg.trust_remote_code)
@@ -40,10 +45,18 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
     if tok.eos_token is None:
         raise ConfigError(f"config key 'model.tokenizer': tokenizer '{src}' has no eos token")
+    tok.chat_template = resolve_template(tok, chat_template, src)
     missing = [m for m in CHAT_MARKERS if tok.convert_tokens_to_ids(m) in (None, tok.unk_token_id)]
-    if missing:
+    if missing and (markers or (markers is None and uses_markers(tok.chat_template))):
         tok.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
     return tok
+
+
+def load_run_tokenizer(cfg) -> PreTrainedTokenizerBase:
+    """A run's tokenizer (Config): data.chat_template resolved; the GritLM markers only where they are used (the
+    GritLM chat layout, or the embedding templates of loss.mode embedding/unified)."""
+    markers = True if cfg.loss.mode != "generative" else None
+    return load_tokenizer(cfg.model, cfg.data.chat_template, markers=markers)
 
 
 def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype = torch.float32,

@@ -247,10 +247,10 @@ def analyse_data(cfg: Config) -> dict:
     """Samples, full and truncated token lengths, items per epoch of the primary stream (the loop's rules)."""
     from harness import data as data_lib
     from harness.loaders import training_rows
-    from harness.model import load_tokenizer
+    from harness.model import load_run_tokenizer
 
     d, mode, out = cfg.data, cfg.loss.mode, {}
-    tok = load_tokenizer(cfg.model)
+    tok = load_run_tokenizer(cfg)
     if mode in ("generative", "unified"):
         rows, _ = training_rows(cfg, "generative")
         full_ds, _ = data_lib.tokenize_dataset(rows, tok, 1 << 30)

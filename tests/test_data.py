@@ -12,14 +12,13 @@ import torch
 
 from harness import cli
 from harness.config import ModelConfig
+from harness.sources import expand_files
 from harness.data import (
     IGNORE_INDEX,
-    ChatFormat,
     EmbedFormat,
     EmbeddingCollator,
     EmbeddingGroups,
     GenerativeCollator,
-    expand_files,
     load_embedding_rows,
     load_generative_rows,
     pad_embed,
@@ -106,15 +105,15 @@ def test_messages_labels(tmp_path, tok):
         "<s><|system|>\nBe brief.\n<|user|>\nWhat is two plus two?\n<|assistant|>\nFour.</s>"
         "<|user|>\nAnd three plus three?\n<|assistant|>\nSix, of course.</s>"
     )
-    fmt = ChatFormat()
+    # Tokenizing the whole text (as apply_chat_template does) gives the same ids as tokenizing the pieces here.
     expected_ids, expected_labels = [tok.bos_token_id], [IGNORE_INDEX]
     for piece, trained_piece in [
-        (fmt.system.format(content="Be brief."), False),
-        (fmt.user.format(content="What is two plus two?"), False),
-        (fmt.assistant_prefix, False),
+        ("<|system|>\nBe brief.\n", False),
+        ("<|user|>\nWhat is two plus two?\n", False),
+        ("<|assistant|>\n", False),
         ("Four.", True),
-        (fmt.user.format(content="And three plus three?"), False),
-        (fmt.assistant_prefix, False),
+        ("<|user|>\nAnd three plus three?\n", False),
+        ("<|assistant|>\n", False),
         ("Six, of course.", True),
     ]:
         p = ids(tok, piece) + ([tok.eos_token_id] if trained_piece else [])
@@ -129,11 +128,12 @@ def test_messages_labels(tmp_path, tok):
         if t in markers:
             assert labels[i] == IGNORE_INDEX
     asst = tok.convert_tokens_to_ids("<|assistant|>")
-    newline = ids(tok, fmt.assistant_prefix)[1:]
+    newline = ids(tok, "<|assistant|>\n")[1:]
     for i in [i for i, t in enumerate(input_ids) if t == asst]:
         assert input_ids[i + 1:i + 1 + len(newline)] == newline
         assert labels[i + 1:i + 1 + len(newline)] == [IGNORE_INDEX] * len(newline)
     assert stats["tokens"] == len(input_ids)
+    assert input_ids == list(tok.apply_chat_template(CONVERSATION["messages"], tokenize=True)["input_ids"])
 
 
 def test_text_labels(tmp_path, tok):

@@ -158,9 +158,10 @@ def tiny_model():
 def test_batched_sampling_with_left_padding_equals_one_question_at_a_time(tiny_model):
     model, tok = tiny_model
     t = ArithmeticTask(n_train=3, n_test=0, n_sft=0, max_operand=12)
-    prompts = [gen.prompt_text(t, q) for q in t.split("train")] + ["<|user|>\nHow many minutes are in 12 hours?\n"
-                                                                   "<|assistant|>\n"]
-    assert prompts[0].startswith("<|user|>\nWhat") or prompts[0].startswith("<|user|>\nHow")
+    prompts = [gen.prompt_text(t, q, tok) for q in t.split("train")] + ["<s><|user|>\nHow many minutes are in 12 "
+                                                                        "hours?\n<|assistant|>\n"]
+    assert prompts[0].startswith("<s><|user|>\nWhat") or prompts[0].startswith("<s><|user|>\nHow")
+    assert prompts[0].endswith("\n<|assistant|>\n")
     s = gen.Sampler(model, tok, max_new_tokens=6, micro=64)
     batched = s.sample(prompts, 1, greedy=True)
     single = [s.sample([p], 1, greedy=True)[0] for p in prompts]

@@ -35,7 +35,7 @@ def run(cfg, model_path: Optional[str] = None, out: Optional[str] = None, split:
     step = max(1, r.micro_batch_sequences)
     for i in range(0, len(mine), step):
         batch = mine[i:i + step]
-        for q, (resp,) in zip(batch, sampler.sample([prompt_text(task, q) for q in batch], 1, greedy=True)):
+        for q, (resp,) in zip(batch, sampler.sample([prompt_text(task, q, tok) for q in batch], 1, greedy=True)):
             rows.append({"qid": q.qid, "question": q.question, "answer": q.answer, "response": resp,
                          "extracted": task.extract(resp), "correct": task.verify(resp, q)})
     rows = gather_object(rows)

@@ -23,7 +23,6 @@ from typing import Callable, Optional
 
 import torch
 
-from harness.data import ChatFormat
 from harness.errors import ConfigError, HarnessError
 from harness.rft.tasks import Question, Task
 
@@ -59,7 +58,7 @@ def load_for_generation(path: str, device: torch.device):
 
     path = resolve_model_path(path)
     dtype = torch.bfloat16 if device.type == "cuda" and hardware.resolve_precision("auto") == "bf16" else torch.float32
-    tok = load_tokenizer(ModelConfig(name_or_path=path))
+    tok = load_tokenizer(ModelConfig(name_or_path=path), markers=None)  # its saved chat template, else GritLM's
     tok.padding_side = "left"
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -68,10 +67,10 @@ def load_for_generation(path: str, device: torch.device):
     return model.to(device).eval(), tok
 
 
-def prompt_text(task: Task, q: Question, fmt: ChatFormat = ChatFormat()) -> str:
-    """The question in the training chat layout, ending where the assistant's answer starts."""
-    turns = "".join(getattr(fmt, m["role"]).format(content=m["content"]) for m in task.messages(q))
-    return turns + fmt.assistant_prefix
+def prompt_text(task: Task, q: Question, tokenizer) -> str:
+    """The question in the model's chat template (the one it was trained with, saved with its tokenizer), ending
+    where the assistant's answer starts; bos included when the template writes it."""
+    return tokenizer.apply_chat_template(task.messages(q), add_generation_prompt=True, tokenize=False)
 
 
 class Sampler:
@@ -112,8 +111,7 @@ class Sampler:
     @torch.no_grad()
     def _generate(self, texts: list[str], temperature: float, top_p: float, greedy: bool) -> list[str]:
         tok, dev = self.tok, self.model.device
-        bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-        ids = [bos + x for x in tok(texts, add_special_tokens=False)["input_ids"]]
+        ids = tok(texts, add_special_tokens=False)["input_ids"]  # the chat template writes bos where it wants one
         width = max(map(len, ids))
         input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids], device=dev)
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=dev)
@@ -287,7 +285,8 @@ def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[
             break
         batch = mine[i:i + r.questions_per_batch]
         torch.manual_seed(r.seed + zlib.crc32(batch[0].qid.encode()))
-        responses = sampler.sample([prompt_text(task, q) for q in batch], r.oversample, r.temperature, r.top_p)
+        prompts = [prompt_text(task, q, sampler.tok) for q in batch]
+        responses = sampler.sample(prompts, r.oversample, r.temperature, r.top_p)
         records = [judge(task, q, resp, r.keep_per_question) for q, resp in zip(batch, responses)]
         append_records(shard, records)
         batches += 1
@@ -336,7 +335,7 @@ def bench(cfg, model_path: Optional[str] = None, questions: int = 32, repeats: i
     qs = task.split("train")[:questions]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tok = load_for_generation(model_path or cfg.model.name_or_path, device)
-    prompts = [prompt_text(task, q) for q in qs]
+    prompts = [prompt_text(task, q, tok) for q in qs]
     ways = {"one sequence per call": (1, 1, r.oversample), "one question per call": (1, r.oversample, 1),
             f"{r.questions_per_batch} questions per call": (r.questions_per_batch, r.oversample, 1)}
     best: dict[str, dict] = {}
