@@ -88,18 +88,23 @@ def test_parse_sources_and_config(tmp_path):
     assert src[1] == Source("x/y", "test", "s", "alpaca", 2.0, {"instruction": "prompt"})
     assert src[1].name == "x/y[s:test]"
     cfg = load_config(ROOT / "configs" / "default.yaml",
-                      ["data.train_files=[{path: a.parquet, format: alpaca, weight: 0.5}, b.jsonl]"])
-    assert cfg.data.train_files == [{"path": "a.parquet", "format": "alpaca", "weight": 0.5}, "b.jsonl"]
+                      ["data.train_files=[{path: a.parquet, format: alpaca, weight: 0.5}, {path: b.jsonl, weight: 2}]"])
+    assert cfg.data.train_files == [{"path": "a.parquet", "format": "alpaca", "weight": 0.5},
+                                    {"path": "b.jsonl", "weight": 2}]
     bad = [("[{path: a, fromat: text}]", "config key 'data.train_files[0]': unknown key 'fromat' (did you mean "
             "'format'?)"),
            ("[{path: a, format: chatml}]", "config key 'data.train_files[0].format': expected one of text, messages, "
             "sharegpt, alpaca, gritlm, embedding, got 'chatml'"),
            ("[a, {path: b, weight: 0}]", "config key 'data.train_files[1].weight': must be a number > 0, got 0"),
-           ("[{format: text}]", "config key 'data.train_files[0].path': required, a file, folder or hub data set id")]
+           ("[{format: text}]", "config key 'data.train_files[0].path': required, a file, folder or hub data set id"),
+           ("[{path: a, weight: 3}, b]", "config key 'data.train_files[1]': has no weight while other sources of the "
+            "list have one; give every source a weight, or none")]
     for value, message in bad:
         with pytest.raises(ConfigError) as e:
             load_config(ROOT / "configs" / "default.yaml", [f"data.train_files={value}"])
         assert str(e.value) == message
+    with pytest.raises(ConfigError, match=r"'data.eval_files\[0\]': 'weight' mixes training data"):
+        load_config(ROOT / "configs" / "default.yaml", ["data.eval_files=[{path: a.jsonl, weight: 2}]"])
 
 
 # ----------------------------------------------------------------------------------------------- formats
@@ -161,16 +166,27 @@ def test_embedding_parquet_and_kind_mismatch(tmp_path):
         rows(tmp_path, [g], "embedding", "data.emb_train_files")
 
 
-def test_tool_turns_tokenize(tmp_path):
+def test_openai_tool_calls_load_and_train_through_a_template_with_tools(tmp_path):
+    """An OpenAI-style record (arguments as a JSON string) through the loader and Qwen2.5's shipped template: the
+    call is trained as the template renders it; the GritLM layout (no tool role) refuses it in one line."""
+    from test_chat_template import tokenizer_folder, trained_runs
+
     from harness.config import ModelConfig
     from harness.data import tokenize_dataset
     from harness.model import load_tokenizer
 
-    msgs = [CHAT[0], {"role": "assistant", "tool_calls": [{"function": {"name": "add", "arguments": "{}"}}]},
-            {"role": "tool", "content": "4"}, CHAT[1]]
-    ds, stats = tokenize_dataset(rows(tmp_path, [jsonl(tmp_path / "t.jsonl", [{"messages": msgs}])]),
-                                 load_tokenizer(ModelConfig()), max_len=256)
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}
+    msgs = [CHAT[0], {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": "4", "tool_call_id": "c1"}, CHAT[1]]
+    data = rows(tmp_path, [jsonl(tmp_path / "t.jsonl", [{"messages": msgs}])])
+    tok = load_tokenizer(ModelConfig(tokenizer=str(tokenizer_folder(tmp_path, "qwen"))), markers=None)
+    ds, stats = tokenize_dataset(data, tok, max_len=1024)
     assert stats["samples"] == 1 and ds.column_names == ["input_ids", "labels", "length"]
+    trained = trained_runs(tok, ds[0]["input_ids"], ds[0]["labels"])
+    assert trained == ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}\n</tool_call><|im_end|>\n',
+                       "4.<|im_end|>\n"]
+    with pytest.raises(DataError, match="no tool support"):
+        tokenize_dataset(data, load_tokenizer(ModelConfig()), max_len=1024)
 
 
 def test_json_array_and_gzip_errors_name_the_line(tmp_path):
