@@ -4,6 +4,8 @@
     harness env                                   print the environment report (versions, devices)
     harness data-check SOURCE ...                 validate data sources (paths, hub ids, '{path: x, format: y}'):
                                                   format, kind, records, token-length statistics
+    harness data-check --config FILE [overrides]  a recipe's data as the run reads it: sources, eval split, weighted
+                                                  mix, token lengths with its tokenizer and chat template
     harness data-stats FILE_OR_DIR ... [--max-len N]  token-length distribution, truncation, what max_len=auto picks
     harness bench FILE [overrides] [--profiles ...]  harness vs raw PyTorch vs HF Trainer (or profiles), tokens/s
     harness plan FILE [overrides] --hours H        fit the run into a wall-clock window (calibrates, writes plan.json)
@@ -24,7 +26,7 @@ import json
 import sys
 from pathlib import Path
 
-from harness.errors import HarnessError
+from harness.errors import ConfigError, HarnessError
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -68,13 +70,16 @@ def _data_check(args: argparse.Namespace) -> int:
     from harness.config import ModelConfig
     from harness.model import load_tokenizer
 
+    if args.config:
+        return _data_check_recipe(args)
+    if not args.paths:
+        raise ConfigError("data-check: give files, folders or hub ids, or --config RECIPE")
     gen, tok = [], None
     for src in _cli_sources(args.paths):
         fmts = sources.unit_formats(src, "paths")
         kind = "embedding" if set(fmts.values()) == {"embedding"} else "generative"
         rows = sources.load_source_rows(src, kind, need_negatives=0, what="paths")
-        names = ", ".join(sorted({f or "text" for f in fmts.values()}))
-        line = f"{src.name}: format {names}, {kind}, {len(rows)} records"
+        line = _source_line(src, fmts, kind, rows)
         if kind == "generative":
             tok = tok or load_tokenizer(ModelConfig(tokenizer=args.tokenizer), args.chat_template, markers=None)
             _, st = data.tokenize_dataset(rows, tok, max_len=args.max_len)
@@ -87,6 +92,34 @@ def _data_check(args: argparse.Namespace) -> int:
 
         _, stats = data.tokenize_dataset(datasets.concatenate_datasets(gen), tok, max_len=args.max_len)
         print(json.dumps(stats, indent=2))
+    return 0
+
+
+def _source_line(src, fmts: dict, kind: str, rows) -> str:
+    return f"{src.name}: format {', '.join(sorted({f or 'text' for f in fmts.values()}))}, {kind}, {len(rows)} records"
+
+
+def _data_check_recipe(args: argparse.Namespace) -> int:
+    """data-check --config RECIPE [overrides]: each training list's sources, the eval split and the weighted mix
+    as the run draws them, then the token lengths of an epoch with the recipe's tokenizer and chat template."""
+    from harness import data, loaders, sources
+    from harness.config import load_config
+    from harness.model import load_run_tokenizer
+
+    cfg = load_config(args.config, args.paths)
+    kinds = {"generative": ["generative"], "embedding": ["embedding"]}.get(cfg.loss.mode, ["generative", "embedding"])
+    for kind in kinds:
+        what = f"data.{loaders.STREAMS[kind][0]}"
+        need_negatives = cfg.data.train_group_size - 1 if kind == "embedding" else 0
+        for src in sources.parse_sources(getattr(cfg.data, loaders.STREAMS[kind][0]), what):
+            rows = sources.load_source_rows(src, kind, cfg.data.cache_dir, need_negatives, what)
+            print(f"{what}: " + _source_line(src, sources.unit_formats(src, what, cfg.data.cache_dir), kind, rows))
+        rows, _ = loaders.training_rows(cfg, kind, print)
+        if kind == "generative":
+            tok = load_run_tokenizer(cfg)
+            _, stats = data.tokenize_dataset(rows, tok, loaders.resolve_max_len(cfg, rows, tok, print))
+            print(f"generative samples of an epoch (chat template: {cfg.data.chat_template}):")
+            print(json.dumps(stats, indent=2))
     return 0
 
 
@@ -140,8 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--percentile", type=float, default=99.0, help="percentile used by data.max_len=auto")
     st.set_defaults(fn=_data_stats)
 
-    d = sub.add_parser("data-check", help="validate data sources: format, kind, records, token lengths")
-    d.add_argument("paths", nargs="+")
+    d = sub.add_parser("data-check", help="validate data sources: format, kind, records, token lengths (a recipe's: "
+                                          "also its eval split and weighted mix)")
+    d.add_argument("paths", nargs="*", help="files, folders, hub ids or YAML source mappings; with --config: "
+                                            "section.key=value overrides")
+    d.add_argument("--config", help="check a recipe's data as the run reads it")
     d.add_argument("--tokenizer", default="bundled")
     d.add_argument("--chat-template", default="auto", help="auto, tokenizer, gritlm or a Jinja file "
                     "(data.chat_template)")

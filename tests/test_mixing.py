@@ -87,3 +87,37 @@ def test_pick_keeps_file_order_within_a_pass():
 
     idx = pick(10, 4, np.random.default_rng(0))
     assert list(idx) == sorted(idx) and len(set(idx)) == 4
+
+
+# ----------------------------------------------------------------------------------------------- data-check --config
+
+
+def _data_check(*args: str, **env: str):
+    import os
+    import subprocess
+    import sys
+
+    from harness_launch import ROOT
+
+    return subprocess.run([sys.executable, "-m", "harness.cli", "data-check", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+
+
+def test_data_check_prints_a_recipes_split_and_mix():
+    r = _data_check("--config", "configs/default.yaml", "data.eval_files=[]", "data.eval_split=20",
+                    "data.train_files=[{path: data/sample/gen.jsonl, weight: 3}, "
+                    "{path: data/sample/gen_eval.jsonl, weight: 1}]")
+    assert r.returncode == 0, r.stderr
+    assert "data.train_files: data/sample/gen.jsonl: format messages, generative, 400 records" in r.stdout
+    assert "20 of 440 records of data.train_files held out for evaluation" in r.stdout
+    assert "data/sample/gen.jsonl: 383 rows, weight 3 -> 315 samples an epoch (75.0%, 0.82 passes)" in r.stdout
+    assert "data/sample/gen_eval.jsonl: 37 rows, weight 1 -> 105 samples an epoch (25.0%, 2.84 passes)" in r.stdout
+    assert '"samples": 420' in r.stdout
+
+
+def test_data_check_of_the_hub_recipe_offline_names_the_data_set():
+    r = _data_check("--config", "configs/qwen2.5-1.5b-instruct-chat.yaml", HF_DATASETS_OFFLINE="1")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("harness: error: data.train_files: hub data set 'HuggingFaceH4/ultrachat_200k' cannot "
+                               "be loaded: offline")
