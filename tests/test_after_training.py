@@ -7,6 +7,7 @@ one-line errors (offline, no final/; no network here).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -17,10 +18,6 @@ import pytest
 import yaml
 
 from harness_launch import FAST, ROOT, report, run_train
-
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
@@ -74,15 +71,18 @@ def test_model_card_unified_lora_and_failure(tmp_path):
 def test_chat_two_turns_and_missing_template(run_dir, tmp_path):
     plain = tmp_path / "plain"
     shutil.copytree(run_dir / "final", plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)  # a model folder without a chat template
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
     r = harness("chat", str(plain), "--max-new-tokens", "5", stdin="hello\n")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "no chat template" in r.stderr, r.stderr
 
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(run_dir / "final")
-    if not tok.chat_template:  # final/ carries the training template once the data side writes it
-        tok.chat_template = TEMPLATE
-        tok.save_pretrained(run_dir / "final")
+    from harness.chat import GRITLM_TEMPLATE
+
+    assert AutoTokenizer.from_pretrained(run_dir / "final").chat_template == GRITLM_TEMPLATE  # the training layout
     r = harness("chat", str(run_dir / "final"), "--max-new-tokens", "5", "--temperature", "0",
                 stdin="What is 2 + 3?\nAnd 4 + 4?\n/reset\nhi\n/exit\nnever read\n")
     assert r.returncode == 0, r.stderr
