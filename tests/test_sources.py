@@ -277,7 +277,7 @@ def _mix(d: Path) -> list:
                                                              {"from": "gpt", "value": "hello"}]}] * 4))
     jsonl(d / "g.jsonl", [{"text": ["q", "a", "q2", "a2"]}] * 4)
     datasets.Dataset.from_list([{"instruction": "Name a color.", "output": "Blue."}] * 4).save_to_disk(str(d / "s"))
-    return [str(d / "t.parquet"), {"path": str(d / "a.csv"), "format": "alpaca", "weight": 2,
+    return [str(d / "t.parquet"), {"path": str(d / "a.csv"), "format": "alpaca",
                                    "columns": {"instruction": "prompt", "output": "completion"}},
             str(d / "m.jsonl.gz"), str(d / "j.json"), {"path": str(d / "g.jsonl"), "format": "gritlm"}, str(d / "s")]
 
