@@ -19,7 +19,7 @@ import contextlib
 
 import torch
 
-from harness import losses, metrics
+from harness import faults, losses, metrics
 from harness.config import Config
 from harness.data import model_inputs, real_tokens
 from harness.errors import ConfigError
@@ -135,6 +135,53 @@ def generative_loss_sum(model, gen: dict, chunk_size: int | None) -> tuple[torch
     return head_loss.result(out)
 
 
+def is_deepspeed(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+class LossCheck:
+    """Every backward pass of a training step goes through `backward`. Outside DeepSpeed it is accelerator.backward
+    (a non-finite loss gives a non-finite gradient norm and the loop skips the update). Under DeepSpeed the engine
+    applies the update inside the step's last backward pass, so a non-finite loss is caught before it, agreed by all
+    processes (one all-reduce of a 0/1 flag and a host read) before the step's first backward pass and before the
+    one the engine steps in; nothing else of DeepSpeed is touched:
+
+    - non-finite before the first backward pass: no backward pass at all this step (`skipped`): nothing accumulated,
+      no engine step, so weights, optimizer state, the engine's counters and the schedule stay as they were;
+    - non-finite only later (gradient accumulation): the earlier passes' gradients sit in ZeRO's buffers, which have no
+      public reset; the last backward pass is not run (no update), and the run must stop (`stranded`) with a
+      checkpoint of the unchanged state; the resumed run starts after this step's batches."""
+
+    def __init__(self, accelerator, before_backward: bool):
+        self.accelerator, self.before_backward = accelerator, before_backward
+        self.step, self.micro = 0, 0  # where the loop is (1-based optimizer step, micro-step), for faults.poison
+        self.new_step(0)
+
+    def new_step(self, step: int) -> None:
+        self.step, self.micro, self.passes, self.bad = step, 0, 0, None
+        self.skipped = self.stranded = False
+
+    def backward(self, loss: torch.Tensor) -> None:
+        accelerator = self.accelerator
+        loss = faults.poison(loss, self.step, self.micro, accelerator.process_index)
+        if self.skipped:
+            return
+        if self.before_backward:
+            flag = (~torch.isfinite(loss.detach())).any().reshape(1).float()
+            self.bad = flag if self.bad is None else torch.maximum(self.bad, flag)  # on the device: no wait here
+            if (self.passes == 0 or accelerator.sync_gradients) and self._agreed_bad():
+                self.skipped, self.stranded = True, self.passes > 0
+                return
+        accelerator.backward(loss)
+        self.passes += 1
+
+    def _agreed_bad(self) -> bool:
+        """Whether any process saw a non-finite loss in this step so far (collective)."""
+        return bool(self.accelerator.reduce(self.bad.to(self.accelerator.device), "max").item() > 0)
+
+
 class Objective:
     def __init__(self, cfg: Config, accelerator, model, chunk_size: int | None = None):
         self.accelerator, self.model = accelerator, model
@@ -146,6 +193,7 @@ class Objective:
         self.world = accelerator.num_processes
         self.accum = cfg.train.grad_accum
         self.flop_dims = (0, 0, 0)  # (matmul parameters, layers, hidden), set by the loop for MFU accounting
+        self.check = LossCheck(accelerator, before_backward=is_deepspeed(accelerator))
 
     def flops(self, batch: dict, backward: bool) -> float:
         """Model FLOPs of one pass over `batch`'s real tokens (attention over the padded row width)."""
@@ -187,12 +235,14 @@ class Objective:
         device tensors: nothing here waits for the GPU."""
         accelerator, model = self.accelerator, self.model
         sums = StepSums()
+        if self.check.skipped:  # a non-finite loss earlier in this step: no more passes (on any process)
+            return sums
         if gen is not None:
             deferred = deferred_sync(accelerator, model) if emb is not None else contextlib.nullcontext()
             with deferred:
                 total, count = self.generative_loss_sum(gen)
                 scale = gen_scale if self.loss.gen_averaging == "token" else losses.mixed_scale(count)
-                accelerator.backward(self.loss.gen_weight * total * scale)
+                self.check.backward(self.loss.gen_weight * total * scale)
             total = total.detach()
             sums = StepSums(gen_sum=total, gen_count=count, gen_mean_sum=total / count.clamp(min=1),
                             gen_micro=1, tokens=real_tokens(gen), positions=gen["input_ids"].numel(),
@@ -214,7 +264,7 @@ class Objective:
     def _embedding_plain(self, emb: dict) -> float:
         q, p = self.embed(emb["query"]), self.embed(emb["passage"])
         loss, factor = self.contrastive(q, p)
-        self.accelerator.backward(self.loss.emb_weight * loss * factor)
+        self.check.backward(self.loss.emb_weight * loss * factor)
         return loss.detach()
 
     def _embedding_cached(self, emb: dict, chunks: int) -> float:
@@ -245,5 +295,5 @@ class Objective:
                 q, p = self.embed(qb), self.embed(pb)
                 surrogate = (q * grad_q[i * size:(i + 1) * size]).sum() \
                     + (p * grad_p[i * size * group:(i + 1) * size * group]).sum()
-                accelerator.backward(surrogate)
+                self.check.backward(surrogate)
         return loss.detach()

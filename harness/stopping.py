@@ -83,23 +83,30 @@ def finite(grad_norm) -> bool:
 
 
 class NonfiniteGuard:
-    """Counts optimizer steps whose gradient norm is not finite. Outside DeepSpeed such a step is skipped (the loop
-    does not apply it) up to `max_skips` in a row; DeepSpeed has applied it already, so the run stops at once."""
+    """Counts optimizer steps whose gradient norm (or, under DeepSpeed, loss) is not finite. Such a step's update is
+    skipped (the loop does not apply it; under DeepSpeed no backward pass ran, or the engine skipped it itself) up to
+    `max_skips` in a row. The run stops at once when DeepSpeed applied a non-finite update (`applied`: the state is
+    bad) or when a skip left gradients accumulated in ZeRO's buffers (`stranded`: the state is good)."""
 
     def __init__(self, max_skips: int, is_deepspeed: bool, say: Callable[[str], None]):
         self.max_skips, self.is_deepspeed, self.say = max_skips, is_deepspeed, say
         self.in_a_row = 0
+        self.applied = self.stranded = False
 
-    def must_stop(self, step: int, grad_norm) -> bool:
-        """After optimizer step `step`: warn about a non-finite gradient; True when the run must stop."""
-        if finite(grad_norm):
+    def must_stop(self, step: int, grad_norm, skipped: bool, stranded: bool = False) -> bool:
+        """After optimizer step `step`: warn about a non-finite one; True when the run must stop. A step with a
+        finite norm is not counted, even where the optimizer skipped it (fp16 loss scaling)."""
+        if finite(grad_norm) and not stranded:
             self.in_a_row = 0
             return False
         self.in_a_row += 1
-        self.say(f"[harness] warning: step {step}: gradient norm is {float(grad_norm)}; "
-                 + ("DeepSpeed already applied it" if self.is_deepspeed else
-                    f"update skipped ({self.in_a_row} in a row, at most {self.max_skips})"))
-        return self.is_deepspeed or self.in_a_row > self.max_skips
+        self.applied, self.stranded = not skipped, stranded
+        what = ("DeepSpeed already applied it" if self.applied else
+                "update skipped; under DeepSpeed after accumulated micro-steps the run stops here" if stranded else
+                f"update skipped ({self.in_a_row} in a row, at most {self.max_skips})")
+        self.say(f"[harness] warning: step {step}: {'loss' if stranded else 'gradient norm'} is not finite "
+                 f"({float(grad_norm)}); {what}")
+        return self.applied or stranded or self.in_a_row > self.max_skips
 
 
 _launcher_pid: Optional[int] = None  # the parent process that started this worker (watch_launcher)

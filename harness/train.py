@@ -26,7 +26,7 @@ import warnings
 from typing import Optional
 
 
-from harness import checkpoint, loaders, metrics, modelcard, monitor, reporting, summary
+from harness import checkpoint, faults, loaders, metrics, modelcard, monitor, reporting, summary
 from harness.auto_batch import memory_trial, run_auto_batch
 from harness.build import Job, build_run
 from harness.config import Config, describe, flat, load_config
@@ -79,9 +79,12 @@ def train_loop(job: Job, state: LoopState, side: SideWork) -> Optional[str]:
         gen = [next(streams["gen"]) for _ in range(job.accum)] if "gen" in streams else [None] * job.accum
         emb = [next(streams["emb"]) for _ in range(job.accum)] if "emb" in streams else [None] * job.accum
         side.unlogged.add(StepSums(wait_s=time.perf_counter() - t_step))
-        grad_norm = train_step(job, gen, emb, side.unlogged)
+        if faults.dropped(state.step + 1):  # test hook: the reference run that never trains on these batches
+            state.step += 1
+            continue
+        grad_norm, skipped = train_step(job, state.step + 1, gen, emb, side.unlogged)
         state.step += 1
-        nonfinite = side.nonfinite.must_stop(state.step, grad_norm)
+        nonfinite = side.nonfinite.must_stop(state.step, grad_norm, skipped, job.objective.check.stranded)
         side.step_done(state.step)
 
         # ---- evaluate every train.eval_every steps (the last step's evaluation is the final one, after the loop)
@@ -106,25 +109,34 @@ def train_loop(job: Job, state: LoopState, side: SideWork) -> Optional[str]:
     return None
 
 
-def train_step(job: Job, gen_batches: list, emb_batches: list, unlogged: UnloggedSums):
-    """One optimizer step, the only code that changes gradients and weights: each micro-step's forward and backward
-    passes under `accumulate` (accelerate defers the gradient reduction to the last), clipping (DeepSpeed clips inside
-    its engine and reports the norm), the update and the schedule. A step whose gradient is not finite is not applied
-    (DeepSpeed has applied it already: the NonfiniteGuard stops the run). Returns the gradient norm."""
+def train_step(job: Job, step: int, gen_batches: list, emb_batches: list, unlogged: UnloggedSums):
+    """Optimizer step `step`, the only code that changes gradients and weights: each micro-step's forward and
+    backward passes under `accumulate` (accelerate defers the gradient reduction to the last), clipping (DeepSpeed
+    clips inside its engine and reports the norm), the update and the schedule. A step whose gradient is not finite
+    is not applied; under DeepSpeed the engine steps inside the last backward pass, so the objective's LossCheck
+    catches a non-finite loss before it and runs no backward pass (or no last one) instead. Returns (gradient norm,
+    whether the update was skipped)."""
     accelerator, objective, model, optimizer = job.accelerator, job.objective, job.model, job.optimizer
+    objective.check.new_step(step)
     gen_scale = objective.gen_scale(gen_batches) if gen_batches[0] is not None else 0.0
-    for gen, emb in zip(gen_batches, emb_batches):
+    for micro, (gen, emb) in enumerate(zip(gen_batches, emb_batches)):
+        objective.check.micro = micro
         with accelerator.accumulate(model):
             unlogged.add(objective.micro_step(gen, emb, gen_scale))
     t_opt = time.perf_counter()
+    if objective.check.skipped:  # DeepSpeed, a non-finite loss: the engine did not step, nothing more to do
+        job.timings.optimizer_s += time.perf_counter() - t_opt
+        return float("nan"), True
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), job.cfg.optim.max_grad_norm or float("inf"))
-    if finite(grad_norm) or job.is_deepspeed:
+    skipped = not finite(grad_norm) and not job.is_deepspeed  # DeepSpeed has applied it, or skipped it itself
+    if not skipped:
         optimizer.step()
-        if not accelerator.optimizer_step_was_skipped:
+        skipped = accelerator.optimizer_step_was_skipped
+        if not skipped:
             job.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     job.timings.optimizer_s += time.perf_counter() - t_opt
-    return grad_norm
+    return grad_norm, skipped
 
 
 def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str], auto_batch: Optional[dict]) -> dict:
@@ -173,13 +185,23 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
 
 
 def nonfinite_error(job: Job, state: LoopState, side: SideWork) -> HarnessError:
-    """Too many non-finite gradients: outside DeepSpeed the weights are the last good ones (the bad updates were
-    skipped), so they are checkpointed; DeepSpeed has applied the bad update."""
-    if job.is_deepspeed:
-        return HarnessError(f"non-finite gradient at step {state.step} under DeepSpeed (already applied): resume from "
-                            f"the last checkpoint with a lower optim.lr or check the data")
+    """Too many non-finite steps. When their updates were skipped the weights are the last good ones and are
+    checkpointed; a non-finite update DeepSpeed applied is not saved, and the message names the last checkpoint
+    (if this run has one)."""
+    guard = side.nonfinite
+    if guard.applied:
+        root = checkpoint.checkpoints_root(job.out)
+        saved = sorted(root.glob("step-*/COMPLETE"), key=lambda p: int(p.parent.name.split("-")[1])) \
+            if root.is_dir() else []
+        where = (f"resume from the last checkpoint ({saved[-1].parent}) with a lower optim.lr or check the data"
+                 if saved else "no checkpoint was saved: start again with a lower optim.lr or check the data")
+        return HarnessError(f"non-finite gradient at step {state.step} under DeepSpeed (already applied): {where}")
     path = checkpoint.save_checkpoint(job.accelerator, job.out, side.state_to_save(state), job.cfg.train.save_total_limit)
-    return HarnessError(f"non-finite gradients in {side.nonfinite.in_a_row} steps in a row (train.max_nonfinite_skips="
+    if guard.stranded:
+        return HarnessError(f"non-finite loss at step {state.step} after its first micro-step (DeepSpeed with "
+                            f"train.grad_accum={job.accum}): stopped without applying it; the last good weights are in "
+                            f"{path}; continue with train.resume=auto (this step's batches are skipped)")
+    return HarnessError(f"non-finite gradients in {guard.in_a_row} steps in a row (train.max_nonfinite_skips="
                         f"{job.cfg.train.max_nonfinite_skips}): stopped; the last good weights are in {path}. Lower "
                         f"optim.lr, check the data, or use train.precision=fp32/bf16")
 

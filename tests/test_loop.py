@@ -96,12 +96,55 @@ def test_nonfinite_guard_skips_then_stops():
     said = []
     guard = NonfiniteGuard(max_skips=2, is_deepspeed=False, say=said.append)
     norms = [1.0, float("nan"), float("inf"), 0.5, float("nan"), float("nan"), float("nan")]
-    assert [guard.must_stop(i + 1, torch.tensor(n)) for i, n in enumerate(norms)] == \
-        [False, False, False, False, False, False, True]
-    assert guard.in_a_row == 3 and "update skipped (3 in a row, at most 2)" in said[-1]
+    assert [guard.must_stop(i + 1, torch.tensor(n), skipped=n != n or n == float("inf"))
+            for i, n in enumerate(norms)] == [False, False, False, False, False, False, True]
+    assert guard.in_a_row == 3 and "update skipped (3 in a row, at most 2)" in said[-1] and not guard.applied
     ds = NonfiniteGuard(max_skips=5, is_deepspeed=True, say=said.append)
-    assert ds.must_stop(1, None) is False and ds.must_stop(2, torch.tensor(float("nan"))) is True
+    assert ds.must_stop(1, None, skipped=False) is False
+    assert ds.must_stop(2, float("nan"), skipped=True) is False  # DeepSpeed: the loss check ran no backward pass
+    assert ds.must_stop(3, torch.tensor(float("nan")), skipped=False) is True and ds.applied
     assert said[-1].endswith("DeepSpeed already applied it")
+    stranded = NonfiniteGuard(max_skips=5, is_deepspeed=True, say=said.append)
+    assert stranded.must_stop(4, float("nan"), skipped=True, stranded=True) is True
+    assert stranded.stranded and not stranded.applied and "the run stops here" in said[-1]
+
+
+class _FakeAccelerator:
+    """accelerate's Accelerator as LossCheck sees it under DeepSpeed: backward passes recorded, reduce an identity
+    that counts the collectives, sync_gradients set by the test."""
+
+    process_index, device, sync_gradients = 0, torch.device("cpu"), False
+
+    def __init__(self):
+        self.passes, self.reduces = [], 0
+
+    def backward(self, loss):
+        self.passes.append(float(loss))
+
+    def reduce(self, tensor, op):
+        self.reduces += 1
+        return tensor
+
+
+@pytest.mark.parametrize("losses, skipped, stranded, passes, reduces", [
+    ([1.0, 2.0, 3.0], False, False, [1.0, 2.0, 3.0], 2),
+    ([float("nan"), 2.0, 3.0], True, False, [], 1),  # caught before the first backward pass: none at all
+    ([1.0, float("inf"), 3.0], True, True, [1.0, float("inf")], 2),  # caught before the engine's pass
+    ([1.0, 2.0, float("nan")], True, True, [1.0, 2.0], 2),
+])
+def test_loss_check_before_the_first_and_the_last_backward_pass(losses, skipped, stranded, passes, reduces):
+    """Under DeepSpeed: the flag is agreed (one reduce) before the step's first backward pass and before the one on
+    the accumulation boundary (where the engine steps); a non-finite loss then means no (further) backward pass."""
+    from harness.objective import LossCheck
+
+    acc = _FakeAccelerator()
+    check = LossCheck(acc, before_backward=True)
+    check.new_step(1)
+    for i, loss in enumerate(losses):
+        acc.sync_gradients = i == len(losses) - 1
+        check.backward(torch.tensor(loss))
+    assert (check.skipped, check.stranded) == (skipped, stranded)
+    assert acc.passes == passes and acc.reduces == reduces
 
 
 # ----------------------------------------------------------------------------------------------- cadences

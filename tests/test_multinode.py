@@ -1,0 +1,110 @@
+"""Two nodes on localhost (issue 17): two launchers with --num_machines 2, one CPU process each, train exactly as
+two processes on one node do (DDP and DeepSpeed ZeRO-3, gloo), and a checkpoint written that way resumes to the
+same final weights. Then launch/train.sh with NUM_NODES=2 (NUM_GPUS=1 makes it launch one process per node; with no
+GPU the processes run on the CPU: ACCELERATE_USE_CPU=1 for DDP, DeepSpeed's CPU accelerator for ZeRO-3)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness_launch import (DEFAULT, FAST, ROOT, final_weights, free_port, max_abs_diff, metrics, rel_close, report,
+                            run_train)
+
+pytestmark = pytest.mark.slow
+
+MIX = ["data.train_files=[{path: data/sample/gen.jsonl, weight: 3}, {path: data/sample/gen_eval.jsonl, weight: 1}]",
+       "data.eval_split=24"]
+STEPS = ["train.max_steps=6", "train.micro_batch_size=16", *FAST, *MIX]  # tests/test_zero.py's settings, 6 steps
+ACCEL = {"ddp": "multi_gpu", "zero3": "zero3"}
+
+
+def _env(stage: str, **extra) -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "CUDA_VISIBLE_DEVICES": "", **extra}
+    env.pop("ACCELERATE_USE_CPU", None)
+    if stage == "ddp":
+        env["ACCELERATE_USE_CPU"] = "1"  # DDP on CPU; DeepSpeed must not see it (it would turn DeepSpeed off)
+    return env
+
+
+def two_nodes(commands: list[list[str]], envs: list[dict], timeout: int = 600) -> list[str]:
+    """Run one command per node at once; both must exit 0. Returns their outputs."""
+    procs = [subprocess.Popen(c, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c, e in zip(commands, envs)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-6000:]
+    return outs
+
+
+def accelerate_two_nodes(stage: str, overrides: list[str]) -> list[str]:
+    port = free_port()
+    cmds = []
+    for rank in (0, 1):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "accelerate_configs" / f"{ACCEL[stage]}.yaml"), "--num_machines", "2", "--machine_rank",
+               str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--num_processes", "2"]
+        if stage != "ddp":
+            cmd += ["--deepspeed_multinode_launcher", "standard"]  # torch's launcher, not pdsh
+        cmds.append(cmd + [str(ROOT / "harness" / "train.py"), "--config", DEFAULT, *overrides])
+    return two_nodes(cmds, [_env(stage), _env(stage)])
+
+
+def assert_ran_as(run, stage: str) -> None:
+    rep = report(run)
+    assert rep["world_size"] == 2 and rep["zero_stage"] == (3 if stage == "zero3" else None), rep
+
+
+def assert_same_losses(run, reference) -> None:
+    got, ref = [r["loss"] for r in metrics(run)], [r["loss"] for r in metrics(reference)]
+    assert len(got) == len(ref) == 6, (got, ref)
+    bad = [(i + 1, a, b) for i, (a, b) in enumerate(zip(got, ref)) if not rel_close(a, b, 1e-5)]
+    assert not bad, f"(step, two nodes, one node): {bad}"
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory):
+    """2 processes on one node, per stage (the reference)."""
+    root = tmp_path_factory.mktemp("one_node")
+    for stage, accel in ACCEL.items():
+        run_train([f"train.output_dir={root / stage}", *STEPS], nproc=2, accel=accel)
+    return root
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero3"])
+def test_two_launchers_equal_one_node_and_resume(stage, one_node, tmp_path):
+    full, parts = tmp_path / "full", tmp_path / "parts"
+    accelerate_two_nodes(stage, [f"train.output_dir={full}", *STEPS])
+    assert_ran_as(full, stage)
+    assert_same_losses(full, one_node / stage)
+    first = accelerate_two_nodes(stage, [f"train.output_dir={parts}", *STEPS, "train.stop_at_step=3"])
+    assert "stopped (stop_at_step) at step 3/6" in first[0], first[0][-3000:]
+    second = accelerate_two_nodes(stage, [f"train.output_dir={parts}", *STEPS, "train.resume=auto"])
+    assert "resumed from" in second[0] and "step-3" in second[0], second[0][-3000:]
+    diff = max_abs_diff(final_weights(parts), final_weights(full))
+    assert diff <= 1e-6, f"{stage}: resumed on two nodes differs from uninterrupted by {diff}"
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero3"])
+def test_train_sh_two_nodes_on_localhost(stage, one_node, tmp_path):
+    out, port = tmp_path / "run", free_port()
+    cmd = ["bash", "launch/train.sh", "--zero", "0" if stage == "ddp" else "3", "configs/default.yaml",
+           f"train.output_dir={out}", *STEPS]
+    env = dict(NUM_GPUS="1", NUM_NODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PERSIST_DIR="none",
+               PYTHON=sys.executable, MAX_RETRIES="0")
+    outs = two_nodes([cmd, cmd], [_env(stage, NODE_RANK=str(r), **env) for r in (0, 1)])
+    assert "2 node(s) x 1 GPU(s) = 2 processes" in outs[0], outs[0][-3000:]
+    assert_ran_as(out, stage)
+    assert_same_losses(out, one_node / stage)
+    assert (out / "train-node0.log").is_file() and (out / "train-node1.log").is_file()
