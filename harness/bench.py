@@ -30,11 +30,11 @@ file (default
 
 Every run skips evaluation, checkpoints, export, trackers and the progress bar. To compare like with like, the
 contenders also run without packing (unless --harness-packing) and without torch.compile (with --profiles, the
-profile decides those). The harness logs every gcd(W, N) steps (it needs records at W and W+N); the Trainer logs at the same interval; the raw
-loop never logs. All contenders see the same batches (checked: the same token count; the losses agree), except
-trainer_grouped and a packed harness. With loss.chunked_ce on (auto: from 256 MiB of fp32 logits per micro-batch) the
-harness never builds the [batch, seq, vocab] logits while raw and the Trainers do: the summary prints each one's
-peak memory and final loss against the harness's.
+profile decides those). The harness logs every gcd(W, N) steps (it needs records at W and W+N); the Trainer logs at
+the same interval; the raw loop never logs. All contenders see the same batches (checked: the same token count; the
+losses agree), except trainer_grouped and a packed harness. With loss.chunked_ce on (auto: from 256 MiB of fp32
+logits per micro-batch) the harness never builds the [batch, seq, vocab] logits while raw and the Trainers do: the
+summary prints each one's peak memory and final loss against the harness's.
 
 Noise: every run records the 1-minute load average before it starts. On a machine shared with other work, OpenMP
 threads that lose their core stall each other, and step times can swing several-fold between rounds; the fastest
