@@ -1,7 +1,7 @@
 """Throughput benchmark: the harness against a minimal PyTorch loop and the Hugging Face Trainer.
 
     harness bench configs/default.yaml [section.key=value ...] [--steps 40] [--warmup 10] [--rounds 2]
-                  [--contenders harness,raw,trainer] [--out PATH]
+                  [--contenders harness,raw,trainer,trainer_grouped] [--harness-packing] [--out PATH]
     harness bench configs/default.yaml --profiles conservative,balanced      # the harness once per train.profile
     python -m harness.bench ...                                               # the same
 
@@ -13,7 +13,12 @@ size, AdamW settings and param groups, learning-rate schedule, gradient clipping
     harness   the real entry point, `python -m harness.train --config CONFIG ...`, timed from its metrics.jsonl
               (tokens and elapsed_s of the records at steps W and W+N);
     raw       a minimal loop: forward, token-mean loss, backward, clip, step, schedule, zero_grad;
-    trainer   transformers.Trainer with the harness's collator and optimizer/schedule, timed by a callback.
+    trainer   transformers.Trainer with the harness's collator and optimizer/schedule, timed by a callback;
+    trainer_grouped   the same with train_sampling_strategy="group_by_length" (the former group_by_length=True:
+              batches of similar lengths, less padding; another data order). Not run unless named in --contenders.
+
+--harness-packing lets the harness keep the recipe's data.packing (raw and the Trainers cannot pack: they pad each
+micro-batch to its longest sample). The batches then differ, so compare useful (non-padding) tokens/s, not losses.
 
 Each run is its own subprocess (accelerate keeps process-wide state), and the contenders alternate within each
 round (harness, raw, trainer, harness, raw, trainer, ...) so that slow drifts of the machine hit them alike. The
@@ -24,9 +29,12 @@ file (default
 `<train.output_dir>/bench/bench.json`).
 
 Every run skips evaluation, checkpoints, export, trackers and the progress bar. To compare like with like, the
-contenders also run without packing and without torch.compile (with --profiles, the profile decides those). The
-harness logs every gcd(W, N) steps (it needs records at W and W+N); the Trainer logs at the same interval; the raw
-loop never logs. All contenders see the same batches (checked: the same token count; the losses agree).
+contenders also run without packing (unless --harness-packing) and without torch.compile (with --profiles, the
+profile decides those). The harness logs every gcd(W, N) steps (it needs records at W and W+N); the Trainer logs at
+the same interval; the raw loop never logs. All contenders see the same batches (checked: the same token count; the
+losses agree), except trainer_grouped and a packed harness. With loss.chunked_ce on (auto: from 256 MiB of fp32
+logits per micro-batch) the harness never builds the [batch, seq, vocab] logits while raw and the Trainers do: the
+summary prints each one's peak memory and final loss against the harness's.
 
 Noise: every run records the 1-minute load average before it starts. On a machine shared with other work, OpenMP
 threads that lose their core stall each other, and step times can swing several-fold between rounds; the fastest
@@ -54,7 +62,9 @@ from typing import Optional
 from harness.config import SECTIONS, load_config
 from harness.errors import ConfigError, HarnessError
 
-CONTENDERS = ("harness", "raw", "trainer")
+CONTENDERS = ("harness", "raw", "trainer", "trainer_grouped")
+DEFAULT_CONTENDERS = ("harness", "raw", "trainer")
+TRAINERS = ("trainer", "trainer_grouped")
 PROFILE_KEY = "train.profile"  # the override that selects a speed profile (--profiles)
 RESULT_TAG = "BENCH_RESULT "  # a worker's result line on stdout
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,15 +83,17 @@ def log_interval(warmup: int, steps: int) -> int:
     return math.gcd(warmup, warmup + steps)
 
 
-def forced_overrides(warmup: int, steps: int, plain: bool) -> list[str]:
+def forced_overrides(warmup: int, steps: int, plain: bool, keep_packing: bool = False) -> list[str]:
     """Overrides appended to the user's for every run (the harness and, for the same config, raw and trainer).
-    `plain` (contender mode) also turns off what the raw loop does not do (packing, torch.compile)."""
+    `plain` (contender mode) also turns off what the raw loop does not do (packing unless `keep_packing`,
+    torch.compile)."""
     out = [f"train.max_steps={warmup + steps}", f"train.log_every={log_interval(warmup, steps)}",
            "train.grad_accum=1", "train.save_final=false", "train.save_every_steps=0", "train.stop_at_step=0",
            "train.resume=null", "data.eval_files=[]", "data.emb_eval_files=[]", "train.eval_at_start=false",
            "train.eval_every=0", "train.progress_bar=false", "train.report_to=[]"]
     if plain:
-        out += [kv for kv in ("data.packing=false", "train.compile=none") if _has_key(kv.split("=")[0])]
+        off = ("train.compile=none",) if keep_packing else ("data.packing=false", "train.compile=none")
+        out += [kv for kv in off if _has_key(kv.split("=")[0])]
     return out
 
 
@@ -254,8 +266,9 @@ def run_raw(cfg, warmup: int, steps: int, threads: int, log_every: int) -> dict:
     return _result("raw", steps, tokens, t1 - t0, final_loss, threads=torch.get_num_threads())
 
 
-def run_trainer(cfg, warmup: int, steps: int, threads: int, log_every: int) -> dict:
-    """transformers.Trainer with the harness's model, data, collator, optimizer and schedule."""
+def run_trainer(cfg, warmup: int, steps: int, threads: int, log_every: int, grouped: bool = False) -> dict:
+    """transformers.Trainer with the harness's model, data, collator, optimizer and schedule; `grouped`: with
+    train_sampling_strategy="group_by_length" (transformers 4's group_by_length=True) instead of random order."""
     c = _build_common(cfg, threads)
     torch = c["torch"]
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -294,14 +307,16 @@ def run_trainer(cfg, warmup: int, steps: int, threads: int, log_every: int) -> d
             dataloader_prefetch_factor=c["loader_kw"].get("prefetch_factor"),
             dataloader_persistent_workers=c["loader_kw"].get("persistent_workers", False),
             seed=cfg.train.seed, data_seed=cfg.train.seed, disable_tqdm=True, remove_unused_columns=False,
-            train_sampling_strategy="random" if cfg.data.shuffle else "sequential",
+            train_sampling_strategy=("group_by_length" if grouped else "random" if cfg.data.shuffle
+                                     else "sequential"),
         )
         trainer = Trainer(model=model, args=args, train_dataset=c["dataset"], data_collator=collate,
                           optimizers=(opt, sched), callbacks=[clock])
         trainer.train()
     logged = [r["loss"] for r in trainer.state.log_history if r.get("step") == total and "loss" in r]
     tokens = sum(counts[warmup:total])
-    return _result("trainer", steps, tokens, clock.marks[total] - clock.marks[warmup],
+    seconds = clock.marks[total] - clock.marks[warmup]
+    return _result("trainer_grouped" if grouped else "trainer", steps, tokens, seconds,
                    logged[-1] if logged else None, threads=torch.get_num_threads())
 
 
@@ -353,7 +368,8 @@ def _fail(cmd: list[str], proc: subprocess.CompletedProcess, what: str) -> Harne
 def run_one(run: dict, args: argparse.Namespace) -> dict:
     """One contender (or profile) in its own subprocess; returns its result dict."""
     w, n = args.warmup, args.steps
-    extra = forced_overrides(w, n, plain=not args.profiles)
+    extra = forced_overrides(w, n, plain=not args.profiles,
+                             keep_packing=args.harness_packing and run["kind"] == "harness")
     env = _child_env(args.threads)
     load = _loadavg()
     start = time.perf_counter()
@@ -409,35 +425,68 @@ def summarise(rounds: list[list[dict]], names: list[str], baseline: Optional[str
     return out
 
 
+def _median_loss(s: dict) -> Optional[float]:
+    losses = [x for x in s["final_loss"] if x is not None]
+    return statistics.median(losses) if losses else None
+
+
 def headline_ratios(summary: dict) -> dict:
-    """The two numbers the benchmark exists for (when both sides ran)."""
-    r = {}
-    if "harness" in summary and "raw" in summary:
-        r["harness_step_time_over_raw"] = summary["harness"]["step_time_s_median"] / summary["raw"]["step_time_s_median"]
-        r["harness_tokens_per_s_over_raw"] = (summary["harness"]["tokens_per_s_median"]
-                                              / summary["raw"]["tokens_per_s_median"])
-    if "harness" in summary and "raw" in summary:  # fastest round of each: less sensitive to other load
-        r["harness_step_time_over_raw_best"] = (summary["harness"]["step_time_s_best"]
-                                                / summary["raw"]["step_time_s_best"])
-    if "harness" in summary and "trainer" in summary:
-        r["harness_tokens_per_s_over_trainer_best"] = (summary["harness"]["tokens_per_s_max"]
-                                                       / summary["trainer"]["tokens_per_s_max"])
-        r["harness_tokens_per_s_over_trainer"] = (summary["harness"]["tokens_per_s_median"]
-                                                  / summary["trainer"]["tokens_per_s_median"])
-        r["harness_step_time_over_trainer"] = (summary["harness"]["step_time_s_median"]
-                                               / summary["trainer"]["step_time_s_median"])
+    """The numbers the benchmark exists for (when both sides ran): the harness against raw (step time) and against
+    each Trainer (tokens/s, median and best rounds; peak memory; final loss)."""
+    r, h = {}, summary.get("harness")
+    if h is None:
+        return r
+    if "raw" in summary:
+        raw = summary["raw"]
+        r["harness_step_time_over_raw"] = h["step_time_s_median"] / raw["step_time_s_median"]
+        r["harness_tokens_per_s_over_raw"] = h["tokens_per_s_median"] / raw["tokens_per_s_median"]
+        r["harness_step_time_over_raw_best"] = h["step_time_s_best"] / raw["step_time_s_best"]  # less load-sensitive
+    for t in TRAINERS:
+        if t not in summary:
+            continue
+        s = summary[t]
+        r[f"harness_tokens_per_s_over_{t}"] = h["tokens_per_s_median"] / s["tokens_per_s_median"]
+        r[f"harness_tokens_per_s_over_{t}_best"] = h["tokens_per_s_max"] / s["tokens_per_s_max"]
+        r[f"harness_step_time_over_{t}"] = h["step_time_s_median"] / s["step_time_s_median"]
+        if h.get("peak_mem_gb_max") and s.get("peak_mem_gb_max"):
+            r[f"harness_peak_mem_over_{t}"] = h["peak_mem_gb_max"] / s["peak_mem_gb_max"]
+        lh, lt = _median_loss(h), _median_loss(s)
+        if lh is not None and lt is not None:
+            r[f"harness_loss_rel_diff_{t}"] = abs(lh - lt) / max(abs(lt), 1e-12)
     return r
 
 
+def ratio_lines(ratios: dict, rounds: int) -> list[str]:
+    """The ratios as the lines printed under the table."""
+    out = []
+    if "harness_step_time_over_raw" in ratios:
+        out.append(f"harness step time / raw step time = {ratios['harness_step_time_over_raw']:.3f}")
+    for t in TRAINERS:
+        if f"harness_tokens_per_s_over_{t}" not in ratios:
+            continue
+        line = f"harness tokens/s / {t} tokens/s = {ratios[f'harness_tokens_per_s_over_{t}']:.3f}"
+        if rounds > 1:
+            line += f" (best rounds {ratios[f'harness_tokens_per_s_over_{t}_best']:.3f})"
+        if f"harness_peak_mem_over_{t}" in ratios:
+            line += f"; peak memory harness / {t} = {ratios[f'harness_peak_mem_over_{t}']:.3f}"
+        if f"harness_loss_rel_diff_{t}" in ratios:
+            line += f"; final loss relative difference {ratios[f'harness_loss_rel_diff_{t}']:.1e}"
+        out.append(line)
+    if rounds > 1 and "harness_step_time_over_raw_best" in ratios:
+        out.append(f"best rounds: harness step time / raw step time = {ratios['harness_step_time_over_raw_best']:.3f}")
+    return out
+
+
 def format_table(summary: dict, baseline: Optional[str], label: str) -> str:
-    head = [label, "tokens/s (median)", "step time", "min..max tokens/s", "peak mem"]
+    head = [label, "tokens/s (median)", "step time", "min..max tokens/s", "peak mem", "final loss"]
     if baseline in summary:
         head += [f"tokens/s vs {baseline}", f"step time vs {baseline}"]
     rows = [head]
     for name, s in summary.items():
         row = [name, f"{s['tokens_per_s_median']:,.0f}", f"{s['step_time_s_median'] * 1e3:.1f} ms",
                f"{s['tokens_per_s_min']:,.0f}..{s['tokens_per_s_max']:,.0f}",
-               "?" if s.get("peak_mem_gb_max") is None else f"{s['peak_mem_gb_max']:.2f} GiB"]
+               "?" if s.get("peak_mem_gb_max") is None else f"{s['peak_mem_gb_max']:.2f} GiB",
+               "?" if _median_loss(s) is None else f"{_median_loss(s):.4f}"]
         if baseline in summary:
             row += [f"{s[f'tokens_per_s_vs_{baseline}']:.3f}x", f"{s[f'step_time_vs_{baseline}']:.3f}x"]
         rows.append(row)
@@ -450,7 +499,8 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> dict:
     cfg = load_config(args.config, args.overrides)  # a bad key or value stops here, with its one line
     runs = plan(args)
     for run in runs:  # each run's full config must load too (e.g. an unknown profile)
-        load_config(args.config, [*run["overrides"], *forced_overrides(args.warmup, args.steps, not args.profiles)])
+        load_config(args.config, [*run["overrides"], *forced_overrides(args.warmup, args.steps, not args.profiles,
+                                                                       args.harness_packing)])
     if not args.profiles and cfg.loss.mode != "generative":
         raise ConfigError(f"harness bench compares generative training; got loss.mode={cfg.loss.mode} "
                           f"(--profiles runs the harness alone in any mode)")
@@ -486,21 +536,15 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> dict:
     ratios = headline_ratios(summary) if not args.profiles else {}
     print()
     print(format_table(summary, baseline, "profile" if args.profiles else "contender"))
-    if "harness_step_time_over_raw" in ratios:
-        print(f"harness step time / raw step time = {ratios['harness_step_time_over_raw']:.3f}")
-    if "harness_tokens_per_s_over_trainer" in ratios:
-        print(f"harness tokens/s / trainer tokens/s = {ratios['harness_tokens_per_s_over_trainer']:.3f}")
-    if args.rounds > 1 and "harness_step_time_over_raw_best" in ratios:
-        best = f"best rounds: harness step time / raw step time = {ratios['harness_step_time_over_raw_best']:.3f}"
-        if "harness_tokens_per_s_over_trainer_best" in ratios:
-            best += f", harness tokens/s / trainer tokens/s = {ratios['harness_tokens_per_s_over_trainer_best']:.3f}"
-        print(best)
+    for line in ratio_lines(ratios, args.rounds):
+        print(line)
     others = [r["load_other"] for rnd in rounds for r in rnd if r.get("load_other") is not None]
     if others and max(others) > busy:
         print(f"[bench] warning: other processes kept up to {max(others):.1f} of {dev['cpu_cores_usable']} usable "
               f"cores busy during the runs: compare the best rounds, or rerun on an idle machine")
     same = {r["name"]: r["tokens"] for r in rounds[0]}
-    if len(set(same.values())) > 1 and not args.profiles:
+    if len(set(same.values())) > 1 and not args.profiles and not args.harness_packing \
+            and "trainer_grouped" not in same:
         print(f"[bench] note: the contenders measured different token counts {same} (different batches)")
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -511,6 +555,7 @@ def run_bench(args: argparse.Namespace, argv: list[str]) -> dict:
             "config": args.config, "overrides": list(args.overrides), "mode": "profiles" if args.profiles else "contenders",
             "runs": names, "steps": n, "warmup": w, "rounds": args.rounds, "threads": args.threads,
             "forced_overrides": forced_overrides(w, n, not args.profiles), "harness_log_every": log_interval(w, n),
+            "harness_packing": bool(args.harness_packing),
             "micro_batch_size": cfg.train.micro_batch_size, "grad_accum": 1, "max_len": cfg.data.max_len,
             "seed": cfg.train.seed, "precision": cfg.train.precision, "train_files": cfg.data.train_files,
             "model": cfg.model.name_or_path or cfg.model.config,
@@ -547,15 +592,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40, help="measured optimizer steps (default 40)")
     p.add_argument("--warmup", type=int, default=10, help="optimizer steps before the clock starts (default 10)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all contenders (default 2)")
-    p.add_argument("--contenders", type=_csv, default=list(CONTENDERS),
-                   help="comma-separated subset of harness,raw,trainer (default: all)")
+    p.add_argument("--contenders", type=_csv, default=list(DEFAULT_CONTENDERS),
+                   help=f"comma-separated subset of {','.join(CONTENDERS)} (default: {','.join(DEFAULT_CONTENDERS)})")
+    p.add_argument("--harness-packing", action="store_true",
+                   help="the harness keeps the recipe's data.packing (the others pad): compare useful tokens/s")
     p.add_argument("--profiles", type=_csv, default=None,
                    help=f"instead of the contenders: the harness once per profile ({PROFILE_KEY}=NAME)")
     p.add_argument("--out", default=None, help="JSON output (default <train.output_dir>/bench/bench.json)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(),
                    help="torch threads in every run (default: this process's, %(default)s)")
     p.add_argument("--timeout", type=float, default=None, help="seconds allowed per run (default: none)")
-    p.add_argument("--worker", choices=["raw", "trainer"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["raw", *TRAINERS], help=argparse.SUPPRESS)
     args = p.parse_intermixed_args(argv)
     if args.steps < 1 or args.warmup < 1 or args.rounds < 1 or args.threads < 1:
         p.error("--steps, --warmup, --rounds and --threads must be >= 1")
@@ -569,7 +616,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def _worker(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # the parent appended the forced overrides
-    fn = {"raw": run_raw, "trainer": run_trainer}[args.worker]
+    fn = {"raw": run_raw, "trainer": run_trainer,
+          "trainer_grouped": lambda *a: run_trainer(*a, grouped=True)}[args.worker]
     res = fn(cfg, args.warmup, args.steps, args.threads, cfg.train.log_every)
     res["peak_mem_gb"] = peak_memory_gb()
     print(RESULT_TAG + json.dumps(res), flush=True)

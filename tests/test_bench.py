@@ -52,6 +52,53 @@ def test_summary_ratios():
     assert "harness" in bench.format_table(s, "raw", "contender")
 
 
+def test_grouped_trainer_and_harness_packing_options():
+    args = bench.parse_args([DEFAULT, "data.packing=true", "--contenders", "harness,trainer,trainer_grouped",
+                             "--harness-packing", "--steps", "2", "--warmup", "1"])
+    assert args.harness_packing and args.overrides == ["data.packing=true"]
+    assert [r["kind"] for r in bench.plan(args)] == ["harness", "trainer", "trainer_grouped"]
+    assert not bench.parse_args([DEFAULT]).harness_packing
+    assert bench.parse_args([DEFAULT]).contenders == ["harness", "raw", "trainer"]  # trainer_grouped: on request
+    with pytest.raises(SystemExit):
+        bench.parse_args([DEFAULT, "--contenders", "harness,nope"])
+    # the harness keeps the recipe's packing only with --harness-packing; torch.compile is off either way
+    assert "data.packing=false" in bench.forced_overrides(1, 2, plain=True)
+    kept = bench.forced_overrides(1, 2, plain=True, keep_packing=True)
+    assert "data.packing=false" not in kept and "train.compile=none" in kept
+
+
+def test_ratios_against_each_trainer():
+    rounds = [[{"name": "harness", "tokens_per_s": 300.0, "step_time_s": 1.0, "tokens": 300, "peak_mem_gb": 1.0,
+                "final_loss": 2.0},
+               {"name": "trainer", "tokens_per_s": 100.0, "step_time_s": 1.0, "tokens": 100, "peak_mem_gb": 4.0,
+                "final_loss": 2.0002},
+               {"name": "trainer_grouped", "tokens_per_s": 200.0, "step_time_s": 0.5, "tokens": 100,
+                "peak_mem_gb": 2.0, "final_loss": None}]]
+    s = bench.summarise(rounds, ["harness", "trainer", "trainer_grouped"], None)
+    r = bench.headline_ratios(s)
+    assert r["harness_tokens_per_s_over_trainer"] == pytest.approx(3.0)
+    assert r["harness_tokens_per_s_over_trainer_grouped"] == pytest.approx(1.5)
+    assert r["harness_peak_mem_over_trainer"] == pytest.approx(0.25)
+    assert r["harness_peak_mem_over_trainer_grouped"] == pytest.approx(0.5)
+    assert r["harness_loss_rel_diff_trainer"] == pytest.approx(1e-4, rel=1e-3)
+    assert "harness_loss_rel_diff_trainer_grouped" not in r  # no loss logged: no comparison
+    lines = bench.ratio_lines(r, rounds=1)
+    assert any("trainer_grouped tokens/s = 1.500" in ln and "peak memory" in ln for ln in lines)
+    assert "final loss" in bench.format_table(s, None, "contender")
+
+
+def test_one_step_of_the_grouped_trainer(tmp_path, monkeypatch):
+    """The new contender end to end: one warm-up and one measured step on the skewed data (its own process)."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "bench.json"
+    rc = bench.main([DEFAULT, "data.train_files=[data/bench/skewed.jsonl]", "data.max_len=64",
+                     "train.micro_batch_size=4", "--contenders", "trainer_grouped", "--steps", "1", "--warmup", "1",
+                     "--rounds", "1", "--threads", "1", "--out", str(out)])
+    assert rc == 0
+    (res,) = json.loads(out.read_text())["rounds"][0]
+    assert res["name"] == "trainer_grouped" and res["tokens"] > 0 and res["peak_mem_gb"] > 0
+
+
 @pytest.mark.slow
 def test_bench_three_contenders(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the recipe's data paths are relative to the repository root
