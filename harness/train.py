@@ -190,10 +190,8 @@ def nonfinite_error(job: Job, state: LoopState, side: SideWork) -> HarnessError:
     (if this run has one)."""
     guard = side.nonfinite
     if guard.applied:
-        root = checkpoint.checkpoints_root(job.out)
-        saved = sorted(root.glob("step-*/COMPLETE"), key=lambda p: int(p.parent.name.split("-")[1])) \
-            if root.is_dir() else []
-        where = (f"resume from the last checkpoint ({saved[-1].parent}) with a lower optim.lr or check the data"
+        saved, _ = checkpoint.list_checkpoints(job.out)
+        where = (f"resume from the last checkpoint ({saved[-1][1]}) with a lower optim.lr or check the data"
                  if saved else "no checkpoint was saved: start again with a lower optim.lr or check the data")
         return HarnessError(f"non-finite gradient at step {state.step} under DeepSpeed (already applied): {where}")
     path = checkpoint.save_checkpoint(job.accelerator, job.out, side.state_to_save(state), job.cfg.train.save_total_limit)
