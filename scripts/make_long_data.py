@@ -12,6 +12,8 @@ import json
 import random
 from pathlib import Path
 
+from make_skewed_data import source_sentences  # scripts/ is on sys.path when a script runs
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -21,12 +23,7 @@ def main() -> None:
     ap.add_argument("--words", type=int, default=900)
     args = ap.parse_args()
     rng = random.Random(0)
-    sentences = []
-    for line in Path(args.source).read_text().splitlines():
-        rec = json.loads(line)
-        texts = [rec["text"]] if "text" in rec else [m["content"] for m in rec["messages"]]
-        for t in texts:
-            sentences += [s.strip() + "." for s in t.split(".") if s.strip()]
+    sentences = source_sentences(args.source)
     out = []
     for _ in range(args.n):
         words: list[str] = []

@@ -14,6 +14,17 @@ import random
 from pathlib import Path
 
 
+def source_sentences(path: str) -> list[str]:
+    """The sentences of a generative JSONL file's texts and message contents, in file order."""
+    sentences = []
+    for line in Path(path).read_text().splitlines():
+        rec = json.loads(line)
+        texts = [rec["text"]] if "text" in rec else [m["content"] for m in rec["messages"]]
+        for t in texts:
+            sentences += [s.strip() + "." for s in t.split(".") if s.strip()]
+    return sentences
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--source", default="data/sample/gen.jsonl")
@@ -21,12 +32,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=600)
     args = ap.parse_args()
     rng = random.Random(0)
-    sentences = []
-    for line in Path(args.source).read_text().splitlines():
-        rec = json.loads(line)
-        texts = [rec["text"]] if "text" in rec else [m["content"] for m in rec["messages"]]
-        for t in texts:
-            sentences += [s.strip() + "." for s in t.split(".") if s.strip()]
+    sentences = source_sentences(args.source)
     out = []
     for _ in range(args.n):
         target = min(400, max(5, int(math.exp(rng.gauss(math.log(30), 1.0)))))
