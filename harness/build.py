@@ -95,7 +95,7 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     out = Path(cfg.train.output_dir)
     precision = hardware.resolve_precision(cfg.train.precision)
     hardware.check_attention(cfg.model.attn_implementation)
-    compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
+    compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available(), cfg.loss.mode)
     accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision), compile_mode)
     opened.push(distributed.end_training(accelerator))
     hold_output_dir(out, accelerator, opened)  # one run per output folder
@@ -185,7 +185,8 @@ def build_model(job: Job) -> None:
         raise ConfigError(quantization_zero3_error(cfg.model.quantization, "the accelerate config's DeepSpeed"))
     set_seed(cfg.train.seed)
     with distributed.model_init_context(accelerator, cfg.model.name_or_path is None or cfg.model.random_init):
-        model = model_lib.build_model(cfg.model, job.tokenizer, precision=job.precision)
+        model = model_lib.build_model(cfg.model, job.tokenizer, precision=job.precision,
+                                       packed_causal=cfg.loss.mode == "generative" and cfg.data.packing)
     if cfg.loss.mode != "generative":
         model_lib.check_embedding_support(model.config.model_type, model.config._attn_implementation,
                                           cfg.model.embed_attention)

@@ -242,7 +242,8 @@ class TrainConfig:
                                       "memory_efficient; applied below the recipe file and the overrides.")
     compile: Literal["auto", "regional", "full", "none"] = _f(
         "auto", "torch.compile through accelerate: regional (each repeated block; fast cold start), full, none. "
-        "auto: regional on CUDA, none on CPU.")
+        "auto: regional on CUDA for generative runs, none on CPU and with embedding passes (their shapes change "
+        "every batch: recompiles).")
     log_every: int = _f(10, "Log metrics every N optimizer steps (and always at the last step).")
     eval_every: int = _f(0, "Evaluate (eval files, retrieval) every N steps; 0: only at the end.")
     eval_at_start: bool = _f(True, "Also evaluate before the first step of a fresh run (the step-0 baseline).")
@@ -257,6 +258,10 @@ class TrainConfig:
     summary: bool = _f(True, "At the end, print the key figures and write summary.md and plots/*.png "
                              "(harness summary RUN_DIR writes them later too).")
     progress_bar: bool = _f(True, "Show a tqdm progress bar on the main process.")
+    profile_steps: int = _f(0, "Profile this many training steps with torch.profiler once the run has settled "
+                               "(from the 11th step of the attempt): <output_dir>/profile/ ops.txt (top operators by "
+                               "device time), summary.json (device time by kernel kind, idle share), trace.json.gz "
+                               "(Perfetto). 0: off.")
     save_final: bool = _f(True, "Export the trained model and tokenizer to <output_dir>/final in HF format.")
     stop_at_step: int = _f(0, "End this attempt after this many steps of the planned run, with a checkpoint and "
                             "no export (split a run across sessions; continue with train.resume=auto); 0: off.")
@@ -504,9 +509,10 @@ def validate(cfg: Config) -> None:
     if t.save_every_minutes < 0 or t.time_budget_hours < 0:
         bad = "train.save_every_minutes" if t.save_every_minutes < 0 else "train.time_budget_hours"
         raise ConfigError(f"config key '{bad}': must be >= 0")
-    if min(t.save_every_steps, t.save_total_limit, t.stop_at_step) < 0:
+    if min(t.save_every_steps, t.save_total_limit, t.stop_at_step, t.profile_steps) < 0:
         bad = next(k for k, v in [("train.save_every_steps", t.save_every_steps), ("train.save_total_limit",
-                   t.save_total_limit), ("train.stop_at_step", t.stop_at_step)] if v < 0)
+                   t.save_total_limit), ("train.stop_at_step", t.stop_at_step),
+                   ("train.profile_steps", t.profile_steps)] if v < 0)
         raise ConfigError(f"config key '{bad}': must be >= 0")
     if o.warmup_steps < 0 or o.max_grad_norm < 0 or d.num_workers < 0 or t.eval_every < 0:
         bad = next(k for k, v in [("optim.warmup_steps", o.warmup_steps), ("optim.max_grad_norm", o.max_grad_norm),

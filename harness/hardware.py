@@ -74,9 +74,12 @@ def resolve_precision(requested: str) -> str:
 
 def check_attention(attn_implementation: str) -> None:
     """model.attn_implementation that this machine cannot run: flash-attention kernels need a CUDA GPU and the
-    flash_attn package (checked before any model is built)."""
+    flash_attn package, flex attention's backward pass a GPU (checked before any model is built)."""
     import importlib.util
 
+    if attn_implementation == "flex_attention" and not torch.cuda.is_available():
+        raise ConfigError("config key 'model.attn_implementation': flex_attention trains on a GPU only (torch has no "
+                          "backward pass for it on CPUs); use sdpa or auto on this machine")
     if attn_implementation.startswith("flash_attention"):
         if not torch.cuda.is_available():
             raise ConfigError(f"config key 'model.attn_implementation': {attn_implementation} needs a CUDA GPU; use "

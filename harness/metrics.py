@@ -28,9 +28,10 @@ def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int, bac
 
 
 def matmul_params(model: torch.nn.Module) -> int:
-    """Weights that take part in matmuls: every nn.Linear (lm_head included, tied or not); works under ZeRO-3."""
-    return sum(getattr(m.weight, "ds_numel", m.weight.numel()) for m in model.modules()
-               if isinstance(m, torch.nn.Linear))
+    """Weights that take part in matmuls: every nn.Linear (lm_head included, tied or not), counted by its shape,
+    so that ZeRO-3's partitioned weights and bitsandbytes' packed 4-bit weights (QLoRA: half a byte each, stored
+    as in x out / 2 uint8) count what the matmul computes."""
+    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops_total: Optional[float]) -> Optional[float]:

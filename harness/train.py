@@ -33,6 +33,7 @@ from harness.config import Config, describe, flat, load_config
 from harness.encode import embedding_settings
 from harness.errors import HarnessError
 from harness.evaluation import Evaluator
+from harness.profiling import StepProfiler
 from harness.state import LoopState, StepSums, UnloggedSums
 from harness.stopping import (EARLY_WITHOUT_EXPORT, NONFINITE, TIME_BUDGET, NonfiniteGuard, StopDecision, exit_now,
                               finite, watch_launcher)
@@ -233,6 +234,8 @@ class SideWork:
         self.checkpointer = checkpoint.Checkpointer(accelerator, job.out, t.save_every_steps, t.save_every_minutes,
                                                     t.save_total_limit, job.say, self._saved)
         # this process's sums since the last log line; rank 0 carries what the resumed checkpoint had not logged
+        self.profiler = StepProfiler(t.profile_steps, job.out, state.step, accelerator.is_main_process, job.say)
+        opened.callback(self.profiler.close)
         self.unlogged = UnloggedSums(accelerator.device, state.unlogged if accelerator.is_main_process else None)
         self.eval_at_start: Optional[dict] = None
 
@@ -259,6 +262,7 @@ class SideWork:
             self.job.compile.first_step_done(self.meter.elapsed())
         if done == SETTLE_STEPS:
             self.job.timings.warmup_done_s = self.job.timings.in_loop(self.meter.elapsed())
+        self.profiler.step_done(step)
 
     def state_to_save(self, state: LoopState) -> dict:
         """The loop state for a checkpoint, with every process's unlogged sums folded in (collective)."""

@@ -92,6 +92,9 @@ CASES = [
     ("flash-attention-on-cpu", {}, ["train", "configs/default.yaml", "model.attn_implementation=flash_attention_2"], 2,
      "harness: error: config key 'model.attn_implementation': flash_attention_2 needs a CUDA GPU; use sdpa on this "
      "machine"),
+    ("flex-attention-on-cpu", {}, ["train", "configs/default.yaml", "model.attn_implementation=flex_attention"], 2,
+     "harness: error: config key 'model.attn_implementation': flex_attention trains on a GPU only (torch has no "
+     "backward pass for it on CPUs); use sdpa or auto on this machine"),
     ("auto-batch-without-global", {}, ["train", "configs/default.yaml", "train.micro_batch_size=auto"], 2,
      "harness: error: config key 'train.global_batch_size': train.micro_batch_size=auto keeps the global batch and "
      "needs it (sequences per optimizer step over all processes), e.g. 64"),

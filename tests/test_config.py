@@ -396,4 +396,8 @@ def test_compile_auto_resolves_by_hardware():
 
     assert resolve_compile("auto", cuda=True) == "regional" and resolve_compile("auto", cuda=False) == "none"
     assert resolve_compile("full", cuda=False) == "full"
+    # embedding passes change shape every batch: auto does not compile them (recompiles, measured on an H100)
+    assert resolve_compile("auto", cuda=True, mode="unified") == "none"
+    assert resolve_compile("auto", cuda=True, mode="embedding") == "none"
+    assert resolve_compile("regional", cuda=True, mode="unified") == "regional"
     assert resolve_pin_memory("auto", cuda=False) is False and resolve_pin_memory(True, cuda=True) is True
