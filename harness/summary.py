@@ -13,7 +13,7 @@ At the end of every run the main process prints a short table and writes <output
     harness compare RUN_DIR RUN_DIR [...] [--out compare.png]
         side-by-side table of the runs' key figures (throughput, MFU, memory, losses, cost, wall time, steps,
         profile, ZeRO stage, world size) and their losses overlaid per step and per hour of training, written to
-        --out (default: compare.png in the current directory); --md PATH also writes the table as markdown.
+        --out (default: compare.png in the runs' common parent folder); --md PATH also writes the table as markdown.
     python -m harness.summary RUN_DIR             # the same as harness summary
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -360,6 +361,12 @@ def finish_run(run_dir: str | Path, say=print) -> None:
         + tab)
 
 
+def default_compare_path(run_dirs: list[str | Path]) -> Path:
+    """compare.png in the folder that holds the runs (their common parent), not wherever the user stands."""
+    parents = [Path(d).resolve().parent for d in run_dirs]
+    return Path(os.path.commonpath([str(p) for p in parents])) / "compare.png"
+
+
 def compare(run_dirs: list[str | Path], out: str | Path = "compare.png") -> str:
     """The side-by-side table of the runs' key figures (returned), and their losses overlaid (per step, and per
     minute of training time) written to `out`."""
@@ -402,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("run_dir")
     c = sub.add_parser("compare", help="side-by-side table of runs and their losses overlaid")
     c.add_argument("run_dirs", nargs="+")
-    c.add_argument("--out", default="compare.png", help="overlaid loss plot (PNG); default compare.png here")
+    c.add_argument("--out", default=None, help="overlaid loss plot (PNG); default: compare.png in the runs' common "
+                   "parent folder (e.g. runs/compare.png)")
     c.add_argument("--md", default=None, help="also write the table to this markdown file")
     args = p.parse_args(argv)
     try:
@@ -414,11 +422,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if len(args.run_dirs) < 2:
                 raise HarnessError("compare needs at least two run folders")
-            tab = compare(args.run_dirs, args.out)
+            out = args.out or default_compare_path(args.run_dirs)
+            tab = compare(args.run_dirs, out)
             print(tab)
             if args.md:
-                Path(args.md).write_text(tab + f"\n\n![loss]({Path(args.out).resolve()})\n", encoding="utf-8")
-            print(f"written {args.out}")
+                Path(args.md).write_text(tab + f"\n\n![loss]({Path(out).resolve()})\n", encoding="utf-8")
+            print(f"written {out}")
     except HarnessError as e:
         print(f"harness: error: {e}", file=sys.stderr)
         return e.exit_code

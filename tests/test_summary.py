@@ -117,3 +117,16 @@ def test_real_run_writes_utilisation_cost_and_its_summary(tmp_path):
         3.6 * rep["wall_time_s"] / 3600, rel=0.05)
     assert (out / "summary.md").is_file()
     assert {"loss.png", "lr.png", "throughput.png", "utilisation.png"} <= {p.name for p in (out / "plots").iterdir()}
+
+
+def test_compare_without_out_writes_beside_the_runs_not_into_the_current_folder(tmp_path, monkeypatch, capsys):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    a, b = make_run(runs, "a"), make_run(runs, "b")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert cli.main(["compare", str(a), str(b)]) == 0
+    assert (runs / "compare.png").read_bytes()[:8] == PNG
+    assert list(elsewhere.iterdir()) == []
+    assert f"written {runs / 'compare.png'}" in capsys.readouterr().out
