@@ -249,6 +249,10 @@ class TrainConfig:
     eval_at_start: bool = _f(True, "Also evaluate before the first step of a fresh run (the step-0 baseline).")
     report_to: list = _f(["tensorboard"], "accelerate trackers to log to (tensorboard, wandb, mlflow, ...; "
                                           "installed separately except tensorboard); [] for none.")
+    tracker_project: Optional[str] = _f(None, "The wandb project and the mlflow experiment (tensorboard writes to "
+                                              "<output_dir>/tensorboard). Null: the output folder's name.")
+    tracker_entity: Optional[str] = _f(None, "wandb entity (team or user); null: wandb's default.")
+    run_name: Optional[str] = _f(None, "The run's name in wandb and mlflow; null: the output folder's name.")
     monitor_interval_s: float = _f(2.0, "Sample GPU (NVML) / CPU utilisation and memory every N seconds in the "
                                         "background (metrics.jsonl, report.json); 0: off.")
     price_per_hour: float = _f(0.0, "Price of one hour per train.price_unit, for the cost so far and projected in "

@@ -2,7 +2,8 @@
 
 Every logged step becomes one JSON object in `<output_dir>/metrics.jsonl` (main process only) with at least:
 step, loss, lr, grad_norm, tokens_per_s, mfu (null where the peak FLOP/s is unknown, e.g. CPU), mem_gb,
-elapsed_s, eta_s. The same scalars go to the accelerate trackers (tensorboard by default).
+elapsed_s, eta_s. The same scalars go to the accelerate trackers (tensorboard by default), grouped by `tracker_tag`
+(train/, eval/, system/, time/).
 """
 
 from __future__ import annotations
@@ -77,6 +78,24 @@ def read_records(path: str | Path, warn=print, max_warnings: int = 5) -> list[tu
     return out
 
 
+SYSTEM_KEYS = {"gpu_util", "gpu_mem_gb", "cpu_util", "rss_gb", "mem_gb"}
+TIME_KEYS = {"tokens_per_s", "samples_per_s", "mfu", "elapsed_s", "eta_s", "data_wait_share", "cost",
+             "cost_projected"}
+
+
+def tracker_tag(key: str) -> str:
+    """A metrics.jsonl key -> its tracker tag, grouped the way tensorboard and wandb show sections: eval/ (eval_loss ->
+    eval/loss), system/ (utilisation, memory), time/ (throughput, MFU, time, cost), train/ (the rest: losses, lr,
+    gradient norm, epoch, tokens, padding). metrics.jsonl keeps the flat keys."""
+    if key.startswith("eval_"):
+        return f"eval/{key[len('eval_'):]}"
+    if key in SYSTEM_KEYS or (key.startswith("gpu") and key[3:4].isdigit()):
+        return f"system/{key}"
+    if key in TIME_KEYS:
+        return f"time/{key}"
+    return f"train/{key}"
+
+
 class MetricsLogger:
     """Writes metrics.jsonl and forwards scalars to accelerate's trackers. Call on every process; only the main
     process writes."""
@@ -108,7 +127,8 @@ class MetricsLogger:
         if self._fh is not None:
             self._fh.write(json.dumps(clean) + "\n")
             self._fh.flush()
-        scalars = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and k != "step" and v is not None}
+        scalars = {tracker_tag(k): v for k, v in clean.items()
+                   if isinstance(v, (int, float)) and k != "step" and v is not None}
         self.accelerator.log(scalars, step=record["step"])
 
     def close(self) -> None:

@@ -15,7 +15,8 @@ covers its last attempt; the per-step fields in metrics.jsonl cover every attemp
 
 Trackers: `train.report_to` names accelerate trackers (tensorboard, wandb, mlflow, ...). `check_trackers` refuses
 one whose package is not installed (accelerate would silently drop it); `tracker_list` / `init_trackers` keep
-tensorboard's events in <output_dir>/tensorboard and name the wandb project / mlflow experiment after the run folder.
+tensorboard's events in <output_dir>/tensorboard and name the wandb project / mlflow experiment
+train.tracker_project (default: the run folder's name), with train.tracker_entity and train.run_name for wandb.
 The check runs when the run starts (a config file stays valid on a machine without the tracker installed).
 """
 
@@ -307,11 +308,21 @@ def tracker_list(report_to: list, output_dir: str) -> Optional[list]:
     return [TensorBoardTracker("tensorboard", output_dir) if t == "tensorboard" else t for t in report_to]
 
 
-def init_trackers(accelerator, output_dir: str, config: dict) -> None:
-    """Starts the trackers: the wandb project and the mlflow experiment are named after the run folder (wandb's
-    run name too); the flat config is logged as hyper-parameters."""
-    project = Path(output_dir).resolve().name
-    accelerator.init_trackers(project, config=config, init_kwargs={"wandb": {"name": project}})
+def tracker_settings(output_dir: str, project: Optional[str], entity: Optional[str], run_name: Optional[str]):
+    """(project, init_kwargs) for accelerate's init_trackers: train.tracker_project (the wandb project, the mlflow
+    experiment), train.tracker_entity (the wandb team or user) and train.run_name (the run
+    as wandb and mlflow list it); the unset ones default to the run folder's name (no entity: wandb's default)."""
+    folder = Path(output_dir).resolve().name
+    name = run_name or folder
+    wandb = {"name": name, **({"entity": entity} if entity else {})}
+    return project or folder, {"wandb": wandb, "mlflow": {"run_name": name}}
+
+
+def init_trackers(accelerator, t, config: dict) -> None:
+    """Starts the trackers named in train.report_to with `tracker_settings`; the flat config is logged as
+    hyper-parameters."""
+    project, init_kwargs = tracker_settings(t.output_dir, t.tracker_project, t.tracker_entity, t.run_name)
+    accelerator.init_trackers(project, config=config, init_kwargs=init_kwargs)
 
 
 if __name__ == "__main__":

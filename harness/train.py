@@ -217,7 +217,7 @@ class SideWork:
         cfg, accelerator, t = job.cfg, job.accelerator, job.cfg.train
         self.job, self.start_step = job, state.step
         if t.report_to:
-            monitor.init_trackers(accelerator, t.output_dir, flat(cfg.to_dict()))
+            monitor.init_trackers(accelerator, t, flat(cfg.to_dict()))
         logger = metrics.MetricsLogger(accelerator, job.out, resume_step=state.step if job.resume_from else None)
         opened.callback(logger.close)
         self.bar = metrics.progress_bar(job.total_steps, state.step, t.progress_bar and accelerator.is_main_process)

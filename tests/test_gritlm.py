@@ -72,7 +72,8 @@ def test_gritlm_tiny_recipe_runs_and_the_model_embeds_and_generates(tmp_path):
 
     out = tmp_path / "grit"
     run_train([f"train.output_dir={out}", "train.max_steps=6", "train.log_every=3", "train.progress_bar=false",
-               "train.report_to=[tensorboard]"], config=str(ROOT / "configs" / "gritlm-tiny.yaml"))
+               "train.report_to=[tensorboard]", "train.tracker_project=grit-proj"],
+              config=str(ROOT / "configs" / "gritlm-tiny.yaml"))
     lines = [r for r in map(__import__("json").loads, (out / "metrics.jsonl").read_text().splitlines())]
     assert lines[0]["step"] == 0 and "eval_recall_at_1" in lines[0] and "eval_mrr" in lines[0]
     trained = [r for r in lines if "loss" in r]
@@ -85,7 +86,9 @@ def test_gritlm_tiny_recipe_runs_and_the_model_embeds_and_generates(tmp_path):
         acc = EventAccumulator(str(ev))
         acc.Reload()
         tags |= set(acc.Tags()["scalars"])
-    assert {"loss", "loss_emb", "loss_gen", "eval_recall_at_1"} <= tags, tags
+    assert {"train/loss", "train/loss_emb", "train/loss_gen", "eval/recall_at_1", "eval/mrr", "train/lr",
+            "time/tokens_per_s", "system/mem_gb"} <= tags, tags
+    assert not {t for t in tags if "/" not in t}, tags  # every tag in a group
 
     m = GritModel.load(out / "final", device="cpu")
     q = m.encode(["Which town has 4 bridges?"], instruction="Retrieve the passage that answers the question.")

@@ -175,3 +175,24 @@ def test_missing_tracker_stops_the_run_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == ["harness: error: config key 'train.report_to': tracker 'mlflow' is not installed "
                                  "(pip install mlflow), or remove it from train.report_to"]
+
+
+def test_tracker_settings_project_entity_and_run_name():
+    """train.tracker_project / tracker_entity / run_name reach accelerate's init_trackers (wandb and mlflow kwargs);
+    unset, the run folder's name is the project and the run name, and wandb picks its default entity."""
+    from harness.monitor import tracker_settings
+
+    project, kwargs = tracker_settings("runs/qwen-sft", None, None, None)
+    assert project == "qwen-sft" and kwargs == {"wandb": {"name": "qwen-sft"}, "mlflow": {"run_name": "qwen-sft"}}
+    project, kwargs = tracker_settings("runs/qwen-sft", "chat-models", "my-team", "lr2e-5")
+    assert project == "chat-models"
+    assert kwargs == {"wandb": {"name": "lr2e-5", "entity": "my-team"}, "mlflow": {"run_name": "lr2e-5"}}
+
+
+def test_tracker_tags_are_grouped():
+    from harness.metrics import tracker_tag
+
+    assert [tracker_tag(k) for k in ["loss", "lr", "grad_norm", "padding_share", "eval_loss", "eval_recall_at_1",
+                                     "gpu_util", "gpu0_util", "rss_gb", "tokens_per_s", "mfu", "cost"]] == [
+        "train/loss", "train/lr", "train/grad_norm", "train/padding_share", "eval/loss", "eval/recall_at_1",
+        "system/gpu_util", "system/gpu0_util", "system/rss_gb", "time/tokens_per_s", "time/mfu", "time/cost"]
