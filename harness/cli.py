@@ -32,6 +32,12 @@ from harness.errors import ConfigError, HarnessError
 def _train(args: argparse.Namespace) -> int:
     from harness import train
 
+    if args.help_config:
+        return train.main(["--help-config"])
+    if args.file is None:
+        print("harness train: a recipe is needed, e.g. harness train configs/default.yaml (every key: harness train "
+              "--help-config)", file=sys.stderr)
+        return 2
     return train.main(["--config", args.file, *args.overrides])
 
 
@@ -152,13 +158,21 @@ def _data_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+# commands with their own options (harness X --help): module, and whether it takes the command name too
+OWN = {"bench": ("harness.bench", False), "plan": ("harness.planner", False), "zero-plan": ("harness.memory", False),
+           "summary": ("harness.summary", True), "compare": ("harness.summary", True), "rft": ("harness.rft", False),
+           "chat": ("harness.chat_cli", False), "push": ("harness.push", False)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand (those in OWN as placeholders: `harness X -h` goes to their own parser)."""
     p = argparse.ArgumentParser(prog="harness", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train from a recipe")
-    t.add_argument("file", help="run recipe (YAML)")
+    t.add_argument("file", nargs="?", help="run recipe (YAML)")
     t.add_argument("overrides", nargs="*", help="section.key=value")
+    t.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
     t.set_defaults(fn=_train)
 
     e = sub.add_parser("env", help="environment report")
@@ -184,20 +198,6 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--max-len", type=int, default=1 << 20)
     d.set_defaults(fn=_data_check)
 
-    argv = sys.argv[1:] if argv is None else argv
-    # commands with their own options (harness X --help): module, and whether it takes the command name too
-    own = {"bench": ("harness.bench", False), "plan": ("harness.planner", False), "zero-plan": ("harness.memory", False),
-           "summary": ("harness.summary", True), "compare": ("harness.summary", True), "rft": ("harness.rft", False),
-           "chat": ("harness.chat_cli", False), "push": ("harness.push", False)}
-    if argv and argv[0] in own:
-        import importlib
-
-        name, with_command = own[argv[0]]
-        try:
-            return importlib.import_module(name).main(argv if with_command else argv[1:])
-        except HarnessError as err:
-            print(f"harness: error: {err}", file=sys.stderr)
-            return err.exit_code
     sub.add_parser("summary", help="(re)write a run folder's summary.md and plots")
     sub.add_parser("compare", help="compare run folders: key figures side by side, losses overlaid")
     sub.add_parser("rft", help="rejection-sampling fine-tuning: sft-data, generate, train, test (docs/rft.md)")
@@ -206,7 +206,21 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("chat", help="chat with a trained model (its final/ folder) on stdin (harness chat -h)")
     sub.add_parser("push", help="upload a run's final/ with its model card to the Hugging Face hub (harness push -h)")
     sub.add_parser("zero-plan", help="GPU memory per ZeRO stage and the lowest that fits (python -m harness.memory -h)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in OWN:
+        import importlib
+
+        name, with_command = OWN[argv[0]]
+        try:
+            return importlib.import_module(name).main(argv if with_command else argv[1:])
+        except HarnessError as err:
+            print(f"harness: error: {err}", file=sys.stderr)
+            return err.exit_code
+    args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except HarnessError as err:

@@ -682,4 +682,8 @@ def describe() -> str:
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             tp = _type_name(typing.get_type_hints(cls)[f.name])
             lines.append(f"  {f.name} ({tp}, default {default!r}): {f.metadata.get('help', '')}")
+            if (section, f.name) == ("model", "lora"):  # the keys of the model.lora mapping
+                for k in dataclasses.fields(LoraConfig):
+                    ktp = _type_name(typing.get_type_hints(LoraConfig)[k.name])
+                    lines.append(f"    lora.{k.name} ({ktp}, default {k.default!r}): {k.metadata.get('help', '')}")
     return "\n".join(lines)

@@ -13,6 +13,7 @@ import yaml
 from harness.config import (
     Config,
     DataConfig,
+    LoraConfig,
     ModelConfig,
     OptimConfig,
     TrainConfig,
@@ -340,6 +341,17 @@ def test_entry_point_unknown_key(repo_root):
     assert proc.stdout == ""
 
 
+def test_harness_train_help_config_through_the_cli(capsys):
+    """`harness train --help-config` (the subcommand) lists the keys; it was an argparse error (file required)."""
+    from harness import cli
+
+    assert cli.main(["train", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model:\n") and "    lora.r (int, default 8): LoRA rank." in out
+    assert cli.main(["train"]) == 2
+    assert "harness train: a recipe is needed" in capsys.readouterr().err
+
+
 def test_entry_point_help_config(repo_root):
     proc = subprocess.run(
         [sys.executable, "-m", "harness.train", "--help-config"],
@@ -355,8 +367,11 @@ def test_entry_point_help_config(repo_root):
             if not line.startswith("  "):
                 break
             block.append(line)
-        names = [line.split(" (", 1)[0].strip() for line in block]
+        names = [line.split(" (", 1)[0].strip() for line in block if not line.startswith("    ")]
         assert names == [f.name for f in dataclasses.fields(cls)]
+    # the keys of the model.lora mapping are listed under it ("keys below" in its help)
+    lora = [line.split(" (", 1)[0].strip() for line in lines if line.startswith("    lora.")]
+    assert lora == [f"lora.{f.name}" for f in dataclasses.fields(LoraConfig)]
     train_block = lines[lines.index("train:") + 1:]
     assert any(line.startswith("  max_steps (") for line in train_block)
     assert any(line.startswith("  max_steps (int, default -1): ") for line in lines)
