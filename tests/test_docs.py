@@ -1,0 +1,198 @@
+"""Docs that cannot drift: the commands in README.md and docs/*.md are checked against the code.
+
+* Every fenced block whose info string is `bash offline-cpu` runs (bash -euo pipefail) in a fresh copy of the
+  repository's tracked files, with the test's virtualenv on PATH (and `.venv` pointing at it), offline, on the CPU;
+  the blocks of one document run in order in one copy, so a later block may read an earlier block's run folder.
+  It must exit 0. Mark only what runs offline on a CPU in seconds.
+* Every command in any `bash` block (marked or not: GPU and hub quickstarts too) is checked without running it:
+  `harness SUBCOMMAND` must exist, a `configs/*.yaml`, `scripts/*` or `launch/*` path must exist, and a recipe with
+  `section.key=value` overrides given to `harness train`, `launch/train.sh`, `harness data-check --config`,
+  `harness plan`, `harness zero-plan` or `harness.train --config` must load and pass the config checks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.config import load_config
+from harness.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^(\s*)```(.*)$")
+OVERRIDE = re.compile(r"^[a-z_]+\.[A-Za-z0-9_.]+=")
+RECIPE_COMMANDS = ("train", "data-check", "plan", "zero-plan")
+
+
+def blocks(path: Path) -> list[tuple[int, str, str]]:
+    """(line number of the opening fence, info string, text) of every fenced block."""
+    out, info, start, body = [], None, 0, []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        m = FENCE.match(line)
+        if m and info is None:
+            info, start, body = m.group(2).strip(), n, []
+        elif m and not m.group(2).strip():
+            out.append((start, info, "\n".join(body)))
+            info = None
+        elif info is not None:
+            body.append(line)
+    return out
+
+
+def commands(text: str) -> list[list[str]]:
+    """The commands of a bash block: continuation lines joined, comments dropped, split on ;, && and |, with
+    leading VAR=value assignments removed."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    out = []
+    for line in joined.splitlines():
+        try:
+            words = shlex.split(line, comments=True)
+        except ValueError:
+            continue
+        cmd: list[str] = []
+        for w in [*words, ";"]:
+            if w in (";", "&&", "||", "|"):
+                while cmd and re.match(r"^[A-Z_][A-Z0-9_]*=", cmd[0]):
+                    cmd.pop(0)
+                if cmd:
+                    out.append(cmd)
+                cmd = []
+            else:
+                cmd.append(w)
+    return out
+
+
+def subcommands() -> set[str]:
+    from harness import cli
+
+    parser = cli.build_parser()
+    action = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    return set(action.choices)
+
+
+def recipe_and_overrides(cmd: list[str]) -> tuple[str | None, list[str]]:
+    """The recipe (configs/*.yaml or any .yaml argument) and section.key=value overrides of a command."""
+    recipe = next((w for w in cmd if w.endswith((".yaml", ".yml")) and not w.startswith("accelerate_configs/")
+                   and "=" not in w), None)
+    return recipe, [w for w in cmd if OVERRIDE.match(w)]
+
+
+def check_command(cmd: list[str], known: set[str]) -> list[str]:
+    """What is wrong with one command (nothing run)."""
+    problems = []
+    prog = cmd[0]
+    words = cmd[1:]
+    for w in cmd:
+        path = w.split("=", 1)[-1]
+        if re.match(r"^(configs|scripts|launch|accelerate_configs|ds_configs)/[\w./-]+$", path) and \
+                not (ROOT / path).exists():
+            problems.append(f"no such file: {path}")
+    name = os.path.basename(prog)
+    is_harness = name == "harness"
+    train_py = "harness/train.py" in words or (words[:2] == ["-m", "harness.train"])  # accelerate launch, python -m
+    if name.startswith("python") and words[:2] == ["-m", "harness.cli"]:
+        is_harness, words = True, words[2:]
+    if train_py and name != "harness":
+        if "--help-config" in words or "-h" in words:
+            return problems
+        recipe = words[words.index("--config") + 1] if "--config" in words[:-1] else None
+        recipe = recipe if recipe and recipe.endswith((".yaml", ".yml")) else None  # not a placeholder (RECIPE)
+        return problems + validate(recipe, recipe_and_overrides(words)[1])
+    if is_harness:
+        sub = next((w for w in words if not w.startswith("-")), None)
+        if sub is None or sub not in known:
+            return problems + [f"unknown subcommand: harness {sub} (known: {', '.join(sorted(known))})"]
+        if sub in RECIPE_COMMANDS and "--help-config" not in words and "-h" not in words and "--help" not in words:
+            recipe, overrides = recipe_and_overrides(words)
+            if recipe is not None:
+                problems += validate(recipe, overrides)
+    elif prog.endswith("launch/train.sh") and not {"-h", "--help"} & set(words):
+        recipe, overrides = recipe_and_overrides(words)
+        problems += validate(recipe, overrides) if recipe else ["launch/train.sh without a recipe"]
+    return problems
+
+
+def validate(recipe: str | None, overrides: list[str]) -> list[str]:
+    if recipe is None:
+        return []
+    if not (ROOT / recipe).is_file():
+        return [f"no such recipe: {recipe}"]
+    try:
+        load_config(ROOT / recipe, overrides)
+    except ConfigError as e:
+        return [f"{recipe} {' '.join(overrides)}: {e}"]
+    return []
+
+
+def test_every_documented_command_names_what_exists():
+    known = subcommands()
+    problems = []
+    for doc in DOCS:
+        for line, info, text in blocks(doc):
+            if info.split(" ")[0] not in ("bash", "sh", "shell", "console"):
+                continue
+            for cmd in commands(text):
+                problems += [f"{doc.relative_to(ROOT)}:{line}: {p}" for p in check_command(cmd, known)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checker_catches_a_renamed_key_subcommand_and_recipe():
+    """The checker itself: each of these is what a rename in the code leaves behind in the docs."""
+    known = subcommands()
+    assert check_command(["harness", "train", "configs/default.yaml", "train.max_steps=5"], known) == []
+    assert "unknown subcommand" in check_command(["harness", "check-data", "data/"], known)[0]
+    assert "train.max_step" in check_command(["harness", "train", "configs/default.yaml", "train.max_step=5"],
+                                             known)[0]
+    assert check_command(["launch/train.sh", "--dry-run", "configs/nope.yaml"], known) == [
+        "no such file: configs/nope.yaml", "no such recipe: configs/nope.yaml"]
+    assert "train.max_step" in check_command([".venv/bin/accelerate", "launch", "--config_file",
+                                              "accelerate_configs/zero3.yaml", "harness/train.py", "--config",
+                                              "configs/default.yaml", "train.max_step=5"], known)[0]
+    assert "train.max_step" in check_command([".venv/bin/python", "-m", "harness.train", "--config",
+                                              "configs/default.yaml", "train.max_step=5"], known)[0]
+    assert commands("NUM_GPUS=1 launch/train.sh \\\n  --dry-run configs/default.yaml  # comment\nls | head") == [
+        ["launch/train.sh", "--dry-run", "configs/default.yaml"], ["ls"], ["head"]]
+
+
+def repo_copy(dest: Path) -> Path:
+    """The tracked files (what a clone has), and .venv pointing at this test's virtualenv."""
+    try:
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+        names = [n for n in files.decode().split("\0") if n]
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: everything but outputs
+        names = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file()
+                 and not {".git", ".venv", "runs", "__pycache__"} & set(p.relative_to(ROOT).parts)]
+    for name in names:
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    (dest / ".venv").symlink_to(Path(sys.prefix), target_is_directory=True)
+    return dest
+
+
+MARKED = [(doc, line, text) for doc in DOCS for line, info, text in blocks(doc) if info == "bash offline-cpu"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", sorted({d for d, _, _ in MARKED}), ids=lambda d: str(d.relative_to(ROOT)))
+def test_offline_cpu_blocks_run(doc, tmp_path):
+    repo = repo_copy(tmp_path / "repo")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "CUDA_VISIBLE_DEVICES": ""}
+    for d, line, text in MARKED:
+        if d != doc:
+            continue
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", text], cwd=repo, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, (f"{doc.relative_to(ROOT)}:{line}: exit {proc.returncode}\n{text}\n"
+                                      f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}")
