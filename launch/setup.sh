@@ -105,7 +105,7 @@ if [ "$CUDA_OK" = 1 ] && [ -n "$PREBUILD_OPS" ]; then
   done
 fi
 
-say "ready. Next: launch/train.sh configs/default.yaml   (see README.md, docs/guide.md)"
+say "ready. Next: launch/train.sh configs/default.yaml   (see README.md)"
 if [ -n "${PERSIST_DIR:-}" ] && [ "$PERSIST_DIR" != none ]; then
   say "the caches are set by launch/*.sh; for your own shell: export HF_HOME=$HF_HOME TORCH_EXTENSIONS_DIR=$TORCH_EXTENSIONS_DIR"
 fi
