@@ -1,7 +1,7 @@
 """harness: a training harness for language models (generative and GritLM-style embedding objectives).
 
 Train the default job:  python -m harness.train --config configs/default.yaml
-See README.md for CPU, single-GPU and multi-GPU launches.
+See README.md for the quickstarts and docs/multi-gpu.md for CPU, single-GPU, multi-GPU and multi-node launches.
 """
 
 __version__ = "0.1.0"

@@ -1,6 +1,7 @@
 """The `harness` command.
 
     harness train FILE [section.key=value ...]    train (same loop as python -m harness.train --config FILE)
+    harness train --help-config                   every config key with its default and help
     harness env                                   print the environment report (versions, devices)
     harness data-check SOURCE ...                 validate data sources (paths, hub ids, '{path: x, format: y}'):
                                                   format, kind, records, token-length statistics
@@ -10,13 +11,13 @@
     harness bench FILE [overrides] [--profiles ...]  harness vs raw PyTorch vs HF Trainer (or profiles), tokens/s
     harness plan FILE [overrides] --hours H        fit the run into a wall-clock window (calibrates, writes plan.json)
     harness summary RUN_DIR                       (re)write RUN_DIR/summary.md and RUN_DIR/plots/*.png
-    harness compare RUN_DIR RUN_DIR ... [--out compare.png]  key figures side by side, losses overlaid
+    harness compare RUN_DIR RUN_DIR ... [--out PNG]  key figures side by side, losses overlaid (runs/compare.png)
     harness zero-plan FILE [overrides] --gpus N --gpu-mem-gb G [--nodes M]  memory per GPU for each ZeRO stage
     harness rft sft-data|generate|train|test FILE ...  rejection-sampling fine-tuning (docs/rft.md)
     harness chat RUN_DIR/final [--max-new-tokens N] [--temperature T] [--top-p P] [--system TEXT]  chat on stdin
     harness push RUN_DIR REPO_ID [--private] [--revision BRANCH] [--token T]  upload final/ and its model card
 
-For several processes use accelerate's launcher on harness/train.py (see README.md).
+For several processes use launch/train.sh or accelerate's launcher on harness/train.py (docs/multi-gpu.md).
 """
 
 from __future__ import annotations

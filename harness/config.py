@@ -92,8 +92,9 @@ class ModelConfig:
         "Null: name_or_path, or the bundled one when building from `config`."
     )
     attn_implementation: str = _f(
-        "auto", "Attention kernel: auto, sdpa, eager, flash_attention_2, ... auto: sdpa where the model supports it, "
-        "else eager (one line says so; e.g. gemma2).")
+        "auto", "Attention kernel: auto, sdpa, eager, flex_attention, flash_attention_2, ... auto: flex_attention "
+        "for packed generative training on a CUDA GPU (the fastest measured, docs/benchmarks.md), else sdpa where "
+        "the model supports it, else eager (one line says so; e.g. gemma2).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward (non-reentrant) to save memory.")
     trust_remote_code: bool = _f(False, "Allow model code from the model's repository.")
     pooling: Literal["mean", "weightedmean", "lasttoken"] = _f(

@@ -143,7 +143,7 @@ def save_base(folder, tied: bool = True, vocab_size: int = 300):
 
 
 def load_adapter_on_base(base, final):
-    """What a user does with final/ (docs/guide.md): the original base, resized to the tokenizer saved with the
+    """What a user does with final/ (docs/qlora.md): the original base, resized to the tokenizer saved with the
     adapter (the same padding to a multiple of 64 as in training), then the adapter."""
     from transformers import AutoTokenizer
 
