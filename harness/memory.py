@@ -24,7 +24,8 @@ The arithmetic, printed line by line (GiB = 2**30 bytes):
   bytes (checked against the tensors torch saves, tests/test_memory.py); eager attention adds the score matrix
   (a x seq values in 16 bits + fp32 softmax: 6 bytes). With gradient checkpointing only each layer's input (b x h)
   is kept, plus one layer's full set during its recomputation. Logits: T x vocab x 10 bytes (bf16 logits 2 + fp32
-  log-softmax 4 kept, + the fp32 gradient 4 when backward starts).
+  log-softmax 4 kept, + the fp32 gradient 4 when backward starts); with the chunked loss (loss.chunked_ce, on under
+  auto once the fp32 logits would pass 256 MiB) one chunk of loss.chunked_ce_size positions at a time instead.
 * A fixed overhead per GPU for the CUDA context, NCCL and library workspaces (--overhead-gb, default 2 GiB), and
   a margin for the allocator's fragmentation (--margin, default 10% of the GPU).
 
@@ -79,6 +80,7 @@ class ModelShape:
     linear_params: int = 0  # weights of the frozen base's Linear layers but the output head (what bitsandbytes
     # quantizes under model.quantization)
     note: str = ""  # how the shape was obtained when not from the recipe as is (offline sizing)
+    chunkable_head: bool = True  # the chunked loss can take the output head (objective.resolve_chunked_ce)
 
     @property
     def frozen(self) -> int:
@@ -133,7 +135,24 @@ def model_shape(cfg: Config) -> ModelShape:
         trainable=trainable,
         linear_params=linear_params,
         note=note,
+        chunkable_head=_chunkable_head(model, lora and mc.name_or_path is None and m.name_or_path is not None),
     )
+
+
+def _chunkable_head(model, lora_offline: bool) -> bool:
+    """Whether the chunked loss can use this model's head. Sized offline with LoRA, no: the hub tokenizer may add the
+    chat markers, and LoRA then wraps the head's added rows (trainable_token_indices), which the chunked loss refuses
+    (auto: full logits); the plan counts the full logits rather than promise memory the run may not get."""
+    from harness.errors import ConfigError
+    from harness.model import output_head
+
+    if lora_offline:
+        return False
+    try:
+        output_head(model)
+    except ConfigError:
+        return False
+    return True
 
 
 @dataclass
@@ -146,6 +165,19 @@ class Hardware:
     @property
     def world(self) -> int:
         return self.gpus_per_node * self.nodes
+
+
+def chunked_ce_positions(cfg: Config, tokens: int, vocab: int) -> Optional[int]:
+    """Positions per chunk when the run's generative loss goes through the head in chunks (objective.
+    resolve_chunked_ce's rule, offline: auto is taken as on when the fp32 logits reach its threshold and
+    train.compile is not full; the caller checks the head, `ModelShape.chunkable_head`), else None."""
+    from harness.objective import AUTO_MIN_LOGITS_BYTES
+
+    setting = cfg.loss.chunked_ce
+    if setting is False or (setting == "auto" and (cfg.train.compile == "full"
+                                                   or tokens * vocab * 4 < AUTO_MIN_LOGITS_BYTES)):
+        return None
+    return min(cfg.loss.chunked_ce_size, tokens)
 
 
 def activation_terms(cfg: Config, shape: ModelShape, act_bytes: int) -> tuple[list[str], float]:
@@ -187,10 +219,19 @@ def activation_terms(cfg: Config, shape: ModelShape, act_bytes: int) -> tuple[li
         else:
             total = L * one_layer
             pl.append(f"  {L} layers x {one_layer / GIB:.2f} GiB = {total / GIB:.2f} GiB (no gradient checkpointing)")
-        if logits:
+        chunk = chunked_ce_positions(cfg, tokens, shape.vocab) if logits and shape.chunkable_head else None
+        if chunk:
+            lg = chunk * shape.vocab * 10
+            total += lg
+            pl.append(f"  logits: chunked (loss.chunked_ce={cfg.loss.chunked_ce}), one chunk at a time: {chunk:,} x "
+                      f"{shape.vocab} x (2 + 4 + 4) B = {lg / GIB:.2f} GiB")
+        elif logits:
             lg = tokens * shape.vocab * 10
             total += lg
             pl.append(f"  logits: {tokens:,} x {shape.vocab} x (2 + 4 + 4) B = {lg / GIB:.2f} GiB")
+            if not shape.chunkable_head and chunked_ce_positions(cfg, tokens, shape.vocab):
+                pl.append("  (full logits counted: the chunked loss may not take this head; sized offline with LoRA, "
+                          "the hub tokenizer may add chat markers whose rows LoRA trains through the head)")
         pl.append(f"  activations: {total / GIB:.2f} GiB")
         if total >= best:
             best, best_lines = total, pl
