@@ -169,15 +169,10 @@ class Hardware:
 
 def chunked_ce_positions(cfg: Config, tokens: int, vocab: int) -> Optional[int]:
     """Positions per chunk when the run's generative loss goes through the head in chunks (objective.
-    resolve_chunked_ce's rule, offline: auto is taken as on when the fp32 logits reach its threshold and
-    train.compile is not full; the caller checks the head, `ModelShape.chunkable_head`), else None."""
-    from harness.objective import AUTO_MIN_LOGITS_BYTES
+    chunked_ce_asked, the run's own rule; the caller checks the head, `ModelShape.chunkable_head`), else None."""
+    from harness.objective import chunked_ce_asked
 
-    setting = cfg.loss.chunked_ce
-    if setting is False or (setting == "auto" and (cfg.train.compile == "full"
-                                                   or tokens * vocab * 4 < AUTO_MIN_LOGITS_BYTES)):
-        return None
-    return min(cfg.loss.chunked_ce_size, tokens)
+    return min(cfg.loss.chunked_ce_size, tokens) if chunked_ce_asked(cfg, tokens, vocab) else None
 
 
 def activation_terms(cfg: Config, shape: ModelShape, act_bytes: int) -> tuple[list[str], float]:

@@ -30,6 +30,18 @@ from harness.state import StepSums
 AUTO_MIN_LOGITS_BYTES = 256 * 2**20
 
 
+def chunked_ce_asked(cfg: Config, positions: int, vocab: int | None) -> bool:
+    """The config's part of `resolve_chunked_ce` (the head is checked apart; harness.memory plans with this too):
+    off with loss.chunked_ce=false or no generative positions; auto: on when positions x vocab x 4 bytes >=
+    AUTO_MIN_LOGITS_BYTES and train.compile is not full (vocab None: unknown, off)."""
+    setting = cfg.loss.chunked_ce
+    if setting is False or positions <= 0:
+        return False
+    if setting == "auto":
+        return cfg.train.compile != "full" and vocab is not None and positions * vocab * 4 >= AUTO_MIN_LOGITS_BYTES
+    return True
+
+
 def resolve_chunked_ce(cfg: Config, model, positions: int, say=print) -> int | None:
     """loss.chunked_ce -> positions per chunk for the generative loss, or None for the full logits.
 
@@ -39,14 +51,8 @@ def resolve_chunked_ce(cfg: Config, model, positions: int, say=print) -> int | N
     true with a refused head: a ConfigError. The result depends only on the config and the model, so every process
     decides the same."""
     setting = cfg.loss.chunked_ce
-    if setting is False or positions <= 0:
+    if not chunked_ce_asked(cfg, positions, _vocab_size(model) if setting == "auto" else None):
         return None
-    if setting == "auto":
-        if cfg.train.compile == "full":
-            return None
-        vocab = _vocab_size(model)
-        if vocab is None or positions * vocab * 4 < AUTO_MIN_LOGITS_BYTES:
-            return None
     try:
         output_head(model)
     except ConfigError as e:
