@@ -124,10 +124,6 @@ def auto_attention(mconf, packed_causal: bool) -> str:
     return "eager"
 
 
-def supports_sdpa(mconf) -> bool:
-    return supports_attention(mconf, "_supports_sdpa")
-
-
 def supports_attention(mconf, flag: str, default: bool = True) -> bool:
     """Whether the causal-LM class of this config declares an attention kernel (`_supports_sdpa`,
     `_supports_flex_attn`). Unknown classes (remote code): `default` (their own error then says why)."""

@@ -13,6 +13,7 @@ throughput is lower than the others' (the profiler's own cost), so the log lines
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -55,10 +56,10 @@ class StepProfiler:
             self.prof = torch.profiler.profile(activities=acts)
             self._sync()
             self.prof.start()
-            self.t0 = _now()
+            self.t0 = time.perf_counter()
         elif self.prof is not None and step == self.first + self.steps:
             self._sync()
-            wall_us = (_now() - self.t0) * 1e6
+            wall_us = (time.perf_counter() - self.t0) * 1e6
             self.prof.stop()
             self._write(wall_us)
             self.prof, self.active = None, False
@@ -102,12 +103,6 @@ class StepProfiler:
         share = f", device busy {100 * summary['device_busy_share']:.0f}% of it" if cuda else ""
         self.say(f"harness: profiled steps {self.first + 1}-{self.first + self.steps}: "
                  f"{summary['wall_ms_per_step']:.1f} ms a step{share}; {self.dir}/ops.txt, summary.json, trace.json.gz")
-
-
-def _now() -> float:
-    import time
-
-    return time.perf_counter()
 
 
 def _gzip(path: Path) -> None:

@@ -43,8 +43,13 @@ def doc_lengths(rows: int, width: int, seed: int) -> list[list[int]]:
     return out
 
 
+def doc_ids(lengths: list[list[int]], device) -> torch.Tensor:
+    """[rows, width]: each token's document index within its row."""
+    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in lengths]).to(device)
+
+
 def block_mask_bool(lengths: list[list[int]], width: int, device) -> torch.Tensor:
-    doc = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in lengths]).to(device)
+    doc = doc_ids(lengths, device)
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
     return (doc[:, :, None] == doc[:, None, :]) & causal  # [B, S, S]
 
@@ -116,7 +121,7 @@ def main() -> int:
         methods[f"sdpa_mask ({name} forced)"] = forced
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        doc = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in lengths]).to(dev)
+        doc = doc_ids(lengths, dev)
 
         def document_causal(b, h, qi, ki):
             return (doc[b, qi] == doc[b, ki]) & (qi >= ki)

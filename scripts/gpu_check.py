@@ -60,10 +60,11 @@ def make_base(out_root: Path) -> Path:
     if (base / "config.json").exists():
         return base
     import torch
-    import yaml
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    conf = dict(yaml.safe_load((ROOT / "configs" / "gpu-1b.yaml").read_text())["model"]["config"])
+    from harness.config import load_config
+
+    conf = dict(load_config(ROOT / "configs" / "gpu-1b.yaml").model.config)
     config = AutoConfig.for_model(conf.pop("model_type"), **conf)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(base)

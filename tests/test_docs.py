@@ -96,12 +96,13 @@ def check_command(cmd: list[str], known: set[str]) -> list[str]:
                 not (ROOT / path).exists():
             problems.append(f"no such file: {path}")
     name = os.path.basename(prog)
+    asks_help = bool({"-h", "--help", "--help-config"} & set(words))  # prints help: nothing to validate
     is_harness = name == "harness"
     train_py = "harness/train.py" in words or (words[:2] == ["-m", "harness.train"])  # accelerate launch, python -m
     if name.startswith("python") and words[:2] == ["-m", "harness.cli"]:
         is_harness, words = True, words[2:]
     if train_py and name != "harness":
-        if "--help-config" in words or "-h" in words:
+        if asks_help:
             return problems
         recipe = words[words.index("--config") + 1] if "--config" in words[:-1] else None
         recipe = recipe if recipe and recipe.endswith((".yaml", ".yml")) else None  # not a placeholder (RECIPE)
@@ -110,11 +111,11 @@ def check_command(cmd: list[str], known: set[str]) -> list[str]:
         sub = next((w for w in words if not w.startswith("-")), None)
         if sub is None or sub not in known:
             return problems + [f"unknown subcommand: harness {sub} (known: {', '.join(sorted(known))})"]
-        if sub in RECIPE_COMMANDS and "--help-config" not in words and "-h" not in words and "--help" not in words:
+        if sub in RECIPE_COMMANDS and not asks_help:
             recipe, overrides = recipe_and_overrides(words)
             if recipe is not None:
                 problems += validate(recipe, overrides)
-    elif prog.endswith("launch/train.sh") and not {"-h", "--help"} & set(words):
+    elif prog.endswith("launch/train.sh") and not asks_help:
         recipe, overrides = recipe_and_overrides(words)
         problems += validate(recipe, overrides) if recipe else ["launch/train.sh without a recipe"]
     return problems
