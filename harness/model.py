@@ -302,13 +302,40 @@ def embed(model, batch: dict, pooling: str, bidirectional: bool) -> torch.Tensor
     if bidirectional:
         impl = getattr(unwrap(model).config, "_attn_implementation", "sdpa")
         mask = bidirectional_mask(mask, impl)
-    out = model(input_ids=batch["input_ids"], attention_mask=mask, output_hidden_states=True, logits_to_keep=1,
-                use_cache=False)
-    emb = pool(out.hidden_states[-1], batch["pool_mask"], pooling)
+    with FinalHiddenState(model) as final:
+        out = model(input_ids=batch["input_ids"], attention_mask=mask, logits_to_keep=1, use_cache=False)
+    emb = pool(final.value, batch["pool_mask"], pooling)
     logits = getattr(out, "logits", None)
     if emb.requires_grad and logits is not None and logits.requires_grad and has_untied_trainable_head(model):
         emb = _ZeroGradTie.apply(emb, logits)
     return emb
+
+
+class FinalHiddenState:
+    """The decoder's last hidden state (after the final norm: what `hidden_states[-1]` holds) of one forward pass,
+    taken by a forward hook on the decoder (`get_decoder()`, which runs eagerly under regional compile).
+
+    Not `output_hidden_states=True`: that makes transformers install output-capturing hooks on every decoder layer
+    and attention module, for every later forward too, and under regional compile each of those hooks reads a
+    ContextVar that dynamo cannot trace: two graph breaks per decoder block in every pass (generative ones too), each
+    an extra graph to compile and a break in the compiled code."""
+
+    def __init__(self, model):
+        inner = unwrap(model)
+        base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft: the transformers model
+        self.decoder = base.get_decoder()
+        self.value: torch.Tensor | None = None
+        self._handle = None
+
+    def _hook(self, module, args, output):
+        self.value = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    def __enter__(self) -> "FinalHiddenState":
+        self._handle = self.decoder.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()
 
 
 class _ZeroGradTie(torch.autograd.Function):
