@@ -21,6 +21,7 @@ the model in `prepare()`; this module does the rest:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable, Optional
@@ -112,6 +113,27 @@ def dynamo_counters() -> dict:
             "compile_time_s": seconds}
 
 
+class RecompileLimitWatch(logging.Handler):
+    """Counts dynamo's "hit config.recompile_limit" warnings (a code object past its limit runs eagerly from then on,
+    silently but for that warning): the functions that fell back, for report.json and a one-line warning."""
+
+    LOGGER = "torch._dynamo.convert_frame"
+
+    def __init__(self):
+        super().__init__(level=logging.WARNING)
+        self.functions: list[str] = []
+        logging.getLogger(self.LOGGER).addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if isinstance(record.msg, str) and record.msg.startswith("torch._dynamo hit config.") and record.args:
+            function = str(record.args[2]) if len(record.args) > 2 else "?"
+            self.functions.append(f"{record.args[0]}={record.args[1]}: {function}")
+
+    def close(self) -> None:
+        logging.getLogger(self.LOGGER).removeHandler(self)
+        super().close()
+
+
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers: children of the largest ModuleList whose entries share one class (what regional
     compilation compiles)."""
@@ -163,6 +185,7 @@ class CompileWatch:
         self.mode, self.device = mode, device
         self.startup = CompilerStartup.start(device.type)
         self.probe: Optional[CompileProbe] = None
+        self.limit = RecompileLimitWatch()
         self.left_eager: list[str] = []
         self.toolchain: dict = {}
         self.before_first = self.after_first = dynamo_counters()
@@ -188,6 +211,7 @@ class CompileWatch:
 
     def report(self, train_time_s: float, steps: int, say: Callable[[str], None]) -> dict:
         self.probe.remove()
+        self.limit.close()
         now, calls = dynamo_counters(), self.probe.calls  # calls: read off the device once
         before, after = self.before_first["compile_time_s"], self.after_first["compile_time_s"]
         out = {
@@ -198,7 +222,8 @@ class CompileWatch:
             "recompiles_after_first_step": now["graphs"] - self.after_first["graphs"],
             "block_calls_compiled": calls["compiled"], "block_calls_eager": calls["eager"],
             "ran_compiled": calls["compiled"] > 0, "left_eager": self.left_eager,
-            "compile_before_first_step_s": before, **self.toolchain,
+            "compile_before_first_step_s": before, "recompile_limit_hit": list(self.limit.functions),
+            **self.toolchain,
         }
         say(f"[harness] compile ({self.mode}): cold compile {after:.1f}s up to the end of the first step "
             f"({self.first_step_s:.1f}s)"
@@ -211,6 +236,10 @@ class CompileWatch:
                 f"ISA probe and workers {t['toolchain_background_s']:.1f}s in the background during set-up "
                 f"(waited {t['toolchain_wait_s']:.1f}s)"
                 + (f"; warm-up failed: {t['toolchain_error']}" if t["toolchain_error"] else ""))
+        if self.limit.functions:
+            say(f"[harness] warning: torch.compile hit dynamo's recompile limit {len(self.limit.functions)} time(s) "
+                f"and runs those functions eagerly from then on (first: {self.limit.functions[0]}); the report's "
+                f"compile.recompile_limit_hit lists them")
         if not out["ran_compiled"]:
             say("[harness] warning: torch.compile was requested but no compiled decoder block ever ran")
         return out

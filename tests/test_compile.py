@@ -98,3 +98,65 @@ def test_probe_counts_without_recompiling_the_graph_it_sits_in():
     probe.remove()
     compiled(torch.randn(2, 8))
     assert probe.calls == {"compiled": 12, "eager": 3}
+
+
+def test_recompile_limit_hit_is_counted_and_said():
+    """A code object past dynamo's recompile limit runs eagerly from then on with no more than a log warning; the
+    run's compile watch catches that warning, names the function in the report and says so in one line."""
+    import torch
+    import torch._dynamo
+
+    from harness.compiling import CompileWatch
+
+    torch._dynamo.reset()
+    watch = CompileWatch("regional", torch.device("cpu"))
+    watch.model_built(torch.nn.Linear(2, 2))
+    watch.toolchain = watch.startup.join()
+
+    @torch.compile(backend="eager", dynamic=False)
+    def double(x):
+        return x * 2
+
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for n in (2, 3, 4):  # each new size recompiles; the second one is over the limit
+            double(torch.ones(n))
+    said = []
+    rep = watch.report(1.0, 1, said.append)
+    assert len(rep["recompile_limit_hit"]) == 1 and "double" in rep["recompile_limit_hit"][0], rep
+    assert sum("hit dynamo's recompile limit" in line for line in said) == 1, said
+    double(torch.ones(5))  # the watch is closed with the report: nothing more is counted
+    assert len(watch.limit.functions) == 1
+
+
+def test_regional_blocks_compile_whole_in_unified_passes():
+    """An embedding pass must leave no output-capturing hooks behind (transformers installs them on every decoder
+    layer and attention module for `output_hidden_states=True`; under regional compile each one was a graph break
+    in every later pass, generative ones too): a block compiles to one graph per kind of pass, no breaks."""
+    import torch
+    from accelerate.utils import compile_regions
+    from torch._dynamo.utils import counters
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from harness.model import bidirectional_mask, embed
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64))
+    ids = torch.randint(3, 64, (2, 7))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pool_mask": torch.ones_like(ids)}
+    with torch.no_grad():  # the reference: transformers' own hidden states (on a copy: it installs the hooks)
+        import copy
+        ref_model = copy.deepcopy(model)
+        ref = ref_model(input_ids=ids, attention_mask=bidirectional_mask(batch["attention_mask"], "sdpa"),
+                        output_hidden_states=True).hidden_states[-1].mean(1)
+    emb = embed(model, batch, "mean", bidirectional=True)
+    torch.testing.assert_close(emb, torch.nn.functional.normalize(ref, dim=-1), rtol=1e-5, atol=1e-6)
+    assert not any(getattr(m, "_output_capturing_hooks_installed", False) for m in model.modules())
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = compile_regions(model, backend="eager")
+    for _ in range(2):
+        embed(compiled, batch, "mean", bidirectional=True).sum().backward()
+        compiled(input_ids=ids, labels=ids).loss.backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
