@@ -104,14 +104,15 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     resume = None if cfg.train.overwrite else cfg.train.resume
     resume_from, incomplete = checkpoint.resolve_resume(out, resume, accelerator)  # verified, agreed
     # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
-    watch = CompileWatch(compile_mode, accelerator.device) if compile_mode != "none" else None
+    zero = distributed.zero_info(accelerator)
+    watch = CompileWatch(compile_mode, accelerator.device, zero["zero_stage"]) if compile_mode != "none" else None
     tf32 = hardware.enable_tf32(cfg.train.tf32)
     sampler = monitor.start_sampler(cfg.train.monitor_interval_s, accelerator.is_main_process)  # GPU/CPU utilisation
     if sampler is not None:
         opened.callback(sampler.stop)
     job = Job(cfg=cfg, accelerator=accelerator, say=accelerator.print, out=out, t_start=t_start, t_process=t_process,
               timings=Timings(), resume_from=resume_from, precision=precision, tf32=tf32,
-              env=hardware.environment_report(), zero=distributed.zero_info(accelerator), compile=watch,
+              env=hardware.environment_report(), zero=zero, compile=watch,
               sampler=sampler)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -204,7 +205,7 @@ def build_model(job: Job) -> None:
     accelerator.register_for_checkpointing(job.scheduler)
     job.model, job.optimizer, *prepared = accelerator.prepare(model, optimizer, *[job.data[n] for n in job.streams])
     if job.compile is not None:
-        job.compile.model_prepared(job.model, job.say)
+        job.compile.model_prepared(job.model, job.say, accelerator.state.dynamo_plugin.to_kwargs())
     job.loaders = dict(zip(job.streams, prepared))
     job.gen_eval = job.data.get("gen_eval")  # not prepared: evaluate_generative shards it (each sample once)
     chunk_size = resolve_chunked_ce(cfg, job.model, longest_micro_batch(job.data), job.say)

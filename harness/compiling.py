@@ -21,6 +21,7 @@ the model in `prepare()`; this module does the rest:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -72,6 +73,47 @@ class CompilerStartup:
                 "toolchain_wait_s": time.perf_counter() - t, "toolchain_error": self.error}
 
 
+def _probed_forward(probe: Optional["CompileProbe"], forward: Callable, *args, **kwargs):
+    """A decoder block's forward with the probe's count in front, as one compiled function (see
+    `compile_block_forwards`)."""
+    if probe is not None:
+        probe.count()
+    return forward(*args, **kwargs)
+
+
+def zero3_leaf_blocks(model: torch.nn.Module) -> list[str]:
+    """Before `prepare()` under ZeRO-3 with compile: mark the decoder blocks as ZeRO-3 leaf modules
+    (`deepspeed.utils.set_z3_leaf_modules`): the engine then gathers a block's parameters in the block's own hooks and
+    puts no hooks on the modules inside it, so a compiled block forward contains no DeepSpeed code."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    blocks = repeated_blocks(model)
+    if not blocks:
+        return []
+    set_z3_leaf_modules(model, [type(blocks[0])])
+    return [type(blocks[0]).__name__]
+
+
+def compile_block_forwards(model: torch.nn.Module, probe: Optional["CompileProbe"], compile_kwargs: dict) -> int:
+    """ZeRO-3's regional compile: each decoder block's `forward` compiled, its `__call__` (the ZeRO-3 hooks: gather
+    before, release after, the backward hooks) left eager.
+
+    accelerate's `compile_regions_deepspeed` compiles each block's whole `_call_impl` in place, hooks included.
+    dynamo then traces into ZeRO-3's per-module hooks (on every linear and norm inside the block), which guard on
+    the module they serve: every hook recompiled for every submodule (default job, 2 processes, 20 steps: 126 graphs,
+    dynamo's recompile limit hit in `_pre_backward_module_hook`). With the blocks as ZeRO-3 leaves
+    (`zero3_leaf_blocks`) and only the forward compiled, no DeepSpeed code is inside a compiled region. The probe's
+    count moves into the compiled function (its pre-hook would now run eagerly, outside it)."""
+    compiled = torch.compile(_probed_forward, **compile_kwargs)
+    blocks = repeated_blocks(model)
+    if probe is not None:
+        probe.remove()
+    for block in blocks:
+        block._compiled_call_impl = None  # accelerate's in-place compile of the whole call
+        block.forward = functools.partial(compiled, probe, block.forward)
+    return len(blocks)
+
+
 class CompileProbe:
     """Counts how the repeated blocks (decoder layers) really ran: a forward pre-hook on each block records whether
     it executed inside compiled code (`torch.compiler.is_compiling()` is constant-folded to True in the compiled
@@ -90,6 +132,9 @@ class CompileProbe:
         self.handles = [b.register_forward_pre_hook(self._hook) for b in blocks]
 
     def _hook(self, module, args):
+        self.count()
+
+    def count(self) -> None:
         self.counts.add_(self._inc[torch.compiler.is_compiling()])
 
     @property
@@ -181,8 +226,9 @@ class CompileWatch:
     """torch.compile in one run: started before the set-up (`CompilerStartup`), told when the model is built, prepared,
     the loop starts and the first step ends; `report()` is report.json's `compile` section."""
 
-    def __init__(self, mode: str, device: torch.device):
-        self.mode, self.device = mode, device
+    def __init__(self, mode: str, device: torch.device, zero_stage: Optional[int] = None):
+        self.mode, self.device, self.zero_stage = mode, device, zero_stage
+        self.zero3_leaves: list[str] = []
         self.startup = CompilerStartup.start(device.type)
         self.probe: Optional[CompileProbe] = None
         self.limit = RecompileLimitWatch()
@@ -192,14 +238,21 @@ class CompileWatch:
         self.first_step_s = 0.0
 
     def model_built(self, model: torch.nn.Module) -> None:
+        """Before `accelerator.prepare`."""
         self.probe = CompileProbe(repeated_blocks(model), self.device)
+        if self.mode == "regional" and self.zero_stage == 3:
+            self.zero3_leaves = zero3_leaf_blocks(model)
 
-    def model_prepared(self, model: torch.nn.Module, say: Callable[[str], None]) -> None:
-        """After `accelerator.prepare` and before the model first runs."""
+    def model_prepared(self, model: torch.nn.Module, say: Callable[[str], None], compile_kwargs: dict) -> None:
+        """After `accelerator.prepare` and before the model first runs. compile_kwargs: accelerate's
+        (`dynamo_plugin.to_kwargs()`)."""
         if self.mode == "regional":  # accelerate compiled every leaf too; keep the repeated blocks only
             self.left_eager = narrow_regional_compile(model)
-            say(f"[harness] regional compile: decoder blocks compiled; left eager: "
-                f"{', '.join(self.left_eager) or 'nothing'}")
+            how = "decoder blocks compiled"
+            if self.zero3_leaves:
+                compile_block_forwards(model, self.probe, compile_kwargs)
+                how = "decoder block forwards compiled (ZeRO-3 leaves: their hooks run eagerly)"
+            say(f"[harness] regional compile: {how}; left eager: {', '.join(self.left_eager) or 'nothing'}")
         self.toolchain = self.startup.join()  # compile seconds from here on are the model's own
 
     def loop_starts(self) -> None:
