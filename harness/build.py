@@ -95,7 +95,7 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     out = Path(cfg.train.output_dir)
     precision = hardware.resolve_precision(cfg.train.precision)
     hardware.check_attention(cfg.model.attn_implementation)
-    compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available(), cfg.loss.mode)
+    compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
     accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision), compile_mode)
     opened.push(distributed.end_training(accelerator))
     hold_output_dir(out, accelerator, opened)  # one run per output folder

@@ -163,6 +163,10 @@ class DataConfig:
     packing: bool = _f(False, "Pack generative samples into rows of max_len (best-fit; no attention across "
                               "documents: per-document position ids).")
     group_by_length: bool = _f(False, "Embedding data: batch queries of similar length together (less padding).")
+    pad_buckets: int = _f(0, "Pad each unpacked micro-batch (generative rows, queries, passages) up to one of N "
+                             "evenly spaced widths up to its max length instead of to its longest row: N shapes "
+                             "per stream. 0: to the longest row. Compiled runs with changing shapes already compile "
+                             "the sequence length dynamically, which measured faster (docs/speed.md).")
     emb_train_files: list = _f([], "Embedding sources (as data.train_files, format embedding: {query, pos, neg}; "
                                    "loss.mode embedding or unified).")
     emb_eval_files: list = _f([], "Held-out embedding sources: retrieval recall@1 and MRR every train.eval_every "
@@ -243,8 +247,8 @@ class TrainConfig:
                                       "memory_efficient; applied below the recipe file and the overrides.")
     compile: Literal["auto", "regional", "full", "none"] = _f(
         "auto", "torch.compile through accelerate: regional (each repeated block; fast cold start), full, none. "
-        "auto: regional on CUDA for generative runs, none on CPU and with embedding passes (their shapes change "
-        "every batch: recompiles).")
+        "auto: regional on CUDA, none on CPU. Runs whose batches change shape (embedding passes, unpacked rows) "
+        "compile with dynamic shapes: one graph per kind of pass, not one per length.")
     log_every: int = _f(10, "Log metrics every N optimizer steps (and always at the last step).")
     eval_every: int = _f(0, "Evaluate (eval files, retrieval) every N steps; 0: only at the end.")
     eval_at_start: bool = _f(True, "Also evaluate before the first step of a fresh run (the step-0 baseline).")

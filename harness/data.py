@@ -97,16 +97,33 @@ def tokenize_dataset(rows, tokenizer, max_len: int):
 # ----------------------------------------------------------------------------------------------- batching
 
 
-class GenerativeCollator:
-    """Right-pads input_ids/labels to the longest sample in the micro-batch (optionally to a multiple of 8)."""
+@dataclass(frozen=True)
+class Widths:
+    """The padded width of a micro-batch from its longest row: the longest row itself rounded up to `multiple`, or,
+    with `buckets` > 0, the smallest of `buckets` evenly spaced widths up to `cap` that holds it (a bounded set of
+    shapes for torch.compile: see harness/compiling.py). Rows longer than `cap` keep their own width."""
+    multiple: int = 1
+    buckets: int = 0
+    cap: int = 0
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1):
+    def __call__(self, longest: int) -> int:
+        if self.buckets and self.cap and longest <= self.cap:
+            step = -(-self.cap // self.buckets)
+            step = -(-step // self.multiple) * self.multiple
+            return min(self.cap, -(-longest // step) * step)
+        return -(-longest // self.multiple) * self.multiple
+
+
+class GenerativeCollator:
+    """Right-pads input_ids/labels to the longest sample in the micro-batch (optionally to a multiple of 8, or up to
+    a width bucket: `Widths`)."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 1, widths: Widths | None = None):
         self.pad_token_id = pad_token_id
-        self.multiple = pad_to_multiple_of
+        self.widths = widths or Widths(pad_to_multiple_of)
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        longest = max(len(s["input_ids"]) for s in samples)
-        width = -(-longest // self.multiple) * self.multiple
+        width = self.widths(max(len(s["input_ids"]) for s in samples))
         n = len(samples)
         input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
         labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
@@ -329,9 +346,10 @@ class LengthGroupedSampler(torch.utils.data.Sampler):
             yield from sorted(order[i:i + self.group], key=lambda j: -self.lengths[j])
 
 
-def pad_embed(items: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Tensor]:
-    """[(ids, instr_len)] -> input_ids, attention_mask (1 on tokens), pool_mask (1 on text tokens only)."""
-    width = max(len(ids) for ids, _ in items)
+def pad_embed(items: list[tuple[list[int], int]], pad_id: int, widths: Widths | None = None) -> dict[str, torch.Tensor]:
+    """[(ids, instr_len)] -> input_ids, attention_mask (1 on tokens), pool_mask (1 on text tokens only); padded to
+    the longest item, or up to its width bucket (`Widths`)."""
+    width = (widths or Widths())(max(len(ids) for ids, _ in items))
     input_ids = torch.full((len(items), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(items), width), dtype=torch.long)
     pool = torch.zeros((len(items), width), dtype=torch.long)
@@ -346,12 +364,12 @@ class EmbeddingCollator:
     """Groups -> {"query": padded queries [B, Lq], "passage": padded passages [B * group_size, Lp]} where the
     passages of query b are rows b*G .. b*G+G-1, the positive first."""
 
-    def __init__(self, pad_token_id: int):
-        self.pad = pad_token_id
+    def __init__(self, pad_token_id: int, query_widths: Widths | None = None, passage_widths: Widths | None = None):
+        self.pad, self.query_widths, self.passage_widths = pad_token_id, query_widths, passage_widths
 
     def __call__(self, groups: list[dict]) -> dict:
-        return {"query": pad_embed([g["query"] for g in groups], self.pad),
-                "passage": pad_embed([p for g in groups for p in g["passages"]], self.pad)}
+        return {"query": pad_embed([g["query"] for g in groups], self.pad, self.query_widths),
+                "passage": pad_embed([p for g in groups for p in g["passages"]], self.pad, self.passage_widths)}
 
 
 def retrieval_eval_set(rows, tokenizer, query_max_len: int, passage_max_len: int, fmt: EmbedFormat) -> dict:

@@ -153,11 +153,16 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
     if compile_mode != "none":
         from torch import _dynamo
 
+        from harness.profiles import shapes_vary
+
         # One compiled block serves several input shapes and masks per step (generative rows, queries, passages,
         # evaluation); past dynamo's default of 8 versions per code object it silently falls back to eager.
         _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
-        # accelerate applies it in prepare(): compile_regions (DDP / single), compile_regions_deepspeed (ZeRO)
-        dynamo = TorchDynamoPlugin(backend="inductor", use_regional_compilation=compile_mode == "regional")
+        # accelerate applies it in prepare(): compile_regions (DDP / single), compile_regions_deepspeed (ZeRO; for
+        # ZeRO-3 harness.compiling compiles the block forwards instead). Changing shapes: dynamic from the start.
+        dynamic = True if shapes_vary(cfg.loss.mode, cfg.data.packing) else None
+        dynamo = TorchDynamoPlugin(backend="inductor", use_regional_compilation=compile_mode == "regional",
+                                   dynamic=dynamic)
     accelerator = Accelerator(
         mixed_precision=mixed_precision,
         deepspeed_plugin=plugin,

@@ -71,7 +71,8 @@ def build_loaders(cfg: Config, accelerator, tokenizer) -> dict:
             max_len = resolve_max_len(cfg, rows, tokenizer, accelerator.print)
             ds, st = data_lib.tokenize_dataset(rows, tokenizer, max_len)
             out["stats"]["generative"] = st
-            padded = data_lib.GenerativeCollator(tokenizer.pad_token_id, pad_to_multiple_of=8 if cuda else 1)
+            padded = data_lib.GenerativeCollator(tokenizer.pad_token_id,
+                                                 widths=data_lib.Widths(8 if cuda else 1, d.pad_buckets, max_len))
             if d.packing:
                 ds = data_lib.pack_dataset(ds, max_len)
                 st["packed_rows"] = len(ds)
@@ -98,7 +99,9 @@ def build_loaders(cfg: Config, accelerator, tokenizer) -> dict:
                 mega = cfg.train.emb_micro_batch_size * accelerator.num_processes * 32
                 order = {"sampler": data_lib.LengthGroupedSampler(lengths, mega, cfg.train.seed)}
             out["emb"] = DataLoader(groups, batch_size=cfg.train.emb_micro_batch_size,
-                                    collate_fn=data_lib.EmbeddingCollator(tokenizer.pad_token_id), **order, **common)
+                                    collate_fn=data_lib.EmbeddingCollator(
+                                        tokenizer.pad_token_id, data_lib.Widths(1, d.pad_buckets, d.query_max_len),
+                                        data_lib.Widths(1, d.pad_buckets, d.passage_max_len)), **order, **common)
             if d.emb_eval_files or held is not None:
                 rows = held if held is not None else data_lib.load_embedding_rows(d.emb_eval_files, 0, d.cache_dir,
                                                                                   "data.emb_eval_files")

@@ -8,7 +8,8 @@ defaults < profile < the recipe file < command-line overrides, so any key a prof
     aggressive        regional compile everywhere, packing, 4 persistent workers with deeper prefetch, rarer logging
     memory_efficient  activation checkpointing, packing, regional compile on CUDA, one worker
 
-`auto` values are resolved here for the hardware at hand: `resolve_compile`, `resolve_pin_memory`.
+`auto` values are resolved here for the hardware at hand: `resolve_compile`, `resolve_pin_memory`; `shapes_vary`
+decides whether compiled shapes are dynamic.
 
     harness bench configs/default.yaml --profiles conservative,balanced,aggressive,memory_efficient
 """
@@ -43,15 +44,24 @@ def profile_overrides(name: str) -> dict[str, object]:
     return PROFILES[name]
 
 
-def resolve_compile(value: str, cuda: bool, mode: str = "generative") -> str:
-    """`auto` -> regional on CUDA for generative runs (cold start grows little with depth), none on CPU (compile time
-    rarely pays) and for runs with embedding passes: their batches change shape from step to step (queries and
-    passages padded to each batch's longest), and every new shape recompiled the blocks (H100, the 1B unified
-    recipe: 74 s for the first 5 steps against 5 s eager; CPU, gritlm-tiny: 4 recompiles in 20 steps, 76 s
-    against 26 s eager). Asking for regional explicitly still compiles them."""
+def resolve_compile(value: str, cuda: bool) -> str:
+    """`auto` -> regional on CUDA, none on CPU (compile time rarely pays there). Runs with embedding passes compile
+    too: `shapes_vary` runs compile with dynamic shapes, so a new batch length reuses the compiled blocks."""
     if value == "auto":
-        return "regional" if cuda and mode == "generative" else "none"
+        return "regional" if cuda else "none"
     return value
+
+
+def shapes_vary(mode: str, packing: bool) -> bool:
+    """Whether micro-batches change shape from step to step: embedding passes (queries and passages padded to each
+    batch's longest, or to a bucket) and unpacked generative rows do; packed rows are always [B, max_len].
+
+    Such runs compile with `dynamic=True` (accelerate's TorchDynamoPlugin): the blocks' graphs take the batch and
+    sequence sizes as symbols from the first step. With dynamo's default (static first, dynamic after a size
+    changes) every kind of pass compiled twice, the second time after step 1 (gritlm-tiny, GradCache, no step-0
+    evaluation: 7 graphs, 1 recompile after step 1, against 5 and 0); padding up to buckets instead
+    (`data.pad_buckets`) adds padding and a graph per bucket. Measured in docs/speed.md."""
+    return mode != "generative" or not packing
 
 
 def resolve_pin_memory(value, cuda: bool) -> bool:

@@ -407,12 +407,11 @@ def test_unknown_profile():
 
 
 def test_compile_auto_resolves_by_hardware():
-    from harness.profiles import resolve_compile, resolve_pin_memory
+    from harness.profiles import resolve_compile, resolve_pin_memory, shapes_vary
 
     assert resolve_compile("auto", cuda=True) == "regional" and resolve_compile("auto", cuda=False) == "none"
     assert resolve_compile("full", cuda=False) == "full"
-    # embedding passes change shape every batch: auto does not compile them (recompiles, measured on an H100)
-    assert resolve_compile("auto", cuda=True, mode="unified") == "none"
-    assert resolve_compile("auto", cuda=True, mode="embedding") == "none"
-    assert resolve_compile("regional", cuda=True, mode="unified") == "regional"
+    # batches that change shape compile with dynamic shapes (one graph per kind of pass, not one per length)
+    assert shapes_vary("unified", packing=True) and shapes_vary("embedding", packing=False)
+    assert shapes_vary("generative", packing=False) and not shapes_vary("generative", packing=True)
     assert resolve_pin_memory("auto", cuda=False) is False and resolve_pin_memory(True, cuda=True) is True

@@ -860,3 +860,19 @@ def test_retrieval_eval_set(tmp_path, tok):
     # Every positive of every record indexes a corpus entry with that record's positive text.
     for rec, pos in zip(rows, ev["positives"]):
         assert sorted(_text_of(tok, ev["corpus"][k]) for k in pos) == sorted(t["text"] for t in rec["pos"])
+
+
+def test_pad_buckets_widths_by_hand():
+    """data.pad_buckets: a batch's width is the smallest of N evenly spaced widths up to the cap that holds its
+    longest row (rounded to the multiple); 0 buckets: the longest row itself."""
+    from harness.data import Widths
+
+    assert [Widths(1, 4, 64)(n) for n in (1, 16, 17, 49, 64)] == [16, 16, 32, 64, 64]
+    assert [Widths(1, 4, 96)(n) for n in (5, 25, 73)] == [24, 48, 96]
+    assert [Widths(8, 3, 100)(n) for n in (1, 40, 41, 99)] == [40, 40, 80, 100]  # steps of 34 -> 40 (multiple of 8)
+    assert Widths(1, 0, 64)(49) == 49 and Widths(8)(49) == 56
+    assert Widths(1, 4, 64)(70) == 70  # longer than the cap (not truncated): its own width
+    batch = pad_embed([([1, 5, 6], 1), ([1, 8], 1)], pad_id=0, widths=Widths(1, 4, 16))
+    assert batch["input_ids"].shape == (2, 4) and batch["attention_mask"].sum().item() == 5
+    gen = GenerativeCollator(0, widths=Widths(1, 2, 10))([{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}])
+    assert gen["input_ids"].shape == (1, 5) and gen["labels"][0, 3:].eq(-100).all()
