@@ -17,11 +17,15 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from harness import checkpoint, distributed, hardware, loaders, metrics, monitor, optim, planner, runlock
+from harness import distributed, hardware, optim, runlock
+from harness.checkpoint import store as checkpoint
+from harness.data import loaders
+from harness.observe import metrics, monitor
+from harness.tools import planner
 from harness.compiling import CompileWatch
 from harness.config import Config, quantization_zero3_error, save_config
 from harness.errors import ConfigError, HarnessError
-from harness.timing import Timings
+from harness.observe.timing import Timings
 
 
 @dataclass
@@ -89,7 +93,7 @@ def build_run(cfg: Config, opened: contextlib.ExitStack) -> Job:
 def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     """Precision, the Accelerator, the output folder's lock, the resume target, the compiler's start-up, the sampler,
     config.yaml."""
-    from harness.profiles import resolve_compile
+    from harness.config.profiles import resolve_compile
 
     t_start, t_process = time.time(), hardware.process_start_time()
     out = Path(cfg.train.output_dir)

@@ -27,7 +27,7 @@ import torch
 
 from harness.config import Config
 from harness.errors import ConfigError
-from harness.monitor import tracker_list
+from harness.observe.monitor import tracker_list
 
 DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 

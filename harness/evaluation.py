@@ -13,8 +13,8 @@ from typing import Callable, Optional
 
 import torch
 
-from harness import data as data_lib
-from harness import metrics
+from harness.data import samples as data_lib
+from harness.observe import metrics
 from harness.losses import IGNORE_INDEX
 
 

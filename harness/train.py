@@ -7,7 +7,7 @@ Run it any of these ways; all run the same `main()`:
     accelerate launch --num_processes 8 harness/train.py --config configs/default.yaml
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 harness/train.py --config configs/default.yaml
 
-Overrides are `section.key=value` (see harness/config.py for every key and the precedence).
+Overrides are `section.key=value` (see harness/config/__init__.py for every key and the precedence).
 """
 
 from __future__ import annotations
@@ -26,18 +26,21 @@ import warnings
 from typing import Optional
 
 
-from harness import checkpoint, faults, loaders, metrics, modelcard, monitor, reporting, summary
+from harness import faults
+from harness.checkpoint import store as checkpoint
+from harness.data import loaders
+from harness.observe import metrics, modelcard, monitor, reporting, summary
 from harness.auto_batch import memory_trial, run_auto_batch
 from harness.build import Job, build_run
 from harness.config import Config, describe, flat, load_config
 from harness.encode import embedding_settings
 from harness.errors import HarnessError
 from harness.evaluation import Evaluator
-from harness.profiling import StepProfiler
+from harness.observe.profiling import StepProfiler
 from harness.state import LoopState, StepSums, UnloggedSums
 from harness.stopping import (EARLY_WITHOUT_EXPORT, NONFINITE, TIME_BUDGET, NonfiniteGuard, StopDecision, exit_now,
                               finite, watch_launcher)
-from harness.timing import SETTLE_STEPS, BudgetTracker
+from harness.observe.timing import SETTLE_STEPS, BudgetTracker
 
 # DeepSpeed still calls collectives that torch deprecated; the warning repeats every step and says nothing to users.
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)

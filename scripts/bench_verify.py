@@ -1,4 +1,4 @@
-"""What checkpoint checksums cost per GiB (issue 17): the hash alone in memory, and harness.checkpoint's own
+"""What checkpoint checksums cost per GiB (issue 17): the hash alone in memory, and harness.checkpoint.store's own
 build_manifest (a save) and verify_checkpoint (a resume) on a synthetic checkpoint, page cache warm and cold.
 
     .venv/bin/python scripts/bench_verify.py --size-gb 4 --rounds 3 --out docs/bench/verify-cpu.json
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness import checkpoint  # noqa: E402
+from harness.checkpoint import store as checkpoint  # noqa: E402
 
 GiB = 2**30
 

@@ -1,4 +1,4 @@
-"""Chat templates (harness.chat): the ids trained are exactly apply_chat_template's, the labels cover the assistant
+"""Chat templates (harness.data.chat): the ids trained are exactly apply_chat_template's, the labels cover the assistant
 turns and their end-of-turn token, data.chat_template resolves and errs in one line, and final/ carries the
 template. Templates as the model makers ship them: tests/assets/chat_templates/*.jinja."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from harness import chat
-from harness import data as data_lib
+from harness.data import chat
+from harness.data import samples as data_lib
 from harness.config import ModelConfig
 from harness.errors import ConfigError, DataError
 from harness.losses import IGNORE_INDEX

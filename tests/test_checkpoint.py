@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import checkpoint
+from harness.checkpoint import store as checkpoint
 from harness.errors import ConfigError, HarnessError
 from harness_launch import FAST, ROOT, final_weights, max_abs_diff, metrics, run_train
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from harness import data as data_lib
+from harness.data import samples as data_lib
 from harness.config import load_config
 from harness.evaluation import evaluate_generative
 from harness.model import build_model, load_tokenizer

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness import checkpoint
+from harness.checkpoint import store as checkpoint
 from harness.evaluation import Evaluator
-from harness.reporting import StepLog, losses_of
+from harness.observe.reporting import StepLog, losses_of
 from harness.state import LoopState, StepSums, UnloggedSums
 from harness.stopping import NONFINITE, SIGNAL, STOP_AT_STEP, TIME_BUDGET, NonfiniteGuard, StopFlags, stop_reason
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from accelerate.utils import set_seed
 
-from harness import data as data_lib
+from harness.data import samples as data_lib
 from harness import losses
 from harness.config import ModelConfig
 from harness.model import build_model, load_tokenizer

@@ -1,4 +1,4 @@
-"""harness.planner: the plan's arithmetic on fixed inputs (hand-computed), and `harness plan` for real.
+"""harness.tools.planner: the plan's arithmetic on fixed inputs (hand-computed), and `harness plan` for real.
 
     .venv/bin/python -m pytest tests/test_planner.py -m "not slow"     # the arithmetic only
 """
@@ -13,9 +13,10 @@ import time
 
 import pytest
 
-from harness import planner, timing
+from harness.observe import timing
+from harness.tools import planner
 from harness.config import load_config
-from harness.planner import Calibration
+from harness.tools.planner import Calibration
 
 CAL = Calibration(s_per_step=0.5, warmup_extra_s=3.0, startup_s=12.0, eval_s=4.0, save_s=2.0, export_s=1.5,
                   optimizer_s_per_step=0.1, world_size=1, source="fixed")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import checkpoint
+from harness.checkpoint import store as checkpoint
 from harness_launch import FAST, ROOT, final_weights, free_port, max_abs_diff, metrics, rel_close, run_train
 
 pytestmark = pytest.mark.slow

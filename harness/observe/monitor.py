@@ -11,7 +11,7 @@ summary (mean, p10 and max per metric, per GPU as well) goes to report.json["uti
 says the GPUs sat idle part of the time (data loading, checkpoints, evaluation, logging). A resumed run's summary
 covers its last attempt; the per-step fields in metrics.jsonl cover every attempt.
 
-    python -m harness.monitor 5          # sample this machine for 5 s and print the summary
+    python -m harness.observe.monitor 5          # sample this machine for 5 s and print the summary
 
 Trackers: `train.report_to` names accelerate trackers (tensorboard, wandb, mlflow, ...). `check_trackers` refuses
 one whose package is not installed (accelerate would silently drop it); `tracker_list` / `init_trackers` keep

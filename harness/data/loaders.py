@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from harness import data as data_lib
-from harness import mixing, sources
+from harness.data import mixing, sources
+from harness.data import samples as data_lib
 from harness.config import Config
 
 STREAMS = {"generative": ("train_files", "eval_files"), "embedding": ("emb_train_files", "emb_eval_files")}
 
 
 def training_rows(cfg: Config, kind: str, say=lambda *a: None):
-    """One stream's training rows, its sources mixed by weight (harness.mixing), and the rows data.eval_split held
+    """One stream's training rows, its sources mixed by weight (harness.data.mixing), and the rows data.eval_split held
     out of them (None without a split). The same on every process and on resume (seeded by train.seed)."""
     d = cfg.data
     key, eval_key = STREAMS[kind]
@@ -58,7 +58,7 @@ def build_loaders(cfg: Config, accelerator, tokenizer) -> dict:
     """Validated, tokenized data sets and their loaders (not yet prepared) for the configured loss.mode."""
     from torch.utils.data import DataLoader
 
-    from harness.profiles import resolve_pin_memory
+    from harness.config.profiles import resolve_pin_memory
 
     d, mode, cuda = cfg.data, cfg.loss.mode, torch.cuda.is_available()
     out: dict = {"stats": {}}

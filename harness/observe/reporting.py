@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from harness import cost, metrics, monitor, planner
+from harness.observe import cost, metrics, monitor
+from harness.tools import planner
 from harness.config import Config
 from harness.state import LoopState, StepSums, UnloggedSums
 from harness.stopping import TIME_BUDGET

@@ -3,10 +3,10 @@
     harness bench configs/default.yaml [section.key=value ...] [--steps 40] [--warmup 10] [--rounds 2]
                   [--contenders harness,raw,trainer,trainer_grouped] [--harness-packing] [--out PATH]
     harness bench configs/default.yaml --profiles conservative,balanced      # the harness once per train.profile
-    python -m harness.bench ...                                               # the same
+    python -m harness.tools.bench ...                                               # the same
 
 Every contender trains the same model (harness.model, built after `set_seed(train.seed)`) on the same tokenized
-generative data (harness.data, `data.train_files`, `data.max_len`) with the same right-padding collator, micro-batch
+generative data (harness.data.samples, `data.train_files`, `data.max_len`) with the same right-padding collator, micro-batch
 size, AdamW settings and param groups, learning-rate schedule, gradient clipping, precision and data order, for
 `warmup + steps` optimizer steps with `grad_accum` 1, one process, the same torch thread count:
 
@@ -67,7 +67,7 @@ DEFAULT_CONTENDERS = ("harness", "raw", "trainer")
 TRAINERS = ("trainer", "trainer_grouped")
 PROFILE_KEY = "train.profile"  # the override that selects a speed profile (--profiles)
 RESULT_TAG = "BENCH_RESULT "  # a worker's result line on stdout
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------------------------- settings
@@ -157,10 +157,10 @@ def _build_common(cfg, threads: int) -> dict:
     import torch
     from accelerate.utils import set_seed
 
-    from harness import data as data_lib
+    from harness.data import samples as data_lib
     from harness import hardware
     from harness import model as model_lib
-    from harness.loaders import resolve_max_len, training_rows
+    from harness.data.loaders import resolve_max_len, training_rows
     from harness.optim import build_optimizer, lr_lambda
 
     torch.set_num_threads(threads)
@@ -323,7 +323,7 @@ def run_trainer(cfg, warmup: int, steps: int, threads: int, log_every: int, grou
 def peak_memory_gb() -> float:
     """This process's peak memory so far, in GiB: torch.cuda.max_memory_allocated on a GPU, the peak resident set
     size (VmHWM, getrusage's ru_maxrss) on CPU. The harness logs the same figure as mem_gb in metrics.jsonl."""
-    from harness.metrics import memory_gb
+    from harness.observe.metrics import memory_gb
 
     return memory_gb()
 
@@ -383,7 +383,7 @@ def run_one(run: dict, args: argparse.Namespace) -> dict:
             res = read_harness_metrics(tmp, w, n)
             res["threads"] = args.threads
         else:
-            cmd = [sys.executable, "-m", "harness.bench", "--worker", run["kind"], args.config, *run["overrides"],
+            cmd = [sys.executable, "-m", "harness.tools.bench", "--worker", run["kind"], args.config, *run["overrides"],
                    *extra, "--steps", str(n), "--warmup", str(w), "--threads", str(args.threads)]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]

@@ -144,7 +144,7 @@ class DataConfig:
                               ".csv, .tsv, .arrow file; a folder of them; a save_to_disk folder) or a hub data set id, "
                               "or a mapping {path, split, subset, format, weight, columns}. format: text, messages, "
                               "sharegpt, alpaca, gritlm (detected from the columns when not given); columns: {field: "
-                              "column}; weight: the source's share of each epoch (give all or none; harness.mixing).")
+                              "column}; weight: the source's share of each epoch (give all or none; harness.data.mixing).")
     eval_files: list = _f([], "Held-out generative sources (as data.train_files); evaluated every train.eval_every "
                               "steps and at the end.")
     eval_split: Union[int, float, None] = _f(
@@ -155,7 +155,7 @@ class DataConfig:
         512, "Tokens per sample; longer samples are truncated (and counted in the log). auto: the "
         "max_len_percentile of the data's token lengths, rounded up to a multiple of 8.")
     chat_template: str = _f(
-        "auto", "How chat records are laid out (harness.chat): auto (the tokenizer's own chat template, else the "
+        "auto", "How chat records are laid out (harness.data.chat): auto (the tokenizer's own chat template, else the "
         "GritLM layout <|user|>/<|assistant|>), tokenizer (its own; an error if it has none), gritlm, or the path of "
         "a Jinja file. The ids trained are apply_chat_template's, the loss is on the assistant turns, and the "
         "template is saved with the tokenizer (final/, checkpoints).")
@@ -239,7 +239,7 @@ class TrainConfig:
         "auto", "auto: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU."
     )
     tf32: bool = _f(True, "Allow TF32 matmuls on Ampere or newer GPUs.")
-    profile: Optional[str] = _f(None, "Speed profile (harness/profiles.py): conservative, balanced, aggressive, "
+    profile: Optional[str] = _f(None, "Speed profile (harness/config/profiles.py): conservative, balanced, aggressive, "
                                       "memory_efficient; applied below the recipe file and the overrides.")
     compile: Literal["auto", "regional", "full", "none"] = _f(
         "auto", "torch.compile through accelerate: regional (each repeated block; fast cold start), full, none. "
@@ -471,7 +471,7 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
     raw: dict[str, dict] = {}
     profile = next((v for k, v in reversed(pairs) if k == "train.profile"), None)
     if profile is not None:
-        from harness.profiles import profile_overrides
+        from harness.config.profiles import profile_overrides
 
         for key, value in profile_overrides(str(profile)).items():
             _apply(raw, key, value)
@@ -562,7 +562,7 @@ def validate(cfg: Config) -> None:
 
 def check_data(d) -> None:
     """The data section's checks that need more than a type: a data.chat_template file that exists."""
-    from harness.chat import check_choice
+    from harness.data.chat import check_choice
 
     check_choice(d.chat_template)
 
@@ -584,8 +584,8 @@ def check_eval_split(cfg: Config) -> None:
 
 
 def check_data_sources(cfg: Config) -> None:
-    """The data lists: each entry a path or a valid source mapping (harness.sources), and the lists the mode needs."""
-    from harness.sources import parse_sources
+    """The data lists: each entry a path or a valid source mapping (harness.data.sources), and the lists the mode needs."""
+    from harness.data.sources import parse_sources
 
     d, mode = cfg.data, cfg.loss.mode
     for key in ("train_files", "eval_files", "emb_train_files", "emb_eval_files"):
@@ -660,7 +660,7 @@ def deepspeed_stage(value: Optional[str]) -> Optional[int]:
 
     if not value:
         return None
-    shipped = Path(__file__).resolve().parent.parent / "ds_configs"
+    shipped = Path(__file__).resolve().parents[2] / "ds_configs"
     path = shipped / f"{value}.json" if "/" not in value and not value.endswith(".json") else Path(value)
     try:
         return json.loads(path.read_text()).get("zero_optimization", {}).get("stage", 0)

@@ -21,7 +21,7 @@ the training run finds it and records estimate against actual in report.json):
     more gradient accumulation (fewer optimizer steps; the per-step optimizer cost was measured).
 
 Changing data.max_len or packing changes the work, not the speed: the time per unit of model FLOPs (6N + attention,
-harness.metrics.flops_per_token) measured in the calibration is assumed to stay the same.
+harness.observe.metrics.flops_per_token) measured in the calibration is assumed to stay the same.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Callable, Optional
 
 from harness.config import Config, load_config
 from harness.errors import ConfigError, HarnessError
-from harness.timing import SETTLE_STEPS, fmt_s
+from harness.observe.timing import SETTLE_STEPS, fmt_s
 
 MEASURE_STEPS = 50  # calibration steps that are timed (fewer: run-to-run noise of ±10% seen on a shared CPU)
 SAFETY_MARGIN_MIN = 30.0
@@ -126,8 +126,8 @@ def epoch_work(lengths: list[int], max_len: int, packing: bool, micro_batch: int
                flop_dims: tuple[int, int, int]) -> dict:
     """Items (samples or packed rows), processed positions and model FLOPs of one epoch of generative data whose
     full sample lengths are `lengths`, truncated to max_len. flop_dims = (matmul params, layers, hidden)."""
-    from harness.data import pack_rows
-    from harness.metrics import flops_per_token
+    from harness.data.samples import pack_rows
+    from harness.observe.metrics import flops_per_token
 
     cut = [min(n, max_len) for n in lengths]
     if packing:
@@ -220,7 +220,7 @@ def calibrate(config_path: Optional[str], overrides: list[str], cfg: Config, set
                   f"train.save_every_steps={total}", "train.save_total_limit=1", "train.time_budget_hours=0",
                   "train.stop_at_step=0", "train.save_every_minutes=0",
                   f"train.eval_every={total if cfg.train.eval_every else 0}"]
-        entry = shlex.split(launcher) + [str(Path(__file__).with_name("train.py"))] if launcher else \
+        entry = shlex.split(launcher) + [str(Path(__file__).resolve().parents[1] / "train.py")] if launcher else \
             [sys.executable, "-m", "harness.train"]
         cmd = entry + (["--config", config_path] if config_path else []) + list(overrides) + forced
         say(f"calibration: {settle} + {steps} steps of this config: {' '.join(shlex.quote(c) for c in cmd)}")
@@ -245,8 +245,8 @@ def calibrate(config_path: Optional[str], overrides: list[str], cfg: Config, set
 
 def analyse_data(cfg: Config) -> dict:
     """Samples, full and truncated token lengths, items per epoch of the primary stream (the loop's rules)."""
-    from harness import data as data_lib
-    from harness.loaders import training_rows
+    from harness.data import samples as data_lib
+    from harness.data.loaders import training_rows
     from harness.model import load_run_tokenizer
 
     d, mode, out = cfg.data, cfg.loss.mode, {}
@@ -313,7 +313,7 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
     lines.append(f"window: {hours:g} h - {margin_min:g} min margin = {window:.0f} s ({fmt_s(window)}): "
                  + (f"fits, {fmt_s(window - base['total_s'])} to spare" if ok else
                     f"does NOT fit: {fmt_s(base['total_s'] - window)} too long"))
-    from harness.cost import format_cost, plan_cost
+    from harness.observe.cost import format_cost, plan_cost
 
     price = lambda est: plan_cost(est["total_s"] / 3600, cfg, n_gpus=world)  # noqa: E731 - None without a price
     base["cost"] = price(base)
@@ -374,7 +374,7 @@ def propose(cfg: Config, data: dict, sched: dict, base: dict, run_estimate, wind
             return run_estimate(s, work_ratio=per_item / per_item_now), w
 
         # b. a shorter max_len: the longest samples are truncated
-        from harness.data import auto_max_len
+        from harness.data.samples import auto_max_len
 
         total = sum(gen["full_lengths"])
         for pct in (95, 90, 75, 50):
@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in a["overrides"].items())]))
     dest = Path(args.out) if args.out else Path(cfg.train.output_dir) / "plan.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
-    from harness.checkpoint import write_json
+    from harness.checkpoint.store import write_json
 
     write_json(dest, plan)
     verdict = "fits" if plan["fits"] else "does not fit"

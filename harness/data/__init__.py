@@ -1,0 +1,1 @@
+"""The data pipeline: sources -> formats -> chat template -> tokenized samples -> mixing -> loaders."""
