@@ -18,14 +18,17 @@ from typing import Any, Callable, Optional
 import torch
 
 from harness import distributed, hardware, optim, runlock
-from harness.checkpoint import store as checkpoint
-from harness.data import loaders
-from harness.observe import metrics, monitor
-from harness.tools import planner
+from harness.checkpoint import store
+from harness.checkpoint.manifest import MARKER
 from harness.compiling import CompileWatch
-from harness.config import Config, quantization_zero3_error, save_config
+from harness.config import Config, save_config
+from harness.config.checks import quantization_zero3_error
+from harness.data import loaders
 from harness.errors import ConfigError, HarnessError
+from harness.files import write_json
+from harness.observe import metrics, monitor
 from harness.observe.timing import Timings
+from harness.tools import planner
 
 
 @dataclass
@@ -104,9 +107,9 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     opened.push(distributed.end_training(accelerator))
     hold_output_dir(out, accelerator, opened)  # one run per output folder
     if cfg.train.overwrite:
-        checkpoint.on_main(accelerator, lambda: start_over(out, accelerator.print))
+        distributed.on_main(accelerator, lambda: start_over(out, accelerator.print))
     resume = None if cfg.train.overwrite else cfg.train.resume
-    resume_from, incomplete = checkpoint.resolve_resume(out, resume, accelerator)  # verified, agreed
+    resume_from, incomplete = store.resolve_resume(out, resume, accelerator)  # verified, agreed
     # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
     watch = CompileWatch(compile_mode, accelerator.device) if compile_mode != "none" else None
     tf32 = hardware.enable_tf32(cfg.train.tf32)
@@ -120,7 +123,7 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
-        checkpoint.write_json(out / "environment.json", job.env)
+        write_json(out / "environment.json", job.env)
     else:
         import datasets
         import transformers
@@ -132,7 +135,7 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
             f"{compile_mode}, profile {cfg.train.profile}, torch {job.env['torch']}, loss {cfg.loss.mode}")
     job.say(f"[harness] environment: {hardware.describe(job.env)}")
     for p in incomplete:
-        job.say(f"[harness] warning: {p} is an incomplete checkpoint (no {checkpoint.MARKER} marker): not resumed from")
+        job.say(f"[harness] warning: {p} is an incomplete checkpoint (no {MARKER} marker): not resumed from")
     return job
 
 
@@ -144,7 +147,7 @@ def hold_output_dir(out: Path, accelerator, opened: contextlib.ExitStack) -> Non
         lock = runlock.acquire(out, accelerator.print)
         opened.callback(runlock.release, lock)
 
-    checkpoint.on_main(accelerator, take)
+    distributed.on_main(accelerator, take)
 
 
 # what a training run writes into its output folder and train.overwrite=true deletes (config.yaml, environment.json

@@ -14,8 +14,8 @@ from typing import Callable, Optional
 import torch
 
 from harness.data import samples as data_lib
-from harness.observe import metrics
 from harness.losses import IGNORE_INDEX
+from harness.observe import metrics
 
 
 @torch.no_grad()

@@ -20,11 +20,11 @@ import contextlib
 import torch
 
 from harness import faults, losses
-from harness.observe import metrics
 from harness.config import Config
 from harness.data.samples import model_inputs, real_tokens
 from harness.errors import ConfigError
 from harness.model import ChunkedHeadLoss, embed, output_head
+from harness.observe import metrics
 from harness.state import StepSums
 
 # loss.chunked_ce=auto turns the chunked loss on from this size of a micro-batch's fp32 logits (see resolve_chunked_ce)

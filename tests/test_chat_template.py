@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from harness.config import ModelConfig
 from harness.data import chat
 from harness.data import samples as data_lib
-from harness.config import ModelConfig
 from harness.errors import ConfigError, DataError
 from harness.losses import IGNORE_INDEX
 from harness.model import BUNDLED_TOKENIZER, CHAT_MARKERS, load_tokenizer

@@ -12,7 +12,6 @@ import torch
 
 from harness import cli
 from harness.config import ModelConfig
-from harness.data.sources import expand_files
 from harness.data.samples import (
     IGNORE_INDEX,
     EmbedFormat,
@@ -27,6 +26,7 @@ from harness.data.samples import (
     tokenize_embed_texts,
     tokenize_embedding_dataset,
 )
+from harness.data.sources import expand_files
 from harness.errors import DataError
 from harness.model import load_tokenizer
 

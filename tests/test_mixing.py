@@ -6,8 +6,8 @@ import datasets
 import numpy as np
 import pytest
 
-from harness.errors import ConfigError
 from harness.data.mixing import epoch_counts, hold_out, mix
+from harness.errors import ConfigError
 
 
 def source(name: str, n: int) -> datasets.Dataset:

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from harness.observe import cost, monitor
 from harness.config import load_config
 from harness.errors import ConfigError
+from harness.observe import cost, monitor
 
 DEFAULT = "configs/default.yaml"
 

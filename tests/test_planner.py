@@ -13,9 +13,9 @@ import time
 
 import pytest
 
+from harness.config import load_config
 from harness.observe import timing
 from harness.tools import planner
-from harness.config import load_config
 from harness.tools.planner import Calibration
 
 CAL = Calibration(s_per_step=0.5, warmup_extra_s=3.0, startup_s=12.0, eval_s=4.0, save_s=2.0, export_s=1.5,

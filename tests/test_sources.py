@@ -20,8 +20,8 @@ import pytest
 
 from harness import cli
 from harness.config import load_config
-from harness.errors import ConfigError, DataError
 from harness.data.sources import Source, load_rows, load_source_rows, parse_sources
+from harness.errors import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}]

@@ -1,430 +1,32 @@
-"""Saving and resuming: full training checkpoints, rotation, the final HF-format export, the run report.
+"""Saving and resuming: full training checkpoints, rotation, the resume target, loading, `Checkpointer`.
 
     <output_dir>/checkpoints/step-N/   accelerate save_state (model, optimizer, scheduler, RNG of every rank, sampler)
                                        + harness_state.json (step, epoch, data position, elapsed time, ...)
                                        + COMPLETE, written last: a folder without it is never resumed from
-    <output_dir>/final/                model (safetensors) + tokenizer, loadable with AutoModelForCausalLM / AutoTokenizer;
-                                       with LoRA: the adapter (peft) + tokenizer, and final/merged/ the merged model
 
-Checkpoints prove themselves: COMPLETE is a JSON manifest of what was written (every file's relative path, size and
-checksum, read back from disk after the save). A resume verifies the checkpoint against it before loading
-(`verify_checkpoint`): train.resume=auto falls back to the newest checkpoint that verifies, with a warning naming what
-was wrong. Checksums are xxh3-128 from `xxhash` (a dependency of `datasets`, about 18 GiB/s on one core here, so the
-cost of a verification is reading the files: docs/benchmarks.md), or blake2b from the standard library (about 0.5
-GiB/s) where xxhash is missing; the manifest names its algorithm.
+Checkpoints prove themselves (harness/checkpoint/manifest.py): COMPLETE is a manifest of what was written, and
+train.resume=auto falls back to the newest checkpoint that verifies, with a warning naming what was wrong.
 
 Disk space: a save first compares the free space of the checkpoints folder with the size of the newest checkpoint
-(`make_room`), and the export with the size of the previous export (or of the weights); a write that fails for lack
-of space (ENOSPC) is a one-line HarnessError on every process, its partial folder (never marked complete) removed.
-
-The final export is written to a temporary sibling folder and renamed into place, so a crash never leaves a
-half-written export under the final name.
+(`make_room`); a write that fails for lack of space (ENOSPC) is a one-line HarnessError on every process, its partial
+folder (never marked complete) removed.
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
-import os
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from harness.errors import ConfigError, HarnessError
+from harness.checkpoint.manifest import MARKER, Verification, build_manifest, checkpoint_size, has_manifest, \
+    verify_checkpoint, write_marker
+from harness.distributed import all_gather, is_main, num_processes, on_main
+from harness.errors import ConfigError, HarnessError, one_line
+from harness.files import disk_full, free_bytes, human_bytes, write_json
 
-try:
-    import xxhash
-except ImportError:  # pragma: no cover - datasets depends on it
-    xxhash = None
-
-MARKER = "COMPLETE"
 STATE_FILE = "harness_state.json"
-MANIFEST_FORMAT = 1
-LEGACY_MARKER = b"complete"  # what COMPLETE held before it carried a manifest
-ALGORITHM = "xxh3_128" if xxhash is not None else "blake2b"
-CHUNK = 4 << 20  # bytes per read when hashing, one reused buffer (1, 4 and 16 MiB measured the same here)
-NEARLY_FULL = 64 << 20  # free bytes below which a failed write is taken for a full disk (see `_disk_full`)
-
-
-# ----------------------------------------------------------------------------------------------- small helpers
-
-
-def human_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} bytes"
-
-
-def _one_line(exc: BaseException, limit: int = 300) -> str:
-    """'Type: message' on one line (messages of torch and others can span several), at most `limit` characters."""
-    text = " ".join(str(exc).split())
-    text = text if len(text) <= limit else text[:limit - 3] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _hasher(algorithm: str):
-    if algorithm == "xxh3_128" and xxhash is not None:
-        return xxhash.xxh3_128()
-    if algorithm == "blake2b":
-        return hashlib.blake2b()
-    raise ValueError(f"checksum algorithm {algorithm} is not available (pip install xxhash)")
-
-
-def file_checksum(path: str | Path, algorithm: str = ALGORITHM) -> tuple[int, str]:
-    """(bytes read, hex digest) of a file, read in CHUNK-sized pieces into one reused buffer."""
-    h = _hasher(algorithm)
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    total = 0
-    with open(path, "rb", buffering=0) as fh:
-        while n := fh.readinto(buf):
-            h.update(view[:n])
-            total += n
-    return total, h.hexdigest()
-
-
-def _files(folder: Path) -> list[tuple[str, int]]:
-    """(relative path, size) of every regular file under `folder` but the marker, sorted by path."""
-    out = []
-    for p in sorted(folder.rglob("*")):
-        rel = p.relative_to(folder).as_posix()
-        if p.is_file() and not p.is_symlink() and rel not in (MARKER, MARKER + ".tmp"):
-            out.append((rel, p.stat().st_size))
-    return out
-
-
-def _folder_size(folder: Path) -> int:
-    return sum(size for _, size in _files(folder)) if folder.is_dir() else 0
-
-
-def _free(folder: Path) -> int:
-    return shutil.disk_usage(folder).free
-
-
-def _disk_full(exc: BaseException, folder: Path) -> bool:
-    """Whether a failed write ran out of space. ENOSPC / EDQUOT anywhere in the exception's chain, or a message that
-    says so (safetensors: 'No space left on device (os error 28)'); torch.save reports ENOSPC only as 'unexpected pos
-    ... vs ...', so a failure while the folder's filesystem has under NEARLY_FULL bytes free counts as well."""
-    seen, e = 0, exc
-    while e is not None and seen < 8:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if any(s in str(e) for s in ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")):
-            return True
-        e, seen = e.__cause__ or e.__context__, seen + 1
-    try:
-        return _free(folder) < NEARLY_FULL
-    except OSError:
-        return False
-
-
-# ----------------------------------------------------------------------------------------------- across processes
-# accelerator=None (tests, tools) or one process: everything happens here. Under several processes the main process
-# reads the folders and decides, and the others receive what it found (a shared filesystem is assumed, as for
-# accelerate's own checkpoints).
-
-
-def _world(accelerator) -> int:
-    return 1 if accelerator is None else accelerator.num_processes
-
-
-def _is_main(accelerator) -> bool:
-    return accelerator is None or accelerator.is_main_process
-
-
-def _broadcast(accelerator, obj):
-    if _world(accelerator) == 1:
-        return obj
-    from accelerate.utils import broadcast_object_list
-
-    return broadcast_object_list([obj], from_process=0)[0]
-
-
-def _all_gather(accelerator, obj) -> list:
-    if _world(accelerator) == 1:
-        return [obj]
-    from accelerate.utils import gather_object
-
-    return gather_object([obj])
-
-
-def on_main(accelerator, fn: Callable):
-    """fn() on the main process only; every process returns its result or raises the HarnessError it raised (one
-    broadcast), so an error there never leaves the other processes waiting in a collective. Any other exception keeps
-    its traceback on the main process; the others stop with a one-line error."""
-    outcome = None
-    if _is_main(accelerator):
-        try:
-            outcome = ("ok", fn())
-        except HarnessError as e:
-            outcome = ("error", type(e), str(e))
-        except Exception as e:
-            _broadcast(accelerator, ("bug", _one_line(e)))
-            raise
-    outcome = _broadcast(accelerator, outcome)
-    if outcome[0] == "error":
-        raise outcome[1](outcome[2])
-    if outcome[0] == "bug":
-        raise HarnessError(f"the main process failed ({outcome[1]}); see its traceback")
-    return outcome[1]
-
-
-def share_by_size(items: list[tuple[str, int]], world: int) -> list[list[str]]:
-    """Split (name, size) items into `world` lists of about equal total size: largest first, each to the least loaded
-    (the same split on every process for the same items)."""
-    loads, shares = [0] * world, [[] for _ in range(world)]
-    for name, size in sorted(items, key=lambda x: (-x[1], x[0])):
-        r = loads.index(min(loads))
-        loads[r] += size + 1
-        shares[r].append(name)
-    return shares
-
-
-def _spread(accelerator, items: list[tuple[str, int]], fn: Callable) -> dict:
-    """{name: fn(name)} for every (name, size) in `items`, which must be the same list on every process. Under several
-    processes each reads its share (`share_by_size`) and every process receives all the results (one all-gather)."""
-    world = _world(accelerator)
-    if world == 1:
-        return {name: fn(name) for name, _ in items}
-    mine = share_by_size(items, world)[accelerator.process_index]
-    merged: dict = {}
-    for part in _all_gather(accelerator, {name: fn(name) for name in mine}):
-        merged.update(part)
-    return merged
-
-
-# ----------------------------------------------------------------------------------------------- final export
-
-
-def _replace_dir(tmp: Path, dest: Path) -> None:
-    """Move the finished `tmp` folder to `dest`, replacing an older `dest` (rename is atomic on one filesystem)."""
-    old = dest.with_name(dest.name + ".old")
-    if dest.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(dest, old)
-    os.replace(tmp, dest)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optional[dict] = None) -> Path:
-    """Save the unwrapped model (weights gathered from every rank) and tokenizer in HF format to `dest`.
-
-    Call on every process: under DeepSpeed ZeRO-3 gathering the weights is a collective operation. Before writing,
-    the free space is compared with the size of the previous export (or, for the first, of the weights); too little,
-    or a disk that fills up while writing: a HarnessError on every process, the previous export and the checkpoints
-    untouched.
-    """
-    dest = Path(dest)
-    tmp = dest.with_name(dest.name + ".tmp")
-    state_dict = accelerator.get_state_dict(model)  # collective: every rank takes part
-
-    def write() -> None:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        if dest.is_dir():
-            need, what = _folder_size(dest), f"the size of the previous export {dest.name}/"
-        else:
-            tensors = {(t.data_ptr(), t.numel() * t.element_size()) for t in state_dict.values()
-                       if hasattr(t, "element_size")}  # tied weights (one tensor under two names) are saved once
-            need, what = sum(n for _, n in tensors), "the size of the weights"
-        free = _free(dest.parent)
-        if free < need:
-            raise HarnessError(f"not enough disk space for the final export in {dest.parent}: about {human_bytes(need)} "
-                               f"needed ({what}), {human_bytes(free)} free; the checkpoints are intact: free some "
-                               f"space, then run again with train.resume=auto")
-        try:
-            _write_export(accelerator, model, tokenizer, state_dict, tmp, extra)
-        except Exception as e:
-            full = _disk_full(e, dest.parent)
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not full:
-                raise
-            raise HarnessError(f"disk full while writing the final export to {dest.parent} ({_one_line(e)}): about "
-                               f"{human_bytes(need)} needed ({what}), {human_bytes(_free(dest.parent))} free after "
-                               f"removing the partial {tmp.name}/; the checkpoints are intact: free some space, then "
-                               f"run again with train.resume=auto") from e
-        _replace_dir(tmp, dest)
-
-    on_main(accelerator, write)  # also where every rank waits for the main process
-    return dest
-
-
-def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, extra: Optional[dict]) -> None:
-    from harness.model import is_peft, merged_copy, uses_trainable_tokens
-
-    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    kwargs = {}
-    if is_peft(unwrapped) and uses_trainable_tokens(unwrapped):
-        # the added tokens' rows are in the adapter (trainable_tokens_delta); peft would otherwise also save the
-        # whole resized embedding matrices because the vocabulary grew
-        kwargs["save_embedding_layers"] = False
-    unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, **kwargs)
-    tokenizer.save_pretrained(tmp)
-    for name, obj in (extra or {}).items():  # small JSON side files, e.g. harness.json
-        (tmp / name).write_text(json.dumps(obj, indent=2))
-
-    if is_peft(unwrapped):  # LoRA: final/ holds the adapter, final/merged/ the model with the adapter merged in
-        merged_copy(unwrapped, state_dict).save_pretrained(tmp / "merged", safe_serialization=True)
-        tokenizer.save_pretrained(tmp / "merged")
-        for name, obj in (extra or {}).items():
-            (tmp / "merged" / name).write_text(json.dumps(obj, indent=2))
-
-
-def write_json(path: str | Path, obj: dict) -> None:
-    """Write JSON atomically (temporary file + rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
-
-
-# ----------------------------------------------------------------------------------------------- manifests
-
-
-def build_manifest(folder: str | Path, accelerator=None, algorithm: str = ALGORITHM) -> dict:
-    """The COMPLETE manifest of what `folder` holds now: {"format", "algorithm", "files": [{"path", "size",
-    "checksum"}]}, the files read back from disk. Collective when `accelerator` runs several processes (the hashing is
-    split between them by size). OSError when a file cannot be read back (the same on every process)."""
-    folder = Path(folder)
-    files = _broadcast(accelerator, _files(folder) if _is_main(accelerator) else None)
-
-    def one(rel: str):
-        try:
-            return file_checksum(folder / rel, algorithm)
-        except OSError as e:
-            return f"{rel}: {e.strerror or e}"
-
-    sums = _spread(accelerator, files, one)
-    bad = [r for r in sums.values() if isinstance(r, str)]
-    if bad:
-        raise OSError(f"could not read back {folder}: {'; '.join(bad)}")
-    return {"format": MANIFEST_FORMAT, "algorithm": algorithm,
-            "files": [{"path": rel, "size": sums[rel][0], "checksum": sums[rel][1]} for rel, _ in files]}
-
-
-def write_marker(folder: str | Path, manifest: dict) -> None:
-    """COMPLETE, atomically (temporary file, fsync, rename): a crash leaves either no marker or the whole one."""
-    folder = Path(folder)
-    tmp = folder / (MARKER + ".tmp")
-    head = json.dumps({k: v for k, v in manifest.items() if k != "files"})[:-1]
-    rows = ",\n".join("  " + json.dumps(e) for e in manifest["files"])
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(f'{head}, "files": [\n{rows}\n]}}\n')  # one line per file
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, folder / MARKER)
-
-
-def read_manifest(folder: str | Path) -> Optional[dict]:
-    """The manifest in `folder`'s COMPLETE marker, or None for the marker of an older harness (the text "complete",
-    no checksums): such a checkpoint is unverifiable but accepted, i.e. resumed from without verification (with a
-    note), kept by rotation like any other, and never preferred to a verifiable one when rotation must choose.
-    ValueError when the marker is not one of the two (cut, zeroed, edited); OSError when it cannot be read."""
-    raw = (Path(folder) / MARKER).read_bytes()
-    if raw.strip() == LEGACY_MARKER:
-        return None
-    try:
-        m = json.loads(raw.decode("utf-8"))
-        ok = (isinstance(m, dict) and isinstance(m.get("algorithm"), str) and isinstance(m.get("files"), list)
-              and all(isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("size"), int)
-                      and isinstance(e.get("checksum"), str) for e in m["files"]))
-    except ValueError:  # JSONDecodeError, UnicodeDecodeError
-        ok = False
-    if not ok:
-        raise ValueError(f"{MARKER} marker unreadable ({len(raw)} bytes, neither a manifest nor an older marker)")
-    return m
-
-
-def has_manifest(folder: str | Path) -> bool:
-    try:
-        return read_manifest(folder) is not None
-    except (OSError, ValueError):
-        return False
-
-
-def checkpoint_size(folder: str | Path) -> int:
-    """Bytes of a checkpoint: what its manifest recorded, else what is on disk."""
-    try:
-        m = read_manifest(folder)
-    except (OSError, ValueError):
-        m = None
-    return sum(e["size"] for e in m["files"]) if m else _folder_size(Path(folder))
-
-
-@dataclass
-class Verification:
-    """What `verify_checkpoint` found: `problems` (empty: intact), one per file, e.g. 'optimizer.bin: checksum
-    differs'; legacy: a marker without checksums (accepted unverified, see `read_manifest`)."""
-
-    path: Path
-    problems: list[str] = field(default_factory=list)
-    legacy: bool = False
-    files: int = 0  # files checked
-    size: int = 0  # their bytes
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def describe(self, limit: int = 3) -> str:
-        more = len(self.problems) - limit
-        return "; ".join(self.problems[:limit]) + (f"; and {more} more" if more > 0 else "")
-
-
-def verify_checkpoint(folder: str | Path, accelerator=None) -> Verification:
-    """Check a checkpoint against its manifest: every file present with its recorded size (cheap, all files first),
-    then every checksum (reads everything). Collective when `accelerator` runs several processes: the main process
-    reads the marker and checks the sizes, the checksums are split between the processes by size, and every process
-    gets the same result."""
-    folder = Path(folder)
-
-    def first_look():
-        try:
-            m = read_manifest(folder)
-        except (OSError, ValueError) as e:
-            return [str(e) if isinstance(e, ValueError) else f"{MARKER} marker unreadable ({e.strerror or e})"], None
-        if m is None:
-            return [], None
-        problems = []
-        for e in m["files"]:
-            p = folder / e["path"]
-            if not p.is_file():
-                problems.append(f"{e['path']}: missing")
-            elif p.stat().st_size != e["size"]:
-                problems.append(f"{e['path']}: size differs ({e['size']} bytes recorded, {p.stat().st_size} on disk)")
-        try:
-            _hasher(m["algorithm"])
-        except ValueError as err:
-            problems.append(str(err))
-        return problems, m
-
-    problems, manifest = _broadcast(accelerator, first_look() if _is_main(accelerator) else None)
-    if problems:
-        return Verification(folder, problems)
-    if manifest is None:
-        return Verification(folder, legacy=True)
-    entries = {e["path"]: e for e in manifest["files"]}
-
-    def one(rel: str) -> Optional[str]:
-        try:
-            n, digest = file_checksum(folder / rel, manifest["algorithm"])
-        except OSError as err:
-            return f"{rel}: unreadable ({err.strerror or err})"
-        return None if (n, digest) == (entries[rel]["size"], entries[rel]["checksum"]) else f"{rel}: checksum differs"
-
-    found = _spread(accelerator, [(rel, e["size"]) for rel, e in entries.items()], one)
-    return Verification(folder, [found[rel] for rel in entries if found[rel]], files=len(entries),
-                        size=sum(e["size"] for e in entries.values()))
-
-
-# ----------------------------------------------------------------------------------------------- checkpoints
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:
@@ -501,17 +103,17 @@ def save_checkpoint(accelerator, output_dir: str | Path, loop_state: dict, keep:
 def _write_failure(exc: BaseException, path: Path) -> str:
     """The one-line message for a checkpoint write that failed with `exc` (the partial folder is being removed)."""
     root = path.parent
-    if not _disk_full(exc, root):
-        return (f"could not write checkpoint {path} ({_one_line(exc)}); the partial folder is removed "
+    if not disk_full(exc, root):
+        return (f"could not write checkpoint {path} ({one_line(exc)}); the partial folder is removed "
                 f"(never marked complete), older checkpoints are intact")
     complete = [p for _, p in list_checkpoints(root.parent)[0] if p != path]
     need = (f"about {human_bytes(checkpoint_size(complete[-1]))} needed (the size of {complete[-1].name}), "
             if complete else "")
     try:
-        free = human_bytes(_free(root))
+        free = human_bytes(free_bytes(root))
     except OSError:
         free = "unknown"
-    return (f"disk full while writing checkpoint {path.name} in {root} ({_one_line(exc)}): {need}{free} "
+    return (f"disk full while writing checkpoint {path.name} in {root} ({one_line(exc)}): {need}{free} "
             f"free; the partial folder is removed (never marked complete), older checkpoints are intact: free some "
             f"space, then continue with train.resume=auto")
 
@@ -522,20 +124,20 @@ def _agree(accelerator, failure: Optional[BaseException], path: Path) -> None:
     others raise a one-line HarnessError."""
     mine = None
     if failure is not None:
-        bug = not (isinstance(failure, OSError) or _disk_full(failure, path.parent))
-        mine = (bug, _write_failure(failure, path) if not bug else _one_line(failure))
-    everyone = _all_gather(accelerator, mine)
+        bug = not (isinstance(failure, OSError) or disk_full(failure, path.parent))
+        mine = (bug, _write_failure(failure, path) if not bug else one_line(failure))
+    everyone = all_gather(accelerator, mine)
     failed = [(rank, f) for rank, f in enumerate(everyone) if f is not None]
     if not failed:
         return
-    if _is_main(accelerator):
+    if is_main(accelerator):
         shutil.rmtree(path, ignore_errors=True)
     if mine is not None and mine[0]:
         raise failure
     rank, (bug, message) = next(((r, f) for r, f in failed if not f[0]), failed[0])
     if bug:
         message = f"process {rank} failed while writing checkpoint {path} ({message}); see its traceback"
-    elif _world(accelerator) > 1 and mine is None:
+    elif num_processes(accelerator) > 1 and mine is None:
         message = f"process {rank}: {message}"
     raise HarnessError(message)
 
@@ -557,7 +159,7 @@ def make_room(output_dir: str | Path, path: Path, keep: int, say: Callable = pri
     if not complete:
         return
     newest = complete[-1][1]
-    need, free = checkpoint_size(newest), _free(root)
+    need, free = checkpoint_size(newest), free_bytes(root)
     if free >= need:
         return
     removed = []  # folder names
@@ -565,7 +167,7 @@ def make_room(output_dir: str | Path, path: Path, keep: int, say: Callable = pri
         if _step(p) < complete[-1][0] and p != path:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(f"the partial {p.name}")
-    free = _free(root)
+    free = free_bytes(root)
     older = [(s, p) for s, p in complete if s < _step(path)]
     if free < need and keep > 0 and older:
         anchor = older[-1][1]
@@ -579,7 +181,7 @@ def make_room(output_dir: str | Path, path: Path, keep: int, say: Callable = pri
                     shutil.rmtree(p, ignore_errors=True)
                     removed.append(p.name)
                 # (the estimate can be off when files changed since they were recorded: the check below decides)
-                free = _free(root)
+                free = free_bytes(root)
     if removed and free >= need:
         say(f"[harness] warning: little disk space in {root}: removed {', '.join(removed)} before writing "
             f"{path.name} instead of after it (now {human_bytes(free)} free, about {human_bytes(need)} needed)")
@@ -702,7 +304,7 @@ def load_checkpoint(accelerator, path: Path, quantized: bool = False) -> dict:
         accelerator.load_state(str(path), **kwargs)
         return json.loads((path / STATE_FILE).read_text())
     except Exception as e:  # noqa: BLE001 - a damaged file or a user mistake, reported on one line
-        raise HarnessError(f"could not load checkpoint {path} ({_one_line(e, 400)}); resume from another "
+        raise HarnessError(f"could not load checkpoint {path} ({one_line(e, 400)}); resume from another "
                            f"one with train.resume=<folder>, or check that the config matches the run that wrote it"
                            ) from e
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from harness.config import Config
 from harness.data import mixing, sources
 from harness.data import samples as data_lib
-from harness.config import Config
 
 STREAMS = {"generative": ("train_files", "eval_files"), "embedding": ("emb_train_files", "emb_eval_files")}
 

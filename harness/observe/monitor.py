@@ -318,11 +318,23 @@ def tracker_settings(output_dir: str, project: Optional[str], entity: Optional[s
     return project or folder, {"wandb": wandb, "mlflow": {"run_name": name}}
 
 
-def init_trackers(accelerator, t, config: dict) -> None:
-    """Starts the trackers named in train.report_to with `tracker_settings`; the flat config is logged as
+def flat(d: dict, prefix: str = "") -> dict:
+    """Nested config dict -> flat {section.key: scalar}, e.g. for the trackers' hyper-parameter table."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
+
+
+def init_trackers(accelerator, cfg) -> None:
+    """Starts the trackers named in train.report_to with `tracker_settings`; the run config (`flat`) is logged as
     hyper-parameters."""
+    t = cfg.train
     project, init_kwargs = tracker_settings(t.output_dir, t.tracker_project, t.tracker_entity, t.run_name)
-    accelerator.init_trackers(project, config=config, init_kwargs=init_kwargs)
+    accelerator.init_trackers(project, config=flat(cfg.to_dict()), init_kwargs=init_kwargs)
 
 
 if __name__ == "__main__":

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from harness.observe import cost, metrics, monitor
-from harness.tools import planner
 from harness.config import Config
+from harness.observe import cost, metrics, monitor
 from harness.state import LoopState, StepSums, UnloggedSums
 from harness.stopping import TIME_BUDGET
+from harness.tools import planner
 
 
 def losses_of(sums: StepSums, cfg: Config) -> dict:

@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in a["overrides"].items())]))
     dest = Path(args.out) if args.out else Path(cfg.train.output_dir) / "plan.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
-    from harness.checkpoint.store import write_json
+    from harness.files import write_json
 
     write_json(dest, plan)
     verdict = "fits" if plan["fits"] else "does not fit"
