@@ -30,7 +30,6 @@ import torch
 
 from harness.config import Config
 from harness.errors import ConfigError, HarnessError, one_line
-from harness.observe.monitor import tracker_list
 
 DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 
@@ -130,8 +129,9 @@ def process_group_kwargs() -> list:
     return [InitProcessGroupKwargs(backend="gloo")] if not torch.cuda.is_available() and "LOCAL_RANK" in os.environ else []
 
 
-def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "none"):
-    """The Accelerator for this run. compile_mode: regional | full | none (already resolved from auto)."""
+def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "none", trackers: Optional[list] = None):
+    """The Accelerator for this run. compile_mode: regional | full | none (already resolved from auto); trackers:
+    accelerate's `log_with` (observe.monitor.tracker_list)."""
     from accelerate import Accelerator
     from accelerate.utils import (
         DataLoaderConfiguration,
@@ -172,7 +172,7 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
         ),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         step_scheduler_with_optimizer=False,
-        log_with=tracker_list(cfg.train.report_to, cfg.train.output_dir),  # tensorboard in <output_dir>/tensorboard
+        log_with=trackers,
         project_dir=cfg.train.output_dir,
         kwargs_handlers=handlers,
     )

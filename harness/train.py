@@ -233,9 +233,7 @@ class SideWork:
         self.stop = StopDecision(accelerator, stop_at, job.total_steps, budget.deadline if budget else None)
         opened.callback(self.stop.close)
         self.nonfinite = NonfiniteGuard(t.max_nonfinite_skips, job.is_deepspeed, job.say)
-        self.evaluator = Evaluator(accelerator, job.model, job.objective, job.gen_eval, job.data.get("emb_eval"),
-                                   t.eval_every, job.total_steps, t.emb_micro_batch_size * 4,
-                                   job.tokenizer.pad_token_id, job.say, self._evaluated)
+        self.evaluator = Evaluator(job, self._evaluated)
         self.checkpointer = store.Checkpointer(accelerator, job.out, t.save_every_steps, t.save_every_minutes,
                                                t.save_total_limit, job.say, self._saved)
         # this process's sums since the last log line; rank 0 carries what the resumed checkpoint had not logged

@@ -11,10 +11,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from harness.config import ModelConfig
+from harness.data import IGNORE_INDEX
 from harness.data import chat
 from harness.data import samples as data_lib
 from harness.errors import ConfigError, DataError
-from harness.losses import IGNORE_INDEX
 from harness.model import BUNDLED_TOKENIZER, CHAT_MARKERS, load_tokenizer
 
 ASSETS = Path(__file__).parent / "assets" / "chat_templates"

@@ -156,9 +156,9 @@ def due_steps(obj, total: int) -> list[int]:
 
 def test_evaluation_log_and_checkpoint_cadences_are_independent():
     """train.max_steps=8, log_every=2, eval_every=3, save_every_steps=3: each on its own steps."""
-    evaluator = Evaluator(None, None, None, None, None, every=3, total_steps=8, batch_size=1, pad_id=0,
-                          say=print, on_done=print)
-    job = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(log_every=2)), total_steps=8)
+    job = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(log_every=2, eval_every=3, emb_micro_batch_size=1)),
+                          total_steps=8)
+    evaluator = Evaluator(job, on_done=print)
     log = StepLog(job, logger=None, bar=None, budget=None, start_step=0)
     ckpt = store.Checkpointer(None, None, every_steps=3, every_minutes=0, keep=0, say=print, on_saved=print)
     assert due_steps(evaluator, 8) == [3, 6]  # the last step's evaluation is the final one, after the loop
@@ -167,8 +167,8 @@ def test_evaluation_log_and_checkpoint_cadences_are_independent():
     assert ckpt.due(7, forced=True)  # a stop or save_every_minutes forces one
     seven = StepLog(SimpleNamespace(cfg=job.cfg, total_steps=7), logger=None, bar=None, budget=None, start_step=0)
     assert due_steps(seven, 7) == [2, 4, 6, 7]  # and always at the last step
-    never = Evaluator(None, None, None, None, None, every=0, total_steps=8, batch_size=1, pad_id=0, say=print,
-                      on_done=print)
+    job.cfg.train.eval_every = 0
+    never = Evaluator(job, on_done=print)
     assert due_steps(never, 8) == []
 
 

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.data import IGNORE_INDEX  # labels the loss skips
 from harness.data import sources
 from harness.errors import DataError
-from harness.losses import IGNORE_INDEX  # labels the loss skips
 
 
 # ----------------------------------------------------------------------------------------------- rows

@@ -10,7 +10,7 @@ the training run finds it and records estimate against actual in report.json):
 
  1. data: samples and token lengths after data.max_len (truncation), rows after packing;
  2. schedule: micro-batches per epoch per process and optimizer steps, with the loop's own arithmetic
-    (`schedule_steps`, which harness/train.py uses too);
+    (`schedule_steps` in harness/data/loaders.py, which the run uses);
  3. throughput: a calibration run of W + N optimizer steps of this very config through the real entry point (its
     own subprocess, on the hardware at hand), or a previous run's report.json: steady seconds per step, the extra
     time of the first W steps (compilation, warm caches), start-up, one evaluation, one checkpoint, the export;
@@ -27,7 +27,6 @@ harness.observe.metrics.flops_per_token) measured in the calibration is assumed 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import random
@@ -43,22 +42,14 @@ from typing import Callable, Optional
 
 from harness.config import Config, load_config
 from harness.errors import ConfigError, HarnessError
-from harness.observe.timing import SETTLE_STEPS, fmt_s
+from harness.data.loaders import epoch_steps, schedule_steps
+from harness.observe.timing import SETTLE_STEPS, config_fingerprint, fmt_s
 
 MEASURE_STEPS = 50  # calibration steps that are timed (fewer: run-to-run noise of ±10% seen on a shared CPU)
 SAFETY_MARGIN_MIN = 30.0
 
 
 # ----------------------------------------------------------------------------------------------- pure arithmetic
-
-
-def schedule_steps(items: int, micro_batch: int, world: int, accum: int, max_steps: int, epochs: float) -> dict:
-    """The loop's schedule: micro-batches per epoch on each process (what one process gets of a prepared loader
-    over `items` samples or packed rows), optimizer steps per epoch and in all (max_steps wins when > 0)."""
-    micro_per_epoch = math.ceil(math.ceil(items / micro_batch) / world)
-    steps_per_epoch = max(1, micro_per_epoch // accum)
-    total = max_steps if max_steps > 0 else epoch_steps(micro_per_epoch, accum, epochs)
-    return {"micro_per_epoch": micro_per_epoch, "steps_per_epoch": steps_per_epoch, "total_steps": total}
 
 
 def count_evals(total_steps: int, eval_every: int, eval_at_start: bool, has_eval: bool) -> int:
@@ -157,14 +148,6 @@ def largest_fitting(lo: int, hi: int, total_for: Callable[[int], float], window_
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if total_for(mid) <= window_s else (lo, mid)
     return lo
-
-
-def config_fingerprint(cfg: Config) -> str:
-    """What a plan was made for: the resolved config, without the keys that do not change the run's speed."""
-    d = cfg.to_dict()
-    for key in ("output_dir", "resume", "progress_bar", "time_budget_hours", "stop_at_step"):
-        d["train"].pop(key, None)
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------------------------- measurement
@@ -407,30 +390,6 @@ def propose(cfg: Config, data: dict, sched: dict, base: dict, run_estimate, wind
                 f"{steps} instead of {base['steps']} steps save {fmt_s(saved)} (the global batch doubles: "
                 f"revisit optim.lr)")
     return out
-
-
-def epoch_steps(micro_per_epoch: int, accum: int, epochs: float) -> int:
-    """Optimizer steps of `epochs` epochs (the loop's rule when train.max_steps is -1)."""
-    return max(1, math.ceil(epochs * micro_per_epoch / accum))
-
-
-def plan_vs_actual(plan_path: Path, cfg: Config, actual_s: float) -> Optional[dict]:
-    """The plan's estimate against this run's wall time (report.json `plan`), when `harness plan` wrote one."""
-    try:
-        plan = json.loads(Path(plan_path).read_text())
-        est = float(plan["estimated_s"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    mine, chosen, which = config_fingerprint(cfg), plan.get("estimate", {}), "plan"
-    for a in plan.get("adjustments", []):
-        if a.get("fingerprint") == mine:  # this run applied one of the plan's adjustments
-            chosen, est = a["estimate"], float(a["estimate"]["total_s"])
-            which = "adjustment " + " ".join(f"{k}={v}" for k, v in a["overrides"].items())
-    return {"path": str(plan_path), "estimate_of": which, "estimated_s": est, "actual_s": actual_s,
-            "error_pct": 100 * (est - actual_s) / actual_s, "accuracy": 1 - abs(est - actual_s) / actual_s,
-            "same_config": mine in (plan.get("fingerprint"), chosen.get("fingerprint"))
-            or any(a.get("fingerprint") == mine for a in plan.get("adjustments", [])),
-            "phases": {k: v for k, v in chosen.items() if k.endswith("_s")}}
 
 
 # ----------------------------------------------------------------------------------------------- entry point
