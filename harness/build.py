@@ -101,7 +101,7 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     precision = hardware.resolve_precision(cfg.train.precision)
     hardware.check_attention(cfg.model.attn_implementation)
     compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available(), cfg.loss.mode)
-    trackers = monitor.tracker_list(cfg.train.report_to, cfg.train.output_dir)  # tensorboard in <output_dir>/tensorboard
+    trackers = monitor.tracker_list(cfg.train.report_to, cfg.train.output_dir)  # tensorboard: <output_dir>/tensorboard
     accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision), compile_mode,
                                                trackers)
     opened.push(distributed.end_training(accelerator))
@@ -188,7 +188,7 @@ def build_model(job: Job) -> None:
     from harness.objective import Objective, resolve_chunked_ce
 
     cfg, accelerator = job.cfg, job.accelerator
-    if cfg.model.quantization != "none" and job.zero["zero_stage"] == 3:  # a launcher's ZeRO-3 (config.py: the rest)
+    if cfg.model.quantization != "none" and job.zero["zero_stage"] == 3:  # a launcher's ZeRO-3; checks.py: the rest
         raise ConfigError(quantization_zero3_error(cfg.model.quantization, "the accelerate config's DeepSpeed"))
     set_seed(cfg.train.seed)
     with distributed.model_init_context(accelerator, cfg.model.name_or_path is None or cfg.model.random_init):

@@ -217,7 +217,7 @@ def test_the_template_is_part_of_the_tokenize_cache_key(tmp_path):
 
 
 def test_final_folder_carries_the_template(tmp_path):
-    """What checkpoint.py does (tokenizer.save_pretrained) keeps the resolved template; both layouts reload."""
+    """What the checkpoints and the export do (tokenizer.save_pretrained) keeps the resolved template; both layouts reload."""
     for tok in (load_tokenizer(ModelConfig()),
                 load_tokenizer(ModelConfig(tokenizer=str(tokenizer_folder(tmp_path, "qwen"))), markers=None)):
         out = tmp_path / "final"
