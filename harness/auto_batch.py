@@ -23,7 +23,7 @@ def memory_trial(job) -> None:
     gradients discarded and the RNG put back (the run is unchanged). Every process takes part and they agree: when
     one ran out of memory, all raise the out-of-memory error that find_executable_batch_size reacts to."""
     accelerator, model, optimizer, objective = job.accelerator, job.model, job.optimizer, job.objective
-    loader = job.data["gen"]
+    loader = job.data.gen
     lengths = loader.dataset["length"]
     longest = sorted(range(len(lengths)), key=lambda i: -lengths[i])[: loader.batch_size]
     batch = {k: v.to(accelerator.device) for k, v in loader.collate_fn([loader.dataset[i] for i in longest]).items()}

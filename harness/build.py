@@ -17,11 +17,17 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from harness import checkpoint, distributed, hardware, loaders, metrics, monitor, optim, planner, runlock
+from harness import distributed, hardware, optim, runlock
+from harness.checkpoint import store
+from harness.checkpoint.manifest import MARKER
 from harness.compiling import CompileWatch
-from harness.config import Config, quantization_zero3_error, save_config
+from harness.config import Config, save_config
+from harness.config.checks import quantization_zero3_error
+from harness.data import loaders
 from harness.errors import ConfigError, HarnessError
-from harness.timing import Timings
+from harness.files import write_json
+from harness.observe import metrics, monitor
+from harness.observe.timing import Timings
 
 
 @dataclass
@@ -43,15 +49,14 @@ class Job:
     compile: Optional[CompileWatch]  # None without torch.compile
     sampler: Optional[monitor.UtilisationSampler]
     tokenizer: Any = None
-    data: dict = None  # loaders.build_loaders(): loaders before prepare, eval sets, stats
+    data: Optional[loaders.RunData] = None  # loaders before prepare, eval sets, stats
     model: Any = None
     optimizer: Any = None
     scheduler: Any = None
     objective: Any = None
     streams: tuple = ()  # names of the training data streams ("emb", "gen"); the first defines epochs
     loaders: dict = None  # prepared training loaders by stream name
-    gen_eval: Any = None  # generative eval loader (unprepared: evaluation.evaluate_generative shards it), or None
-    schedule: dict = None  # planner.schedule_steps: micro_per_epoch, steps_per_epoch, total_steps
+    schedule: dict = None  # loaders.schedule_steps: micro_per_epoch, steps_per_epoch, total_steps
     parameters: int = 0
     held: list = None  # parameter elements held by each rank
     peak_flops: Optional[float] = None  # all processes together; None where unknown (CPU)
@@ -89,20 +94,22 @@ def build_run(cfg: Config, opened: contextlib.ExitStack) -> Job:
 def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     """Precision, the Accelerator, the output folder's lock, the resume target, the compiler's start-up, the sampler,
     config.yaml."""
-    from harness.profiles import resolve_compile
+    from harness.config.profiles import resolve_compile
 
     t_start, t_process = time.time(), hardware.process_start_time()
     out = Path(cfg.train.output_dir)
     precision = hardware.resolve_precision(cfg.train.precision)
     hardware.check_attention(cfg.model.attn_implementation)
     compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
-    accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision), compile_mode)
+    trackers = monitor.tracker_list(cfg.train.report_to, cfg.train.output_dir)  # tensorboard: <output_dir>/tensorboard
+    accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision), compile_mode,
+                                               trackers)
     opened.push(distributed.end_training(accelerator))
     hold_output_dir(out, accelerator, opened)  # one run per output folder
     if cfg.train.overwrite:
-        checkpoint.on_main(accelerator, lambda: start_over(out, accelerator.print))
+        distributed.on_main(accelerator, lambda: start_over(out, accelerator.print))
     resume = None if cfg.train.overwrite else cfg.train.resume
-    resume_from, incomplete = checkpoint.resolve_resume(out, resume, accelerator)  # verified, agreed
+    resume_from, incomplete = store.resolve_resume(out, resume, accelerator)  # verified, agreed
     # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
     zero = distributed.zero_info(accelerator)
     watch = CompileWatch(compile_mode, accelerator.device, zero["zero_stage"]) if compile_mode != "none" else None
@@ -117,7 +124,7 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out / "config.yaml")
-        checkpoint.write_json(out / "environment.json", job.env)
+        write_json(out / "environment.json", job.env)
     else:
         import datasets
         import transformers
@@ -129,7 +136,7 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
             f"{compile_mode}, profile {cfg.train.profile}, torch {job.env['torch']}, loss {cfg.loss.mode}")
     job.say(f"[harness] environment: {hardware.describe(job.env)}")
     for p in incomplete:
-        job.say(f"[harness] warning: {p} is an incomplete checkpoint (no {checkpoint.MARKER} marker): not resumed from")
+        job.say(f"[harness] warning: {p} is an incomplete checkpoint (no {MARKER} marker): not resumed from")
     return job
 
 
@@ -141,7 +148,7 @@ def hold_output_dir(out: Path, accelerator, opened: contextlib.ExitStack) -> Non
         lock = runlock.acquire(out, accelerator.print)
         opened.callback(runlock.release, lock)
 
-    checkpoint.on_main(accelerator, take)
+    distributed.on_main(accelerator, take)
 
 
 # what a training run writes into its output folder and train.overwrite=true deletes (config.yaml, environment.json
@@ -166,7 +173,7 @@ def build_data(job: Job) -> None:
 
     job.tokenizer = model_lib.load_run_tokenizer(job.cfg)
     job.data = loaders.build_loaders(job.cfg, job.accelerator, job.tokenizer)
-    for kind, st in job.data["stats"].items():
+    for kind, st in job.data.stats.items():
         job.say(f"[harness] {kind} data: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                                         for k, v in st.items() if k != "dropped_examples"))
         if st.get("dropped_no_labels"):
@@ -182,7 +189,7 @@ def build_model(job: Job) -> None:
     from harness.objective import Objective, resolve_chunked_ce
 
     cfg, accelerator = job.cfg, job.accelerator
-    if cfg.model.quantization != "none" and job.zero["zero_stage"] == 3:  # a launcher's ZeRO-3 (config.py: the rest)
+    if cfg.model.quantization != "none" and job.zero["zero_stage"] == 3:  # a launcher's ZeRO-3; checks.py: the rest
         raise ConfigError(quantization_zero3_error(cfg.model.quantization, "the accelerate config's DeepSpeed"))
     set_seed(cfg.train.seed)
     with distributed.model_init_context(accelerator, cfg.model.name_or_path is None or cfg.model.random_init):
@@ -195,19 +202,18 @@ def build_model(job: Job) -> None:
     if job.compile is not None:
         job.compile.model_built(model)
     optimizer = optim.build_optimizer(model, cfg, offload=job.zero["offload_optimizer"] not in (None, "none"))
-    job.streams = tuple(n for n in ("emb", "gen") if n in job.data)
-    primary = job.data[job.streams[0]]
-    job.schedule = planner.schedule_steps(len(primary.dataset), primary.batch_size, job.world, job.accum,
-                                          cfg.train.max_steps, cfg.train.epochs)  # the planner's arithmetic
+    job.streams = job.data.streams
+    primary = job.data.loader(job.streams[0])
+    job.schedule = loaders.schedule_steps(len(primary.dataset), primary.batch_size, job.world, job.accum,
+                                          cfg.train.max_steps, cfg.train.epochs)  # harness plan's arithmetic too
     # The schedule acts on the raw optimizer's param groups, which DeepSpeed's ZeRO optimizers keep using. It is not
     # prepared (accelerate would step it once per process) but stepped once per optimizer step, and checkpointed.
     job.scheduler = optim.build_scheduler(optimizer, cfg, job.total_steps)
     accelerator.register_for_checkpointing(job.scheduler)
-    job.model, job.optimizer, *prepared = accelerator.prepare(model, optimizer, *[job.data[n] for n in job.streams])
+    job.model, job.optimizer, *prepared = accelerator.prepare(model, optimizer, *[job.data.loader(n) for n in job.streams])
     if job.compile is not None:
         job.compile.model_prepared(job.model, job.say, accelerator.state.dynamo_plugin.to_kwargs())
     job.loaders = dict(zip(job.streams, prepared))
-    job.gen_eval = job.data.get("gen_eval")  # not prepared: evaluate_generative shards it (each sample once)
     chunk_size = resolve_chunked_ce(cfg, job.model, longest_micro_batch(job.data), job.say)
     if chunk_size is not None:
         job.say(f"[harness] generative loss: chunked through the output head, {chunk_size} positions per chunk "
@@ -222,12 +228,11 @@ def build_model(job: Job) -> None:
         job.peak_flops = peak_one * job.world if peak_one else None
 
 
-def longest_micro_batch(data: dict) -> int:
+def longest_micro_batch(data: loaders.RunData) -> int:
     """The most positions one generative micro-batch (training or evaluation) can have: batch size x the longest
     row (packed rows: the packing width); 0 without generative data."""
     most = 0
-    for name in ("gen", "gen_eval"):
-        loader = data.get(name)
+    for loader in (data.gen, data.gen_eval):
         if loader is None:
             continue
         width = getattr(loader.collate_fn, "width", None) or max(loader.dataset["length"], default=0)

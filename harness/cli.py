@@ -54,7 +54,7 @@ def _cli_sources(paths: list[str]) -> list:
     plain files is checked file by file (each gets its own line and format)."""
     import yaml
 
-    from harness.sources import Source, expand_files, is_saved_dataset, parse_sources
+    from harness.data.sources import Source, expand_files, is_saved_dataset, parse_sources
 
     out = []
     for i, text in enumerate(paths):
@@ -73,7 +73,7 @@ def _cli_sources(paths: list[str]) -> list:
 
 def _data_check(args: argparse.Namespace) -> int:
     """Per source: name, format, kind, records (generative: token-length stats); then the generative stats."""
-    from harness import data, sources
+    from harness.data import samples as data, sources
     from harness.config import ModelConfig
     from harness.model import load_tokenizer
 
@@ -109,7 +109,7 @@ def _source_line(src, fmts: dict, kind: str, rows) -> str:
 def _data_check_recipe(args: argparse.Namespace) -> int:
     """data-check --config RECIPE [overrides]: each training list's sources, the eval split and the weighted mix
     as the run draws them, then the token lengths of an epoch with the recipe's tokenizer and chat template."""
-    from harness import data, loaders, sources
+    from harness.data import loaders, samples as data, sources
     from harness.config import load_config
     from harness.model import load_run_tokenizer
 
@@ -132,7 +132,7 @@ def _data_check_recipe(args: argparse.Namespace) -> int:
 
 def _data_stats(args: argparse.Namespace) -> int:
     """Token-length distribution of generative data, what a max_len would cut, and what max_len=auto would pick."""
-    from harness import data
+    from harness.data import samples as data
     from harness.config import ModelConfig
     from harness.model import load_tokenizer
 
@@ -160,9 +160,10 @@ def _data_stats(args: argparse.Namespace) -> int:
 
 
 # commands with their own options (harness X --help): module, and whether it takes the command name too
-OWN = {"bench": ("harness.bench", False), "plan": ("harness.planner", False), "zero-plan": ("harness.memory", False),
-           "summary": ("harness.summary", True), "compare": ("harness.summary", True), "rft": ("harness.rft", False),
-           "chat": ("harness.chat_cli", False), "push": ("harness.push", False)}
+OWN = {"bench": ("harness.tools.bench", False), "plan": ("harness.tools.planner", False),
+       "zero-plan": ("harness.tools.zero_plan", False), "summary": ("harness.observe.summary", True),
+       "compare": ("harness.observe.summary", True), "rft": ("harness.rft", False),
+       "chat": ("harness.tools.chat", False), "push": ("harness.tools.push", False)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,11 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("summary", help="(re)write a run folder's summary.md and plots")
     sub.add_parser("compare", help="compare run folders: key figures side by side, losses overlaid")
     sub.add_parser("rft", help="rejection-sampling fine-tuning: sft-data, generate, train, test (docs/rft.md)")
-    sub.add_parser("bench", help="harness vs raw PyTorch vs HF Trainer, or profiles (see python -m harness.bench -h)")
+    sub.add_parser("bench", help="harness vs raw PyTorch vs HF Trainer, or profiles (see python -m harness.tools.bench -h)")
     sub.add_parser("plan", help="fit a run into a wall-clock window (harness plan FILE --hours H; see --help)")
     sub.add_parser("chat", help="chat with a trained model (its final/ folder) on stdin (harness chat -h)")
     sub.add_parser("push", help="upload a run's final/ with its model card to the Hugging Face hub (harness push -h)")
-    sub.add_parser("zero-plan", help="GPU memory per ZeRO stage and the lowest that fits (python -m harness.memory -h)")
+    sub.add_parser("zero-plan", help="GPU memory per ZeRO stage and the lowest that fits (python -m harness.tools.zero_plan -h)")
     return p
 
 

@@ -1,7 +1,7 @@
 """Everything about torch.compile in a run: the compiler's start-up overlapped with the set-up, the regions compiled,
 the probe that proves compiled code ran, dynamo's counters and report.json's `compile` section.
 
-`train.compile` (harness/profiles.py resolves `auto`): `none`, `regional` (accelerate's TorchDynamoPlugin with
+`train.compile` (harness/config/profiles.py resolves `auto`): `none`, `regional` (accelerate's TorchDynamoPlugin with
 `use_regional_compilation`: the repeated decoder blocks share one compiled graph) or `full`. The accelerator compiles
 the model in `prepare()`; this module does the rest:
 

@@ -12,6 +12,9 @@ fills them from the run config at prepare(), and `train.py` fills the clipping v
 
 CPU: two ranks need `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2` (accelerate's `--cpu`
 silently runs one process), and the gloo backend, which `make_accelerator` selects when there is no GPU.
+
+Across processes (used by the checkpoints, the resume and the run lock): `on_main` (a function run on the main process,
+its result or its one-line error on every process), `broadcast`, `all_gather`, `spread` (work divided by size).
 """
 
 from __future__ import annotations
@@ -21,13 +24,12 @@ import json
 import os
 import socket
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from harness.config import Config
-from harness.errors import ConfigError
-from harness.monitor import tracker_list
+from harness.errors import ConfigError, HarnessError, one_line
 
 DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 
@@ -127,8 +129,9 @@ def process_group_kwargs() -> list:
     return [InitProcessGroupKwargs(backend="gloo")] if not torch.cuda.is_available() and "LOCAL_RANK" in os.environ else []
 
 
-def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "none"):
-    """The Accelerator for this run. compile_mode: regional | full | none (already resolved from auto)."""
+def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "none", trackers: Optional[list] = None):
+    """The Accelerator for this run. compile_mode: regional | full | none (already resolved from auto); trackers:
+    accelerate's `log_with` (observe.monitor.tracker_list)."""
     from accelerate import Accelerator
     from accelerate.utils import (
         DataLoaderConfiguration,
@@ -153,7 +156,7 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
     if compile_mode != "none":
         from torch import _dynamo
 
-        from harness.profiles import shapes_vary
+        from harness.config.profiles import shapes_vary
 
         # One compiled block serves several input shapes and masks per step (generative rows, queries, passages,
         # evaluation); past dynamo's default of 8 versions per code object it silently falls back to eager.
@@ -174,7 +177,7 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
         ),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         step_scheduler_with_optimizer=False,
-        log_with=tracker_list(cfg.train.report_to, cfg.train.output_dir),  # tensorboard in <output_dir>/tensorboard
+        log_with=trackers,
         project_dir=cfg.train.output_dir,
         kwargs_handlers=handlers,
     )
@@ -251,3 +254,78 @@ def end_training(accelerator):
         return False
 
     return close
+
+
+# ----------------------------------------------------------------------------------------------- across processes
+# accelerator=None (tests, tools) or one process: everything happens here. Under several processes the main process
+# reads the folders and decides, and the others receive what it found (a shared filesystem is assumed, as for
+# accelerate's own checkpoints).
+
+
+def num_processes(accelerator) -> int:
+    return 1 if accelerator is None else accelerator.num_processes
+
+
+def is_main(accelerator) -> bool:
+    return accelerator is None or accelerator.is_main_process
+
+
+def broadcast(accelerator, obj):
+    if num_processes(accelerator) == 1:
+        return obj
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([obj], from_process=0)[0]
+
+
+def all_gather(accelerator, obj) -> list:
+    if num_processes(accelerator) == 1:
+        return [obj]
+    from accelerate.utils import gather_object
+
+    return gather_object([obj])
+
+
+def on_main(accelerator, fn: Callable):
+    """fn() on the main process only; every process returns its result or raises the HarnessError it raised (one
+    broadcast), so an error there never leaves the other processes waiting in a collective. Any other exception keeps
+    its traceback on the main process; the others stop with a one-line error."""
+    outcome = None
+    if is_main(accelerator):
+        try:
+            outcome = ("ok", fn())
+        except HarnessError as e:
+            outcome = ("error", type(e), str(e))
+        except Exception as e:
+            broadcast(accelerator, ("bug", one_line(e)))
+            raise
+    outcome = broadcast(accelerator, outcome)
+    if outcome[0] == "error":
+        raise outcome[1](outcome[2])
+    if outcome[0] == "bug":
+        raise HarnessError(f"the main process failed ({outcome[1]}); see its traceback")
+    return outcome[1]
+
+
+def share_by_size(items: list[tuple[str, int]], world: int) -> list[list[str]]:
+    """Split (name, size) items into `world` lists of about equal total size: largest first, each to the least loaded
+    (the same split on every process for the same items)."""
+    loads, shares = [0] * world, [[] for _ in range(world)]
+    for name, size in sorted(items, key=lambda x: (-x[1], x[0])):
+        r = loads.index(min(loads))
+        loads[r] += size + 1
+        shares[r].append(name)
+    return shares
+
+
+def spread(accelerator, items: list[tuple[str, int]], fn: Callable) -> dict:
+    """{name: fn(name)} for every (name, size) in `items`, which must be the same list on every process. Under several
+    processes each reads its share (`share_by_size`) and every process receives all the results (one all-gather)."""
+    world = num_processes(accelerator)
+    if world == 1:
+        return {name: fn(name) for name, _ in items}
+    mine = share_by_size(items, world)[accelerator.process_index]
+    merged: dict = {}
+    for part in all_gather(accelerator, {name: fn(name) for name in mine}):
+        merged.update(part)
+    return merged

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from harness.data import EmbedFormat, pad_embed, tokenize_embed_texts
+from harness.data.samples import EmbedFormat, pad_embed, tokenize_embed_texts
 from harness.model import embed
 
 DEFAULTS = {"pooling": "mean", "embed_attention": "bidirectional", "instruction_template": EmbedFormat.instruction_template,

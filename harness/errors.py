@@ -5,6 +5,8 @@ The entry points (`harness ...`, `python -m harness.train`, `accelerate launch h
 the user's config or data, not bugs. Anything else is a bug and keeps its traceback.
 """
 
+from __future__ import annotations
+
 
 class HarnessError(Exception):
     exit_code = 1
@@ -20,3 +22,10 @@ class DataError(HarnessError):
     """A missing, empty or malformed data file; the message names file:line and the field."""
 
     exit_code = 1
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """'Type: message' on one line (messages of torch and others can span several), at most `limit` characters."""
+    text = " ".join(str(exc).split())
+    text = text if len(text) <= limit else text[:limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

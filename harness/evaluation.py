@@ -13,9 +13,9 @@ from typing import Callable, Optional
 
 import torch
 
-from harness import data as data_lib
-from harness import metrics
-from harness.losses import IGNORE_INDEX
+from harness.data import IGNORE_INDEX
+from harness.data import samples as data_lib
+from harness.observe import metrics
 
 
 @torch.no_grad()
@@ -67,16 +67,19 @@ def evaluate_retrieval(accelerator, model, objective, eval_set: dict, batch_size
     return metrics.retrieval_metrics(q, c, eval_set["positives"])
 
 
-class Evaluator:
-    """The run's evaluations: `due(step)` says when, `run(step)` evaluates what the run has eval data for."""
+# Retrieval evaluation encodes ENCODE_BATCH_FACTOR x train.emb_micro_batch_size queries or passages per forward:
+# without gradients no activations are kept, so a larger batch fits.
+ENCODE_BATCH_FACTOR = 4
 
-    def __init__(self, accelerator, model, objective, gen_eval, retrieval_set: Optional[dict], every: int,
-                 total_steps: int, batch_size: int, pad_id: int, say: Callable[[str], None],
-                 on_done: Callable[[float], None]):
-        self.accelerator, self.model, self.objective = accelerator, model, objective
-        self.gen_eval, self.retrieval_set = gen_eval, retrieval_set
-        self.every, self.total_steps, self.batch_size, self.pad_id = every, total_steps, batch_size, pad_id
-        self.say, self.on_done = say, on_done
+
+class Evaluator:
+    """The run's evaluations: `due(step)` says when (every train.eval_every steps), `run(step)` evaluates what the
+    job has eval data for (`job.data.gen_eval`, `job.data.emb_eval`); `on_done(seconds)` after each."""
+
+    def __init__(self, job, on_done: Callable[[float], None]):
+        self.job, self.on_done = job, on_done
+        self.every, self.total_steps = job.cfg.train.eval_every, job.total_steps
+        self.encode_batch = job.cfg.train.emb_micro_batch_size * ENCODE_BATCH_FACTOR
 
     def due(self, step: int) -> bool:
         """Every `train.eval_every` steps; the last step's evaluation is the final one, after the loop."""
@@ -84,15 +87,15 @@ class Evaluator:
 
     def run(self, step: int) -> dict:
         """{"eval_loss", "eval_recall_at_1", "eval_mrr"} for the eval data the run has ({} without any)."""
-        t, results = time.perf_counter(), {}
-        if self.gen_eval is not None:
-            results["eval_loss"] = evaluate_generative(self.accelerator, self.model, self.gen_eval,
-                                                       self.objective.chunk_size)
-        if self.retrieval_set is not None:
-            r = evaluate_retrieval(self.accelerator, self.model, self.objective, self.retrieval_set, self.batch_size,
-                                   self.pad_id)
+        t, results, job = time.perf_counter(), {}, self.job
+        if job.data.gen_eval is not None:
+            results["eval_loss"] = evaluate_generative(job.accelerator, job.model, job.data.gen_eval,
+                                                       job.objective.chunk_size)
+        if job.data.emb_eval is not None:
+            r = evaluate_retrieval(job.accelerator, job.model, job.objective, job.data.emb_eval, self.encode_batch,
+                                   job.tokenizer.pad_token_id)
             results.update(eval_recall_at_1=r["recall_at_1"], eval_mrr=r["mrr"])
         if results:
-            self.say(f"[harness] eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
+            job.say(f"[harness] eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
             self.on_done(time.perf_counter() - t)
         return results

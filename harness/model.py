@@ -6,7 +6,7 @@ Three ways to get a model (config section `model`):
   * `name_or_path: null, config: {model_type: llama, ...}`  a random model from a transformers config (the default
     job; vocab_size defaults to the tokenizer's size)
 
-The chat markers used by harness.data (`<|user|>`, `<|assistant|>`, ...) are added to a tokenizer that lacks them
+The chat markers used by harness.data.samples (`<|user|>`, `<|assistant|>`, ...) are added to a tokenizer that lacks them
 as special tokens, and the embedding matrix is resized to match.
 """
 
@@ -34,7 +34,7 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str = "auto",
     """The tokenizer with a pad token and its chat template resolved from `chat_template` (data.chat_template) and
     set on it (so save_pretrained stores it). markers: add the GritLM chat markers as special tokens (True),
     never (False), or only when the chat layout uses them (None)."""
-    from harness.chat import resolve_template, uses_markers
+    from harness.data.chat import resolve_template, uses_markers
 
     src = _tokenizer_source(cfg)
     try:
@@ -80,7 +80,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
             model_type = kwargs.pop("model_type")
             mconf = AutoConfig.for_model(model_type, **kwargs)
         else:
-            # model_type in model.config (recipes carry the shape for offline sizing, harness.memory) is the hub's own
+            # model_type in model.config (recipes carry the shape for offline sizing, harness.tools.zero_plan) is the hub's own
             overrides = {k: v for k, v in cfg.config.items() if k != "model_type"}
             mconf = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **overrides)
         if auto:

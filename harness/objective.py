@@ -19,11 +19,12 @@ import contextlib
 
 import torch
 
-from harness import faults, losses, metrics
+from harness import faults, losses
 from harness.config import Config
-from harness.data import model_inputs, real_tokens
+from harness.data.samples import model_inputs, real_tokens
 from harness.errors import ConfigError
 from harness.model import ChunkedHeadLoss, embed, output_head
+from harness.observe import metrics
 from harness.state import StepSums
 
 # loss.chunked_ce=auto turns the chunked loss on from this size of a micro-batch's fp32 logits (see resolve_chunked_ce)
@@ -31,7 +32,7 @@ AUTO_MIN_LOGITS_BYTES = 256 * 2**20
 
 
 def chunked_ce_asked(cfg: Config, positions: int, vocab: int | None) -> bool:
-    """The config's part of `resolve_chunked_ce` (the head is checked apart; harness.memory plans with this too):
+    """The config's part of `resolve_chunked_ce` (the head is checked apart; harness.tools.zero_plan plans with this too):
     off with loss.chunked_ce=false or no generative positions; auto: on when positions x vocab x 4 bytes >=
     AUTO_MIN_LOGITS_BYTES and train.compile is not full (vocab None: unknown, off)."""
     setting = cfg.loss.chunked_ce

@@ -7,7 +7,7 @@ Run it any of these ways; all run the same `main()`:
     accelerate launch --num_processes 8 harness/train.py --config configs/default.yaml
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 harness/train.py --config configs/default.yaml
 
-Overrides are `section.key=value` (see harness/config.py for every key and the precedence).
+Overrides are `section.key=value` (see harness/config/__init__.py for every key and the precedence).
 """
 
 from __future__ import annotations
@@ -26,18 +26,23 @@ import warnings
 from typing import Optional
 
 
-from harness import checkpoint, faults, loaders, metrics, modelcard, monitor, reporting, summary
+from harness import faults
 from harness.auto_batch import memory_trial, run_auto_batch
 from harness.build import Job, build_run
-from harness.config import Config, describe, flat, load_config
+from harness.checkpoint import store
+from harness.checkpoint.export import export_final
+from harness.config import Config, describe, load_config
+from harness.data import loaders
 from harness.encode import embedding_settings
 from harness.errors import HarnessError
 from harness.evaluation import Evaluator
-from harness.profiling import StepProfiler
+from harness.files import write_json
+from harness.observe import metrics, modelcard, monitor, reporting, summary
+from harness.observe.profiling import StepProfiler
+from harness.observe.timing import SETTLE_STEPS, BudgetTracker
 from harness.state import LoopState, StepSums, UnloggedSums
 from harness.stopping import (EARLY_WITHOUT_EXPORT, NONFINITE, TIME_BUDGET, NonfiniteGuard, StopDecision, exit_now,
                               finite, watch_launcher)
-from harness.timing import SETTLE_STEPS, BudgetTracker
 
 # DeepSpeed still calls collectives that torch deprecated; the warning repeats every step and says nothing to users.
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
@@ -64,8 +69,8 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
 def resume_or_start(job: Job) -> LoopState:
     if job.resume_from is None:
         return LoopState(streams={n: {"epoch": 0, "batches": 0} for n in job.streams})
-    state = LoopState.from_saved(checkpoint.load_checkpoint(job.accelerator, job.resume_from,
-                                                                job.cfg.model.quantization != "none"))
+    state = LoopState.from_saved(store.load_checkpoint(job.accelerator, job.resume_from,
+                                                           job.cfg.model.quantization != "none"))
     job.say(f"[harness] resumed from {job.resume_from}: step {state.step}, data position {state.streams}")
     return state
 
@@ -150,7 +155,7 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
         raise nonfinite_error(job, state, side)
     if stopped_by in EARLY_WITHOUT_EXPORT:  # this attempt ends early: the state is saved, nothing exported
         job.say(f"[harness] stopped ({stopped_by}) at step {state.step}/{job.total_steps} with checkpoint "
-                f"{checkpoint.checkpoints_root(job.out) / f'step-{state.step}'}; continue with train.resume=auto")
+                f"{store.checkpoints_root(job.out) / f'step-{state.step}'}; continue with train.resume=auto")
         return {"steps": state.step, "stopped_early": stopped_by}
     if stopped_by == TIME_BUDGET:
         job.say(f"[harness] time budget of {job.cfg.train.time_budget_hours} h nearly used: stopping at step "
@@ -161,8 +166,8 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
         side.log.write_eval(state.step, final_eval)
     final_dir = None
     if job.cfg.train.save_final:
-        final_dir = checkpoint.export_final(job.accelerator, job.model, job.tokenizer, job.out / "final",
-                                            extra={"harness.json": embedding_settings(job.cfg)})
+        final_dir = export_final(job.accelerator, job.model, job.tokenizer, job.out / "final",
+                                 extra={"harness.json": embedding_settings(job.cfg)})
         job.say(f"[harness] final model: {final_dir}")
     side.log.logger.close()
     timings.export_s = time.time() - t_loop_end - (timings.eval_s - eval_before_final)
@@ -171,7 +176,7 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
         "compile": compiled, "eval": final_eval, "eval_at_start": side.eval_at_start,
         "final_dir": str(final_dir) if final_dir else None, "micro_batch_auto": auto_batch})
     if job.accelerator.is_main_process:
-        checkpoint.write_json(job.out / "report.json", report)
+        write_json(job.out / "report.json", report)
         if final_dir:  # final/README.md, a Hugging Face model card; a failure is a warning line
             modelcard.try_write_model_card(job.out, job.say, final_dir=final_dir)
         if job.cfg.train.summary:  # the figures table, summary.md, plots/*.png
@@ -191,11 +196,11 @@ def nonfinite_error(job: Job, state: LoopState, side: SideWork) -> HarnessError:
     (if this run has one)."""
     guard = side.nonfinite
     if guard.applied:
-        saved, _ = checkpoint.list_checkpoints(job.out)
+        saved, _ = store.list_checkpoints(job.out)
         where = (f"resume from the last checkpoint ({saved[-1][1]}) with a lower optim.lr or check the data"
                  if saved else "no checkpoint was saved: start again with a lower optim.lr or check the data")
         return HarnessError(f"non-finite gradient at step {state.step} under DeepSpeed (already applied): {where}")
-    path = checkpoint.save_checkpoint(job.accelerator, job.out, side.state_to_save(state), job.cfg.train.save_total_limit)
+    path = store.save_checkpoint(job.accelerator, job.out, side.state_to_save(state), job.cfg.train.save_total_limit)
     if guard.stranded:
         return HarnessError(f"non-finite loss at step {state.step} after its first micro-step (DeepSpeed with "
                             f"train.grad_accum={job.accum}): stopped without applying it; the last good weights are in "
@@ -217,7 +222,7 @@ class SideWork:
         cfg, accelerator, t = job.cfg, job.accelerator, job.cfg.train
         self.job, self.start_step = job, state.step
         if t.report_to:
-            monitor.init_trackers(accelerator, t, flat(cfg.to_dict()))
+            monitor.init_trackers(accelerator, cfg)
         logger = metrics.MetricsLogger(accelerator, job.out, resume_step=state.step if job.resume_from else None)
         opened.callback(logger.close)
         self.bar = metrics.progress_bar(job.total_steps, state.step, t.progress_bar and accelerator.is_main_process)
@@ -228,11 +233,9 @@ class SideWork:
         self.stop = StopDecision(accelerator, stop_at, job.total_steps, budget.deadline if budget else None)
         opened.callback(self.stop.close)
         self.nonfinite = NonfiniteGuard(t.max_nonfinite_skips, job.is_deepspeed, job.say)
-        self.evaluator = Evaluator(accelerator, job.model, job.objective, job.gen_eval, job.data.get("emb_eval"),
-                                   t.eval_every, job.total_steps, t.emb_micro_batch_size * 4,
-                                   job.tokenizer.pad_token_id, job.say, self._evaluated)
-        self.checkpointer = checkpoint.Checkpointer(accelerator, job.out, t.save_every_steps, t.save_every_minutes,
-                                                    t.save_total_limit, job.say, self._saved)
+        self.evaluator = Evaluator(job, self._evaluated)
+        self.checkpointer = store.Checkpointer(accelerator, job.out, t.save_every_steps, t.save_every_minutes,
+                                               t.save_total_limit, job.say, self._saved)
         # this process's sums since the last log line; rank 0 carries what the resumed checkpoint had not logged
         self.profiler = StepProfiler(t.profile_steps, job.out, state.step, accelerator.is_main_process, job.say)
         opened.callback(self.profiler.close)

@@ -4,7 +4,7 @@
 # Trains CONFIG on every GPU of this node (and of the other nodes, see below) through `accelerate launch`, with the
 # accelerate config for the ZeRO stage: 0 = DDP (accelerate_configs/multi_gpu.yaml, single_gpu.yaml for one GPU),
 # 1/2/3 = zero1/2/3.yaml, 3-offload = zero3_offload.yaml. `--zero auto` (the default) estimates the memory per GPU
-# for each stage (harness/memory.py: parameters, 16 bytes/param partitioned by stage, activations), prints the
+# for each stage (harness/tools/zero_plan.py: parameters, 16 bytes/param partitioned by stage, activations), prints the
 # arithmetic and takes the lowest stage that fits; when only CPU offload (or nothing) fits but activation
 # checkpointing makes a stage fit, it takes that stage and adds model.gradient_checkpointing=true (the plan's
 # `proposed:` line; not when the command sets model.gradient_checkpointing). Other overrides go to the run
@@ -77,7 +77,7 @@ else
   if [ "$ZERO" = auto ]; then
     MEM=$(gpu_mem_gb)
     [ -n "$MEM" ] || die "cannot read the GPU memory (nvidia-smi); set GPU_MEM_GB or use --zero N"
-    PLAN_CMD=("$PYTHON" -m harness.memory "$CONFIG" "${ARGS[@]}" --gpus "$GPUS" --nodes "$NUM_NODES" --gpu-mem-gb "$MEM")
+    PLAN_CMD=("$PYTHON" -m harness.tools.zero_plan "$CONFIG" "${ARGS[@]}" --gpus "$GPUS" --nodes "$NUM_NODES" --gpu-mem-gb "$MEM")
     if [ -n "${HOST_MEM_GB:-}" ]; then PLAN_CMD+=(--host-mem-gb "$HOST_MEM_GB"); fi
     show "${PLAN_CMD[@]}"
     PLAN_RC=0

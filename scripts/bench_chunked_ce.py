@@ -44,7 +44,8 @@ def child(args) -> dict:
     sys.path.insert(0, str(REPO))
     import torch
 
-    from harness.losses import IGNORE_INDEX, chunked_token_loss_sum, token_loss_sum
+    from harness.data import IGNORE_INDEX
+    from harness.losses import chunked_token_loss_sum, token_loss_sum
 
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)

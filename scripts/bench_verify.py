@@ -1,4 +1,4 @@
-"""What checkpoint checksums cost per GiB (issue 17): the hash alone in memory, and harness.checkpoint's own
+"""What checkpoint checksums cost per GiB (issue 17): the hash alone in memory, and harness.checkpoint.store's own
 build_manifest (a save) and verify_checkpoint (a resume) on a synthetic checkpoint, page cache warm and cold.
 
     .venv/bin/python scripts/bench_verify.py --size-gb 4 --rounds 3 --out docs/bench/verify-cpu.json
@@ -27,15 +27,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness import checkpoint  # noqa: E402
+from harness.checkpoint import store  # noqa: E402
+from harness.checkpoint.manifest import _hasher, ALGORITHM, build_manifest, CHUNK, verify_checkpoint, write_marker  # noqa: E402
 
 GiB = 2**30
 
 
-def in_memory(algorithm: str, mib: int = 512, chunk: int = checkpoint.CHUNK) -> float:
+def in_memory(algorithm: str, mib: int = 512, chunk: int = CHUNK) -> float:
     """Seconds per GiB for the hash alone over `mib` MiB already in memory, fed in `chunk`-sized pieces."""
     data = memoryview(os.urandom(mib * 2**20))
-    h = hashlib.sha256() if algorithm == "sha256" else checkpoint._hasher(algorithm)
+    h = hashlib.sha256() if algorithm == "sha256" else _hasher(algorithm)
     t = time.perf_counter()
     for i in range(0, len(data), chunk):
         h.update(data[i:i + chunk])
@@ -51,7 +52,7 @@ def write_checkpoint(folder: Path, size: int) -> None:
             while left > 0:
                 fh.write(block[:min(left, len(block))])
                 left -= len(block)
-    (folder / checkpoint.STATE_FILE).write_text(json.dumps({"step": 1}))
+    (folder / store.STATE_FILE).write_text(json.dumps({"step": 1}))
 
 
 def drop_cache(folder: Path) -> None:
@@ -79,7 +80,7 @@ def main() -> None:
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
               "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
               "python": platform.python_version(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "size_gib": size / GiB, "chunk_mib": checkpoint.CHUNK / 2**20, "algorithm": checkpoint.ALGORITHM}
+              "size_gib": size / GiB, "chunk_mib": CHUNK / 2**20, "algorithm": ALGORITHM}
     try:
         import xxhash
         result["xxhash"] = xxhash.VERSION
@@ -94,24 +95,24 @@ def main() -> None:
         write_checkpoint(folder, size)
         for _ in range(args.rounds):
             manifest = {}
-            rows["build_manifest_warm"].append(timed(lambda: manifest.update(checkpoint.build_manifest(folder))))
-            checkpoint.write_marker(folder, manifest)
-            rows["verify_warm"].append(timed(lambda: checkpoint.verify_checkpoint(folder)))
+            rows["build_manifest_warm"].append(timed(lambda: manifest.update(build_manifest(folder))))
+            write_marker(folder, manifest)
+            rows["verify_warm"].append(timed(lambda: verify_checkpoint(folder)))
             drop_cache(folder)
-            rows["verify_cold"].append(timed(lambda: checkpoint.verify_checkpoint(folder)))
+            rows["verify_cold"].append(timed(lambda: verify_checkpoint(folder)))
             drop_cache(folder)
 
             def read_only():
-                buf = bytearray(checkpoint.CHUNK)
+                buf = bytearray(CHUNK)
                 for p in folder.iterdir():
                     with open(p, "rb", buffering=0) as fh:
                         while fh.readinto(buf):
                             pass
             rows["read_only_cold"].append(timed(read_only))
-            blake = checkpoint.build_manifest(folder, algorithm="blake2b")
-            checkpoint.write_marker(folder, blake)
-            rows["verify_warm_blake2b"].append(timed(lambda: checkpoint.verify_checkpoint(folder)))
-            assert checkpoint.verify_checkpoint(folder).ok
+            blake = build_manifest(folder, algorithm="blake2b")
+            write_marker(folder, blake)
+            rows["verify_warm_blake2b"].append(timed(lambda: verify_checkpoint(folder)))
+            assert verify_checkpoint(folder).ok
     gib = size / GiB
     result["s_per_gib"] = {k: statistics.median(v) / gib for k, v in rows.items()}
     result["rounds_s"] = rows

@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from harness.monitor import UtilisationSampler, describe  # noqa: E402
+from harness.observe.monitor import UtilisationSampler, describe  # noqa: E402
 REGIONAL = ["train.compile=regional"]
 GRITLM = ["loss.mode=unified", "data.emb_train_files=[data/sample/emb.jsonl]", "data.emb_eval_files=[]",
           "model.pooling=mean", "model.embed_attention=bidirectional", "train.emb_micro_batch_size=64",

@@ -57,7 +57,7 @@ def test_model_card_front_matter_and_figures(run_dir):
 
 
 def test_model_card_unified_lora_and_failure(tmp_path):
-    from harness.modelcard import front_matter, try_write_model_card
+    from harness.observe.modelcard import front_matter, try_write_model_card
 
     cfg = {"model": {"name_or_path": "mistralai/Mistral-7B-v0.1"}, "loss": {"mode": "unified"}}
     meta = front_matter(cfg, lora=True)
@@ -80,7 +80,7 @@ def test_chat_two_turns_and_missing_template(run_dir, tmp_path):
 
     from transformers import AutoTokenizer
 
-    from harness.chat import GRITLM_TEMPLATE
+    from harness.data.chat import GRITLM_TEMPLATE
 
     assert AutoTokenizer.from_pretrained(run_dir / "final").chat_template == GRITLM_TEMPLATE  # the training layout
     r = harness("chat", str(run_dir / "final"), "--max-new-tokens", "5", "--temperature", "0",

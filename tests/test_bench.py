@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from harness import bench
+from harness.tools import bench
 from harness_launch import DEFAULT, ROOT
 
 

@@ -1,4 +1,4 @@
-"""Chat templates (harness.chat): the ids trained are exactly apply_chat_template's, the labels cover the assistant
+"""Chat templates (harness.data.chat): the ids trained are exactly apply_chat_template's, the labels cover the assistant
 turns and their end-of-turn token, data.chat_template resolves and errs in one line, and final/ carries the
 template. Templates as the model makers ship them: tests/assets/chat_templates/*.jinja."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from harness import chat
-from harness import data as data_lib
 from harness.config import ModelConfig
+from harness.data import IGNORE_INDEX
+from harness.data import chat
+from harness.data import samples as data_lib
 from harness.errors import ConfigError, DataError
-from harness.losses import IGNORE_INDEX
 from harness.model import BUNDLED_TOKENIZER, CHAT_MARKERS, load_tokenizer
 
 ASSETS = Path(__file__).parent / "assets" / "chat_templates"
@@ -217,7 +217,7 @@ def test_the_template_is_part_of_the_tokenize_cache_key(tmp_path):
 
 
 def test_final_folder_carries_the_template(tmp_path):
-    """What checkpoint.py does (tokenizer.save_pretrained) keeps the resolved template; both layouts reload."""
+    """What the checkpoints and the export do (tokenizer.save_pretrained) keeps the resolved template; both layouts reload."""
     for tok in (load_tokenizer(ModelConfig()),
                 load_tokenizer(ModelConfig(tokenizer=str(tokenizer_folder(tmp_path, "qwen"))), markers=None)):
         out = tmp_path / "final"

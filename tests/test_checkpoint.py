@@ -12,8 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from harness import checkpoint
+from harness.checkpoint import store
+from harness.checkpoint.export import export_final
+from harness.checkpoint.manifest import ALGORITHM, checkpoint_size, file_checksum, MARKER, read_manifest, verify_checkpoint
+from harness.distributed import share_by_size
 from harness.errors import ConfigError, HarnessError
+from harness.files import human_bytes
 from harness_launch import FAST, ROOT, final_weights, max_abs_diff, metrics, run_train
 
 
@@ -22,8 +26,8 @@ def make_ckpt(root, step, complete=True):
     p.mkdir(parents=True)
     (p / "model.safetensors").write_text("x")
     if complete:
-        (p / checkpoint.STATE_FILE).write_text(json.dumps({"step": step}))
-        (p / checkpoint.MARKER).write_text("complete\n")
+        (p / store.STATE_FILE).write_text(json.dumps({"step": step}))
+        (p / MARKER).write_text("complete\n")
     return p
 
 
@@ -32,15 +36,15 @@ def test_list_checkpoints_sorts_by_step_and_separates_incomplete(tmp_path):
         make_ckpt(tmp_path, s)
     partial = make_ckpt(tmp_path, 150, complete=False)
     (tmp_path / "checkpoints" / "notes").mkdir()
-    complete, incomplete = checkpoint.list_checkpoints(tmp_path)
+    complete, incomplete = store.list_checkpoints(tmp_path)
     assert [s for s, _ in complete] == [2, 10, 100]
     assert incomplete == [partial]
 
 
 def test_marker_without_state_is_incomplete(tmp_path):
     p = make_ckpt(tmp_path, 5)
-    (p / checkpoint.STATE_FILE).unlink()
-    assert checkpoint.list_checkpoints(tmp_path) == ([], [p])
+    (p / store.STATE_FILE).unlink()
+    assert store.list_checkpoints(tmp_path) == ([], [p])
 
 
 def test_rotation_keeps_newest_and_removes_stale_incomplete(tmp_path):
@@ -48,22 +52,22 @@ def test_rotation_keeps_newest_and_removes_stale_incomplete(tmp_path):
         make_ckpt(tmp_path, s)
     old_partial = make_ckpt(tmp_path, 0, complete=False)
     new_partial = make_ckpt(tmp_path, 9, complete=False)
-    deleted = checkpoint.rotate(tmp_path, keep=2)
-    complete, incomplete = checkpoint.list_checkpoints(tmp_path)
+    deleted = store.rotate(tmp_path, keep=2)
+    complete, incomplete = store.list_checkpoints(tmp_path)
     assert [s for s, _ in complete] == [3, 4]
     assert incomplete == [new_partial]  # newer than every complete one: may be a save in progress
     assert old_partial in deleted
-    assert checkpoint.rotate(tmp_path, keep=0) == []  # keep all
+    assert store.rotate(tmp_path, keep=0) == []  # keep all
 
 
 def test_resolve_resume(tmp_path):
-    assert checkpoint.resolve_resume(tmp_path, "auto") == (None, [])
-    assert checkpoint.resolve_resume(tmp_path, None) == (None, [])
+    assert store.resolve_resume(tmp_path, "auto") == (None, [])
+    assert store.resolve_resume(tmp_path, None) == (None, [])
     make_ckpt(tmp_path, 4)
     newest = make_ckpt(tmp_path, 8)
     partial = make_ckpt(tmp_path, 12, complete=False)
-    assert checkpoint.resolve_resume(tmp_path, "auto") == (newest, [partial])
-    assert checkpoint.resolve_resume(tmp_path, str(newest))[0] == newest
+    assert store.resolve_resume(tmp_path, "auto") == (newest, [partial])
+    assert store.resolve_resume(tmp_path, str(newest))[0] == newest
 
 
 @pytest.mark.parametrize("case, message", [
@@ -79,7 +83,7 @@ def test_resolve_resume_errors(tmp_path, case, message):
     arg = {"fresh-over-checkpoints": None, "missing": str(tmp_path / "nope"),
            "incomplete": str(tmp_path / "checkpoints" / "step-12")}[case]
     with pytest.raises(ConfigError) as e:
-        checkpoint.resolve_resume(tmp_path, arg)
+        store.resolve_resume(tmp_path, arg)
     assert str(e.value) == message.format(root=tmp_path)
 
 
@@ -145,7 +149,7 @@ class FakeAccelerator:
 
 
 def save(acc, root, step, keep=0):
-    return checkpoint.save_checkpoint(acc, root, {"step": step}, keep)
+    return store.save_checkpoint(acc, root, {"step": step}, keep)
 
 
 def damage(path: Path, how: str) -> None:
@@ -162,14 +166,14 @@ def damage(path: Path, how: str) -> None:
 def test_marker_is_a_manifest_of_every_file(tmp_path):
     acc = FakeAccelerator()
     path = save(acc, tmp_path, 2)
-    manifest = json.loads((path / checkpoint.MARKER).read_text())
-    assert manifest["algorithm"] == checkpoint.ALGORITHM == "xxh3_128"
+    manifest = json.loads((path / MARKER).read_text())
+    assert manifest["algorithm"] == ALGORITHM == "xxh3_128"
     files = {e["path"]: e for e in manifest["files"]}
     assert sorted(files) == ["harness_state.json", "model.safetensors", "optimizer.bin", "random_states_0.pkl"]
     assert files["optimizer.bin"]["size"] == 80_000
-    assert files["optimizer.bin"]["checksum"] == checkpoint.file_checksum(path / "optimizer.bin")[1]
-    assert not (path / (checkpoint.MARKER + ".tmp")).exists()
-    assert checkpoint.verify_checkpoint(path).ok
+    assert files["optimizer.bin"]["checksum"] == file_checksum(path / "optimizer.bin")[1]
+    assert not (path / (MARKER + ".tmp")).exists()
+    assert verify_checkpoint(path).ok
 
 
 @pytest.mark.parametrize("how, problem", [
@@ -184,13 +188,13 @@ def test_damaged_newest_checkpoint_falls_back_to_the_older_one(tmp_path, name, h
     damage(newest / name, how)
     if name == "optimizer.bin":
         problem = problem.replace("40000", "80000").replace("20000", "40000")
-    assert checkpoint.resolve_resume(tmp_path, "auto", acc) == (older, [])
+    assert store.resolve_resume(tmp_path, "auto", acc) == (older, [])
     assert acc.printed[0] == (f"[harness] warning: checkpoint {newest} fails verification ({name}: {problem}): not "
                               f"resumed from, trying an older one")
     assert acc.printed[1].startswith(f"[harness] checkpoint {older} verified: 4 files, 117.5 KiB in ")
     assert len(acc.printed) == 2
     with pytest.raises(ConfigError) as e:  # named explicitly: no fallback
-        checkpoint.resolve_resume(tmp_path, str(newest), acc)
+        store.resolve_resume(tmp_path, str(newest), acc)
     assert str(e.value) == f"config key 'train.resume': {newest} fails verification: {name}: {problem}"
 
 
@@ -199,7 +203,7 @@ def test_no_checkpoint_verifies_is_one_line(tmp_path):
     damage(save(acc, tmp_path, 2) / "optimizer.bin", "zeroed")
     damage(save(acc, tmp_path, 4) / "model.safetensors", "deleted")
     with pytest.raises(HarnessError) as e:
-        checkpoint.resolve_resume(tmp_path, "auto", acc)
+        store.resolve_resume(tmp_path, "auto", acc)
     assert str(e.value) == (
         f"no checkpoint in {tmp_path}/checkpoints verifies (step-4: model.safetensors: missing; step-2: optimizer.bin: "
         "checksum differs): move the damaged folders away to start afresh, or use another train.output_dir")
@@ -210,8 +214,8 @@ def test_no_checkpoint_verifies_is_one_line(tmp_path):
 def test_damaged_marker_is_a_failed_verification(tmp_path, content):
     acc = FakeAccelerator()
     older, newest = save(acc, tmp_path, 2), save(acc, tmp_path, 4)
-    (newest / checkpoint.MARKER).write_bytes(content)
-    assert checkpoint.resolve_resume(tmp_path, "auto", acc)[0] == older
+    (newest / MARKER).write_bytes(content)
+    assert store.resolve_resume(tmp_path, "auto", acc)[0] == older
     assert "COMPLETE marker unreadable" in acc.printed[0]
 
 
@@ -219,9 +223,9 @@ def test_older_marker_without_checksums_is_accepted_unverified(tmp_path):
     """Checkpoints of an older harness (COMPLETE holds "complete") still resume, with a note, even when damaged."""
     acc = FakeAccelerator()
     legacy = make_ckpt(tmp_path, 6)
-    check = checkpoint.verify_checkpoint(legacy)
-    assert check.ok and check.legacy and checkpoint.read_manifest(legacy) is None
-    assert checkpoint.resolve_resume(tmp_path, "auto", acc) == (legacy, [])
+    check = verify_checkpoint(legacy)
+    assert check.ok and check.legacy and read_manifest(legacy) is None
+    assert store.resolve_resume(tmp_path, "auto", acc) == (legacy, [])
     assert acc.printed == [f"[harness] note: {legacy} has no checksums (marker of an older harness): resumed from "
                            "unverified"]
 
@@ -231,30 +235,30 @@ def test_rotation_keeps_the_checkpoint_just_written_and_a_verifiable_one(tmp_pat
     save(acc, tmp_path, 2)
     make_ckpt(tmp_path, 6)  # newer, from an abandoned attempt (or an older harness): no manifest
     path = save(acc, tmp_path, 4, keep=1)  # rotation must not delete what it just wrote in favour of step-6
-    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)[0]] == [4, 6]
-    assert checkpoint.verify_checkpoint(path).ok
+    assert [s for s, _ in store.list_checkpoints(tmp_path)[0]] == [4, 6]
+    assert verify_checkpoint(path).ok
     # without `protect`: the last checkpoint with a manifest is spared when only unverifiable ones would be kept
     make_ckpt(tmp_path, 8)
-    assert [p.name for p in checkpoint.rotate(tmp_path, keep=2)] == []
+    assert [p.name for p in store.rotate(tmp_path, keep=2)] == []
     make_ckpt(tmp_path, 9)
-    assert [p.name for p in checkpoint.rotate(tmp_path, keep=2)] == ["step-6"]
-    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)[0]] == [4, 8, 9]
+    assert [p.name for p in store.rotate(tmp_path, keep=2)] == ["step-6"]
+    assert [s for s, _ in store.list_checkpoints(tmp_path)[0]] == [4, 8, 9]
 
 
 def test_share_by_size_balances_bytes():
     items = [("optim-0", 100), ("optim-1", 100), ("model", 150), ("rng-0", 1), ("rng-1", 1), ("state", 1)]
-    shares = checkpoint.share_by_size(items, 2)
+    shares = share_by_size(items, 2)
     assert sorted(sum(shares, [])) == sorted(n for n, _ in items)
     loads = [sum(dict(items)[n] for n in s) for s in shares]
     assert max(loads) - min(loads) <= 52  # 150+1+1 vs 100+100+1 would be the worst greedy outcome here
-    assert checkpoint.share_by_size(items, 2) == shares  # deterministic: every process computes the same split
+    assert share_by_size(items, 2) == shares  # deterministic: every process computes the same split
 
 
 def test_unloadable_checkpoint_is_one_line(tmp_path):
     acc = FakeAccelerator(error=RuntimeError("Error(s) in loading state_dict for LlamaForCausalLM:\n\tsize mismatch"))
     path = make_ckpt(tmp_path, 2)
     with pytest.raises(HarnessError) as e:
-        checkpoint.load_checkpoint(acc, path)
+        store.load_checkpoint(acc, path)
     assert str(e.value) == (f"could not load checkpoint {path} (RuntimeError: Error(s) in loading state_dict for "
                             "LlamaForCausalLM: size mismatch); resume from another one with train.resume=<folder>, "
                             "or check that the config matches the run that wrote it")
@@ -282,17 +286,17 @@ class Usage:
 def test_save_refused_when_the_last_checkpoint_would_not_fit(tmp_path, monkeypatch):
     acc = FakeAccelerator()
     older = [save(acc, tmp_path, s, keep=2) for s in (2, 4)]
-    size = checkpoint.checkpoint_size(older[-1])
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", Usage(size - 1))
+    size = checkpoint_size(older[-1])
+    monkeypatch.setattr(store.shutil, "disk_usage", Usage(size - 1))
     with pytest.raises(HarnessError) as e:
         save(acc, tmp_path, 6, keep=0)  # keep all: nothing could go first
     assert str(e.value) == (
         f"not enough disk space for checkpoint step-6 in {tmp_path}/checkpoints: about "
-        f"{checkpoint.human_bytes(size)} needed (the size of step-4), {checkpoint.human_bytes(size - 1)} free; older "
+        f"{human_bytes(size)} needed (the size of step-4), {human_bytes(size - 1)} free; older "
         "checkpoints are intact: free some space or lower train.save_total_limit, then continue with "
         "train.resume=auto")
     assert not (tmp_path / "checkpoints" / "step-6").exists()
-    assert all(checkpoint.verify_checkpoint(p).ok for p in older)
+    assert all(verify_checkpoint(p).ok for p in older)
 
 
 def test_short_space_removes_what_rotation_would_remove_only_when_the_newest_verifies(tmp_path, monkeypatch):
@@ -300,7 +304,7 @@ def test_short_space_removes_what_rotation_would_remove_only_when_the_newest_ver
     but only while the checkpoint the run continues from verifies."""
     acc = FakeAccelerator()
     first, second = save(acc, tmp_path, 2, keep=2), save(acc, tmp_path, 4, keep=2)
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", Usage(checkpoint.checkpoint_size(second) - 1, tmp_path))
+    monkeypatch.setattr(store.shutil, "disk_usage", Usage(checkpoint_size(second) - 1, tmp_path))
     good = (second / "random_states_0.pkl").read_bytes()
     damage(second / "random_states_0.pkl", "zeroed")
     with pytest.raises(HarnessError, match="not enough disk space for checkpoint step-6"):
@@ -308,7 +312,7 @@ def test_short_space_removes_what_rotation_would_remove_only_when_the_newest_ver
     assert first.exists() and second.exists() and not (tmp_path / "checkpoints" / "step-6").exists()
     (second / "random_states_0.pkl").write_bytes(good)
     save(acc, tmp_path, 6, keep=2)
-    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)[0]] == [4, 6]
+    assert [s for s, _ in store.list_checkpoints(tmp_path)[0]] == [4, 6]
     assert any("little disk space" in line and "removed step-2 before writing step-6" in line for line in acc.printed)
 
 
@@ -322,31 +326,31 @@ def test_disk_full_during_a_save_is_one_line_and_leaves_no_complete_partial(tmp_
     else:
         def full(*args, **kwargs):
             raise enospc
-        monkeypatch.setattr(checkpoint, "write_marker", full)
+        monkeypatch.setattr(store, "write_marker", full)
     with pytest.raises(HarnessError) as e:
         save(acc, tmp_path, 4)
     msg = str(e.value)
     assert msg.startswith(f"disk full while writing checkpoint step-4 in {tmp_path}/checkpoints (OSError: [Errno 28] "
-                          f"No space left on device): about {checkpoint.human_bytes(checkpoint.checkpoint_size(older))}"
+                          f"No space left on device): about {human_bytes(checkpoint_size(older))}"
                           " needed (the size of step-2), ")
     assert msg.endswith(" free; the partial folder is removed (never marked complete), older checkpoints are intact: "
                         "free some space, then continue with train.resume=auto")
     assert "\n" not in msg
     assert not (tmp_path / "checkpoints" / "step-4").exists()
-    assert checkpoint.list_checkpoints(tmp_path) == ([(2, older)], [])
-    assert checkpoint.verify_checkpoint(older).ok
+    assert store.list_checkpoints(tmp_path) == ([(2, older)], [])
+    assert verify_checkpoint(older).ok
 
 
 def test_torch_style_write_error_on_a_full_disk_counts_as_disk_full(tmp_path, monkeypatch):
     """torch.save reports ENOSPC as RuntimeError('... unexpected pos ...'): judged by the free space left."""
     acc = FakeAccelerator(fail_on="optimizer.bin", error=RuntimeError("[enforce fail at inline_container.cc:672] . "
                                                                       "unexpected pos 576 vs 534"))
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", Usage(4096))
+    monkeypatch.setattr(store.shutil, "disk_usage", Usage(4096))
     with pytest.raises(HarnessError, match=r"^disk full while writing checkpoint step-2 .*RuntimeError.* 4\.0 KiB free"):
         save(acc, tmp_path, 2)
     assert not (tmp_path / "checkpoints" / "step-2").exists()
     # the same error with plenty of space is a bug: it keeps its type (and traceback), the partial folder still goes
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", Usage(10**11))
+    monkeypatch.setattr(store.shutil, "disk_usage", Usage(10**11))
     with pytest.raises(RuntimeError, match="unexpected pos"):
         save(acc, tmp_path, 2)
     assert not (tmp_path / "checkpoints" / "step-2").exists()
@@ -376,14 +380,14 @@ class ExportAccelerator(FakeAccelerator):
 
 def test_export_refused_or_cut_by_a_full_disk_is_one_line(tmp_path, monkeypatch):
     acc, dest = ExportAccelerator(), tmp_path / "final"
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", Usage(49_999))
+    monkeypatch.setattr(store.shutil, "disk_usage", Usage(49_999))
     with pytest.raises(HarnessError) as e:
-        checkpoint.export_final(acc, FakeModel(), FakeTokenizer(), dest)
+        export_final(acc, FakeModel(), FakeTokenizer(), dest)
     assert str(e.value) == (f"not enough disk space for the final export in {tmp_path}: about 48.8 KiB needed (the "
                             "size of the weights), 48.8 KiB free; the checkpoints are intact: free some space, then "
                             "run again with train.resume=auto")
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", Usage(10**11))
-    checkpoint.export_final(acc, FakeModel(), FakeTokenizer(), dest)
+    monkeypatch.setattr(store.shutil, "disk_usage", Usage(10**11))
+    export_final(acc, FakeModel(), FakeTokenizer(), dest)
     before = (dest / "model.safetensors").read_bytes()
 
     def full(self, folder):
@@ -391,7 +395,7 @@ def test_export_refused_or_cut_by_a_full_disk_is_one_line(tmp_path, monkeypatch)
     monkeypatch.setattr(FakeTokenizer, "save_pretrained", full)
     with pytest.raises(HarnessError, match=r"^disk full while writing the final export .* 48\.8 KiB needed \(the size "
                                            r"of the previous export final/\)"):
-        checkpoint.export_final(acc, FakeModel(), FakeTokenizer(), dest)
+        export_final(acc, FakeModel(), FakeTokenizer(), dest)
     assert (dest / "model.safetensors").read_bytes() == before and not (tmp_path / "final.tmp").exists()
 
 
@@ -457,12 +461,12 @@ def test_disk_full_during_a_real_save_is_one_line_and_a_restart_continues(tmp_pa
                            "[Errno 28] No space left on device): about ")
     assert last.endswith(" free; the partial folder is removed (never marked complete), older checkpoints are intact: "
                          "free some space, then continue with train.resume=auto")
-    complete, incomplete = checkpoint.list_checkpoints(out)
+    complete, incomplete = store.list_checkpoints(out)
     assert [s for s, _ in complete] == [2] and incomplete == []
-    assert checkpoint.verify_checkpoint(complete[0][1]).ok
+    assert verify_checkpoint(complete[0][1]).ok
     resumed = run_train(args)
     assert f"resumed from {out}/checkpoints/step-2" in resumed.stdout
-    assert [s for s, _ in checkpoint.list_checkpoints(out)[0]] == [4, 6]
+    assert [s for s, _ in store.list_checkpoints(out)[0]] == [4, 6]
 
 
 @pytest.mark.slow
@@ -473,7 +477,7 @@ def test_two_processes_pass_over_a_damaged_checkpoint_together(tmp_path):
     args = [f"train.output_dir={out}", "train.max_steps=4", "train.save_every_steps=1", *FAST, "train.save_final=false"]
     run_train([*args, "train.stop_at_step=3"], nproc=2)
     step3 = out / "checkpoints" / "step-3"
-    assert {e["path"] for e in checkpoint.read_manifest(step3)["files"]} >= {"random_states_0.pkl",
+    assert {e["path"] for e in read_manifest(step3)["files"]} >= {"random_states_0.pkl",
                                                                               "random_states_1.pkl"}
     damage(step3 / "optimizer.bin", "truncated")
     proc = run_train(args, nproc=2)

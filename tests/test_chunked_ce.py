@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from harness.data import IGNORE_INDEX
 from harness.errors import ConfigError
-from harness.losses import IGNORE_INDEX, chunked_token_loss_sum, token_loss_sum
+from harness.losses import chunked_token_loss_sum, token_loss_sum
 from harness.model import ChunkedHeadLoss, output_head, unwrap
 
 B, T, H, V = 3, 16, 12, 37  # 48 positions

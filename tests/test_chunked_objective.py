@@ -14,8 +14,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from harness.config import ModelConfig, load_config
+from harness.data import IGNORE_INDEX
 from harness.errors import ConfigError
-from harness.losses import IGNORE_INDEX
 from harness.model import build_model, load_tokenizer
 from harness.objective import AUTO_MIN_LOGITS_BYTES, Objective, resolve_chunked_ce
 from harness_launch import DEFAULT, FAST, final_weights, initial_weights, metrics, rel_close, report, run_train, \

@@ -381,7 +381,7 @@ def test_entry_point_help_config(repo_root):
 
 
 def test_profile_sits_between_defaults_and_the_file(tmp_path):
-    from harness.profiles import PROFILES
+    from harness.config.profiles import PROFILES
 
     path = write(tmp_path / "p.yaml", "train:\n  profile: aggressive\n  log_every: 7\n")
     cfg = load_config(path, VALID)
@@ -407,7 +407,7 @@ def test_unknown_profile():
 
 
 def test_compile_auto_resolves_by_hardware():
-    from harness.profiles import resolve_compile, resolve_pin_memory, shapes_vary
+    from harness.config.profiles import resolve_compile, resolve_pin_memory, shapes_vary
 
     assert resolve_compile("auto", cuda=True) == "regional" and resolve_compile("auto", cuda=False) == "none"
     assert resolve_compile("full", cuda=False) == "full"

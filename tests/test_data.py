@@ -1,4 +1,4 @@
-"""harness.data: JSONL validation, chat tokenization and label masks, truncation, caching, collation, data-check CLI."""
+"""harness.data.samples: JSONL validation, chat tokenization and label masks, truncation, caching, collation, data-check CLI."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import torch
 
 from harness import cli
 from harness.config import ModelConfig
-from harness.sources import expand_files
-from harness.data import (
+from harness.data.samples import (
     IGNORE_INDEX,
     EmbedFormat,
     EmbeddingCollator,
@@ -27,6 +26,7 @@ from harness.data import (
     tokenize_embed_texts,
     tokenize_embedding_dataset,
 )
+from harness.data.sources import expand_files
 from harness.errors import DataError
 from harness.model import load_tokenizer
 

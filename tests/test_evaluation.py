@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from harness import data as data_lib
 from harness.config import load_config
+from harness.data import samples as data_lib
 from harness.evaluation import evaluate_generative
 from harness.model import build_model, load_tokenizer
 from harness_launch import DEFAULT, ROOT

@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from harness import metrics, model as model_lib, profiling
+from harness import model as model_lib
+from harness.observe import metrics, profiling
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness import checkpoint
+from harness.checkpoint import store
 from harness.evaluation import Evaluator
-from harness.reporting import StepLog, losses_of
+from harness.observe.reporting import StepLog, losses_of
 from harness.state import LoopState, StepSums, UnloggedSums
 from harness.stopping import NONFINITE, SIGNAL, STOP_AT_STEP, TIME_BUDGET, NonfiniteGuard, StopFlags, stop_reason
 
@@ -47,8 +47,8 @@ def test_unlogged_sums_round_trip_through_a_checkpoint(accelerator, tmp_path):
     sums.add(StepSums(gen_sum=7.25, gen_count=3, gen_micro=1, tokens=11, flops=1e9, wait_s=0.125))
     state = LoopState(step=4, streams={"gen": {"epoch": 1, "batches": 2}}, tokens=100, elapsed_s=3.0, first_loss=2.5)
     saved = state.to_save(1.5, sums.total(accelerator, reset=False))
-    path = checkpoint.save_checkpoint(accelerator, tmp_path, saved, keep=0)
-    loaded = LoopState.from_saved(checkpoint.load_checkpoint(accelerator, path))
+    path = store.save_checkpoint(accelerator, tmp_path, saved, keep=0)
+    loaded = LoopState.from_saved(store.load_checkpoint(accelerator, path))
     assert (loaded.step, loaded.streams, loaded.tokens, loaded.first_loss) == (4, state.streams, 100, 2.5)
     assert loaded.elapsed_s == 4.5  # earlier attempts + this one
     carried = UnloggedSums(accelerator.device, loaded.unlogged).total(accelerator, reset=False)
@@ -156,31 +156,31 @@ def due_steps(obj, total: int) -> list[int]:
 
 def test_evaluation_log_and_checkpoint_cadences_are_independent():
     """train.max_steps=8, log_every=2, eval_every=3, save_every_steps=3: each on its own steps."""
-    evaluator = Evaluator(None, None, None, None, None, every=3, total_steps=8, batch_size=1, pad_id=0,
-                          say=print, on_done=print)
-    job = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(log_every=2)), total_steps=8)
+    job = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(log_every=2, eval_every=3, emb_micro_batch_size=1)),
+                          total_steps=8)
+    evaluator = Evaluator(job, on_done=print)
     log = StepLog(job, logger=None, bar=None, budget=None, start_step=0)
-    ckpt = checkpoint.Checkpointer(None, None, every_steps=3, every_minutes=0, keep=0, say=print, on_saved=print)
+    ckpt = store.Checkpointer(None, None, every_steps=3, every_minutes=0, keep=0, say=print, on_saved=print)
     assert due_steps(evaluator, 8) == [3, 6]  # the last step's evaluation is the final one, after the loop
     assert due_steps(log, 8) == [2, 4, 6, 8]
     assert [s for s in range(1, 9) if ckpt.due(s, forced=False)] == [3, 6]
     assert ckpt.due(7, forced=True)  # a stop or save_every_minutes forces one
     seven = StepLog(SimpleNamespace(cfg=job.cfg, total_steps=7), logger=None, bar=None, budget=None, start_step=0)
     assert due_steps(seven, 7) == [2, 4, 6, 7]  # and always at the last step
-    never = Evaluator(None, None, None, None, None, every=0, total_steps=8, batch_size=1, pad_id=0, say=print,
-                      on_done=print)
+    job.cfg.train.eval_every = 0
+    never = Evaluator(job, on_done=print)
     assert due_steps(never, 8) == []
 
 
 def test_time_based_checkpoint_is_due_after_its_minutes(monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr(checkpoint.time, "time", lambda: clock[0])
-    ckpt = checkpoint.Checkpointer(None, None, every_steps=0, every_minutes=2, keep=0, say=print, on_saved=print)
+    monkeypatch.setattr(store.time, "time", lambda: clock[0])
+    ckpt = store.Checkpointer(None, None, every_steps=0, every_minutes=2, keep=0, say=print, on_saved=print)
     clock[0] += 119
     assert not ckpt.minutes_due()
     clock[0] += 1
     assert ckpt.minutes_due()
-    off = checkpoint.Checkpointer(None, None, every_steps=0, every_minutes=0, keep=0, say=print, on_saved=print)
+    off = store.Checkpointer(None, None, every_steps=0, every_minutes=0, keep=0, say=print, on_saved=print)
     clock[0] += 1e6
     assert not off.minutes_due()
 

@@ -1,4 +1,4 @@
-"""LoRA through peft (harness/model.py apply_lora, merged_copy; final/ export in harness/checkpoint.py).
+"""LoRA through peft (harness/model.py apply_lora, merged_copy; final/ export in harness/checkpoint/store.py).
 
     .venv/bin/python -m pytest tests/test_lora.py            # -m "not slow" for the unit tests only
 """

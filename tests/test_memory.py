@@ -1,4 +1,4 @@
-"""harness/memory.py: parameter counts on the meta device, model-state bytes per ZeRO stage, the activation estimate
+"""harness/tools/zero_plan.py: parameter counts on the meta device, model-state bytes per ZeRO stage, the activation estimate
 against the tensors torch really saves for backward, and the stage choice.
 
     .venv/bin/python -m pytest tests/test_memory.py
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from harness.config import load_config
-from harness.memory import GIB, Hardware, ModelShape, activation_terms, main, model_shape, plan, state_row
 from harness.model import build_model, count_parameters, load_tokenizer
+from harness.tools.zero_plan import GIB, Hardware, ModelShape, activation_terms, main, model_shape, plan, state_row
 
 SHAPE = ModelShape(params=10**9, hidden=2048, intermediate=5632, layers=20, heads=16, kv_heads=4, vocab=32000,
                    model_type="llama", layer_params=40_000_000, embed_params=65_536_000)

@@ -1,4 +1,4 @@
-"""harness/memory.py for LoRA / QLoRA (issue 16), the activation-checkpointing proposal, and the sizing recipes that
+"""harness/tools/zero_plan.py for LoRA / QLoRA (issue 16), the activation-checkpointing proposal, and the sizing recipes that
 carry a hub id plus model.config (sized offline).
 
     .venv/bin/python -m pytest tests/test_memory_lora.py
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from harness.config import load_config
-from harness.memory import GIB, QUANT_BYTES, Hardware, ModelShape, main, plan, state_row
+from harness.tools.zero_plan import GIB, QUANT_BYTES, Hardware, ModelShape, main, plan, state_row
 
 P_70B = 68_976_648_192  # Llama-2-70B, published
 

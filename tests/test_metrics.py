@@ -1,4 +1,4 @@
-"""harness.metrics and harness.hardware.peak_flops: retrieval metrics on a hand-built case, FLOPs per token, MFU,
+"""harness.observe.metrics and harness.hardware.peak_flops: retrieval metrics on a hand-built case, FLOPs per token, MFU,
 ETA, and the peak FLOP/s table by GPU name."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from harness.hardware import peak_flops
-from harness.metrics import eta_seconds, flops_per_token, mfu, retrieval_metrics
+from harness.observe.metrics import eta_seconds, flops_per_token, mfu, retrieval_metrics
 
 # ----------------------------------------------------------------------------------------------- retrieval
 
@@ -149,7 +149,7 @@ def test_peak_flops_rtx_6000_ada():
 
 def test_throughput_interval_leaves_out_excluded_time(monkeypatch):
     """An evaluation or a checkpoint inside a log interval does not count as training time for tokens/s."""
-    from harness import metrics as m
+    from harness.observe import metrics as m
 
     clock = iter([100.0, 110.0, 125.0])
     monkeypatch.setattr(m.time, "perf_counter", lambda: next(clock))
@@ -176,7 +176,7 @@ def test_resume_drops_cut_and_invalid_lines_with_a_warning_and_replaces_the_file
     import json
     import os
 
-    from harness.metrics import MetricsLogger
+    from harness.observe.metrics import MetricsLogger
 
     path = tmp_path / "metrics.jsonl"
     good = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3, 4, 5)]

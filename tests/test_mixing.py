@@ -1,4 +1,4 @@
-"""Weighted mixing of sources and the eval split (harness.mixing), on real `datasets.Dataset`s."""
+"""Weighted mixing of sources and the eval split (harness.data.mixing), on real `datasets.Dataset`s."""
 
 from collections import Counter
 
@@ -6,8 +6,8 @@ import datasets
 import numpy as np
 import pytest
 
+from harness.data.mixing import epoch_counts, hold_out, mix
 from harness.errors import ConfigError
-from harness.mixing import epoch_counts, hold_out, mix
 
 
 def source(name: str, n: int) -> datasets.Dataset:
@@ -83,7 +83,7 @@ def test_eval_split_that_leaves_nothing_is_a_config_error(split):
 
 
 def test_pick_keeps_file_order_within_a_pass():
-    from harness.mixing import pick
+    from harness.data.mixing import pick
 
     idx = pick(10, 4, np.random.default_rng(0))
     assert list(idx) == sorted(idx) and len(set(idx)) == 4

@@ -1,4 +1,4 @@
-"""Utilisation sampling and summaries (harness/monitor.py), cost (harness/cost.py), tracker checks.
+"""Utilisation sampling and summaries (harness/observe/monitor.py), cost (harness/observe/cost.py), tracker checks.
 
     .venv/bin/python -m pytest tests/test_monitor.py
 """
@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from harness import cost, monitor
 from harness.config import load_config
 from harness.errors import ConfigError
+from harness.observe import cost, monitor
 
 DEFAULT = "configs/default.yaml"
 
@@ -180,7 +180,7 @@ def test_missing_tracker_stops_the_run_with_one_line(tmp_path, capsys):
 def test_tracker_settings_project_entity_and_run_name():
     """train.tracker_project / tracker_entity / run_name reach accelerate's init_trackers (wandb and mlflow kwargs);
     unset, the run folder's name is the project and the run name, and wandb picks its default entity."""
-    from harness.monitor import tracker_settings
+    from harness.observe.monitor import tracker_settings
 
     project, kwargs = tracker_settings("runs/qwen-sft", None, None, None)
     assert project == "qwen-sft" and kwargs == {"wandb": {"name": "qwen-sft"}, "mlflow": {"run_name": "qwen-sft"}}
@@ -190,7 +190,7 @@ def test_tracker_settings_project_entity_and_run_name():
 
 
 def test_tracker_tags_are_grouped():
-    from harness.metrics import tracker_tag
+    from harness.observe.metrics import tracker_tag
 
     assert [tracker_tag(k) for k in ["loss", "lr", "grad_norm", "padding_share", "eval_loss", "eval_recall_at_1",
                                      "gpu_util", "gpu0_util", "rss_gb", "tokens_per_s", "mfu", "cost"]] == [

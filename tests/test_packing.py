@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from accelerate.utils import set_seed
 
-from harness import data as data_lib
 from harness import losses
 from harness.config import ModelConfig
+from harness.data import samples as data_lib
 from harness.model import build_model, load_tokenizer
 from harness_launch import ROOT
 

@@ -1,4 +1,4 @@
-"""harness.planner: the plan's arithmetic on fixed inputs (hand-computed), and `harness plan` for real.
+"""harness.tools.planner: the plan's arithmetic on fixed inputs (hand-computed), and `harness plan` for real.
 
     .venv/bin/python -m pytest tests/test_planner.py -m "not slow"     # the arithmetic only
 """
@@ -13,9 +13,11 @@ import time
 
 import pytest
 
-from harness import planner, timing
 from harness.config import load_config
-from harness.planner import Calibration
+from harness.data import loaders
+from harness.observe import timing
+from harness.tools import planner
+from harness.tools.planner import Calibration
 
 CAL = Calibration(s_per_step=0.5, warmup_extra_s=3.0, startup_s=12.0, eval_s=4.0, save_s=2.0, export_s=1.5,
                   optimizer_s_per_step=0.1, world_size=1, source="fixed")
@@ -34,11 +36,11 @@ def gen_data(items: int = 400, samples: int = 400, lengths=None) -> dict:
 
 def test_schedule_matches_the_loop():
     # 400 samples, micro-batch 16, 1 process: 25 micro-batches, accumulation 2 -> 12 steps per epoch, 1.5 epochs -> 19
-    assert planner.schedule_steps(400, 16, 1, 2, -1, 1.5) == {"micro_per_epoch": 25, "steps_per_epoch": 12,
+    assert loaders.schedule_steps(400, 16, 1, 2, -1, 1.5) == {"micro_per_epoch": 25, "steps_per_epoch": 12,
                                                               "total_steps": 19}
     # 2 processes: ceil(25 / 2) = 13 micro-batches each
-    assert planner.schedule_steps(400, 16, 2, 1, -1, 1.0)["total_steps"] == 13
-    assert planner.schedule_steps(400, 16, 2, 1, 50, 1.0)["total_steps"] == 50  # max_steps wins
+    assert loaders.schedule_steps(400, 16, 2, 1, -1, 1.0)["total_steps"] == 13
+    assert loaders.schedule_steps(400, 16, 2, 1, 50, 1.0)["total_steps"] == 50  # max_steps wins
 
 
 def test_counts():
@@ -109,11 +111,11 @@ def test_budget_tracker_and_plan_accuracy(tmp_path):
     assert b.status(10, 400, 100.0, now=1200.0)["on_track"] == 0  # 4000 s left to run, 3400 s in the window
     assert "NOT on track" in b.describe(b.status(10, 400, 100.0, now=1200.0))
     cfg = cfg_of()
-    (tmp_path / "plan.json").write_text(json.dumps({"estimated_s": 110.0, "fingerprint": planner.config_fingerprint(cfg),
+    (tmp_path / "plan.json").write_text(json.dumps({"estimated_s": 110.0, "fingerprint": timing.config_fingerprint(cfg),
                                                     "estimate": {"train_s": 90.0}}))
-    acc = planner.plan_vs_actual(tmp_path / "plan.json", cfg, 100.0)
+    acc = timing.plan_vs_actual(tmp_path / "plan.json", cfg, 100.0)
     assert acc["error_pct"] == pytest.approx(10.0) and acc["accuracy"] == pytest.approx(0.9) and acc["same_config"]
-    assert planner.plan_vs_actual(tmp_path / "none.json", cfg, 100.0) is None
+    assert timing.plan_vs_actual(tmp_path / "none.json", cfg, 100.0) is None
 
 
 def test_steady_rate_from_records():
@@ -196,9 +198,9 @@ def test_plan_prices_the_estimate_and_each_adjustment():
 def test_a_run_with_an_adjustment_is_compared_with_that_adjustment(tmp_path):
     cfg = cfg_of("train.epochs=2")
     plan = {"estimated_s": 300.0, "fingerprint": "other", "estimate": {"total_s": 300.0},
-            "adjustments": [{"overrides": {"train.epochs": 2}, "fingerprint": planner.config_fingerprint(cfg),
+            "adjustments": [{"overrides": {"train.epochs": 2}, "fingerprint": timing.config_fingerprint(cfg),
                              "estimate": {"total_s": 100.0, "train_s": 90.0}}]}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    acc = planner.plan_vs_actual(tmp_path / "plan.json", cfg, 105.0)
+    acc = timing.plan_vs_actual(tmp_path / "plan.json", cfg, 105.0)
     assert acc["estimated_s"] == 100.0 and acc["estimate_of"] == "adjustment train.epochs=2" and acc["same_config"]
     assert acc["error_pct"] == pytest.approx(-100 * 5 / 105)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import checkpoint
+from harness.checkpoint import store
 from harness_launch import FAST, ROOT, final_weights, free_port, max_abs_diff, metrics, rel_close, run_train
 
 pytestmark = pytest.mark.slow
@@ -72,7 +72,7 @@ def test_sigterm_checkpoints_within_seconds_exits_0_and_resumes_exactly(uninterr
     elapsed = time.time() - t0
     assert proc.returncode == 0, log[-3000:]
     assert elapsed < 10, elapsed
-    complete, _ = checkpoint.list_checkpoints(out)
+    complete, _ = store.list_checkpoints(out)
     assert complete, log[-3000:]
     step = complete[-1][0]
     assert 8 <= step < 60 and "stopped (signal)" in log
@@ -106,7 +106,7 @@ def test_sigterm_to_accelerate_launch_and_to_train_sh(tmp_path):
     proc.send_signal(signal.SIGTERM)
     log, _ = proc.communicate(timeout=120)
     bare_s = time.time() - t0
-    complete, _ = checkpoint.list_checkpoints(out)
+    complete, _ = store.list_checkpoints(out)
     assert complete and "stopped (signal)" in log, log[-3000:]
     assert proc.returncode == 1 and "SignalException" in log, (proc.returncode, log[-3000:])  # torch's, not ours
     assert bare_s < 30, f"accelerate launch: {bare_s:.1f} s from SIGTERM to exit"
@@ -122,7 +122,7 @@ def test_sigterm_to_accelerate_launch_and_to_train_sh(tmp_path):
     sh.send_signal(signal.SIGTERM)
     log, _ = sh.communicate(timeout=120)
     sh_s = time.time() - t0
-    complete, _ = checkpoint.list_checkpoints(out)
+    complete, _ = store.list_checkpoints(out)
     assert sh.returncode == 0, f"exit {sh.returncode} after {sh_s:.1f} s\n{log[-3000:]}"
     assert "Traceback" not in log and f"resumed from {out}/checkpoints/step-{first}" in log, log[-3000:]
     assert complete[-1][0] > first and f"stopped by SIGTERM with checkpoint {out}/checkpoints/step-" in log, log[-3000:]
@@ -147,7 +147,7 @@ def test_kill_9_of_the_launcher_workers_stop_by_themselves(tmp_path):
     gone, alive = psutil.wait_procs(workers, timeout=60)
     elapsed = time.time() - t0
     assert not alive, f"workers still running {elapsed:.1f} s after the launcher's kill -9"
-    complete, incomplete = checkpoint.list_checkpoints(out)
+    complete, incomplete = store.list_checkpoints(out)
     newest = complete[-1][0]
     assert newest >= reached and "stopped (signal)" in log, (reached, newest, incomplete, log[-3000:])
     assert elapsed < 30, f"workers stopped {elapsed:.1f} s after the launcher's kill -9"

@@ -1,5 +1,5 @@
 """QLoRA: model.quantization=4bit|8bit through bitsandbytes (harness/model.py quantization_kwargs, build_model,
-merged_copy; config checks in harness/config.py check_quantization). Real bitsandbytes on the CPU, no mocks.
+merged_copy; config checks in harness/config/checks.py check_quantization). Real bitsandbytes on the CPU, no mocks.
 
     .venv/bin/python -m pytest tests/test_qlora.py            # -m "not slow" for the config checks only
 """

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness import reporting
 from harness.config import load_config
 from harness.errors import ConfigError
+from harness.observe import reporting
 from harness_launch import DEFAULT, FAST, metrics, report, run_train
 
 

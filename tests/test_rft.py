@@ -123,7 +123,7 @@ def test_shards_survive_a_partial_last_line(tmp_path):
 
 
 def test_merge_writes_training_records_in_question_order(tmp_path):
-    from harness import data
+    from harness.data import samples as data
 
     t = ArithmeticTask(n_train=3, n_test=0, n_sft=0, max_operand=5)
     qs = t.split("train")

@@ -1,4 +1,4 @@
-"""harness.sources / harness.formats: every source kind and record format -> canonical rows, one-line errors for
+"""harness.data.sources / harness.data.formats: every source kind and record format -> canonical rows, one-line errors for
 damaged files, unknown keys and formats and an offline hub id, and (slow) short training runs on a mix of them.
 
     .venv/bin/python -m pytest tests/test_sources.py -m "not slow"
@@ -20,8 +20,8 @@ import pytest
 
 from harness import cli
 from harness.config import load_config
+from harness.data.sources import Source, load_rows, load_source_rows, parse_sources
 from harness.errors import ConfigError, DataError
-from harness.sources import Source, load_rows, load_source_rows, parse_sources
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}]
@@ -172,7 +172,7 @@ def test_openai_tool_calls_load_and_train_through_a_template_with_tools(tmp_path
     from test_chat_template import tokenizer_folder, trained_runs
 
     from harness.config import ModelConfig
-    from harness.data import tokenize_dataset
+    from harness.data.samples import tokenize_dataset
     from harness.model import load_tokenizer
 
     call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}

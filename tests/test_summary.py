@@ -1,4 +1,4 @@
-"""Run summaries and comparisons (harness/summary.py): key figures on fixed run folders, summary.md, the plots,
+"""Run summaries and comparisons (harness/observe/summary.py): key figures on fixed run folders, summary.md, the plots,
 `harness summary` / `harness compare`, and one real run that writes its own summary.
 
     .venv/bin/python -m pytest tests/test_summary.py
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, summary
+from harness import cli
+from harness.observe import summary
 from harness_launch import FAST, run_train
 
 PNG = b"\x89PNG\r\n\x1a\n"

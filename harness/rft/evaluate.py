@@ -19,7 +19,7 @@ def run(cfg, model_path: Optional[str] = None, out: Optional[str] = None, split:
     """Evaluate on `split`; rank 0 writes and returns the report."""
     from accelerate.utils import gather_object
 
-    from harness.checkpoint import write_json
+    from harness.files import write_json
     from harness.rft.tasks import build_task
 
     r = cfg.rft

@@ -175,7 +175,7 @@ def append_records(path: Path, records: list[dict]) -> None:
 
 def merge(task: Task, questions: list[Question], folder: Path) -> dict:
     """shards/ -> rft.jsonl (chat records in question order) + stats.json; returns the stats."""
-    from harness.checkpoint import write_json
+    from harness.files import write_json
 
     by_qid: dict[str, dict] = {}
     repeats = 0
@@ -231,7 +231,7 @@ def check_settings(path: Path, settings: dict, write: bool = True) -> None:
                               f"or the same settings to continue")
         return
     if write:
-        from harness.checkpoint import write_json
+        from harness.files import write_json
 
         write_json(path, settings)
 
@@ -308,7 +308,7 @@ def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[
     if acc.is_main_process:
         stats = merge(task, questions, out)
         stats.update(sequences_this_run=seqs, sequences_per_s=seqs / max(secs, 1e-9), processes=acc.num_processes)
-        from harness.checkpoint import write_json
+        from harness.files import write_json
 
         write_json(out / STATS, stats)
         say(f"[rft] done: {stats['questions_covered']}/{stats['questions']} questions covered, "

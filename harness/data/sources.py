@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from harness import formats
+from harness.data import formats
 from harness.errors import ConfigError, DataError
 
 SOURCE_KEYS = ("path", "split", "subset", "format", "weight", "columns")

@@ -2,13 +2,20 @@
 
 `Timings` (report.json `timings`; `harness plan` calibrates from it) and `BudgetTracker` (train.time_budget_hours:
 elapsed, remaining, ETA and on-track on every log line) are filled by the loop; the planner reads them.
+`plan_vs_actual`: report.json's `plan`, the estimate of the plan.json that `harness plan` wrote for this config
+(`config_fingerprint`) against the run's wall time.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Optional
+
+from harness.config import Config
 
 # Steps after which a run's pace is taken as steady: the first ones carry compilation and the allocator's and caches'
 # first touches. The planner's calibration times the steps after these; report.json `timings.warmup_*` name them
@@ -99,3 +106,33 @@ class BudgetTracker:
     def summary(self, used_s: float, stopped: bool) -> dict:
         return {"hours": self.budget_s / 3600, "used_s": used_s, "left_s": self.budget_s - used_s,
                 "stopped_by_budget": stopped}
+
+
+# ----------------------------------------------------------------------------------------------- plan vs actual
+
+
+def config_fingerprint(cfg: Config) -> str:
+    """What a plan was made for: the resolved config, without the keys that do not change the run's speed."""
+    d = cfg.to_dict()
+    for key in ("output_dir", "resume", "progress_bar", "time_budget_hours", "stop_at_step"):
+        d["train"].pop(key, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def plan_vs_actual(plan_path: Path, cfg: Config, actual_s: float) -> Optional[dict]:
+    """The plan's estimate against this run's wall time (report.json `plan`), when `harness plan` wrote one."""
+    try:
+        plan = json.loads(Path(plan_path).read_text())
+        est = float(plan["estimated_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    mine, chosen, which = config_fingerprint(cfg), plan.get("estimate", {}), "plan"
+    for a in plan.get("adjustments", []):
+        if a.get("fingerprint") == mine:  # this run applied one of the plan's adjustments
+            chosen, est = a["estimate"], float(a["estimate"]["total_s"])
+            which = "adjustment " + " ".join(f"{k}={v}" for k, v in a["overrides"].items())
+    return {"path": str(plan_path), "estimate_of": which, "estimated_s": est, "actual_s": actual_s,
+            "error_pct": 100 * (est - actual_s) / actual_s, "accuracy": 1 - abs(est - actual_s) / actual_s,
+            "same_config": mine in (plan.get("fingerprint"), chosen.get("fingerprint"))
+            or any(a.get("fingerprint") == mine for a in plan.get("adjustments", [])),
+            "phases": {k: v for k, v in chosen.items() if k.endswith("_s")}}

@@ -1,6 +1,6 @@
 """A Hugging Face model card for a run's export: <output_dir>/final/README.md.
 
-    from harness.modelcard import write_model_card
+    from harness.observe.modelcard import write_model_card
     write_model_card("runs/default")                       # from runs/default/config.yaml and report.json
 
 The training run writes it after report.json (main process; a failure is one warning line, never a failed run);

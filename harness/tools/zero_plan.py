@@ -1,7 +1,7 @@
 """GPU memory per process for each ZeRO stage, and the lowest stage that fits (`launch/train.sh --zero auto`).
 
-    python -m harness.memory configs/llama-7b.yaml --gpus 8 --gpu-mem-gb 80          # or: harness zero-plan ...
-    python -m harness.memory configs/llama-70b.yaml --gpus 8 --nodes 2 --gpu-mem-gb 80 data.max_len=2048
+    python -m harness.tools.zero_plan configs/llama-7b.yaml --gpus 8 --gpu-mem-gb 80          # or: harness zero-plan ...
+    python -m harness.tools.zero_plan configs/llama-70b.yaml --gpus 8 --nodes 2 --gpu-mem-gb 80 data.max_len=2048
 
 The arithmetic, printed line by line (GiB = 2**30 bytes):
 

@@ -1,6 +1,6 @@
 """Named speed profiles and hardware-aware defaults.
 
-A profile is a named set of config values chosen with `train.profile=NAME`. Precedence (harness/config.py):
+A profile is a named set of config values chosen with `train.profile=NAME`. Precedence (harness/config/__init__.py):
 defaults < profile < the recipe file < command-line overrides, so any key a profile sets can still be overridden.
 
     conservative      no compile, no packing, no workers: the most compatible, slowest path

@@ -3,7 +3,7 @@
 Pure functions, no torch: the loop calls `run_cost` at every log line (progress line, metrics.jsonl) and at the end
 (report.json["cost"]); the planner calls `plan_cost` for the plan and each adjustment it proposes.
 
-    python -c "from harness.cost import hourly_rate; print(hourly_rate(2.0, 'gpu', n_gpus=8))"   # 16.0
+    python -c "from harness.observe.cost import hourly_rate; print(hourly_rate(2.0, 'gpu', n_gpus=8))"   # 16.0
 
 Amounts are in the currency of `train.price_per_hour` (no symbol is printed). With price_per_hour 0 (the default)
 nothing is priced and these functions return None.

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from harness.timing import SETTLE_STEPS
+from harness.observe.timing import SETTLE_STEPS
 
 START_AFTER = SETTLE_STEPS + 5  # steps done in this attempt before the window opens
 KINDS = (  # first match wins; names lower-cased

@@ -10,17 +10,21 @@ Rank 0 validates and tokenizes first; the other processes read its cache (`main_
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
 import torch
 
-from harness import data as data_lib
-from harness import mixing, sources
 from harness.config import Config
+from harness.data import mixing, sources
+from harness.data import samples as data_lib
 
 STREAMS = {"generative": ("train_files", "eval_files"), "embedding": ("emb_train_files", "emb_eval_files")}
 
 
 def training_rows(cfg: Config, kind: str, say=lambda *a: None):
-    """One stream's training rows, its sources mixed by weight (harness.mixing), and the rows data.eval_split held
+    """One stream's training rows, its sources mixed by weight (harness.data.mixing), and the rows data.eval_split held
     out of them (None without a split). The same on every process and on resume (seeded by train.seed)."""
     d = cfg.data
     key, eval_key = STREAMS[kind]
@@ -54,14 +58,33 @@ def resolve_max_len(cfg: Config, rows, tokenizer, say) -> int:
     return max_len
 
 
-def build_loaders(cfg: Config, accelerator, tokenizer) -> dict:
+@dataclass
+class RunData:
+    """What `build_loaders` made for the loss mode; the loaders are not prepared yet."""
+
+    gen: Any = None  # generative training DataLoader (packed or padded batches), or None
+    emb: Any = None  # embedding training DataLoader (query / positive / negatives groups), or None
+    gen_eval: Any = None  # generative eval DataLoader (never prepared: evaluate_generative shards it), or None
+    emb_eval: Optional[dict] = None  # the held-out retrieval set (queries, corpus, positives), or None
+    stats: dict = field(default_factory=dict)  # "generative" / "embedding": token-length statistics
+
+    @property
+    def streams(self) -> tuple[str, ...]:
+        """The training streams' names; the first defines epochs (the embedding data in unified mode)."""
+        return tuple(n for n in ("emb", "gen") if self.loader(n) is not None)
+
+    def loader(self, stream: str):
+        return {"emb": self.emb, "gen": self.gen}[stream]
+
+
+def build_loaders(cfg: Config, accelerator, tokenizer) -> RunData:
     """Validated, tokenized data sets and their loaders (not yet prepared) for the configured loss.mode."""
     from torch.utils.data import DataLoader
 
-    from harness.profiles import resolve_pin_memory
+    from harness.config.profiles import resolve_pin_memory
 
     d, mode, cuda = cfg.data, cfg.loss.mode, torch.cuda.is_available()
-    out: dict = {"stats": {}}
+    out = RunData()
     common = dict(num_workers=d.num_workers, pin_memory=resolve_pin_memory(d.pin_memory, cuda))
     if d.num_workers > 0:
         common.update(prefetch_factor=d.prefetch_factor, persistent_workers=d.persistent_workers)
@@ -70,7 +93,7 @@ def build_loaders(cfg: Config, accelerator, tokenizer) -> dict:
             rows, held = training_rows(cfg, "generative", accelerator.print)
             max_len = resolve_max_len(cfg, rows, tokenizer, accelerator.print)
             ds, st = data_lib.tokenize_dataset(rows, tokenizer, max_len)
-            out["stats"]["generative"] = st
+            out.stats["generative"] = st
             padded = data_lib.GenerativeCollator(tokenizer.pad_token_id,
                                                  widths=data_lib.Widths(8 if cuda else 1, d.pad_buckets, max_len))
             if d.packing:
@@ -78,19 +101,19 @@ def build_loaders(cfg: Config, accelerator, tokenizer) -> dict:
                 st["packed_rows"] = len(ds)
                 st["packing_fill"] = sum(ds["length"]) / (len(ds) * max_len)
             collate = data_lib.PackedCollator(tokenizer.pad_token_id, max_len) if d.packing else padded
-            out["gen"] = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=d.shuffle, collate_fn=collate,
-                                    **common)
+            out.gen = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=d.shuffle, collate_fn=collate,
+                                 **common)
             if d.eval_files or held is not None:
                 rows = held if held is not None else data_lib.load_generative_rows(d.eval_files, d.cache_dir,
                                                                                    "data.eval_files")
                 ds, _ = data_lib.tokenize_dataset(rows, tokenizer, max_len)
-                out["gen_eval"] = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=False,
-                                             collate_fn=padded, **common)
+                out.gen_eval = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=False,
+                                          collate_fn=padded, **common)
         if mode in ("embedding", "unified"):
             fmt = data_lib.EmbedFormat(d.emb_instruction_template, d.emb_plain_template,
                                        append_eos=cfg.model.pooling == "lasttoken")
             rows, held = training_rows(cfg, "embedding", accelerator.print)
-            ds, out["stats"]["embedding"] = data_lib.tokenize_embedding_dataset(
+            ds, out.stats["embedding"] = data_lib.tokenize_embedding_dataset(
                 rows, tokenizer, d.query_max_len, d.passage_max_len, fmt)
             groups = data_lib.EmbeddingGroups(ds, d.train_group_size, cfg.train.seed)
             order = {"shuffle": d.shuffle}
@@ -98,15 +121,15 @@ def build_loaders(cfg: Config, accelerator, tokenizer) -> dict:
                 lengths = [len(q) + max(map(len, p)) for q, p in zip(ds["q_ids"], ds["pos_ids"])]
                 mega = cfg.train.emb_micro_batch_size * accelerator.num_processes * 32
                 order = {"sampler": data_lib.LengthGroupedSampler(lengths, mega, cfg.train.seed)}
-            out["emb"] = DataLoader(groups, batch_size=cfg.train.emb_micro_batch_size,
-                                    collate_fn=data_lib.EmbeddingCollator(
-                                        tokenizer.pad_token_id, data_lib.Widths(1, d.pad_buckets, d.query_max_len),
-                                        data_lib.Widths(1, d.pad_buckets, d.passage_max_len)), **order, **common)
+            out.emb = DataLoader(groups, batch_size=cfg.train.emb_micro_batch_size,
+                                 collate_fn=data_lib.EmbeddingCollator(
+                                     tokenizer.pad_token_id, data_lib.Widths(1, d.pad_buckets, d.query_max_len),
+                                     data_lib.Widths(1, d.pad_buckets, d.passage_max_len)), **order, **common)
             if d.emb_eval_files or held is not None:
                 rows = held if held is not None else data_lib.load_embedding_rows(d.emb_eval_files, 0, d.cache_dir,
                                                                                   "data.emb_eval_files")
-                out["emb_eval"] = data_lib.retrieval_eval_set(rows, tokenizer, d.query_max_len, d.passage_max_len,
-                                                              fmt)
+                out.emb_eval = data_lib.retrieval_eval_set(rows, tokenizer, d.query_max_len, d.passage_max_len,
+                                                           fmt)
     return out
 
 
@@ -123,3 +146,20 @@ def micro_batches(accelerator, loader, pos: dict):
             yield batch
         pos["epoch"] += 1
         pos["batches"] = 0
+
+
+# ----------------------------------------------------------------------------------------------- the schedule
+
+
+def schedule_steps(items: int, micro_batch: int, world: int, accum: int, max_steps: int, epochs: float) -> dict:
+    """The loop's schedule: micro-batches per epoch on each process (what one process gets of a prepared loader
+    over `items` samples or packed rows), optimizer steps per epoch and in all (max_steps wins when > 0)."""
+    micro_per_epoch = math.ceil(math.ceil(items / micro_batch) / world)
+    steps_per_epoch = max(1, micro_per_epoch // accum)
+    total = max_steps if max_steps > 0 else epoch_steps(micro_per_epoch, accum, epochs)
+    return {"micro_per_epoch": micro_per_epoch, "steps_per_epoch": steps_per_epoch, "total_steps": total}
+
+
+def epoch_steps(micro_per_epoch: int, accum: int, epochs: float) -> int:
+    """Optimizer steps of `epochs` epochs (the loop's rule when train.max_steps is -1)."""
+    return max(1, math.ceil(epochs * micro_per_epoch / accum))

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from harness import cost, metrics, monitor, planner
 from harness.config import Config
+from harness.observe import cost, metrics, monitor, timing
 from harness.state import LoopState, StepSums, UnloggedSums
 from harness.stopping import TIME_BUDGET
 
@@ -35,7 +35,7 @@ class StepLog:
     """The periodic log line: `due(step)`, then `write(...)`; evaluation results of a step that is no log step are
     written on their own (`write_eval`)."""
 
-    def __init__(self, job, logger: metrics.MetricsLogger, bar, budget: Optional[planner.BudgetTracker],
+    def __init__(self, job, logger: metrics.MetricsLogger, bar, budget: Optional[timing.BudgetTracker],
                  start_step: int):
         self.job, self.cfg, self.logger, self.bar, self.budget = job, job.cfg, logger, bar, budget
         self.start_step = start_step
@@ -114,14 +114,14 @@ def final_report(job, state: LoopState, log: StepLog, stopped_by: Optional[str],
                 "tokens_per_s": state.tokens / max(trained_s, 1e-9)}
     results = {"first_loss": state.first_loss, "final_loss": last.get("loss"), "final_loss_gen": last.get("loss_gen"),
                "final_loss_emb": last.get("loss_emb"), "eval_at_start": sections["eval_at_start"],
-               "eval": sections["eval"], "data": job.data["stats"], "final_dir": sections["final_dir"],
+               "eval": sections["eval"], "data": job.data.stats, "final_dir": sections["final_dir"],
                "hardware": job.env}
     batch = {"flop_dims": list(job.objective.flop_dims), "micro_batch_size": cfg.train.micro_batch_size,
              "grad_accum": job.accum, "micro_batch_auto": sections["micro_batch_auto"]}
     time_used = {"timings": timings.as_dict(),
                  "time_budget": log.budget.summary(timings.process_wall_s, stopped_by == TIME_BUDGET)
                  if log.budget else None,
-                 "plan": planner.plan_vs_actual(job.out / "plan.json", cfg, timings.process_wall_s),
+                 "plan": timing.plan_vs_actual(job.out / "plan.json", cfg, timings.process_wall_s),
                  "utilisation": job.sampler.stop() if job.sampler else None,
                  "cost": cost.of_run(cfg, job.world, state.elapsed_s + time.time() - job.t_start, 0.0)}
     return {**setup, **progress, **results, **batch, **time_used}

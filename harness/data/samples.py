@@ -1,7 +1,7 @@
 """Generative training data: sources -> validated canonical rows -> tokenized samples -> padded batches.
 
-Where rows come from is harness.sources (files, folders, save_to_disk folders, hub ids; one-line `file:line` /
-`file:row N` errors); record layouts are harness.formats:
+Where rows come from is harness.data.sources (files, folders, save_to_disk folders, hub ids; one-line `file:line` /
+`file:row N` errors); record layouts are harness.data.formats:
     text       {"text": "..."}                                   loss on every token
     messages   {"messages": [{"role": system|user|assistant|tool, "content", "tool_calls"?...}], "tools"?}
     sharegpt   {"conversations": [{"from": human|gpt|system|function_call|observation, "value"}]}
@@ -11,14 +11,14 @@ all become rows {segments: [{role, content, extra}], tools, origin}; loss on ass
 Nothing is dropped silently: samples that lose all their trainable tokens to truncation are counted and reported.
 Tokenization is a batched, cached `map` over the rows' Arrow dataset.
 
-Chat layout: the run's chat template (data.chat_template, harness.chat): the tokenizer's own (Qwen's ChatML,
+Chat layout: the run's chat template (data.chat_template, harness.data.chat): the tokenizer's own (Qwen's ChatML,
 Llama-3's headers, ...) or, for a tokenizer without one, GritLM's format (the markers are special tokens, see
 harness.model.CHAT_MARKERS):
     <s><|system|>\\n{system}\\n<|user|>\\n{user}\\n<|assistant|>\\n{assistant}</s><|user|>\\n...
 The token ids are exactly `tokenizer.apply_chat_template(messages)`'s; the loss covers every assistant turn's
 content and what the template closes it with (`</s>`, `<|im_end|>`, `<|eot_id|>`).
 
-    python -m harness.data data/sample/gen.jsonl     # validate files and print token-length statistics
+    python -m harness.data.samples data/sample/gen.jsonl     # validate files and print token-length statistics
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from harness import sources
+from harness.data import IGNORE_INDEX  # labels the loss skips
+from harness.data import sources
 from harness.errors import DataError
-from harness.losses import IGNORE_INDEX  # labels the loss skips
 
 
 # ----------------------------------------------------------------------------------------------- rows
@@ -40,7 +40,7 @@ from harness.losses import IGNORE_INDEX  # labels the loss skips
 
 def load_generative_rows(entries: list, cache_dir: str | None = None, what: str = "data.train_files"):
     """Validate the sources and return a `datasets.Dataset` of rows {segments: [{role, content, extra}], tools,
-    origin}: the concatenation of each source's `harness.sources.load_source_rows`."""
+    origin}: the concatenation of each source's `harness.data.sources.load_source_rows`."""
     return sources.load_rows(entries, "generative", cache_dir, what)
 
 
@@ -50,8 +50,8 @@ def load_generative_rows(entries: list, cache_dir: str | None = None, what: str 
 def tokenize_generative(batch: dict, tokenizer, max_len: int, template: str | None = None) -> dict:
     """Batched `map` function: rows -> input_ids, labels (IGNORE_INDEX outside the trained spans), length, truncated.
     Conversations go through the chat template (`template`, default the tokenizer's, else the GritLM layout):
-    see harness.chat."""
-    from harness import chat
+    see harness.data.chat."""
+    from harness.data import chat
 
     template = template or chat.own_template(tokenizer) or chat.GRITLM_TEMPLATE
     return chat.tokenize_conversations(batch, tokenizer, max_len, template)
@@ -61,7 +61,7 @@ def tokenize_dataset(rows, tokenizer, max_len: int):
     """Tokenize rows (cached by datasets next to the rows' Arrow files); returns (dataset, stats). Samples left
     with no trained token are removed and counted in stats['dropped_no_labels'] (the other stats describe the
     kept samples). The chat template is one of the map's fn_kwargs: another template, another cache entry."""
-    from harness import chat
+    from harness.data import chat
 
     template = chat.own_template(tokenizer) or chat.GRITLM_TEMPLATE
     ds = rows.map(

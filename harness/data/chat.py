@@ -23,8 +23,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from harness.data import IGNORE_INDEX
 from harness.errors import ConfigError, DataError
-from harness.losses import IGNORE_INDEX
 
 GRITLM_TEMPLATE = (
     "{{ bos_token }}"

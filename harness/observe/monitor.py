@@ -11,7 +11,7 @@ summary (mean, p10 and max per metric, per GPU as well) goes to report.json["uti
 says the GPUs sat idle part of the time (data loading, checkpoints, evaluation, logging). A resumed run's summary
 covers its last attempt; the per-step fields in metrics.jsonl cover every attempt.
 
-    python -m harness.monitor 5          # sample this machine for 5 s and print the summary
+    python -m harness.observe.monitor 5          # sample this machine for 5 s and print the summary
 
 Trackers: `train.report_to` names accelerate trackers (tensorboard, wandb, mlflow, ...). `check_trackers` refuses
 one whose package is not installed (accelerate would silently drop it); `tracker_list` / `init_trackers` keep
@@ -318,11 +318,23 @@ def tracker_settings(output_dir: str, project: Optional[str], entity: Optional[s
     return project or folder, {"wandb": wandb, "mlflow": {"run_name": name}}
 
 
-def init_trackers(accelerator, t, config: dict) -> None:
-    """Starts the trackers named in train.report_to with `tracker_settings`; the flat config is logged as
+def flat(d: dict, prefix: str = "") -> dict:
+    """Nested config dict -> flat {section.key: scalar}, e.g. for the trackers' hyper-parameter table."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
+
+
+def init_trackers(accelerator, cfg) -> None:
+    """Starts the trackers named in train.report_to with `tracker_settings`; the run config (`flat`) is logged as
     hyper-parameters."""
+    t = cfg.train
     project, init_kwargs = tracker_settings(t.output_dir, t.tracker_project, t.tracker_entity, t.run_name)
-    accelerator.init_trackers(project, config=config, init_kwargs=init_kwargs)
+    accelerator.init_trackers(project, config=flat(cfg.to_dict()), init_kwargs=init_kwargs)
 
 
 if __name__ == "__main__":

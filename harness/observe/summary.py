@@ -14,7 +14,7 @@ At the end of every run the main process prints a short table and writes <output
         side-by-side table of the runs' key figures (throughput, MFU, memory, losses, cost, wall time, steps,
         profile, ZeRO stage, world size) and their losses overlaid per step and per hour of training, written to
         --out (default: compare.png in the runs' common parent folder); --md PATH also writes the table as markdown.
-    python -m harness.summary RUN_DIR             # the same as harness summary
+    python -m harness.observe.summary RUN_DIR             # the same as harness summary
 """
 
 from __future__ import annotations
@@ -327,14 +327,14 @@ def write_summary(run_dir: str | Path) -> tuple[str, list[Path]]:
     lines += [tab, ""]
     util = rep.get("utilisation")
     if util and util.get("metrics"):
-        from harness.monitor import describe
+        from harness.observe.monitor import describe
 
         lines += [f"Utilisation ({util['samples']} samples every {util['interval_s']} s"
                   + (f", GPUs: {', '.join(util['gpus'])}" if util.get("gpus") else ", CPU") + f"): {describe(util)}.",
                   ""]
     cost = rep.get("cost")
     if cost:
-        from harness.cost import format_cost
+        from harness.observe.cost import format_cost
 
         lines += [f"Cost: {format_cost(cost['so_far'])} at {format_cost(cost['rate_per_hour'])} per hour "
                   f"({cost['price_per_hour']} per {cost['price_unit']}).", ""]
@@ -436,5 +436,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] not in ("summary", "compare", "-h", "--help"):
-        sys.argv.insert(1, "summary")  # python -m harness.summary RUN_DIR
+        sys.argv.insert(1, "summary")  # python -m harness.observe.summary RUN_DIR
     sys.exit(main())

@@ -10,7 +10,7 @@ the training run finds it and records estimate against actual in report.json):
 
  1. data: samples and token lengths after data.max_len (truncation), rows after packing;
  2. schedule: micro-batches per epoch per process and optimizer steps, with the loop's own arithmetic
-    (`schedule_steps`, which harness/train.py uses too);
+    (`schedule_steps` in harness/data/loaders.py, which the run uses);
  3. throughput: a calibration run of W + N optimizer steps of this very config through the real entry point (its
     own subprocess, on the hardware at hand), or a previous run's report.json: steady seconds per step, the extra
     time of the first W steps (compilation, warm caches), start-up, one evaluation, one checkpoint, the export;
@@ -21,13 +21,12 @@ the training run finds it and records estimate against actual in report.json):
     more gradient accumulation (fewer optimizer steps; the per-step optimizer cost was measured).
 
 Changing data.max_len or packing changes the work, not the speed: the time per unit of model FLOPs (6N + attention,
-harness.metrics.flops_per_token) measured in the calibration is assumed to stay the same.
+harness.observe.metrics.flops_per_token) measured in the calibration is assumed to stay the same.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import random
@@ -43,22 +42,14 @@ from typing import Callable, Optional
 
 from harness.config import Config, load_config
 from harness.errors import ConfigError, HarnessError
-from harness.timing import SETTLE_STEPS, fmt_s
+from harness.data.loaders import epoch_steps, schedule_steps
+from harness.observe.timing import SETTLE_STEPS, config_fingerprint, fmt_s
 
 MEASURE_STEPS = 50  # calibration steps that are timed (fewer: run-to-run noise of ±10% seen on a shared CPU)
 SAFETY_MARGIN_MIN = 30.0
 
 
 # ----------------------------------------------------------------------------------------------- pure arithmetic
-
-
-def schedule_steps(items: int, micro_batch: int, world: int, accum: int, max_steps: int, epochs: float) -> dict:
-    """The loop's schedule: micro-batches per epoch on each process (what one process gets of a prepared loader
-    over `items` samples or packed rows), optimizer steps per epoch and in all (max_steps wins when > 0)."""
-    micro_per_epoch = math.ceil(math.ceil(items / micro_batch) / world)
-    steps_per_epoch = max(1, micro_per_epoch // accum)
-    total = max_steps if max_steps > 0 else epoch_steps(micro_per_epoch, accum, epochs)
-    return {"micro_per_epoch": micro_per_epoch, "steps_per_epoch": steps_per_epoch, "total_steps": total}
 
 
 def count_evals(total_steps: int, eval_every: int, eval_at_start: bool, has_eval: bool) -> int:
@@ -126,8 +117,8 @@ def epoch_work(lengths: list[int], max_len: int, packing: bool, micro_batch: int
                flop_dims: tuple[int, int, int]) -> dict:
     """Items (samples or packed rows), processed positions and model FLOPs of one epoch of generative data whose
     full sample lengths are `lengths`, truncated to max_len. flop_dims = (matmul params, layers, hidden)."""
-    from harness.data import pack_rows
-    from harness.metrics import flops_per_token
+    from harness.data.samples import pack_rows
+    from harness.observe.metrics import flops_per_token
 
     cut = [min(n, max_len) for n in lengths]
     if packing:
@@ -157,14 +148,6 @@ def largest_fitting(lo: int, hi: int, total_for: Callable[[int], float], window_
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if total_for(mid) <= window_s else (lo, mid)
     return lo
-
-
-def config_fingerprint(cfg: Config) -> str:
-    """What a plan was made for: the resolved config, without the keys that do not change the run's speed."""
-    d = cfg.to_dict()
-    for key in ("output_dir", "resume", "progress_bar", "time_budget_hours", "stop_at_step"):
-        d["train"].pop(key, None)
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------------------------- measurement
@@ -220,7 +203,7 @@ def calibrate(config_path: Optional[str], overrides: list[str], cfg: Config, set
                   f"train.save_every_steps={total}", "train.save_total_limit=1", "train.time_budget_hours=0",
                   "train.stop_at_step=0", "train.save_every_minutes=0",
                   f"train.eval_every={total if cfg.train.eval_every else 0}"]
-        entry = shlex.split(launcher) + [str(Path(__file__).with_name("train.py"))] if launcher else \
+        entry = shlex.split(launcher) + [str(Path(__file__).resolve().parents[1] / "train.py")] if launcher else \
             [sys.executable, "-m", "harness.train"]
         cmd = entry + (["--config", config_path] if config_path else []) + list(overrides) + forced
         say(f"calibration: {settle} + {steps} steps of this config: {' '.join(shlex.quote(c) for c in cmd)}")
@@ -245,8 +228,8 @@ def calibrate(config_path: Optional[str], overrides: list[str], cfg: Config, set
 
 def analyse_data(cfg: Config) -> dict:
     """Samples, full and truncated token lengths, items per epoch of the primary stream (the loop's rules)."""
-    from harness import data as data_lib
-    from harness.loaders import training_rows
+    from harness.data import samples as data_lib
+    from harness.data.loaders import training_rows
     from harness.model import load_run_tokenizer
 
     d, mode, out = cfg.data, cfg.loss.mode, {}
@@ -313,7 +296,7 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
     lines.append(f"window: {hours:g} h - {margin_min:g} min margin = {window:.0f} s ({fmt_s(window)}): "
                  + (f"fits, {fmt_s(window - base['total_s'])} to spare" if ok else
                     f"does NOT fit: {fmt_s(base['total_s'] - window)} too long"))
-    from harness.cost import format_cost, plan_cost
+    from harness.observe.cost import format_cost, plan_cost
 
     price = lambda est: plan_cost(est["total_s"] / 3600, cfg, n_gpus=world)  # noqa: E731 - None without a price
     base["cost"] = price(base)
@@ -374,7 +357,7 @@ def propose(cfg: Config, data: dict, sched: dict, base: dict, run_estimate, wind
             return run_estimate(s, work_ratio=per_item / per_item_now), w
 
         # b. a shorter max_len: the longest samples are truncated
-        from harness.data import auto_max_len
+        from harness.data.samples import auto_max_len
 
         total = sum(gen["full_lengths"])
         for pct in (95, 90, 75, 50):
@@ -407,30 +390,6 @@ def propose(cfg: Config, data: dict, sched: dict, base: dict, run_estimate, wind
                 f"{steps} instead of {base['steps']} steps save {fmt_s(saved)} (the global batch doubles: "
                 f"revisit optim.lr)")
     return out
-
-
-def epoch_steps(micro_per_epoch: int, accum: int, epochs: float) -> int:
-    """Optimizer steps of `epochs` epochs (the loop's rule when train.max_steps is -1)."""
-    return max(1, math.ceil(epochs * micro_per_epoch / accum))
-
-
-def plan_vs_actual(plan_path: Path, cfg: Config, actual_s: float) -> Optional[dict]:
-    """The plan's estimate against this run's wall time (report.json `plan`), when `harness plan` wrote one."""
-    try:
-        plan = json.loads(Path(plan_path).read_text())
-        est = float(plan["estimated_s"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    mine, chosen, which = config_fingerprint(cfg), plan.get("estimate", {}), "plan"
-    for a in plan.get("adjustments", []):
-        if a.get("fingerprint") == mine:  # this run applied one of the plan's adjustments
-            chosen, est = a["estimate"], float(a["estimate"]["total_s"])
-            which = "adjustment " + " ".join(f"{k}={v}" for k, v in a["overrides"].items())
-    return {"path": str(plan_path), "estimate_of": which, "estimated_s": est, "actual_s": actual_s,
-            "error_pct": 100 * (est - actual_s) / actual_s, "accuracy": 1 - abs(est - actual_s) / actual_s,
-            "same_config": mine in (plan.get("fingerprint"), chosen.get("fingerprint"))
-            or any(a.get("fingerprint") == mine for a in plan.get("adjustments", [])),
-            "phases": {k: v for k, v in chosen.items() if k.endswith("_s")}}
 
 
 # ----------------------------------------------------------------------------------------------- entry point
@@ -482,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in a["overrides"].items())]))
     dest = Path(args.out) if args.out else Path(cfg.train.output_dir) / "plan.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
-    from harness.checkpoint import write_json
+    from harness.files import write_json
 
     write_json(dest, plan)
     verdict = "fits" if plan["fits"] else "does not fit"

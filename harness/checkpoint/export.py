@@ -1,0 +1,85 @@
+"""The final export: the unwrapped model (weights gathered from every rank) and the tokenizer in HF format.
+
+    <output_dir>/final/   model (safetensors) + tokenizer, loadable with AutoModelForCausalLM / AutoTokenizer;
+                          with LoRA: the adapter (peft) + tokenizer, and final/merged/ the merged model
+
+It is written to a temporary sibling folder and renamed into place, so a crash never leaves a half-written export
+under the final name; the free space is compared with the size of the previous export (or of the weights) first.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from harness.checkpoint.manifest import folder_size
+from harness.distributed import on_main
+from harness.errors import HarnessError, one_line
+from harness.files import disk_full, free_bytes, human_bytes, replace_dir
+
+
+def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optional[dict] = None) -> Path:
+    """Save the unwrapped model (weights gathered from every rank) and tokenizer in HF format to `dest`.
+
+    Call on every process: under DeepSpeed ZeRO-3 gathering the weights is a collective operation. Before writing,
+    the free space is compared with the size of the previous export (or, for the first, of the weights); too little,
+    or a disk that fills up while writing: a HarnessError on every process, the previous export and the checkpoints
+    untouched.
+    """
+    dest = Path(dest)
+    tmp = dest.with_name(dest.name + ".tmp")
+    state_dict = accelerator.get_state_dict(model)  # collective: every rank takes part
+
+    def write() -> None:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if dest.is_dir():
+            need, what = folder_size(dest), f"the size of the previous export {dest.name}/"
+        else:
+            tensors = {(t.data_ptr(), t.numel() * t.element_size()) for t in state_dict.values()
+                       if hasattr(t, "element_size")}  # tied weights (one tensor under two names) are saved once
+            need, what = sum(n for _, n in tensors), "the size of the weights"
+        free = free_bytes(dest.parent)
+        if free < need:
+            raise HarnessError(f"not enough disk space for the final export in {dest.parent}: about {human_bytes(need)} "
+                               f"needed ({what}), {human_bytes(free)} free; the checkpoints are intact: free some "
+                               f"space, then run again with train.resume=auto")
+        try:
+            _write_export(accelerator, model, tokenizer, state_dict, tmp, extra)
+        except Exception as e:
+            full = disk_full(e, dest.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not full:
+                raise
+            raise HarnessError(f"disk full while writing the final export to {dest.parent} ({one_line(e)}): about "
+                               f"{human_bytes(need)} needed ({what}), {human_bytes(free_bytes(dest.parent))} free after "
+                               f"removing the partial {tmp.name}/; the checkpoints are intact: free some space, then "
+                               f"run again with train.resume=auto") from e
+        replace_dir(tmp, dest)
+
+    on_main(accelerator, write)  # also where every rank waits for the main process
+    return dest
+
+
+def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, extra: Optional[dict]) -> None:
+    from harness.model import is_peft, merged_copy, uses_trainable_tokens
+
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    kwargs = {}
+    if is_peft(unwrapped) and uses_trainable_tokens(unwrapped):
+        # the added tokens' rows are in the adapter (trainable_tokens_delta); peft would otherwise also save the
+        # whole resized embedding matrices because the vocabulary grew
+        kwargs["save_embedding_layers"] = False
+    unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, **kwargs)
+    tokenizer.save_pretrained(tmp)
+    for name, obj in (extra or {}).items():  # small JSON side files, e.g. harness.json
+        (tmp / name).write_text(json.dumps(obj, indent=2))
+
+    if is_peft(unwrapped):  # LoRA: final/ holds the adapter, final/merged/ the model with the adapter merged in
+        merged_copy(unwrapped, state_dict).save_pretrained(tmp / "merged", safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "merged")
+        for name, obj in (extra or {}).items():
+            (tmp / "merged" / name).write_text(json.dumps(obj, indent=2))

@@ -1,0 +1,197 @@
+"""The config's checks across keys, which types alone cannot express: ranges, the data lists the loss mode needs,
+the model to build, QLoRA's conditions, the rft section. `load_config` runs `validate` on every config it builds; each
+failure is a `ConfigError` naming the key. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from harness.config import Config, lora_config
+from harness.errors import ConfigError
+
+
+def validate(cfg: Config) -> None:
+    """Checks across keys that types alone cannot express."""
+    t, d, o = cfg.train, cfg.data, cfg.optim
+    if t.micro_batch_size == "auto" and t.global_batch_size < 1:
+        raise ConfigError("config key 'train.global_batch_size': train.micro_batch_size=auto keeps the global batch "
+                          "and needs it (sequences per optimizer step over all processes), e.g. 64")
+    if t.micro_batch_size == "auto" and cfg.loss.mode != "generative":
+        raise ConfigError(f"config key 'train.micro_batch_size': auto sizes generative micro-batches (loss.mode="
+                          f"generative); with loss.mode={cfg.loss.mode} set it and train.emb_micro_batch_size")
+    if t.global_batch_size < 0:
+        raise ConfigError(f"config key 'train.global_batch_size': must be >= 0, got {t.global_batch_size}")
+    positive = {
+        "train.micro_batch_size": t.micro_batch_size if t.micro_batch_size != "auto" else 1,
+        "train.grad_accum": t.grad_accum,
+        "train.log_every": t.log_every,
+        "data.max_len": d.max_len if d.max_len != "auto" else 1,
+        "data.prefetch_factor": d.prefetch_factor,
+    }
+    for key, v in positive.items():
+        if v < 1:
+            raise ConfigError(f"config key '{key}': must be >= 1, got {v}")
+    if t.max_steps == 0 or t.max_steps < -1:
+        raise ConfigError(f"config key 'train.max_steps': must be -1 (use epochs) or >= 1, got {t.max_steps}")
+    if t.max_steps == -1 and t.epochs <= 0:
+        raise ConfigError(f"config key 'train.epochs': must be > 0 when train.max_steps is -1, got {t.epochs}")
+    if o.lr <= 0:
+        raise ConfigError(f"config key 'optim.lr': must be > 0, got {o.lr}")
+    if not 0 <= o.warmup_ratio < 1:
+        raise ConfigError(f"config key 'optim.warmup_ratio': must be in [0, 1), got {o.warmup_ratio}")
+    if t.save_every_minutes < 0 or t.time_budget_hours < 0:
+        bad = "train.save_every_minutes" if t.save_every_minutes < 0 else "train.time_budget_hours"
+        raise ConfigError(f"config key '{bad}': must be >= 0")
+    if min(t.save_every_steps, t.save_total_limit, t.stop_at_step, t.profile_steps) < 0:
+        bad = next(k for k, v in [("train.save_every_steps", t.save_every_steps), ("train.save_total_limit",
+                   t.save_total_limit), ("train.stop_at_step", t.stop_at_step),
+                   ("train.profile_steps", t.profile_steps)] if v < 0)
+        raise ConfigError(f"config key '{bad}': must be >= 0")
+    if o.warmup_steps < 0 or o.max_grad_norm < 0 or d.num_workers < 0 or t.eval_every < 0:
+        bad = next(k for k, v in [("optim.warmup_steps", o.warmup_steps), ("optim.max_grad_norm", o.max_grad_norm),
+                                  ("data.num_workers", d.num_workers), ("train.eval_every", t.eval_every)] if v < 0)
+        raise ConfigError(f"config key '{bad}': must be >= 0")
+    if t.monitor_interval_s < 0 or t.price_per_hour < 0:
+        raise ConfigError(f"config key '{'train.price_per_hour' if t.price_per_hour < 0 else 'train.monitor_interval_s'}"
+                          "': must be >= 0")
+    if t.max_nonfinite_skips < 0:
+        raise ConfigError(f"config key 'train.max_nonfinite_skips': must be >= 0, got {t.max_nonfinite_skips}")
+    out = Path(t.output_dir)
+    existing = next((p for p in (out, *out.parents) if p.exists()), None)  # mkdir would fail under a file
+    if existing is not None and not existing.is_dir():
+        raise ConfigError(f"config key 'train.output_dir': {existing} is a file, not a folder"
+                          + (f" (in {out})" if existing != out else ""))
+    if t.overwrite and t.resume not in (None, "auto", "none", "null", ""):
+        raise ConfigError(f"config key 'train.overwrite': starts the run over, so it cannot resume from "
+                          f"train.resume={t.resume}")
+    check_data_sources(cfg)
+    for key, v in {"data.train_group_size": d.train_group_size, "data.query_max_len": d.query_max_len,
+                   "data.passage_max_len": d.passage_max_len, "train.emb_micro_batch_size": t.emb_micro_batch_size,
+                   "loss.grad_cache_chunks": cfg.loss.grad_cache_chunks,
+                   "loss.chunked_ce_size": cfg.loss.chunked_ce_size}.items():
+        if v < 1:
+            raise ConfigError(f"config key '{key}': must be >= 1, got {v}")
+    if cfg.loss.chunked_ce is True and t.compile == "full":
+        raise ConfigError("config key 'loss.chunked_ce': true is not supported with train.compile=full (the chunked "
+                          "loss replaces the output head's forward, inside the compiled graph); use "
+                          "train.compile=regional or loss.chunked_ce=false")
+    if cfg.loss.temperature <= 0:
+        raise ConfigError(f"config key 'loss.temperature': must be > 0, got {cfg.loss.temperature}")
+    if t.emb_micro_batch_size % cfg.loss.grad_cache_chunks:
+        raise ConfigError(f"config key 'loss.grad_cache_chunks': must divide train.emb_micro_batch_size "
+                          f"({t.emb_micro_batch_size}), got {cfg.loss.grad_cache_chunks}")
+    if "{instruction}" not in d.emb_instruction_template:
+        raise ConfigError("config key 'data.emb_instruction_template': must contain {instruction}")
+    check_quantization(cfg)
+    check_rft(cfg.rft)
+    check_model(cfg.model)
+    check_data(d)
+
+
+def check_data(d) -> None:
+    """The data section's checks that need more than a type: a data.chat_template file that exists."""
+    from harness.data.chat import check_choice
+
+    check_choice(d.chat_template)
+
+
+def check_eval_split(cfg: Config) -> None:
+    """data.eval_split: a fraction in (0, 1) or a count >= 1, and a stream without eval files to take it from."""
+    d, mode = cfg.data, cfg.loss.mode
+    split = d.eval_split
+    if split is None:
+        return
+    if not (0 < split < 1 if isinstance(split, float) else split >= 1):
+        raise ConfigError(f"config key 'data.eval_split': a fraction in (0, 1) or a number of records >= 1, "
+                          f"got {split}")
+    needs = [k for k, files in (("data.eval_files", d.eval_files), ("data.emb_eval_files", d.emb_eval_files))
+             if not files and (mode != "generative" if k.startswith("data.emb") else mode != "embedding")]
+    if not needs:
+        raise ConfigError("config key 'data.eval_split': every training list already has eval files "
+                          "(data.eval_files / data.emb_eval_files); give one or the other")
+
+
+def check_data_sources(cfg: Config) -> None:
+    """The data lists: each entry a path or a valid source mapping (harness.data.sources), and the lists the mode needs."""
+    from harness.data.sources import parse_sources
+
+    d, mode = cfg.data, cfg.loss.mode
+    for key in ("train_files", "eval_files", "emb_train_files", "emb_eval_files"):
+        weighted = [s.weight is not None for s in parse_sources(getattr(d, key), f"data.{key}")]
+        if any(weighted) and "eval" in key:
+            raise ConfigError(f"config key 'data.{key}[{weighted.index(True)}]': 'weight' mixes training data; an "
+                              f"eval list is evaluated whole")
+        if any(weighted) and not all(weighted):
+            raise ConfigError(f"config key 'data.{key}[{weighted.index(False)}]': has no weight while other sources "
+                              f"of the list have one; give every source a weight, or none")
+    if mode in ("generative", "unified") and not d.train_files:
+        raise ConfigError(f"config key 'data.train_files': loss.mode={mode} needs generative JSONL files or folders")
+    if mode in ("embedding", "unified") and not d.emb_train_files:
+        raise ConfigError(f"config key 'data.emb_train_files': loss.mode={mode} needs embedding JSONL files or folders")
+    check_eval_split(cfg)
+
+
+def check_model(m) -> None:
+    """The model section: something to build, and attention heads that divide."""
+    if m.name_or_path is None and not m.config:
+        raise ConfigError("config key 'model.name_or_path': set it, or give model.config (with model_type) for random init")
+    if m.name_or_path is None and "model_type" not in m.config:
+        raise ConfigError("config key 'model.config.model_type': required to build a model from config (e.g. llama)")
+    c = m.config
+    heads, kv, hidden = c.get("num_attention_heads"), c.get("num_key_value_heads"), c.get("hidden_size")
+    if isinstance(heads, int) and isinstance(hidden, int) and (heads < 1 or hidden % heads):
+        raise ConfigError(f"config key 'model.config.num_attention_heads': must divide model.config.hidden_size "
+                          f"({hidden}), got {heads}")
+    if isinstance(heads, int) and isinstance(kv, int) and (kv < 1 or heads % kv):
+        raise ConfigError(f"config key 'model.config.num_key_value_heads': must divide "
+                          f"model.config.num_attention_heads ({heads}), got {kv}")
+
+
+def check_rft(r) -> None:
+    """The rft section's ranges."""
+    for key, v in {"rft.oversample": r.oversample, "rft.max_new_tokens": r.max_new_tokens,
+                   "rft.questions_per_batch": r.questions_per_batch, "rft.keep_per_question": r.keep_per_question,
+                   "rft.micro_batch_sequences": r.micro_batch_sequences}.items():
+        if v < 1:
+            raise ConfigError(f"config key '{key}': must be >= 1, got {v}")
+    if r.temperature <= 0 or not 0 < r.top_p <= 1 or r.tolerance < 0:
+        bad = "rft.temperature" if r.temperature <= 0 else "rft.top_p" if not 0 < r.top_p <= 1 else "rft.tolerance"
+        raise ConfigError(f"config key '{bad}': out of range")
+
+
+def check_quantization(cfg: Config) -> None:
+    """model.quantization needs LoRA on a pretrained base and no ZeRO-3 (as far as the config tells: train.deepspeed;
+    a launcher's ZeRO-3 is refused when the run starts, harness.build)."""
+    m = cfg.model
+    lc = lora_config(m)
+    q = m.quantization
+    if q == "none":
+        return
+    if not lc.enabled:
+        raise ConfigError(f"config key 'model.quantization': {q} trains LoRA adapters on a frozen quantized base; set "
+                          f"model.lora.enabled=true (or model.quantization=none)")
+    if m.name_or_path is None or m.random_init:
+        raise ConfigError(f"config key 'model.quantization': {q} quantizes pretrained weights loaded from "
+                          f"model.name_or_path (a hub id or a folder); not a model from model.config or random_init")
+    if deepspeed_stage(cfg.train.deepspeed) == 3:
+        raise ConfigError(quantization_zero3_error(q, f"train.deepspeed={cfg.train.deepspeed}"))
+
+
+def quantization_zero3_error(q: str, why: str) -> str:
+    return (f"config key 'model.quantization': {q} does not work under DeepSpeed ZeRO-3 ({why}): bitsandbytes' "
+            f"quantized weights cannot be partitioned; use one process, DDP, or ZeRO stage 0, 1 or 2")
+
+
+def deepspeed_stage(value: Optional[str]) -> Optional[int]:
+    """The ZeRO stage that train.deepspeed names (a shipped name or a JSON path), None if unknown/unset."""
+    if not value:
+        return None
+    shipped = Path(__file__).resolve().parents[2] / "ds_configs"
+    path = shipped / f"{value}.json" if "/" not in value and not value.endswith(".json") else Path(value)
+    try:
+        return json.loads(path.read_text()).get("zero_optimization", {}).get("stage", 0)
+    except (OSError, ValueError, AttributeError):
+        return None  # reported with its own message when the run starts (distributed.resolve_ds_config)

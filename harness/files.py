@@ -1,0 +1,61 @@
+"""Writing files safely: JSON written atomically, a finished folder renamed into place, a failed write told apart as
+a full disk, byte counts for messages. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+NEARLY_FULL = 64 << 20  # free bytes below which a failed write is taken for a full disk (see `disk_full`)
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def write_json(path: str | Path, obj: dict) -> None:
+    """Write JSON atomically (temporary file + rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def replace_dir(tmp: Path, dest: Path) -> None:
+    """Move the finished `tmp` folder to `dest`, replacing an older `dest` (rename is atomic on one filesystem)."""
+    old = dest.with_name(dest.name + ".old")
+    if dest.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(dest, old)
+    os.replace(tmp, dest)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def free_bytes(folder: Path) -> int:
+    return shutil.disk_usage(folder).free
+
+
+def disk_full(exc: BaseException, folder: Path) -> bool:
+    """Whether a failed write ran out of space. ENOSPC / EDQUOT anywhere in the exception's chain, or a message that
+    says so (safetensors: 'No space left on device (os error 28)'); torch.save reports ENOSPC only as 'unexpected pos
+    ... vs ...', so a failure while the folder's filesystem has under NEARLY_FULL bytes free counts as well."""
+    seen, e = 0, exc
+    while e is not None and seen < 8:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(s in str(e) for s in ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    try:
+        return free_bytes(folder) < NEARLY_FULL
+    except OSError:
+        return False
