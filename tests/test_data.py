@@ -865,7 +865,7 @@ def test_retrieval_eval_set(tmp_path, tok):
 def test_pad_buckets_widths_by_hand():
     """data.pad_buckets: a batch's width is the smallest of N evenly spaced widths up to the cap that holds its
     longest row (rounded to the multiple); 0 buckets: the longest row itself."""
-    from harness.data import Widths
+    from harness.data.samples import Widths
 
     assert [Widths(1, 4, 64)(n) for n in (1, 16, 17, 49, 64)] == [16, 16, 32, 64, 64]
     assert [Widths(1, 4, 96)(n) for n in (5, 25, 73)] == [24, 48, 96]
