@@ -249,6 +249,11 @@ class TrainConfig:
         "auto", "torch.compile through accelerate: regional (each repeated block; fast cold start), full, none. "
         "auto: regional on CUDA, none on CPU. Runs whose batches change shape (embedding passes, unpacked rows) "
         "compile with dynamic shapes: one graph per kind of pass, not one per length.")
+    compile_dynamic: Optional[bool] = _f(
+        None, "Shapes under torch.compile. null (auto): dynamic (batch and sequence sizes as symbols from the first "
+        "step) where batches change shape (embedding passes, unpacked rows), dynamo's default elsewhere; true: "
+        "always dynamic; false: dynamo's default (static first, dynamic after a size changes: one more compile of "
+        "each kind of pass).")
     log_every: int = _f(10, "Log metrics every N optimizer steps (and always at the last step).")
     eval_every: int = _f(0, "Evaluate (eval files, retrieval) every N steps; 0: only at the end.")
     eval_at_start: bool = _f(True, "Also evaluate before the first step of a fresh run (the step-0 baseline).")
