@@ -163,10 +163,8 @@ class DataConfig:
     packing: bool = _f(False, "Pack generative samples into rows of max_len (best-fit; no attention across "
                               "documents: per-document position ids).")
     group_by_length: bool = _f(False, "Embedding data: batch queries of similar length together (less padding).")
-    pad_buckets: int = _f(0, "Pad each unpacked micro-batch (generative rows, queries, passages) up to one of N "
-                             "evenly spaced widths up to its max length instead of to its longest row: N shapes "
-                             "per stream. 0: to the longest row. Compiled runs with changing shapes already compile "
-                             "the sequence length dynamically, which measured faster (docs/speed.md).")
+    pad_buckets: int = _f(0, "Pad unpacked micro-batches up to one of N evenly spaced widths up to the max length "
+                             "(N shapes per stream) instead of to the longest row (0). See docs/speed.md.")
     emb_train_files: list = _f([], "Embedding sources (as data.train_files, format embedding: {query, pos, neg}; "
                                    "loss.mode embedding or unified).")
     emb_eval_files: list = _f([], "Held-out embedding sources: retrieval recall@1 and MRR every train.eval_every "
@@ -249,11 +247,9 @@ class TrainConfig:
         "auto", "torch.compile through accelerate: regional (each repeated block; fast cold start), full, none. "
         "auto: regional on CUDA, none on CPU. Runs whose batches change shape (embedding passes, unpacked rows) "
         "compile with dynamic shapes: one graph per kind of pass, not one per length.")
-    compile_dynamic: Optional[bool] = _f(
-        None, "Shapes under torch.compile. null (auto): dynamic (batch and sequence sizes as symbols from the first "
-        "step) where batches change shape (embedding passes, unpacked rows), dynamo's default elsewhere; true: "
-        "always dynamic; false: dynamo's default (static first, dynamic after a size changes: one more compile of "
-        "each kind of pass).")
+    compile_dynamic: Optional[bool] = _f(None, "torch.compile shapes. null: dynamic where batches change shape "
+                                               "(embedding passes, unpacked rows); true: always; false: dynamo's "
+                                               "default (static until a size changes).")
     log_every: int = _f(10, "Log metrics every N optimizer steps (and always at the last step).")
     eval_every: int = _f(0, "Evaluate (eval files, retrieval) every N steps; 0: only at the end.")
     eval_at_start: bool = _f(True, "Also evaluate before the first step of a fresh run (the step-0 baseline).")
