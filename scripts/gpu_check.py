@@ -40,7 +40,8 @@ VARIANTS = {  # name: (accelerate config, overrides); {base}: a saved random-ini
     "profile": ("single_gpu", [*REGIONAL, "train.profile_steps=3"]),
     "regional": ("single_gpu", REGIONAL),
     "zero2": ("zero2", REGIONAL),
-    "zero3": ("zero3", ["train.compile=none"]),  # regional compile under ZeRO-3 hits dynamo's recompile limit
+    "zero3": ("zero3", ["train.compile=none"]),
+    "zero3_regional": ("zero3", REGIONAL),  # block forwards compiled, ZeRO-3 hooks eager (harness.compiling)
     "flex": ("single_gpu", [*REGIONAL, "model.attn_implementation=flex_attention"]),
     "mb4": ("single_gpu", [*REGIONAL, "train.micro_batch_size=4"]),
     "ce_full": ("single_gpu", [*REGIONAL, "loss.chunked_ce=false"]),
