@@ -149,15 +149,33 @@ RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "report.json", "summary.
 
 
 def start_over(out: Path, say: Callable[[str], None]) -> None:
-    """train.overwrite=true: delete the previous run's outputs (main process, holding the lock)."""
+    """train.overwrite=true: delete the previous run's outputs (main process, holding the lock). Only in a folder that
+    holds a harness run (its config.yaml): what has those names in any other folder (the current one, when the
+    folder was given as `.`) is not the run's, and nothing is deleted."""
     import shutil
 
     gone = [name for name in RUN_OUTPUTS if (out / name).exists()]
+    if gone and not holds_run(out):
+        raise ConfigError(f"config key 'train.overwrite': {out} holds {', '.join(gone)} but no harness run (no "
+                          f"config.yaml written by harness train): nothing deleted; use another train.output_dir")
     for name in gone:
         path = out / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     if gone:
         say(f"[harness] train.overwrite=true: deleted the previous run's {', '.join(gone)} in {out}")
+
+
+def holds_run(out: Path) -> bool:
+    """Whether `out` holds the config.yaml a training run writes (a mapping of config sections with train:)."""
+    import yaml
+
+    from harness.config import SECTIONS
+
+    try:
+        written = yaml.safe_load((out / "config.yaml").read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    return isinstance(written, dict) and "train" in written and set(written) <= set(SECTIONS)
 
 
 def build_data(job: Job) -> None:

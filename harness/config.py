@@ -286,7 +286,8 @@ class TrainConfig:
     )
     overwrite: bool = _f(False, "Start over in an output_dir that holds a finished or interrupted run: its "
                                 "checkpoints/, final/, metrics.jsonl, report.json, summary.md, plots/ and "
-                                "tensorboard/ are deleted first (not kept aside).")
+                                "tensorboard/ are deleted first (not kept aside); only in a folder that holds a harness run "
+                                "(its config.yaml).")
     deepspeed: Optional[str] = _f(
         None, "DeepSpeed config for runs without a DeepSpeed accelerate launcher: a JSON path or a shipped name "
         "(zero0, zero1, zero2, zero2_offload, zero3, zero3_offload)."
@@ -528,6 +529,9 @@ def validate(cfg: Config) -> None:
                           "': must be >= 0")
     if t.max_nonfinite_skips < 0:
         raise ConfigError(f"config key 'train.max_nonfinite_skips': must be >= 0, got {t.max_nonfinite_skips}")
+    if not t.output_dir.strip():  # an unset shell variable (train.output_dir=$OUT): never the current folder
+        raise ConfigError("config key 'train.output_dir': is empty (an unset shell variable?); give the run folder, "
+                          "e.g. train.output_dir=runs/my-run")
     out = Path(t.output_dir)
     existing = next((p for p in (out, *out.parents) if p.exists()), None)  # mkdir would fail under a file
     if existing is not None and not existing.is_dir():

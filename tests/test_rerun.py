@@ -62,3 +62,28 @@ def test_defaults_resume_and_save_every_30_minutes():
     assert t.resume == "auto" and t.save_every_minutes == 30 and t.overwrite is False
     with pytest.raises(ConfigError, match="train.overwrite': starts the run over, so it cannot resume from"):
         load_config(DEFAULT, ["train.overwrite=true", "train.resume=/some/step-4"])
+
+
+def test_overwrite_never_deletes_what_no_run_wrote(tmp_path, monkeypatch, capsys):
+    """An empty train.output_dir (an unset shell variable) is refused before anything; train.overwrite=true in a
+    folder that holds the names of run outputs but no harness run (here the current folder, given as `.`) deletes
+    nothing. Both through the `harness` command, in the user's folder."""
+    from harness import cli
+
+    mine = {"checkpoints/notes.txt": "mine", "final/model.bin": "mine", "plots/a.png": "mine", "summary.md": "mine",
+            "metrics.jsonl": "mine", "report.json": "{}", "tensorboard/x": "mine"}
+    for rel, text in mine.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", DEFAULT, "train.output_dir=", "train.overwrite=true", *FAST]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "harness: error: config key 'train.output_dir': is empty (an unset shell variable?); give the run folder, "
+        "e.g. train.output_dir=runs/my-run"]
+    assert cli.main(["train", DEFAULT, "train.output_dir=.", "train.overwrite=true", *FAST]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "harness: error: config key 'train.overwrite': . holds checkpoints, final, metrics.jsonl, report.json, "
+        "summary.md, plots, tensorboard but no harness run (no config.yaml written by harness train): nothing deleted; "
+        "use another train.output_dir")
+    assert {rel: (tmp_path / rel).read_text() for rel in mine} == mine
+    assert not (tmp_path / ".lock").exists() and not (tmp_path / "config.yaml").exists()
