@@ -64,8 +64,9 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
 def resume_or_start(job: Job) -> LoopState:
     if job.resume_from is None:
         return LoopState(streams={n: {"epoch": 0, "batches": 0} for n in job.streams})
-    state = LoopState.from_saved(checkpoint.load_checkpoint(job.accelerator, job.resume_from,
-                                                                job.cfg.model.quantization != "none"))
+    job.resume_from, saved = checkpoint.load_resumable(job.accelerator, job.out, job.resume_from,
+                                                       job.cfg.train.resume == "auto", job.cfg.model.quantization != "none")
+    state = LoopState.from_saved(saved)
     job.say(f"[harness] resumed from {job.resume_from}: step {state.step}, data position {state.streams}")
     return state
 
