@@ -10,6 +10,7 @@ run opens is registered with `opened` (an ExitStack), so that it is closed howev
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,8 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
         checkpoint.on_main(accelerator, lambda: start_over(out, accelerator.print))
     resume = None if cfg.train.overwrite else cfg.train.resume
     resume_from, incomplete = checkpoint.resolve_resume(out, resume, accelerator)  # verified, agreed
+    if cfg.train.max_steps > 0:  # (with epochs, resume_or_start checks once the schedule is known)
+        past_the_schedule(resume_from, cfg.train.max_steps)
     # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
     watch = CompileWatch(compile_mode, accelerator.device) if compile_mode != "none" else None
     tf32 = hardware.enable_tf32(cfg.train.tf32)
@@ -130,6 +133,21 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     for p in incomplete:
         job.say(f"[harness] warning: {p} is an incomplete checkpoint (no {checkpoint.MARKER} marker): not resumed from")
     return job
+
+
+def past_the_schedule(resume_from: Optional[Path], total_steps: int) -> None:
+    """A checkpoint past the last step the config plans (train.max_steps lowered on an interrupted run) is refused:
+    resuming would export its weights as a run of fewer steps."""
+    if resume_from is None:
+        return
+    try:
+        step = int(json.loads((resume_from / checkpoint.STATE_FILE).read_text())["step"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return  # load_checkpoint says what is wrong with it
+    if step > total_steps:
+        raise ConfigError(f"config key 'train.max_steps': the run to resume is at step {step} ({resume_from}), past "
+                          f"the {total_steps} steps this config plans; rerun with the run's own train.max_steps (>= "
+                          f"{step}), or start over with train.overwrite=true")
 
 
 def hold_output_dir(out: Path, accelerator, opened: contextlib.ExitStack) -> None:

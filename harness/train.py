@@ -28,7 +28,7 @@ from typing import Optional
 
 from harness import checkpoint, faults, loaders, metrics, modelcard, monitor, reporting, summary
 from harness.auto_batch import memory_trial, run_auto_batch
-from harness.build import Job, build_run
+from harness.build import Job, build_run, past_the_schedule
 from harness.config import Config, describe, flat, load_config
 from harness.encode import embedding_settings
 from harness.errors import HarnessError
@@ -64,6 +64,7 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
 def resume_or_start(job: Job) -> LoopState:
     if job.resume_from is None:
         return LoopState(streams={n: {"epoch": 0, "batches": 0} for n in job.streams})
+    past_the_schedule(job.resume_from, job.total_steps)
     job.resume_from, saved = checkpoint.load_resumable(job.accelerator, job.out, job.resume_from,
                                                        job.cfg.train.resume == "auto", job.cfg.model.quantization != "none")
     state = LoopState.from_saved(saved)
@@ -306,10 +307,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         done = None if cfg.train.overwrite else reporting.finished_run(cfg.train.output_dir)
-        if done is not None:  # a finished run stays finished: nothing is started or rewritten
+        asks = reporting.more_steps(cfg, done) if done is not None else None
+        if done is not None and asks is None:  # a finished run stays finished: nothing is started or rewritten
             if os.environ.get("RANK", "0") == "0":
                 print(reporting.describe_finished(cfg.train.output_dir, done), flush=True)
             return 0
+        if asks is not None:  # more steps asked of a finished run: it goes on from its last checkpoint
+            line = reporting.continue_finished(cfg.train.output_dir, done, asks)
+            if os.environ.get("RANK", "0") == "0":
+                print(line, flush=True)
         run_auto_batch(cfg, run) if cfg.train.micro_batch_size == "auto" else run(cfg)
     except HarnessError as e:
         print(f"harness: error: {e}", file=sys.stderr)
