@@ -84,12 +84,15 @@ def build_run(cfg: Config, opened: contextlib.ExitStack) -> Job:
     build_data(job)
     build_model(job)
     describe_batch(job)
+    if job.accelerator.is_main_process:  # only now: a data or model error leaves the folder's config.yaml as it was
+        save_config(cfg, job.out / "config.yaml")  # (it describes the checkpoints there)
+        checkpoint.write_json(job.out / "environment.json", job.env)
     return job
 
 
 def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
-    """Precision, the Accelerator, the output folder's lock, the resume target, the compiler's start-up, the sampler,
-    config.yaml."""
+    """Precision, the Accelerator, the output folder's lock, the resume target, the compiler's start-up, the sampler
+    (config.yaml and environment.json are written by build_run once the data and the model are built)."""
     from harness.profiles import resolve_compile
 
     t_start, t_process = time.time(), hardware.process_start_time()
@@ -116,11 +119,7 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
               timings=Timings(), resume_from=resume_from, precision=precision, tf32=tf32,
               env=hardware.environment_report(), zero=distributed.zero_info(accelerator), compile=watch,
               sampler=sampler)
-    if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")
-        checkpoint.write_json(out / "environment.json", job.env)
-    else:
+    if not accelerator.is_main_process:
         import datasets
         import transformers
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -48,6 +49,23 @@ class _Loader(yaml.SafeLoader):
             if first != key_node.start_mark.line + 1:
                 raise DuplicateKey(key, first, key_node.start_mark)
         return super().construct_mapping(node, deep)
+
+
+    def construct_yaml_int(self, node):
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+            raise TooLong(node) from None
+
+
+class TooLong(yaml.constructor.ConstructorError):
+    def __init__(self, node):
+        digits = sum(c.isdigit() for c in str(node.value))
+        self.problem = f"an integer of {digits} digits (Python reads at most {sys.get_int_max_str_digits()})"
+        super().__init__(None, None, self.problem, node.start_mark)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
 
 
 class DuplicateKey(yaml.YAMLError):
@@ -431,7 +449,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip().lstrip("-")
     try:
         parsed = _yaml(value) if value.strip() else ""
-    except yaml.YAMLError:
+    except TooLong as e:
+        raise ConfigError(f"config key '{key}': {e.problem}") from None
+    except (yaml.YAMLError, RecursionError):
         parsed = value  # a plain string such as a path with a colon
     return key, parsed
 
@@ -452,10 +472,25 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
     pairs: list[tuple[str, Any]] = []  # (key, value) from the file, then from the overrides
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            recipes = sorted(p.glob("*.yaml"), key=lambda r: r.name != "default.yaml")
+            raise ConfigError(f"config file {p} is a folder; give a recipe file"
+                              + (f", e.g. {recipes[0]}" if recipes else ""))
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            loaded = _yaml(p.read_text()) or {}
+            raw_bytes = p.read_bytes()
+            loaded = _yaml(raw_bytes.decode("utf-8")) or {}
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot read the config file ({e.strerror or e})") from None
+        except UnicodeDecodeError as e:
+            line = raw_bytes.count(b"\n", 0, e.start) + 1
+            column = e.start - (raw_bytes.rfind(b"\n", 0, e.start) + 1) + 1
+            raise ConfigError(f"{p}:{line}: not UTF-8 text (byte 0x{raw_bytes[e.start]:02x} at column {column}); "
+                              f"convert the file, e.g. iconv -f latin1 -t utf-8") from None
+        except RecursionError:
+            raise ConfigError(f"{p}: invalid YAML (nested too deeply: more than about {sys.getrecursionlimit()} "
+                              f"levels)") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f"{p}:{mark.line + 1}" if mark else str(p)

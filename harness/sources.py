@@ -170,6 +170,20 @@ def _first_char(path: str) -> str:
     return ""
 
 
+def json_beyond_limits(exc: BaseException) -> str:
+    """What a JSON text that is valid but beyond Python's reader holds (RecursionError: nesting; ValueError: an
+    integer of more than sys.get_int_max_str_digits() digits), as the end of a one-line error."""
+    import sys
+
+    if isinstance(exc, RecursionError):
+        return f"JSON nested too deeply (more than about {sys.getrecursionlimit()} levels of arrays or objects)"
+    digits = re.search(r"value has (\d+) digits", str(exc))
+    if digits:
+        return (f"an integer of {digits.group(1)} digits (Python reads at most {sys.get_int_max_str_digits()}); "
+                f"write it as a string")
+    return f"unreadable JSON ({' '.join(str(exc).split())[:200]})"
+
+
 def read_jsonl(path: str) -> Iterator[tuple[int, dict]]:
     """(line number, object) for each record of a JSON lines file (or, for a name not ending in .jsonl[.gz], a JSON
     array file); malformed JSON or an empty file raises DataError."""
@@ -185,6 +199,8 @@ def read_jsonl(path: str) -> Iterator[tuple[int, dict]]:
             obj = json.loads(line.rstrip("\r\n"))
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: invalid JSON, column {e.colno}: {e.msg}") from None
+        except (ValueError, RecursionError) as e:
+            raise DataError(f"{path}:{lineno}: {json_beyond_limits(e)}") from None
         if not isinstance(obj, dict):
             raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
         n += 1
@@ -204,6 +220,8 @@ def _read_json_array(path: str) -> Iterator[tuple[int, dict]]:
             obj, end = dec.raw_decode(text, i)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{e.lineno}: invalid JSON, column {e.colno}: {e.msg}") from None
+        except (ValueError, RecursionError) as e:
+            raise DataError(f"{path}:{line + text.count(chr(10), last, i)}: {json_beyond_limits(e)}") from None
         line, last = line + text.count("\n", last, i), i
         if not isinstance(obj, dict):
             raise DataError(f"{path}:{line}: expected a JSON object, got {type(obj).__name__}")
