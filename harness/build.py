@@ -84,10 +84,20 @@ def build_run(cfg: Config, opened: contextlib.ExitStack) -> Job:
     build_data(job)
     build_model(job)
     describe_batch(job)
-    if job.accelerator.is_main_process:  # only now: a data or model error leaves the folder's config.yaml as it was
-        save_config(cfg, job.out / "config.yaml")  # (it describes the checkpoints there)
-        checkpoint.write_json(job.out / "environment.json", job.env)
+    # only now: a data or model error leaves the folder's config.yaml (which describes its checkpoints) as it was
+    checkpoint.on_main(job.accelerator, lambda: write_run_files(job))
     return job
+
+
+def write_run_files(job: Job) -> None:
+    """config.yaml and environment.json (main process); a full disk is one line, with nothing cut left behind."""
+    for name, write in (("config.yaml", lambda p: save_config(job.cfg, p)),
+                        ("environment.json", lambda p: checkpoint.write_json(p, job.env))):
+        try:
+            write(job.out / name)
+        except OSError as e:
+            raise HarnessError(f"could not write {job.out / name} ({type(e).__name__}: {e}); nothing was trained: free "
+                               f"some space, then rerun") from None
 
 
 def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:

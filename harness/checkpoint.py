@@ -278,11 +278,14 @@ def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, ex
 
 
 def write_json(path: str | Path, obj: dict) -> None:
-    """Write JSON atomically (temporary file + rename)."""
+    """Write JSON atomically (temporary file + rename; a failed write leaves the previous file and no temporary)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, default=str))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------------------------- manifests

@@ -708,9 +708,16 @@ def deepspeed_stage(value: Optional[str]) -> Optional[int]:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config; `load_config(path)` gives the same Config back."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    """Write the resolved config; `load_config(path)` gives the same Config back. Atomically (a temporary file
+    renamed over it): a full disk leaves the previous file whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def describe() -> str:

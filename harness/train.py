@@ -35,8 +35,8 @@ from harness.errors import HarnessError
 from harness.evaluation import Evaluator
 from harness.profiling import StepProfiler
 from harness.state import LoopState, StepSums, UnloggedSums
-from harness.stopping import (EARLY_WITHOUT_EXPORT, NONFINITE, TIME_BUDGET, NonfiniteGuard, StopDecision, exit_now,
-                              finite, watch_launcher)
+from harness.stopping import (EARLY_WITHOUT_EXPORT, NONFINITE, TIME_BUDGET, WRITE_FAILED, NonfiniteGuard, StopDecision,
+                              exit_now, finite, watch_launcher)
 from harness.timing import SETTLE_STEPS, BudgetTracker
 
 # DeepSpeed still calls collectives that torch deprecated; the warning repeats every step and says nothing to users.
@@ -101,7 +101,7 @@ def train_loop(job: Job, state: LoopState, side: SideWork) -> Optional[str]:
 
         # ---- stop? checkpoint? every process takes the same decisions (one all-reduce of the facts per step)
         flags = side.stop.agree(side.checkpointer.minutes_due(), time.perf_counter() - t_step,
-                                side.checkpointer.cost_s)
+                                side.checkpointer.cost_s, side.log.logger.failed is not None)
         stopped_by = side.stop.reason(flags, state.step, nonfinite)
         if stopped_by == NONFINITE:
             return stopped_by  # this state is not saved: finish() saves the last good one
@@ -150,6 +150,11 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
     timings.loop(train_time, state.step - side.start_step)
     if stopped_by == NONFINITE:
         raise nonfinite_error(job, state, side)
+    if stopped_by == WRITE_FAILED:  # the checkpoint of this step is written (a full disk: its save said so)
+        why = checkpoint.on_main(job.accelerator, lambda: side.log.logger.failed)
+        raise HarnessError(f"{why}: stopped at step {state.step} with checkpoint "
+                           f"{checkpoint.checkpoints_root(job.out) / f'step-{state.step}'}; free some space, then "
+                           f"continue with train.resume=auto")
     if stopped_by in EARLY_WITHOUT_EXPORT:  # this attempt ends early: the state is saved, nothing exported
         job.say(f"[harness] stopped ({stopped_by}) at step {state.step}/{job.total_steps} with checkpoint "
                 f"{checkpoint.checkpoints_root(job.out) / f'step-{state.step}'}; continue with train.resume=auto")
@@ -220,7 +225,9 @@ class SideWork:
         self.job, self.start_step = job, state.step
         if t.report_to:
             monitor.init_trackers(accelerator, t, flat(cfg.to_dict()))
-        logger = metrics.MetricsLogger(accelerator, job.out, resume_step=state.step if job.resume_from else None)
+        logger = metrics.MetricsLogger(accelerator, job.out, resume_step=state.step if job.resume_from else None,
+                                       unwritten=state.unwritten)
+        state.unwritten = []
         opened.callback(logger.close)
         self.bar = metrics.progress_bar(job.total_steps, state.step, t.progress_bar and accelerator.is_main_process)
         opened.callback(self.bar.close)
@@ -268,6 +275,7 @@ class SideWork:
 
     def state_to_save(self, state: LoopState) -> dict:
         """The loop state for a checkpoint, with every process's unlogged sums folded in (collective)."""
+        state.unwritten = list(self.log.logger.unwritten)  # (the main process's; a full disk kept them out)
         return state.to_save(self.meter.elapsed(), self.unlogged.total(self.job.accelerator, reset=False))
 
     def _evaluated(self, seconds: float) -> None:
