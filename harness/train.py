@@ -308,12 +308,47 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class StoppedOutsideTheLoop(BaseException):
+    """A stop signal during the set-up (before the loop's own handling, StopSignals, starts) or the export after it:
+    the run ends at once through its ExitStack (the output folder's lock released) with one line; what the last
+    checkpoint holds is kept. (BaseException: no `except Exception` on the way takes it for an error.)"""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_outside_the_loop(signum, frame):
+    raise StoppedOutsideTheLoop(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
     args = parse_args(argv)
     watch_launcher()  # under a launcher: its death is a stop signal (checkpoint, exit), never an unsupervised run
     if args.help_config:
         print(describe())
         return 0
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the loop's StopSignals take over while it runs
+        try:
+            previous[sig] = signal.signal(sig, _stop_outside_the_loop)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+    try:
+        return _main(args)
+    except StoppedOutsideTheLoop as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[harness] stopped by signal {e.signum} outside the training loop (set-up or export): nothing "
+                  f"saved since the last checkpoint; run the same command to continue", file=sys.stderr, flush=True)
+        return 128 + e.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         done = None if cfg.train.overwrite else reporting.finished_run(cfg.train.output_dir)

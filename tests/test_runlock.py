@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -200,3 +201,26 @@ def test_run_takes_over_a_lock_whose_pid_is_now_another_process(tmp_path, sleepe
     assert (f"[harness] warning: {out}/.lock names pid {sleeper.pid}, which is now another process (started later: "
             "the pid was reused): taking the folder over") in proc.stdout
     assert "[harness] done: step 1" in proc.stdout and not (out / ".lock").exists()
+
+
+def test_sigterm_during_the_set_up_releases_the_lock_with_one_line(tmp_path):
+    """SIGTERM right after the run took its lock (the set-up, before the loop handles signals): exit 143, one line,
+    no traceback, no lock left."""
+    from harness_launch import DEFAULT, ROOT
+
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "harness.train", "--config", DEFAULT, f"train.output_dir={out}",
+                             "train.max_steps=3", *FAST], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / ".lock").exists():
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == ("[harness] stopped by signal 15 outside the training loop (set-up or "
+                                            "export): nothing saved since the last checkpoint; run the same command "
+                                            "to continue")
+    assert not (out / ".lock").exists()
