@@ -173,6 +173,10 @@ class StopSignals:
         self.at = 0.0
         self._orphan_said = False
         self._previous = {}
+        self.install()
+
+    def install(self) -> None:
+        """Handle SIGTERM / SIGINT (again, after `restore`)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)

@@ -257,8 +257,13 @@ class SideWork:
 
     def start(self, fresh: bool) -> None:
         """A fresh run's step-0 evaluation (the baseline), then the training clock starts."""
-        if fresh and self.job.cfg.train.eval_at_start:
-            self.eval_at_start = self.evaluator.run(0) or None
+        if fresh and self.job.cfg.train.eval_at_start and self.stop.signals.received is None:
+            # a stop during it ends the run at once (train.main: StoppedOutsideTheLoop): nothing is trained to save
+            self.stop.signals.restore()
+            try:
+                self.eval_at_start = self.evaluator.run(0) or None
+            finally:
+                self.stop.signals.install()
             if self.eval_at_start:
                 self.log.write_eval(0, self.eval_at_start)
         self.log.meter = metrics.Throughput()

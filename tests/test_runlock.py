@@ -224,3 +224,26 @@ def test_sigterm_during_the_set_up_releases_the_lock_with_one_line(tmp_path):
                                             "export): nothing saved since the last checkpoint; run the same command "
                                             "to continue")
     assert not (out / ".lock").exists()
+
+
+def test_sigterm_during_the_step_0_evaluation_stops_at_once(tmp_path):
+    """A fresh run's step-0 evaluation (a long one here): a stop ends it at once (nothing is trained yet, so there
+    is nothing to save), instead of waiting for the evaluation and a first step."""
+    from harness_launch import DEFAULT, ROOT
+
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "harness.train", "--config", DEFAULT, f"train.output_dir={out}",
+                             "train.max_steps=3", *FAST, "data.eval_files=[data/sample/gen.jsonl]",
+                             "train.micro_batch_size=1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "environment.json").exists():  # written last in the set-up: the evaluation follows
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.002)
+    time.sleep(0.3)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    assert time.time() - t0 < 1.5 and not (out / "checkpoints").exists() and not (out / ".lock").exists()
