@@ -368,7 +368,10 @@ def _main(args: argparse.Namespace) -> int:
                 print(line, flush=True)
         run_auto_batch(cfg, run) if cfg.train.micro_batch_size == "auto" else run(cfg)
     except HarnessError as e:
-        print(f"harness: error: {e}", file=sys.stderr)
+        # every process stops with the same error (those of one process are agreed before they are raised): the
+        # main process alone prints it, so N processes do not print N copies
+        if os.environ.get("RANK", "0") == "0":
+            print(f"harness: error: {e}", file=sys.stderr)
         return e.exit_code
     return 0
 

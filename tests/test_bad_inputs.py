@@ -223,3 +223,17 @@ def test_data_or_model_error_leaves_the_run_folders_config_as_it_was(bad, tmp_pa
     assert code in (1, 2) and capsys.readouterr().err.strip().splitlines()[-1].startswith("harness: error: ")
     assert (out / "config.yaml").read_text() == "# the config of the run that wrote the checkpoints here\n"
     assert not (out / "environment.json").exists() and not (out / ".lock").exists()
+
+
+@pytest.mark.slow
+def test_two_processes_print_the_error_once(tmp_path):
+    """An error every process stops with (here train.resume naming no folder, decided by the main process and
+    agreed): the main process alone prints it, not one copy per process."""
+    from harness_launch import FAST, run_train
+
+    (tmp_path / "ck").write_text("x")
+    proc = run_train([f"train.output_dir={tmp_path / 'out'}", f"train.resume={tmp_path}/ck", *FAST], nproc=2,
+                     check=False)
+    assert proc.returncode != 0 and "[rank1]: Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if "harness: error:" in ln]
+    assert errors == [f"harness: error: config key 'train.resume': {tmp_path}/ck is not a folder"], proc.stderr[-3000:]
