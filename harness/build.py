@@ -10,6 +10,7 @@ run opens is registered with `opened` (an ExitStack), so that it is closed howev
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 
 from harness import distributed, hardware, optim, runlock
 from harness.checkpoint import store
-from harness.checkpoint.manifest import MARKER
+from harness.checkpoint.manifest import MARKER, STATE_FILE
 from harness.compiling import CompileWatch
 from harness.config import Config, save_config
 from harness.config.checks import quantization_zero3_error
@@ -88,12 +89,25 @@ def build_run(cfg: Config, opened: contextlib.ExitStack) -> Job:
     build_data(job)
     build_model(job)
     describe_batch(job)
+    # only now: a data or model error leaves the folder's config.yaml (which describes its checkpoints) as it was
+    distributed.on_main(job.accelerator, lambda: write_run_files(job))
     return job
 
 
+def write_run_files(job: Job) -> None:
+    """config.yaml and environment.json (main process); a full disk is one line, with nothing cut left behind."""
+    for name, write in (("config.yaml", lambda p: save_config(job.cfg, p)),
+                        ("environment.json", lambda p: write_json(p, job.env))):
+        try:
+            write(job.out / name)
+        except OSError as e:
+            raise HarnessError(f"could not write {job.out / name} ({type(e).__name__}: {e}); nothing was trained: free "
+                               f"some space, then rerun") from None
+
+
 def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
-    """Precision, the Accelerator, the output folder's lock, the resume target, the compiler's start-up, the sampler,
-    config.yaml."""
+    """Precision, the Accelerator, the output folder's lock, the resume target, the compiler's start-up, the sampler
+    (config.yaml and environment.json are written by build_run once the data and the model are built)."""
     from harness.config.profiles import resolve_compile
 
     t_start, t_process = time.time(), hardware.process_start_time()
@@ -110,6 +124,8 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
         distributed.on_main(accelerator, lambda: start_over(out, accelerator.print))
     resume = None if cfg.train.overwrite else cfg.train.resume
     resume_from, incomplete = store.resolve_resume(out, resume, accelerator)  # verified, agreed
+    if cfg.train.max_steps > 0:  # (with epochs, resume_or_start checks once the schedule is known)
+        past_the_schedule(resume_from, cfg.train.max_steps)
     # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
     zero = distributed.zero_info(accelerator)
     watch = CompileWatch(compile_mode, accelerator.device, zero["zero_stage"]) if compile_mode != "none" else None
@@ -121,11 +137,7 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
               timings=Timings(), resume_from=resume_from, precision=precision, tf32=tf32,
               env=hardware.environment_report(), zero=zero, compile=watch,
               sampler=sampler)
-    if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.yaml")
-        write_json(out / "environment.json", job.env)
-    else:
+    if not accelerator.is_main_process:
         import datasets
         import transformers
 
@@ -138,6 +150,21 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     for p in incomplete:
         job.say(f"[harness] warning: {p} is an incomplete checkpoint (no {MARKER} marker): not resumed from")
     return job
+
+
+def past_the_schedule(resume_from: Optional[Path], total_steps: int) -> None:
+    """A checkpoint past the last step the config plans (train.max_steps lowered on an interrupted run) is refused:
+    resuming would export its weights as a run of fewer steps."""
+    if resume_from is None:
+        return
+    try:
+        step = int(json.loads((resume_from / STATE_FILE).read_text())["step"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return  # load_checkpoint says what is wrong with it
+    if step > total_steps:
+        raise ConfigError(f"config key 'train.max_steps': the run to resume is at step {step} ({resume_from}), past "
+                          f"the {total_steps} steps this config plans; rerun with the run's own train.max_steps (>= "
+                          f"{step}), or start over with train.overwrite=true")
 
 
 def hold_output_dir(out: Path, accelerator, opened: contextlib.ExitStack) -> None:
@@ -157,15 +184,33 @@ RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "report.json", "summary.
 
 
 def start_over(out: Path, say: Callable[[str], None]) -> None:
-    """train.overwrite=true: delete the previous run's outputs (main process, holding the lock)."""
+    """train.overwrite=true: delete the previous run's outputs (main process, holding the lock). Only in a folder that
+    holds a harness run (its config.yaml): what has those names in any other folder (the current one, when the
+    folder was given as `.`) is not the run's, and nothing is deleted."""
     import shutil
 
     gone = [name for name in RUN_OUTPUTS if (out / name).exists()]
+    if gone and not holds_run(out):
+        raise ConfigError(f"config key 'train.overwrite': {out} holds {', '.join(gone)} but no harness run (no "
+                          f"config.yaml written by harness train): nothing deleted; use another train.output_dir")
     for name in gone:
         path = out / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     if gone:
         say(f"[harness] train.overwrite=true: deleted the previous run's {', '.join(gone)} in {out}")
+
+
+def holds_run(out: Path) -> bool:
+    """Whether `out` holds the config.yaml a training run writes (a mapping of config sections with train:)."""
+    import yaml
+
+    from harness.config import SECTIONS
+
+    try:
+        written = yaml.safe_load((out / "config.yaml").read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    return isinstance(written, dict) and "train" in written and set(written) <= set(SECTIONS)
 
 
 def build_data(job: Job) -> None:

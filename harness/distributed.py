@@ -60,6 +60,10 @@ def check_ds_config(path: Path) -> dict:
         raise ConfigError(f"{path}: cannot read the DeepSpeed config ({e.strerror})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}:{e.lineno}: invalid JSON in DeepSpeed config ({e.msg})") from None
+    except (ValueError, RecursionError) as e:
+        from harness.files import json_beyond_limits
+
+        raise ConfigError(f"{path}: DeepSpeed config: {json_beyond_limits(e)}") from None
     if not isinstance(ds, dict):
         raise ConfigError(f"{path}: a DeepSpeed config must be a JSON object, got {type(ds).__name__}")
     zero = ds.get("zero_optimization", {})

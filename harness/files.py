@@ -7,7 +7,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
+import sys
 from pathlib import Path
 
 NEARLY_FULL = 64 << 20  # free bytes below which a failed write is taken for a full disk (see `disk_full`)
@@ -21,11 +23,14 @@ def human_bytes(n: float) -> str:
 
 
 def write_json(path: str | Path, obj: dict) -> None:
-    """Write JSON atomically (temporary file + rename)."""
+    """Write JSON atomically (temporary file + rename; a failed write leaves the previous file and no temporary)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, default=str))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def replace_dir(tmp: Path, dest: Path) -> None:
@@ -59,3 +64,15 @@ def disk_full(exc: BaseException, folder: Path) -> bool:
         return free_bytes(folder) < NEARLY_FULL
     except OSError:
         return False
+
+
+def json_beyond_limits(exc: BaseException) -> str:
+    """What a JSON text that is valid but beyond Python's reader holds (RecursionError: nesting; ValueError: an
+    integer of more than sys.get_int_max_str_digits() digits), as the end of a one-line error."""
+    if isinstance(exc, RecursionError):
+        return f"JSON nested too deeply (more than about {sys.getrecursionlimit()} levels of arrays or objects)"
+    digits = re.search(r"value has (\d+) digits", str(exc))
+    if digits:
+        return (f"an integer of {digits.group(1)} digits (Python reads at most {sys.get_int_max_str_digits()}); "
+                f"write it as a string")
+    return f"unreadable JSON ({' '.join(str(exc).split())[:200]})"

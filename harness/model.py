@@ -213,9 +213,10 @@ def is_peft(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")
 
 
-def merged_copy(peft_model, state_dict: dict):
+def merged_copy(peft_model, state_dict: dict, merge: bool = True):
     """A plain transformers model equal to `peft_model` with its adapters merged into the base weights, rebuilt from
-    the full `state_dict` (gathered from every rank under ZeRO-3) on a fresh copy of the architecture."""
+    the full `state_dict` (gathered from every rank under ZeRO-3) on a fresh copy of the architecture. merge=False:
+    the base alone, the adapters left out (the base a random-init run's adapter applies to)."""
     from peft import get_peft_model
 
     from harness.distributed import without_zero3_init
@@ -246,7 +247,7 @@ def merged_copy(peft_model, state_dict: dict):
     missing = [k for k in missing if not any(k.endswith(t) for t in tied) and "lm_head" not in k]
     if missing or unexpected:
         raise RuntimeError(f"merging LoRA: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    return adapter.merge_and_unload()
+    return adapter.merge_and_unload() if merge else adapter.unload()
 
 
 

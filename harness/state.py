@@ -65,6 +65,7 @@ class LoopState:
     elapsed_s: float = 0.0  # training wall time of earlier attempts (resume)
     unlogged: dict = field(default_factory=dict)  # StepSums of every process not yet in a log line, by name
     first_loss: Optional[float] = None
+    unwritten: list = field(default_factory=list)  # metrics.jsonl lines a full disk kept out (written on resume)
 
     @classmethod
     def from_saved(cls, saved: dict) -> "LoopState":

@@ -4,6 +4,7 @@
     time_budget   train.time_budget_hours leaves room only for a last checkpoint and the final export
     stop_at_step  train.stop_at_step reached: checkpoint, exit 0 (planned pauses, tests)
     nonfinite     too many non-finite gradients in a row (train.max_nonfinite_skips): the last good state is saved
+    write_failed  a metrics record could not be written (a full disk): a checkpoint where there is room, one line
 
 A training process started by a launcher (accelerate launch, torchrun, deepspeed: LOCAL_RANK is set) watches the
 launcher: torch's launcher starts its workers in process sessions of their own, so a `kill -9` of the launcher (or
@@ -30,6 +31,7 @@ from typing import Callable, Optional
 import torch
 
 SIGNAL, TIME_BUDGET, STOP_AT_STEP, NONFINITE = "signal", "time_budget", "stop_at_step", "nonfinite"
+WRITE_FAILED = "write_failed"  # metrics.jsonl could not be written (a full disk): checkpoint if possible, one line
 EARLY_WITHOUT_EXPORT = (SIGNAL, STOP_AT_STEP)  # the attempt ends with a checkpoint only; a later one continues
 
 
@@ -40,12 +42,15 @@ class StopFlags:
     signal: bool = False  # a stop signal was received
     save_due: bool = False  # train.save_every_minutes have passed since the last checkpoint
     window_closing: bool = False  # the time budget leaves room only for a last save and the export
+    write_failed: bool = False  # the main process could not write a metrics record (a full disk)
 
 
 def stop_reason(flags: StopFlags, step: int, stop_at: int, total_steps: int, nonfinite: bool) -> Optional[str]:
     """Why the attempt stops after `step`, or None to go on (the planned last step ends the loop by itself)."""
     if nonfinite:
         return NONFINITE
+    if flags.write_failed:
+        return WRITE_FAILED
     if flags.signal:
         return SIGNAL
     if flags.window_closing:
@@ -62,11 +67,11 @@ class StopDecision:
         self.accelerator, self.stop_at, self.total_steps, self.deadline = accelerator, stop_at, total_steps, deadline
         self.signals = StopSignals()
 
-    def agree(self, save_due: bool, step_s: float, save_cost_s: float) -> StopFlags:
+    def agree(self, save_due: bool, step_s: float, save_cost_s: float, write_failed: bool = False) -> StopFlags:
         """This process's facts, agreed with every other process (collective). The window is closing when two
         more steps, two saves and 15 s would not fit before the deadline."""
         closing = self.deadline is not None and time.time() + 2 * step_s + 2 * save_cost_s + 15 >= self.deadline
-        local = torch.tensor([self.signals.poll() is not None, save_due, closing], dtype=torch.float32,
+        local = torch.tensor([self.signals.poll() is not None, save_due, closing, write_failed], dtype=torch.float32,
                              device=self.accelerator.device)
         return StopFlags(*(bool(v) for v in self.accelerator.reduce(local, "max").tolist()))
 
@@ -168,6 +173,10 @@ class StopSignals:
         self.at = 0.0
         self._orphan_said = False
         self._previous = {}
+        self.install()
+
+    def install(self) -> None:
+        """Handle SIGTERM / SIGINT (again, after `restore`)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)

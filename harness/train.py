@@ -25,10 +25,9 @@ import time
 import warnings
 from typing import Optional
 
-
-from harness import faults
+from harness import distributed, faults
 from harness.auto_batch import memory_trial, run_auto_batch
-from harness.build import Job, build_run
+from harness.build import Job, build_run, past_the_schedule
 from harness.checkpoint import store
 from harness.checkpoint.export import export_final
 from harness.config import Config, describe, load_config
@@ -41,8 +40,8 @@ from harness.observe import metrics, modelcard, monitor, reporting, summary
 from harness.observe.profiling import StepProfiler
 from harness.observe.timing import SETTLE_STEPS, BudgetTracker
 from harness.state import LoopState, StepSums, UnloggedSums
-from harness.stopping import (EARLY_WITHOUT_EXPORT, NONFINITE, TIME_BUDGET, NonfiniteGuard, StopDecision, exit_now,
-                              finite, watch_launcher)
+from harness.stopping import (EARLY_WITHOUT_EXPORT, NONFINITE, TIME_BUDGET, WRITE_FAILED, NonfiniteGuard, StopDecision,
+                              exit_now, finite, watch_launcher)
 
 # DeepSpeed still calls collectives that torch deprecated; the warning repeats every step and says nothing to users.
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
@@ -69,8 +68,10 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
 def resume_or_start(job: Job) -> LoopState:
     if job.resume_from is None:
         return LoopState(streams={n: {"epoch": 0, "batches": 0} for n in job.streams})
-    state = LoopState.from_saved(store.load_checkpoint(job.accelerator, job.resume_from,
-                                                           job.cfg.model.quantization != "none"))
+    past_the_schedule(job.resume_from, job.total_steps)
+    job.resume_from, saved = store.load_resumable(job.accelerator, job.out, job.resume_from,
+                                                  job.cfg.train.resume == "auto", job.cfg.model.quantization != "none")
+    state = LoopState.from_saved(saved)
     job.say(f"[harness] resumed from {job.resume_from}: step {state.step}, data position {state.streams}")
     return state
 
@@ -104,7 +105,7 @@ def train_loop(job: Job, state: LoopState, side: SideWork) -> Optional[str]:
 
         # ---- stop? checkpoint? every process takes the same decisions (one all-reduce of the facts per step)
         flags = side.stop.agree(side.checkpointer.minutes_due(), time.perf_counter() - t_step,
-                                side.checkpointer.cost_s)
+                                side.checkpointer.cost_s, side.log.logger.failed is not None)
         stopped_by = side.stop.reason(flags, state.step, nonfinite)
         if stopped_by == NONFINITE:
             return stopped_by  # this state is not saved: finish() saves the last good one
@@ -153,6 +154,11 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
     timings.loop(train_time, state.step - side.start_step)
     if stopped_by == NONFINITE:
         raise nonfinite_error(job, state, side)
+    if stopped_by == WRITE_FAILED:  # the checkpoint of this step is written (a full disk: its save said so)
+        why = distributed.on_main(job.accelerator, lambda: side.log.logger.failed)
+        raise HarnessError(f"{why}: stopped at step {state.step} with checkpoint "
+                           f"{store.checkpoints_root(job.out) / f'step-{state.step}'}; free some space, then "
+                           f"continue with train.resume=auto")
     if stopped_by in EARLY_WITHOUT_EXPORT:  # this attempt ends early: the state is saved, nothing exported
         job.say(f"[harness] stopped ({stopped_by}) at step {state.step}/{job.total_steps} with checkpoint "
                 f"{store.checkpoints_root(job.out) / f'step-{state.step}'}; continue with train.resume=auto")
@@ -167,7 +173,8 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
     final_dir = None
     if job.cfg.train.save_final:
         final_dir = export_final(job.accelerator, job.model, job.tokenizer, job.out / "final",
-                                 extra={"harness.json": embedding_settings(job.cfg)})
+                                 extra={"harness.json": embedding_settings(job.cfg)},
+                                 random_base=job.cfg.model.name_or_path is None or job.cfg.model.random_init)
         job.say(f"[harness] final model: {final_dir}")
     side.log.logger.close()
     timings.export_s = time.time() - t_loop_end - (timings.eval_s - eval_before_final)
@@ -205,9 +212,10 @@ def nonfinite_error(job: Job, state: LoopState, side: SideWork) -> HarnessError:
         return HarnessError(f"non-finite loss at step {state.step} after its first micro-step (DeepSpeed with "
                             f"train.grad_accum={job.accum}): stopped without applying it; the last good weights are in "
                             f"{path}; continue with train.resume=auto (this step's batches are skipped)")
+    other = {"fp16": "train.precision=bf16 (or fp32)", "bf16": "train.precision=fp32"}.get(job.precision)
     return HarnessError(f"non-finite gradients in {guard.in_a_row} steps in a row (train.max_nonfinite_skips="
                         f"{job.cfg.train.max_nonfinite_skips}): stopped; the last good weights are in {path}. Lower "
-                        f"optim.lr, check the data, or use train.precision=fp32/bf16")
+                        + (f"optim.lr, check the data, or use {other}" if other else "optim.lr or check the data"))
 
 
 # ----------------------------------------------------------------------------------------------- the loop's helpers
@@ -223,7 +231,9 @@ class SideWork:
         self.job, self.start_step = job, state.step
         if t.report_to:
             monitor.init_trackers(accelerator, cfg)
-        logger = metrics.MetricsLogger(accelerator, job.out, resume_step=state.step if job.resume_from else None)
+        logger = metrics.MetricsLogger(accelerator, job.out, resume_step=state.step if job.resume_from else None,
+                                       unwritten=state.unwritten)
+        state.unwritten = []
         opened.callback(logger.close)
         self.bar = metrics.progress_bar(job.total_steps, state.step, t.progress_bar and accelerator.is_main_process)
         opened.callback(self.bar.close)
@@ -249,8 +259,13 @@ class SideWork:
 
     def start(self, fresh: bool) -> None:
         """A fresh run's step-0 evaluation (the baseline), then the training clock starts."""
-        if fresh and self.job.cfg.train.eval_at_start:
-            self.eval_at_start = self.evaluator.run(0) or None
+        if fresh and self.job.cfg.train.eval_at_start and self.stop.signals.received is None:
+            # a stop during it ends the run at once (train.main: StoppedOutsideTheLoop): nothing is trained to save
+            self.stop.signals.restore()
+            try:
+                self.eval_at_start = self.evaluator.run(0) or None
+            finally:
+                self.stop.signals.install()
             if self.eval_at_start:
                 self.log.write_eval(0, self.eval_at_start)
         self.log.meter = metrics.Throughput()
@@ -269,6 +284,7 @@ class SideWork:
 
     def state_to_save(self, state: LoopState) -> dict:
         """The loop state for a checkpoint, with every process's unlogged sums folded in (collective)."""
+        state.unwritten = list(self.log.logger.unwritten)  # (the main process's; a full disk kept them out)
         return state.to_save(self.meter.elapsed(), self.unlogged.total(self.job.accelerator, reset=False))
 
     def _evaluated(self, seconds: float) -> None:
@@ -299,22 +315,65 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class StoppedOutsideTheLoop(BaseException):
+    """A stop signal during the set-up (before the loop's own handling, StopSignals, starts) or the export after it:
+    the run ends at once through its ExitStack (the output folder's lock released) with one line; what the last
+    checkpoint holds is kept. (BaseException: no `except Exception` on the way takes it for an error.)"""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_outside_the_loop(signum, frame):
+    raise StoppedOutsideTheLoop(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
     args = parse_args(argv)
     watch_launcher()  # under a launcher: its death is a stop signal (checkpoint, exit), never an unsupervised run
     if args.help_config:
         print(describe())
         return 0
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the loop's StopSignals take over while it runs
+        try:
+            previous[sig] = signal.signal(sig, _stop_outside_the_loop)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+    try:
+        return _main(args)
+    except StoppedOutsideTheLoop as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[harness] stopped by signal {e.signum} outside the training loop (set-up or export): nothing "
+                  f"saved since the last checkpoint; run the same command to continue", file=sys.stderr, flush=True)
+        return 128 + e.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         done = None if cfg.train.overwrite else reporting.finished_run(cfg.train.output_dir)
-        if done is not None:  # a finished run stays finished: nothing is started or rewritten
+        asks = reporting.more_steps(cfg, done) if done is not None else None
+        if done is not None and asks is None:  # a finished run stays finished: nothing is started or rewritten
             if os.environ.get("RANK", "0") == "0":
                 print(reporting.describe_finished(cfg.train.output_dir, done), flush=True)
             return 0
+        if asks is not None:  # more steps asked of a finished run: it goes on from its last checkpoint
+            line = reporting.continue_finished(cfg.train.output_dir, done, asks)
+            if os.environ.get("RANK", "0") == "0":
+                print(line, flush=True)
         run_auto_batch(cfg, run) if cfg.train.micro_batch_size == "auto" else run(cfg)
     except HarnessError as e:
-        print(f"harness: error: {e}", file=sys.stderr)
+        # every process stops with the same error (those of one process are agreed before they are raised): the
+        # main process alone prints it, so N processes do not print N copies
+        if os.environ.get("RANK", "0") == "0":
+            print(f"harness: error: {e}", file=sys.stderr)
         return e.exit_code
     return 0
 

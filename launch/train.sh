@@ -37,6 +37,10 @@
 set -euo pipefail
 # shellcheck source=launch/common.sh
 source "$(dirname "$0")/common.sh"
+# a stop signal before the training processes exist ends the script once the command in flight (reading the config,
+# the memory plan) is done: a shell killed at once would leave that command writing into a closed pipe
+trap 'exit 143' TERM
+trap 'exit 130' INT
 
 ZERO=${ZERO:-auto}
 NUM_NODES=${NUM_NODES:-1}

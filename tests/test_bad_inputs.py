@@ -59,7 +59,24 @@ CASES = [
      "(not valid Unicode)"),
     ("message-not-object", {"a.jsonl": '{"messages": ["hi"]}\n'}, ["data-check", "{d}/a.jsonl"], 1,
      "harness: error: {d}/a.jsonl:1: field 'messages[0]' must be an object with role and content"),
+    ("json-nested-too-deeply", {"a.jsonl": GOOD_GEN + '{"text": "x", "n": ' + "[" * 200_000 + "]" * 200_000 + "}\n"},
+     ["data-check", "{d}/a.jsonl"], 1,
+     "harness: error: {d}/a.jsonl:2: JSON nested too deeply (more than about 1000 levels of arrays or objects)"),
+    ("json-5000-digit-integer", {"a.jsonl": '{"text": "x", "n": ' + "9" * 5000 + "}\n"}, ["data-check", "{d}/a.jsonl"],
+     1, "harness: error: {d}/a.jsonl:1: an integer of 5000 digits (Python reads at most 4300); write it as a string"),
     # ---- config files and keys
+    ("config-a-folder", {}, ["train", "configs"], 2,
+     "harness: error: config file configs is a folder; give a recipe file, e.g. configs/default.yaml"),
+    ("config-latin1-byte", {"c.yaml": b"train:\n  max_steps: 3\n  run_name: caf\xe9\n"}, ["train", "{d}/c.yaml"], 2,
+     "harness: error: {d}/c.yaml:3: not UTF-8 text (byte 0xe9 at column 16); convert the file, e.g. iconv -f latin1 "
+     "-t utf-8"),
+    ("config-5000-digit-integer", {"c.yaml": "train:\n  max_steps: " + "9" * 5000 + "\n"}, ["train", "{d}/c.yaml"], 2,
+     "harness: error: {d}/c.yaml:2: invalid YAML (an integer of 5000 digits (Python reads at most 4300))"),
+    ("config-nested-too-deeply", {"c.yaml": "train:\n  run_name: " + "[" * 200_000 + "]" * 200_000 + "\n"},
+     ["train", "{d}/c.yaml"], 2, "harness: error: {d}/c.yaml: invalid YAML (nested too deeply: more than about 1000 "
+                                 "levels)"),
+    ("override-5000-digit-integer", {}, ["train", "configs/default.yaml", "train.max_steps=" + "9" * 5000], 2,
+     "harness: error: config key 'train.max_steps': an integer of 5000 digits (Python reads at most 4300)"),
     ("config-missing", {}, ["train", "{d}/nope.yaml"], 2, "harness: error: config file not found: {d}/nope.yaml"),
     ("config-bad-yaml", {"c.yaml": "train:\n  max_steps: [1,\n"}, ["train", "{d}/c.yaml"], 2,
      "harness: error: {d}/c.yaml:3: invalid YAML (expected the node content, but found '<stream end>')"),
@@ -124,6 +141,10 @@ CASES = [
     ("deepspeed-bad-param-offload", {"ds.json": '{\n "zero_optimization": {"stage": 3, "offload_param": "disk"}}'},
      ["train", "configs/default.yaml", "train.deepspeed={d}/ds.json"], 2,
      "harness: error: {d}/ds.json: zero_optimization.offload_param.device must be none, cpu or nvme, got 'disk'"),
+    ("deepspeed-nested-too-deeply", {"ds.json": '{"zero_optimization": ' + "[" * 200_000 + "]" * 200_000 + "}"},
+     ["train", "configs/default.yaml", "train.deepspeed={d}/ds.json"], 2,
+     "harness: error: {d}/ds.json: DeepSpeed config: JSON nested too deeply (more than about 1000 levels of arrays "
+     "or objects)"),
     ("launcher-deepspeed-bad-json", {"l.json": '{\n  "zero_optimization": {"stage": 2,}\n}'},
      ["train", "configs/default.yaml", "env:ACCELERATE_USE_DEEPSPEED=true", "env:ACCELERATE_DEEPSPEED_CONFIG_FILE={d}/l.json"],
      2, "harness: error: {d}/l.json:2: invalid JSON in DeepSpeed config (Expecting property name enclosed in double "
@@ -187,3 +208,32 @@ def test_a_bad_input_seen_from_the_shell(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == "harness: error: unknown config key 'train.bogus'"
     assert "Traceback" not in proc.stderr and json.dumps(proc.stdout) == '""'
+
+
+@pytest.mark.parametrize("bad", ["data.train_files=[{d}/bad.jsonl]", "model.name_or_path={d}/no-model"])
+def test_data_or_model_error_leaves_the_run_folders_config_as_it_was(bad, tmp_path, capsys, monkeypatch):
+    """The folder's config.yaml describes its checkpoints: a rerun that fails on its data or model rewrites nothing."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.yaml").write_text("# the config of the run that wrote the checkpoints here\n")
+    (tmp_path / "bad.jsonl").write_text(GOOD_GEN + "[1]\n")
+    code = cli.main(["train", "configs/default.yaml", f"train.output_dir={out}", "data.eval_files=[]",
+                     "train.progress_bar=false", _fill(bad, tmp_path)])
+    assert code in (1, 2) and capsys.readouterr().err.strip().splitlines()[-1].startswith("harness: error: ")
+    assert (out / "config.yaml").read_text() == "# the config of the run that wrote the checkpoints here\n"
+    assert not (out / "environment.json").exists() and not (out / ".lock").exists()
+
+
+@pytest.mark.slow
+def test_two_processes_print_the_error_once(tmp_path):
+    """An error every process stops with (here train.resume naming no folder, decided by the main process and
+    agreed): the main process alone prints it, not one copy per process."""
+    from harness_launch import FAST, run_train
+
+    (tmp_path / "ck").write_text("x")
+    proc = run_train([f"train.output_dir={tmp_path / 'out'}", f"train.resume={tmp_path}/ck", *FAST], nproc=2,
+                     check=False)
+    assert proc.returncode != 0 and "[rank1]: Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if "harness: error:" in ln]
+    assert errors == [f"harness: error: config key 'train.resume': {tmp_path}/ck is not a folder"], proc.stderr[-3000:]

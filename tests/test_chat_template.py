@@ -265,3 +265,13 @@ def test_labels_hold_with_trimmed_offsets_and_straddling_tokens(tmp_path):
     assert trained_runs(tok, out["input_ids"][0], out["labels"][0]) == [" Sure,  then more. \n"]
     tok.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
     assert data_lib.tokenize_generative(rows_of([conv]), tok, max_len=4096) == out
+
+
+@pytest.mark.parametrize("result", ['{"temp_c": 18}', "18 C,\nsunny", 'said "sunny"'])
+def test_tool_results_that_a_template_renders_with_tojson_are_not_refused(tmp_path, result):
+    """Llama-3.1-Instruct renders a tool result with `| tojson`: a JSON result, one with a newline or quotes is
+    rendered escaped, and is there all the same."""
+    tok = load_tokenizer(ModelConfig(tokenizer=str(tokenizer_folder(tmp_path, "llama"))), markers=None)
+    conv = [*TOOL_CONVERSATION[:2], {**TOOL_CONVERSATION[2], "content": result}, TOOL_CONVERSATION[3]]
+    out = data_lib.tokenize_generative(rows_of([conv], [json.dumps(TOOLS)]), tok, max_len=4096)
+    assert out["input_ids"][0] == _template_ids(tok, conv, tools=TOOLS)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.checkpoint import store
+from harness.checkpoint import manifest, store
 from harness.checkpoint.export import export_final
 from harness.checkpoint.manifest import ALGORITHM, checkpoint_size, file_checksum, MARKER, read_manifest, verify_checkpoint
 from harness.distributed import share_by_size
@@ -484,3 +484,63 @@ def test_two_processes_pass_over_a_damaged_checkpoint_together(tmp_path):
     assert proc.stdout.count(f"checkpoint {step3} fails verification (optimizer.bin: size differs") == 1
     assert f"resumed from {out}/checkpoints/step-2: step 2" in proc.stdout
     assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
+
+
+# ----------------------------------------------------------------------------------------------- verifies, does not load
+
+
+def test_a_file_the_manifest_does_not_list_fails_verification(tmp_path):
+    """An extra custom_checkpoint_1.pkl, or a manifest whose list lost a file: what would be loaded is unproven."""
+    acc = FakeAccelerator()
+    older, newest = save(acc, tmp_path, 2), save(acc, tmp_path, 4)
+    (newest / "custom_checkpoint_1.pkl").write_bytes(b"not ours")
+    manifest = json.loads((older / MARKER).read_text())
+    manifest["files"] = [e for e in manifest["files"] if e["path"] != "random_states_0.pkl"]
+    (older / MARKER).write_text(json.dumps(manifest))
+    assert verify_checkpoint(newest).problems == ["custom_checkpoint_1.pkl: not in the manifest"]
+    assert verify_checkpoint(older).problems == ["random_states_0.pkl: not in the manifest"]
+
+
+def test_checkpoint_that_verifies_but_does_not_load_falls_back_to_the_older_one(tmp_path):
+    class LoadsOnly(FakeAccelerator):
+        def load_state(self, path):
+            if Path(path).name != "step-2":
+                raise RuntimeError("Error(s) in loading state_dict for LlamaForCausalLM:\n\tsize mismatch")
+            self.loaded = Path(path)
+
+    acc = LoadsOnly()
+    older, newest = save(acc, tmp_path, 2), save(acc, tmp_path, 4)
+    assert store.load_resumable(acc, tmp_path, newest, auto=True) == (older, {"step": 2})
+    assert acc.printed[0] == (f"[harness] warning: checkpoint {newest} verifies but cannot be loaded (RuntimeError: "
+                              "Error(s) in loading state_dict for LlamaForCausalLM: size mismatch): not resumed from, "
+                              "trying an older one")
+    assert acc.loaded == older
+    with pytest.raises(HarnessError, match=f"could not load checkpoint {newest} "):  # named explicitly: no fallback
+        store.load_resumable(acc, tmp_path, newest, auto=False)
+    shutil.rmtree(older)
+    with pytest.raises(HarnessError) as e:
+        store.load_resumable(acc, tmp_path, newest, auto=True)
+    assert str(e.value) == (f"no checkpoint in {tmp_path}/checkpoints loads (step-4: RuntimeError: Error(s) in loading "
+                            "state_dict for LlamaForCausalLM: size mismatch): move the damaged folders away to start "
+                            "afresh, check that the config matches the run that wrote them, or use another "
+                            "train.output_dir")
+
+
+def test_run_passes_over_a_checkpoint_that_verifies_but_does_not_load(tmp_path):
+    """End to end: step-2's weights file replaced by one of another shape, its manifest rewritten to match (it
+    verifies); the restart warns, continues from step-1 and finishes."""
+    from safetensors.torch import save_file
+    import torch
+
+    out = tmp_path / "run"
+    args = [f"train.output_dir={out}", "train.max_steps=3", "train.save_every_steps=1", "train.save_final=false",
+            *FAST]
+    run_train([*args, "train.stop_at_step=2"])
+    step2 = out / "checkpoints" / "step-2"
+    save_file({"model.embed_tokens.weight": torch.zeros(3, 3)}, str(step2 / "model.safetensors"))
+    manifest.write_marker(step2, manifest.build_manifest(step2))
+    assert verify_checkpoint(step2).ok
+    proc = run_train(args)
+    assert f"[harness] warning: checkpoint {step2} verifies but cannot be loaded (" in proc.stdout
+    assert f"resumed from {out}/checkpoints/step-1: step 1" in proc.stdout
+    assert "[harness] done: step 3" in proc.stdout and [r["step"] for r in metrics(out)] == [1, 2, 3]

@@ -311,7 +311,7 @@ def test_missing_config_file(tmp_path):
 
 
 def test_config_path_is_a_folder(tmp_path):
-    with pytest.raises(ConfigError, match=r"^config file not found: "):
+    with pytest.raises(ConfigError, match=rf"^config file {tmp_path} is a folder; give a recipe file$"):
         load_config(tmp_path, VALID)
 
 

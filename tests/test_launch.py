@@ -313,3 +313,20 @@ def test_train_sh_cpu_sigterm_stops_with_checkpoint_rerun_resumes_lost_worker_re
     log = (out / "train.log").read_text()
     assert log.count("\n=== ") == 3 and log.count("[harness] resumed from") == 2  # three attempts, logged
     assert (out / "final" / "config.json").exists() and list((out / "tensorboard").rglob("events.out.tfevents.*"))
+
+
+def test_train_sh_sigterm_during_its_set_up_is_quiet(tmp_path):
+    """SIGTERM while train.sh reads the config (its first second): no BrokenPipeError from the command in flight,
+    exit 143."""
+    proc = subprocess.Popen(["bash", "launch/train.sh", "configs/default.yaml", f"train.output_dir={tmp_path}/run",
+                             "--dry-run"], cwd=ROOT, env=_env(NUM_GPUS=0), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    shell = psutil.Process(proc.pid)
+    deadline = time.time() + 30
+    while not any("python" in c.name() for c in shell.children(recursive=True)):  # the config is being read
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

@@ -1,9 +1,11 @@
-"""LoRA through peft (harness/model.py apply_lora, merged_copy; final/ export in harness/checkpoint/store.py).
+"""LoRA through peft (harness/model.py apply_lora, merged_copy; final/ export in harness/checkpoint/export.py).
 
     .venv/bin/python -m pytest tests/test_lora.py            # -m "not slow" for the unit tests only
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -188,3 +190,19 @@ def test_added_token_rows_are_trained_and_saved_with_the_adapter(tmp_path, tied)
         assert torch.allclose(peft_model(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)
         out = peft_model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 5
+
+
+def test_random_init_lora_export_names_its_base(tmp_path):
+    """A random-init LoRA run's base exists nowhere else: final/base/ holds it and adapter_config.json names it, so
+    the adapter loads the way peft loads any adapter, and equals final/merged/."""
+    run_train([*FAST, "train.max_steps=2", "model.lora.enabled=true", "model.lora.r=4", "optim.lr=5e-2",
+               f"train.output_dir={tmp_path}"])
+    final = tmp_path / "final"
+    config = json.loads((final / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((final / "base").resolve())
+    base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])
+    peft_model = PeftModel.from_pretrained(base, final).eval()
+    merged = AutoModelForCausalLM.from_pretrained(final / "merged").eval()
+    ids = torch.randint(0, 200, (2, 16))
+    with torch.no_grad():
+        assert torch.allclose(peft_model(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)

@@ -197,3 +197,68 @@ def test_resume_drops_cut_and_invalid_lines_with_a_warning_and_replaces_the_file
     ]
     assert replaced == [(str(path) + ".tmp", str(path))]  # the rewrite is one rename, never an in-place truncation
     assert not (tmp_path / "metrics.jsonl.tmp").exists()
+
+
+# metrics.jsonl's disk fills up in the middle of step 3's record (half of it written, then ENOSPC)
+METRICS_DISK_FULL = """
+import errno, json, sys
+from harness.observe import metrics
+
+real_open = open
+
+
+class FillsUp:
+    def __init__(self, fh):
+        self.fh = fh
+
+    def write(self, text):
+        try:
+            step = json.loads(text).get("step")
+        except ValueError:
+            step = None
+        if step == 3:
+            self.fh.write(text[: len(text) // 2])
+            self.fh.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.fh.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+
+def fills_up(path, mode="r", *args, **kwargs):
+    fh = real_open(path, mode, *args, **kwargs)
+    return FillsUp(fh) if str(path).endswith("metrics.jsonl") and "a" in mode else fh
+
+
+metrics.open = fills_up
+from harness.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_disk_full_while_writing_metrics_is_one_line_and_nothing_is_lost(tmp_path):
+    """The run stops at that step with a checkpoint (there is room for it here), says so in one line, leaves no cut
+    line; the restart writes the record the disk kept out, and the file equals an uninterrupted run's steps."""
+    import os
+    import subprocess
+    import sys
+
+    from harness.checkpoint.manifest import verify_checkpoint
+    from harness_launch import DEFAULT, FAST, ROOT, metrics as records, run_train
+
+    out = tmp_path / "run"
+    args = [f"train.output_dir={out}", "train.max_steps=4", "train.save_final=false", *FAST]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", METRICS_DISK_FULL, "--config", DEFAULT, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"harness: error: could not write the record of step 3 to {out}/metrics.jsonl (OSError: [Errno 28] No space "
+        f"left on device): stopped at step 3 with checkpoint {out}/checkpoints/step-3; free some space, then continue "
+        "with train.resume=auto")
+    assert [r["step"] for r in records(out)] == [1, 2]  # whole lines only
+    assert verify_checkpoint(out / "checkpoints" / "step-3").ok
+    resumed = run_train(args)
+    assert f"resumed from {out}/checkpoints/step-3: step 3" in resumed.stdout
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4]

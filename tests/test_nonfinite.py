@@ -84,3 +84,14 @@ def test_gradient_accumulation_skips_or_stops_with_a_checkpoint(tmp_path, tmp_pa
     assert "step-4" in resumed.stdout
     diff = max_abs_diff(final_weights(out), reference(tmp_path_factory, "zero3", acc, "2,4"))
     assert diff <= 1e-6, diff
+
+
+def test_the_advice_names_a_precision_the_run_does_not_use(tmp_path):
+    """One process, every step poisoned: the stop's one line never suggests the precision the run already has."""
+    out = tmp_path / "run"
+    proc = run_train([f"train.output_dir={out}", "train.max_steps=3", "train.max_nonfinite_skips=0",
+                      "train.precision=bf16", *FAST], extra_env={"HARNESS_FAULT_NAN": "*"}, check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].endswith(f"the last good weights are in {out}/checkpoints/step-1. "
+                                                         "Lower optim.lr, check the data, or use train.precision="
+                                                         "fp32"), proc.stderr[-2000:]

@@ -20,13 +20,15 @@ from harness.errors import HarnessError, one_line
 from harness.files import disk_full, free_bytes, human_bytes, replace_dir
 
 
-def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optional[dict] = None) -> Path:
+def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optional[dict] = None,
+                 random_base: bool = False) -> Path:
     """Save the unwrapped model (weights gathered from every rank) and tokenizer in HF format to `dest`.
 
     Call on every process: under DeepSpeed ZeRO-3 gathering the weights is a collective operation. Before writing,
     the free space is compared with the size of the previous export (or, for the first, of the weights); too little,
     or a disk that fills up while writing: a HarnessError on every process, the previous export and the checkpoints
-    untouched.
+    untouched. random_base: the model was built with random weights (no folder or hub id holds its base): a LoRA
+    export also writes the base to dest/base/, which its adapter_config.json names.
     """
     dest = Path(dest)
     tmp = dest.with_name(dest.name + ".tmp")
@@ -48,7 +50,7 @@ def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optiona
                                f"needed ({what}), {human_bytes(free)} free; the checkpoints are intact: free some "
                                f"space, then run again with train.resume=auto")
         try:
-            _write_export(accelerator, model, tokenizer, state_dict, tmp, extra)
+            _write_export(accelerator, model, tokenizer, state_dict, tmp, extra, dest if random_base else None)
         except Exception as e:
             full = disk_full(e, dest.parent)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -64,7 +66,8 @@ def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optiona
     return dest
 
 
-def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, extra: Optional[dict]) -> None:
+def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, extra: Optional[dict],
+                  random_base_dest: Optional[Path] = None) -> None:
     from harness.model import is_peft, merged_copy, uses_trainable_tokens
 
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
@@ -81,5 +84,11 @@ def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, ex
     if is_peft(unwrapped):  # LoRA: final/ holds the adapter, final/merged/ the model with the adapter merged in
         merged_copy(unwrapped, state_dict).save_pretrained(tmp / "merged", safe_serialization=True)
         tokenizer.save_pretrained(tmp / "merged")
+        if random_base_dest is not None:  # a random base exists nowhere else: final/base/, named by the adapter
+            merged_copy(unwrapped, state_dict, merge=False).save_pretrained(tmp / "base", safe_serialization=True)
+            tokenizer.save_pretrained(tmp / "base")
+            adapter_config = json.loads((tmp / "adapter_config.json").read_text())
+            adapter_config["base_model_name_or_path"] = str(Path(random_base_dest).resolve() / "base")
+            (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
         for name, obj in (extra or {}).items():
             (tmp / "merged" / name).write_text(json.dumps(obj, indent=2))

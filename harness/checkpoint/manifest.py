@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover - datasets depends on it
     xxhash = None
 
 MARKER = "COMPLETE"
+STATE_FILE = "harness_state.json"  # the loop state saved with every checkpoint (harness.checkpoint.store)
 MANIFEST_FORMAT = 1
 LEGACY_MARKER = b"complete"  # what COMPLETE held before it carried a manifest
 ALGORITHM = "xxh3_128" if xxhash is not None else "blake2b"
@@ -169,6 +170,10 @@ def verify_checkpoint(folder: str | Path, accelerator=None) -> Verification:
         if m is None:
             return [], None
         problems = []
+        listed = {e["path"] for e in m["files"]}
+        for rel, _ in manifest_files(folder):  # a file the save did not write (or the manifest lost) may be loaded
+            if rel not in listed and rel != STATE_FILE + ".tmp":
+                problems.append(f"{rel}: not in the manifest")
         for e in m["files"]:
             p = folder / e["path"]
             if not p.is_file():

@@ -20,13 +20,11 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from harness.checkpoint.manifest import MARKER, Verification, build_manifest, checkpoint_size, has_manifest, \
-    verify_checkpoint, write_marker
+from harness.checkpoint.manifest import (MARKER, STATE_FILE, Verification, build_manifest, checkpoint_size,
+                                        has_manifest, verify_checkpoint, write_marker)
 from harness.distributed import all_gather, is_main, num_processes, on_main
 from harness.errors import ConfigError, HarnessError, one_line
 from harness.files import disk_full, free_bytes, human_bytes, write_json
-
-STATE_FILE = "harness_state.json"
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:
@@ -217,8 +215,8 @@ def rotate(output_dir: str | Path, keep: int, protect: Optional[Path] = None) ->
     return doomed
 
 
-def resolve_resume(output_dir: str | Path, resume: Optional[str],
-                   accelerator=None) -> tuple[Optional[Path], list[Path]]:
+def resolve_resume(output_dir: str | Path, resume: Optional[str], accelerator=None,
+                   older_than: Optional[int] = None) -> tuple[Optional[Path], list[Path]]:
     """The checkpoint to resume from (None: start fresh) and the incomplete folders that were passed over.
 
     resume: "auto" (the newest complete checkpoint that verifies, if any), a checkpoint folder (which must verify), or
@@ -232,7 +230,10 @@ def resolve_resume(output_dir: str | Path, resume: Optional[str],
 
     accelerator: pass it when it exists (it must, under several processes): the main process lists the folders and
     reads the markers, the checksum work is split between the processes, and every process gets the same results,
-    hence the same choice. Warnings are printed with accelerator.print (else print)."""
+    hence the same choice. Warnings are printed with accelerator.print (else print).
+
+    older_than: (auto) only checkpoints of earlier steps: those from step `older_than` on failed to load
+    (`load_resumable`)."""
     say = accelerator.print if accelerator is not None else print
 
     def plan() -> tuple[list[Path], list[Path], bool]:
@@ -245,7 +246,7 @@ def resolve_resume(output_dir: str | Path, resume: Optional[str],
                 )
             return [], incomplete, False
         if resume == "auto":
-            return [p for _, p in reversed(complete)], incomplete, False
+            return [p for s, p in reversed(complete) if older_than is None or s < older_than], incomplete, False
         path = Path(resume)
         if not path.is_dir():
             raise ConfigError(f"config key 'train.resume': {path} is not a folder")
@@ -304,9 +305,41 @@ def load_checkpoint(accelerator, path: Path, quantized: bool = False) -> dict:
         accelerator.load_state(str(path), **kwargs)
         return json.loads((path / STATE_FILE).read_text())
     except Exception as e:  # noqa: BLE001 - a damaged file or a user mistake, reported on one line
-        raise HarnessError(f"could not load checkpoint {path} ({one_line(e, 400)}); resume from another "
-                           f"one with train.resume=<folder>, or check that the config matches the run that wrote it"
-                           ) from e
+        error = HarnessError(f"could not load checkpoint {path} ({one_line(e, 400)}); resume from another "
+                             f"one with train.resume=<folder>, or check that the config matches the run that wrote it")
+        error.cause = one_line(e, 400)
+        raise error from e
+
+
+def load_resumable(accelerator, output_dir: str | Path, path: Path, auto: bool, quantized: bool = False
+                   ) -> tuple[Path, dict]:
+    """Load checkpoint `path` on every process: (the checkpoint loaded, its loop state). With train.resume=auto a
+    checkpoint that verified but fails to load on any process (a file it should not hold, written for another model)
+    is passed over like one that fails verification: a warning, and the next older one that verifies is loaded (it
+    restores every loaded part, so what the failed attempt loaded does not remain). Every process takes the same
+    decision (one all-gather per attempt). A named checkpoint that fails, or none left: a one-line HarnessError."""
+    say = accelerator.print if accelerator is not None else print
+    failed: list[str] = []
+    while True:
+        error, saved = None, None
+        try:
+            saved = load_checkpoint(accelerator, path, quantized)
+        except HarnessError as e:
+            error = (str(e), getattr(e, "cause", str(e)))
+        errors = [e for e in all_gather(accelerator, error) if e is not None]
+        if not errors:
+            return path, saved
+        if not auto:
+            raise HarnessError(errors[0][0])
+        cause = errors[0][1]
+        say(f"[harness] warning: checkpoint {path} verifies but cannot be loaded ({cause}): not resumed from, "
+            f"trying an older one")
+        failed.append(f"{path.name}: {cause}")
+        path, _ = resolve_resume(output_dir, "auto", accelerator, older_than=_step(path))
+        if path is None:
+            raise HarnessError(f"no checkpoint in {checkpoints_root(output_dir)} loads ({'; '.join(failed)}): move the "
+                               f"damaged folders away to start afresh, check that the config matches the run that "
+                               f"wrote them, or use another train.output_dir")
 
 
 class Checkpointer:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -28,45 +28,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from harness.config.yaml_loader import TooLong, read_yaml
 from harness.errors import ConfigError
-
-# ----------------------------------------------------------------------------------------------- YAML
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads 1e-3 / 3E-4 as floats (YAML 1.2; PyYAML's 1.1 rules want a dot: 1.0e-3), and
-    refuses a key given twice in one mapping (PyYAML would keep the last one without a word)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            try:
-                first = seen.setdefault(key, key_node.start_mark.line + 1)
-            except TypeError:  # an unhashable key: the base class reports it
-                continue
-            if first != key_node.start_mark.line + 1:
-                raise DuplicateKey(key, first, key_node.start_mark)
-        return super().construct_mapping(node, deep)
-
-
-class DuplicateKey(yaml.YAMLError):
-    def __init__(self, key, first_line: int, mark):
-        self.problem = f"key '{key}' given twice, first on line {first_line}"
-        self.problem_mark = mark
-        super().__init__(self.problem)
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def _yaml(text: str):
-    return yaml.load(text, Loader=_Loader)
-
 
 # ----------------------------------------------------------------------------------------------- sections
 
@@ -291,7 +254,8 @@ class TrainConfig:
     )
     overwrite: bool = _f(False, "Start over in an output_dir that holds a finished or interrupted run: its "
                                 "checkpoints/, final/, metrics.jsonl, report.json, summary.md, plots/ and "
-                                "tensorboard/ are deleted first (not kept aside).")
+                                "tensorboard/ are deleted first (not kept aside); only in a folder that holds a harness run "
+                                "(its config.yaml).")
     deepspeed: Optional[str] = _f(
         None, "DeepSpeed config for runs without a DeepSpeed accelerate launcher: a JSON path or a shipped name "
         "(zero0, zero1, zero2, zero2_offload, zero3, zero3_offload)."
@@ -434,8 +398,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, _, value = text.partition("=")
     key = key.strip().lstrip("-")
     try:
-        parsed = _yaml(value) if value.strip() else ""
-    except yaml.YAMLError:
+        parsed = read_yaml(value) if value.strip() else ""
+    except TooLong as e:
+        raise ConfigError(f"config key '{key}': {e.problem}") from None
+    except (yaml.YAMLError, RecursionError):
         parsed = value  # a plain string such as a path with a colon
     return key, parsed
 
@@ -445,10 +411,25 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
     pairs: list[tuple[str, Any]] = []  # (key, value) from the file, then from the overrides
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            recipes = sorted(p.glob("*.yaml"), key=lambda r: r.name != "default.yaml")
+            raise ConfigError(f"config file {p} is a folder; give a recipe file"
+                              + (f", e.g. {recipes[0]}" if recipes else ""))
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            loaded = _yaml(p.read_text()) or {}
+            raw_bytes = p.read_bytes()
+            loaded = read_yaml(raw_bytes.decode("utf-8")) or {}
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot read the config file ({e.strerror or e})") from None
+        except UnicodeDecodeError as e:
+            line = raw_bytes.count(b"\n", 0, e.start) + 1
+            column = e.start - (raw_bytes.rfind(b"\n", 0, e.start) + 1) + 1
+            raise ConfigError(f"{p}:{line}: not UTF-8 text (byte 0x{raw_bytes[e.start]:02x} at column {column}); "
+                              f"convert the file, e.g. iconv -f latin1 -t utf-8") from None
+        except RecursionError:
+            raise ConfigError(f"{p}: invalid YAML (nested too deeply: more than about {sys.getrecursionlimit()} "
+                              f"levels)") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f"{p}:{mark.line + 1}" if mark else str(p)
@@ -479,9 +460,16 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config; `load_config(path)` gives the same Config back."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    """Write the resolved config; `load_config(path)` gives the same Config back. Atomically (a temporary file
+    renamed over it): a full disk leaves the previous file whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def describe() -> str:

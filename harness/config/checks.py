@@ -59,6 +59,9 @@ def validate(cfg: Config) -> None:
                           "': must be >= 0")
     if t.max_nonfinite_skips < 0:
         raise ConfigError(f"config key 'train.max_nonfinite_skips': must be >= 0, got {t.max_nonfinite_skips}")
+    if not t.output_dir.strip():  # an unset shell variable (train.output_dir=$OUT): never the current folder
+        raise ConfigError("config key 'train.output_dir': is empty (an unset shell variable?); give the run folder, "
+                          "e.g. train.output_dir=runs/my-run")
     out = Path(t.output_dir)
     existing = next((p for p in (out, *out.parents) if p.exists()), None)  # mkdir would fail under a file
     if existing is not None and not existing.is_dir():

@@ -96,12 +96,19 @@ def _render(tokenizer, template: str, messages: list[dict], tools, origin: str, 
         raise DataError(f"{origin}: the chat template cannot render this conversation: {msg}") from None
 
 
+def _rendered(result, full: str) -> bool:
+    """Whether a tool result is in the rendered conversation: as its text, or as the JSON string a template's
+    `| tojson` makes of it (Llama-3.1-Instruct: quotes and newlines escaped)."""
+    text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
+    return any(form in full for form in (text, json.dumps(text, ensure_ascii=False), json.dumps(text)))
+
+
 def _check_tools(messages: list[dict], tools, full: str, template: str, origin: str) -> None:
     """A conversation with tool calls or tool messages whose template drops them: a one-line DataError."""
     names = [(c.get("function") or c).get("name", "") for m in messages for c in (m.get("tool_calls") or [])]
     results = [m["content"] for m in messages if m["role"] == "tool"]
     uses_tools = bool(names or results or tools)
-    dropped = any(n not in full for n in names) or any(r not in full for r in results)
+    dropped = any(n not in full for n in names) or any(not _rendered(r, full) for r in results)
     if uses_tools and (template == GRITLM_TEMPLATE or dropped):
         which = "the GritLM layout" if template == GRITLM_TEMPLATE else "the chat template"
         raise DataError(f"{origin}: {which} has no tool support (tool calls or tool messages would be lost); use "

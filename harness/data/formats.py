@@ -95,6 +95,10 @@ def _tools(value: Any, where: str, field: str = "tools") -> str:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: field '{field}' is not valid JSON ({e.msg}, column {e.colno})") from None
+        except (ValueError, RecursionError) as e:
+            from harness.files import json_beyond_limits
+
+            raise DataError(f"{where}: field '{field}': {json_beyond_limits(e)}") from None
     if isinstance(value, dict):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
@@ -115,7 +119,7 @@ def _tool_call(call: Any, where: str, field: str) -> dict:
     if isinstance(fn.get("arguments"), str):
         try:
             parsed = json.loads(fn["arguments"])
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # kept as the string it is
             parsed = None
         if isinstance(parsed, dict):
             fn["arguments"] = parsed

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from harness.data import formats
 from harness.errors import ConfigError, DataError
+from harness.files import json_beyond_limits
 
 SOURCE_KEYS = ("path", "split", "subset", "format", "weight", "columns")
 SUFFIXES = {".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".json.gz": "json", ".parquet": "parquet",
@@ -185,6 +186,8 @@ def read_jsonl(path: str) -> Iterator[tuple[int, dict]]:
             obj = json.loads(line.rstrip("\r\n"))
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: invalid JSON, column {e.colno}: {e.msg}") from None
+        except (ValueError, RecursionError) as e:
+            raise DataError(f"{path}:{lineno}: {json_beyond_limits(e)}") from None
         if not isinstance(obj, dict):
             raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
         n += 1
@@ -204,6 +207,8 @@ def _read_json_array(path: str) -> Iterator[tuple[int, dict]]:
             obj, end = dec.raw_decode(text, i)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{e.lineno}: invalid JSON, column {e.colno}: {e.msg}") from None
+        except (ValueError, RecursionError) as e:
+            raise DataError(f"{path}:{line + text.count(chr(10), last, i)}: {json_beyond_limits(e)}") from None
         line, last = line + text.count("\n", last, i), i
         if not isinstance(obj, dict):
             raise DataError(f"{path}:{line}: expected a JSON object, got {type(obj).__name__}")

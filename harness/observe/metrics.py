@@ -100,20 +100,25 @@ class MetricsLogger:
     """Writes metrics.jsonl and forwards scalars to accelerate's trackers. Call on every process; only the main
     process writes."""
 
-    def __init__(self, accelerator, output_dir: str | Path, resume_step: Optional[int] = None):
+    def __init__(self, accelerator, output_dir: str | Path, resume_step: Optional[int] = None,
+                 unwritten: Optional[list] = None):
         """A fresh run starts an empty metrics.jsonl; a resumed one keeps the records up to `resume_step` (later
         ones belong to the interrupted attempt and are logged again). A line that is not a JSON object (the last one
         cut by a crash mid-write, or damage anywhere) is dropped with a warning naming it. The kept records are
         written to a temporary file that replaces metrics.jsonl in one rename, so a kill during the resume leaves
-        the old file or the new one, never a cut one."""
+        the old file or the new one, never a cut one. `unwritten`: the lines a full disk kept out of the file before
+        the checkpoint resumed from (see `_append`), written after the kept records."""
         self.accelerator = accelerator
         self.path = Path(output_dir) / "metrics.jsonl"
         self._fh = None
+        self.failed: Optional[str] = None  # why a record could not be written (a full disk): the run stops
+        self.unwritten: list[str] = []  # the lines since (saved with the checkpoint that stop writes)
         if accelerator.is_main_process:
             kept = []
             if resume_step is not None and self.path.exists():
                 kept = [ln for rec, ln in read_records(self.path, accelerator.print)
                         if rec.get("step", 0) <= resume_step]
+            kept += [ln for ln in unwritten or [] if json.loads(ln).get("step", 0) <= (resume_step or 0)]
             tmp = self.path.with_name(self.path.name + ".tmp")
             with open(tmp, "w", encoding="utf-8") as fh:
                 fh.writelines(ln + "\n" for ln in kept)
@@ -124,16 +129,38 @@ class MetricsLogger:
 
     def log(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        if self._fh is not None:
-            self._fh.write(json.dumps(clean) + "\n")
-            self._fh.flush()
+        if self.failed is not None:
+            self.unwritten.append(json.dumps(clean))
+        elif self._fh is not None:
+            self._append(json.dumps(clean) + "\n", record.get("step"))
         scalars = {tracker_tag(k): v for k, v in clean.items()
                    if isinstance(v, (int, float)) and k != "step" and v is not None}
         self.accelerator.log(scalars, step=record["step"])
 
+    def _append(self, line: str, step) -> None:
+        """One record, whole or not at all: a write that fails (ENOSPC) is cut back to the last whole line, and
+        `failed` says why; this line and later ones go to `unwritten` (the loop stops with a checkpoint that holds
+        them, and the resume writes them)."""
+        size = self._fh.tell()
+        try:
+            self._fh.write(line)
+            self._fh.flush()
+        except OSError as e:
+            self.failed = f"could not write the record of step {step} to {self.path} ({type(e).__name__}: {e})"
+            self.unwritten.append(line.rstrip("\n"))
+            try:
+                os.truncate(self.path, size)  # no cut line
+                self._fh.close()
+            except OSError:
+                pass
+            self._fh = None
+
     def close(self) -> None:
         if self._fh is not None:
-            self._fh.close()
+            try:
+                self._fh.close()
+            except OSError:  # its last flush on a full disk: already reported, the resume rewrites the file
+                pass
             self._fh = None
 
 
