@@ -91,3 +91,19 @@ def test_gritlm_generates_from_a_final_folder_in_the_training_chat_format(both):
     out = theirs.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=theirs.tokenizer.pad_token_id)
     assert ours.generate(prompt, max_new_tokens=6) == theirs.tokenizer.decode(out[0, n:], skip_special_tokens=True)
 
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_grit_model_prompts_with_the_chat_template_training_used(tmp_path):
+    """A run whose data.chat_template is not the GritLM layout (here ChatML): GritModel.generate prompts with it."""
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    m = GritModel.load(export(None, tmp_path / "final", str(tmp_path / "chatml.jinja")), device="cpu")
+    seen = []
+    generate = m.model.generate
+    m.model.generate = lambda **kw: seen.append(kw["input_ids"][0].tolist()) or generate(**kw)
+    m.generate("What is 17 + 25?", max_new_tokens=1)
+    expected = m.tokenizer.apply_chat_template([{"role": "user", "content": "What is 17 + 25?"}],
+                                               add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert seen == [list(expected)] and m.tokenizer.decode(seen[0]).startswith("<|im_start|>user")
