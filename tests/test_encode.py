@@ -107,3 +107,23 @@ def test_grit_model_prompts_with_the_chat_template_training_used(tmp_path):
     expected = m.tokenizer.apply_chat_template([{"role": "user", "content": "What is 17 + 25?"}],
                                                add_generation_prompt=True, return_dict=True)["input_ids"]
     assert seen == [list(expected)] and m.tokenizer.decode(seen[0]).startswith("<|im_start|>user")
+
+
+@pytest.mark.parametrize("pooling", ["weightedmean", "lasttoken"])
+def test_gritlm_pools_as_grit_model_does(pooling, tmp_path):
+    """The other poolings: gritlm's pooling_method of the same name (lasttoken: embed_eos = the tokenizer's eos,
+    which harness appends)."""
+    from gritlm import GritLM
+
+    final = export(None, tmp_path / "final")
+    settings = json.loads((final / "harness.json").read_text())
+    (final / "harness.json").write_text(json.dumps({**settings, "pooling": pooling,
+                                                    "append_eos": pooling == "lasttoken"}))
+    ours = GritModel.load(final, device="cpu")
+    eos = {"embed_eos": ours.tokenizer.eos_token} if pooling == "lasttoken" else {}
+    theirs = GritLM(str(final), mode="unified", pooling_method=pooling, attn="bbcc", device="cpu",
+                    torch_dtype=torch.float32, **eos)
+    q_ref = torch.from_numpy(theirs.encode(QUERIES, instruction=gritlm_instruction(INSTRUCTION)))
+    d_ref = torch.from_numpy(theirs.encode(PASSAGES, instruction=gritlm_instruction("")))
+    assert (ours.encode(QUERIES, instruction=INSTRUCTION) - q_ref).abs().max() <= 1e-5
+    assert (ours.encode(PASSAGES) - d_ref).abs().max() <= 1e-5
