@@ -85,10 +85,12 @@ class GritModel:
 
     @torch.no_grad()
     def generate(self, prompt: str, max_new_tokens: int = 64, **kwargs) -> str:
-        """Answer a user turn in the chat layout used for training (greedy unless sampling kwargs are given)."""
+        """Answer a user turn in the chat format training used: the chat template saved with the tokenizer (the
+        one data.chat_template chose), as `tokenizer.apply_chat_template(messages, add_generation_prompt=True)`
+        gives it to gritlm's GritLM.generate or plain transformers. Greedy unless sampling kwargs are given."""
         tok = self.tokenizer
-        text = (tok.bos_token or "") + f"<|user|>\n{prompt}\n<|assistant|>\n"
-        ids = tok(text, return_tensors="pt", add_special_tokens=False).to(self.device)
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True).to(self.device)
         gen = self.model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=kwargs.pop("do_sample", False),
                                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **kwargs)
         return tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)

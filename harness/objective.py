@@ -278,29 +278,48 @@ class Objective:
         """GradCache: embed the chunks without graph, take the loss and its gradient with respect to the
         embeddings on the whole batch, then re-embed chunk by chunk with graph and back-propagate
         sum(embedding * its gradient). Same loss and same gradient as one pass over the batch; activation memory
-        of one chunk."""
+        of one chunk.
+
+        Any batch size: the queries are split into `chunks` ranges of near-equal size (cache_chunks), so a short
+        last batch (not divisible by the chunk count, or with fewer queries than chunks) loses no row. Every
+        process runs exactly `chunks` forward passes of each kind and `chunks` backward passes, whatever its batch
+        size: a range without queries runs its first query as a stand-in whose gradient is zero. So a process with a
+        short batch takes part in as many collective operations (DDP's reduction, ZeRO's gathers and reductions)
+        as the others and none waits for it."""
         accelerator = self.accelerator
         n_q = emb["query"]["input_ids"].shape[0]
         group = emb["passage"]["input_ids"].shape[0] // n_q
-        size = n_q // chunks
-        q_parts = [_rows(emb["query"], i * size, (i + 1) * size) for i in range(chunks)]
-        p_parts = [_rows(emb["passage"], i * size * group, (i + 1) * size * group) for i in range(chunks)]
+        bounds = cache_chunks(n_q, chunks)
+        parts = [(_rows(emb["query"], a, b), _rows(emb["passage"], a * group, b * group)) if b > a
+                 else (_rows(emb["query"], 0, 1), _rows(emb["passage"], 0, group)) for a, b in bounds]
         rng = _RngReplay()
         with torch.no_grad():
             reps_q, reps_p = [], []
-            for qb, pb in zip(q_parts, p_parts):
+            for (qb, pb), (a, b) in zip(parts, bounds):
                 rng.record()
-                reps_q.append(self.embed(qb))
-                reps_p.append(self.embed(pb))
+                q, p = self.embed(qb), self.embed(pb)
+                reps_q.append(q[: b - a])  # a stand-in's embeddings are not part of the batch
+                reps_p.append(p[: (b - a) * group])
         reps_q = torch.cat(reps_q).requires_grad_()
         reps_p = torch.cat(reps_p).requires_grad_()
         loss, factor = self.contrastive(reps_q, reps_p)
         grad_q, grad_p = torch.autograd.grad(self.loss.emb_weight * loss * factor, [reps_q, reps_p])
-        for i, (qb, pb) in enumerate(zip(q_parts, p_parts)):
+        for i, ((qb, pb), (a, b)) in enumerate(zip(parts, bounds)):
             last = i == chunks - 1
             with rng.replay(i), (contextlib.nullcontext() if last else deferred_sync(accelerator, self.model)):
                 q, p = self.embed(qb), self.embed(pb)
-                surrogate = (q * grad_q[i * size:(i + 1) * size]).sum() \
-                    + (p * grad_p[i * size * group:(i + 1) * size * group]).sum()
+                if b > a:
+                    surrogate = (q * grad_q[a:b]).sum() + (p * grad_p[a * group:b * group]).sum()
+                else:  # a stand-in: a backward pass like the others' that adds nothing
+                    surrogate = (q * 0).sum() + (p * 0).sum()
                 self.check.backward(surrogate)
         return loss.detach()
+
+
+def cache_chunks(n: int, chunks: int) -> list[tuple[int, int]]:
+    """GradCache's row ranges: `chunks` consecutive [start, stop) ranges covering 0..n, sizes differing by at most
+    one, the larger ones last; with n < chunks the first chunks - n ranges are empty (the last one never is)."""
+    small, extra = divmod(n, chunks)
+    sizes = [small + (i >= chunks - extra) for i in range(chunks)]
+    starts = [sum(sizes[:i]) for i in range(chunks)]
+    return [(a, a + size) for a, size in zip(starts, sizes)]

@@ -15,3 +15,29 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def repo_root() -> Path:
     """The repository root (where configs/ and harness/ live)."""
     return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def llama_style_tokenizer_dir(tmp_path_factory) -> Path:
+    """A SentencePiece-style (Llama / Mistral) tokenizer built offline: BPE with byte fallback over a Metaspace
+    pre-tokenizer (a prefix space "▁" before the first word), trained on the sample embedding texts, saved as
+    transformers' LlamaTokenizer with add_bos_token (it adds <s> itself). No GritLM markers: harness adds them."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaTokenizer
+
+    texts = []
+    for line in (REPO_ROOT / "data" / "sample" / "emb.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        for v in [row["query"], *row["pos"], *row["neg"]]:
+            texts += v if isinstance(v, list) else [v]
+    bpe = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+    special = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]  # byte fallback: "\n" is <0x0A>
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=700, special_tokens=special, show_progress=False))
+    model = json.loads(bpe.to_str())["model"]
+    tok = LlamaTokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]], add_bos_token=True)
+    out = tmp_path_factory.mktemp("llama_style_tokenizer")
+    tok.save_pretrained(out)
+    return out

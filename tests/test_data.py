@@ -609,64 +609,55 @@ LONG_TEXT = "The town of Varnel has four bridges over the slow green river, and 
 
 
 def test_tokenize_embed_texts_layout(tok):
+    """GritLM's layout (gritlm.GritLM.encode): prefix + text tokenized in one call with the tokenizer's own special
+    tokens (the bundled tokenizer adds none, so no BOS); the prefix alone, tokenized the same way, is not pooled."""
     fmt = EmbedFormat()
     texts = [{"instruction": "Find the answer", "text": LONG_TEXT}, {"instruction": "", "text": "short text"}]
-    head0 = [tok.bos_token_id] + ids(tok, "<|user|>\nFind the answer\n<|embed|>\n")
-    head1 = [tok.bos_token_id] + ids(tok, "<|embed|>\n")
-    body0, body1 = ids(tok, LONG_TEXT), ids(tok, "short text")
-    assert tok.convert_tokens_to_ids("<|embed|>") in head0 and tok.convert_tokens_to_ids("<|embed|>") in head1
+    prefix0, prefix1 = "<|user|>\nFind the answer\n<|embed|>\n", "<|embed|>\n"
+    full0, full1 = tok(prefix0 + LONG_TEXT)["input_ids"], tok(prefix1 + "short text")["input_ids"]
+    head0, head1 = len(tok(prefix0)["input_ids"]), len(tok(prefix1)["input_ids"])
+    assert tok.convert_tokens_to_ids("<|embed|>") in full0[:head0] and tok.bos_token_id not in full0
 
     out, instr, truncated = tokenize_embed_texts(texts, tok, 1000, fmt)
-    assert out == [head0 + body0, head1 + body1]
-    assert instr == [len(head0), len(head1)]
+    assert out == [full0, full1]
+    assert instr == [head0, head1]
     assert truncated == 0
-    assert tok.decode(out[0]) == "<s><|user|>\nFind the answer\n<|embed|>\n" + LONG_TEXT
+    assert tok.decode(out[0]) == prefix0 + LONG_TEXT
     assert tok.decode(out[0][instr[0]:]) == LONG_TEXT
 
-    # Truncation cuts the text, never the prefix.
-    max_len = len(head0) + 3
-    assert len(head1) + len(body1) <= max_len < len(head0) + len(body0)
+    # Truncation cuts the end of the text, never the prefix.
+    max_len = head0 + 3
+    assert len(full1) <= max_len < len(full0)
     out, instr, truncated = tokenize_embed_texts(texts, tok, max_len, fmt)
-    assert out == [head0 + body0[:3], head1 + body1]
-    assert instr == [len(head0), len(head1)] and truncated == 1
+    assert out == [full0[:max_len], full1]
+    assert instr == [head0, head1] and truncated == 1
 
     # The smallest max_len with room for one text token.
-    out, instr, truncated = tokenize_embed_texts(texts[:1], tok, len(head0) + 1, fmt)
-    assert out == [head0 + body0[:1]] and instr == [len(head0)] and truncated == 1
+    out, instr, truncated = tokenize_embed_texts(texts[:1], tok, head0 + 1, fmt)
+    assert out == [full0[:head0 + 1]] and instr == [head0] and truncated == 1
 
 
-def test_tokenize_embed_texts_append_eos(tok):
-    fmt = EmbedFormat(append_eos=True)
-    texts = [{"instruction": "Find the answer", "text": LONG_TEXT}, {"instruction": "", "text": "short text"}]
-    head0 = [tok.bos_token_id] + ids(tok, "<|user|>\nFind the answer\n<|embed|>\n")
-    head1 = [tok.bos_token_id] + ids(tok, "<|embed|>\n")
-    body0, body1 = ids(tok, LONG_TEXT), ids(tok, "short text")
-    out, instr, truncated = tokenize_embed_texts(texts, tok, 1000, fmt)
-    eos = tok.eos_token_id
-    assert out == [head0 + body0 + [eos], head1 + body1 + [eos]] and truncated == 0
-    assert instr == [len(head0), len(head1)]
-    # Truncated: the eos stays, within max_len.
-    max_len = len(head0) + 4
-    out, _, truncated = tokenize_embed_texts(texts, tok, max_len, fmt)
-    assert out[0] == head0 + body0[:3] + [eos] and len(out[0]) == max_len and truncated == 1
-    # Without append_eos, no eos anywhere.
-    plain, _, _ = tokenize_embed_texts(texts, tok, 1000, EmbedFormat())
-    assert all(eos not in row for row in plain)
-
-
-def test_tokenize_embed_texts_custom_templates(tok):
-    fmt = EmbedFormat(instruction_template="Instruct: {instruction}\nQuery: ", plain_template="")
-    texts = [{"instruction": "Find it", "text": "where"}, {"instruction": "", "text": "there"}]
-    out, instr, _ = tokenize_embed_texts(texts, tok, 100, fmt)
-    assert out[0] == [tok.bos_token_id] + ids(tok, "Instruct: Find it\nQuery: ") + ids(tok, "where")
-    assert out[1] == [tok.bos_token_id] + ids(tok, "there") and instr[1] == 1  # only bos before the text
+def test_tokenize_embed_texts_with_a_tokenizer_that_adds_bos_and_a_prefix_space(llama_style_tokenizer_dir):
+    """SentencePiece-style (Llama, Mistral): the tokenizer's own BOS, once, and the text's tokens as they read after
+    the prefix, without the prefix space "▁" that the text tokenized alone would start with (GritLM's tokens)."""
+    tok = load_tokenizer(ModelConfig(tokenizer=str(llama_style_tokenizer_dir)))
+    text, instruction = "What is 7 plus 21?", "Given a question, retrieve it"
+    texts = [{"instruction": instruction, "text": text}, {"instruction": "", "text": text}]
+    out, instr, _ = tokenize_embed_texts(texts, tok, 64, EmbedFormat())
+    for row, n, prefix in zip(out, instr, (f"<|user|>\n{instruction}\n<|embed|>\n", "<|embed|>\n")):
+        assert row == tok(prefix + text)["input_ids"] and n == len(tok(prefix)["input_ids"])
+        assert row[0] == tok.bos_token_id and row.count(tok.bos_token_id) == 1
+        assert tok.decode(row[n:]) == text
+        pooled = tok.convert_ids_to_tokens(row[n:])
+        assert not pooled[0].startswith("▁") and pooled != tok.convert_ids_to_tokens(ids(tok, text))
+    assert tok.convert_ids_to_tokens(ids(tok, text))[0] == "▁What"  # alone, the text starts with a prefix space
 
 
 @pytest.mark.parametrize("append_eos", [False, True])
 def test_tokenize_embed_texts_instruction_too_long(tok, append_eos):
     fmt = EmbedFormat(append_eos=append_eos)
     instruction = "Retrieve the passage that answers the question about bridges and towns"
-    head = [tok.bos_token_id] + ids(tok, f"<|user|>\n{instruction}\n<|embed|>\n")
+    head = ids(tok, f"<|user|>\n{instruction}\n<|embed|>\n")  # the bundled tokenizer adds no special tokens
     max_len = len(head) + (1 if append_eos else 0)  # no room for a single text token
     texts = [{"instruction": "", "text": "fine"}, {"instruction": instruction, "text": "the text"}]
     with pytest.raises(DataError) as excinfo:
@@ -692,7 +683,7 @@ def test_too_long_instruction_in_a_file_names_file_and_line(tmp_path, tok):
     with pytest.raises(DataError) as excinfo:
         tokenize_embedding_dataset(rows, tok, 8, 64, EmbedFormat())
     assert str(excinfo.value) == (
-        f"{f}:1: instruction 'Retrieve the passage that answers the qu' takes 21 tokens with its template: no room "
+        f"{f}:1: instruction 'Retrieve the passage that answers the qu' takes 20 tokens with its template: no room "
         "for the text within 8 tokens (raise data.query_max_len / data.passage_max_len)")
 
 
@@ -737,7 +728,7 @@ def test_embedding_groups_layout(emb_ds, tok):
         assert texts[0] in pos
         assert all(t in rec["neg"] for t in texts[1:])
         for ids_, instr in g["passages"]:  # (ids, instr_len) pairs straight from the tokenized row
-            assert ids_[0] == tok.bos_token_id and 1 < instr < len(ids_)
+            assert tok.bos_token_id not in ids_ and 0 < instr < len(ids_)
     # Enough negatives: sampled without replacement.
     assert len(set(_group_texts(tok, groups[0])[1:])) == 3
     # Fewer negatives than needed: with replacement (one negative repeated; two negatives, so one repeats).

@@ -97,3 +97,13 @@ def test_gritlm_tiny_recipe_runs_and_the_model_embeds_and_generates(tmp_path):
     assert torch.allclose(d.norm(dim=-1), torch.ones(3), atol=1e-5)
     assert not torch.allclose(q, m.encode(["Which town has 4 bridges?"]))  # the instruction matters
     assert isinstance(m.generate("What is 2 + 3?", max_new_tokens=8), str)
+
+    from gritlm import GritLM  # the run's final/ as it is, in gritlm's own class (issue 27)
+
+    theirs = GritLM(str(out / "final"), mode="unified", pooling_method="mean", attn="bbcc", device="cpu",
+                    torch_dtype=torch.float32)
+    q_ref = theirs.encode(["Which town has 4 bridges?"],
+                          instruction="<|user|>\nRetrieve the passage that answers the question.\n<|embed|>\n")
+    d_ref = theirs.encode(["The town of Varnel has 4 bridges.", "Seven plus five equals twelve.", "A third text."],
+                          instruction="<|embed|>\n")
+    assert (q - torch.from_numpy(q_ref)).abs().max() <= 1e-5 and (d - torch.from_numpy(d_ref)).abs().max() <= 1e-5

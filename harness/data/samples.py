@@ -225,8 +225,10 @@ class PackedCollator:
 # ----------------------------------------------------------------------------------------------- embedding data
 #
 # Records: {"query": str | [instruction, str], "pos": [str | [instruction, str], ...], "neg": [...]}
-# Each text is laid out as  <s>{template}{text}  where template is data.emb_instruction_template (with the
-# instruction) or data.emb_plain_template; only the text's tokens are pooled (instr_len marks where they start).
+# Each text is embedded as GritLM embeds it (gritlm.GritLM.encode, docs/gritlm.md): the string {prefix}{text}, with
+# prefix data.emb_instruction_template (with the instruction) or data.emb_plain_template, tokenized in one call with
+# the tokenizer's own special tokens; the first instr_len tokens (the prefix alone, tokenized the same way) are not
+# pooled.
 
 
 def load_embedding_rows(entries: list, need_negatives: int, cache_dir: str | None = None,
@@ -234,6 +236,11 @@ def load_embedding_rows(entries: list, need_negatives: int, cache_dir: str | Non
     """Validate embedding sources into a `datasets.Dataset` of {query, pos, neg, origin} (texts as {instruction,
     text}); `need_negatives` > 0 requires hard negatives."""
     return sources.load_rows(entries, "embedding", cache_dir, what, need_negatives)
+
+
+# Names the embedding tokenization rule in datasets' cache key; change it whenever tokenize_embed_texts changes what it
+# returns, or caches written by an earlier version are read back.
+EMBED_TOKENIZATION = "gritlm-joint-1"
 
 
 @dataclass(frozen=True)
@@ -245,32 +252,40 @@ class EmbedFormat:
 
 def tokenize_embed_texts(texts: list[dict], tokenizer, max_len: int, fmt: EmbedFormat,
                          origins: list[str] | None = None) -> tuple[list, list, int]:
-    """[{instruction, text}] -> (input_ids, instr_lens, truncated count). The text is cut to fit max_len; the
-    prefix (bos + template) is kept whole and excluded from pooling. `origins` (file:line per text) name the record
-    in errors."""
+    """[{instruction, text}] -> (input_ids, instr_lens, truncated count), the way gritlm.GritLM.encode tokenizes
+    (its `instruction` argument is our prefix): prefix + text tokenized in one call with the tokenizer's own special
+    tokens (a BOS only where the tokenizer adds one; a SentencePiece tokenizer's prefix space at the start of the
+    prefix, none before the text), cut to max_len tokens by the tokenizer's truncation (the text's end goes);
+    instr_len = the token count of the prefix tokenized alone in the same way (GritLM's count of the positions not
+    pooled). With fmt.append_eos (lasttoken pooling) the eos follows, within max_len. `origins` (file:line per text)
+    name the record in errors."""
     prefixes = [fmt.instruction_template.format(instruction=t["instruction"]) if t["instruction"]
                 else fmt.plain_template for t in texts]
-    enc = tokenizer(prefixes + [t["text"] for t in texts], add_special_tokens=False)["input_ids"]
-    pre, body = enc[: len(texts)], enc[len(texts):]
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    unique = sorted(set(prefixes))
+    head_len = dict(zip(unique, map(len, tokenizer(unique)["input_ids"])))
+    joined = [p + t["text"] for p, t in zip(prefixes, texts)]
     eos = [tokenizer.eos_token_id] if fmt.append_eos else []
+    limit = max_len - len(eos)
     ids, instr, truncated = [], [], 0
-    for p, b in zip(pre, body):
-        head = bos + p
-        room = max_len - len(head) - len(eos)
-        if room < 1:
-            where = f"{origins[len(ids)]}: " if origins else ""
-            raise DataError(f"{where}instruction {texts[len(ids)]['instruction'][:40]!r} takes {len(head)} tokens "
+    for k, full in enumerate(tokenizer(joined)["input_ids"]):
+        head = head_len[prefixes[k]]
+        if head >= limit:
+            where = f"{origins[k]}: " if origins else ""
+            raise DataError(f"{where}instruction {texts[k]['instruction'][:40]!r} takes {head} tokens "
                             f"with its template: no room for the text within {max_len} tokens (raise "
                             f"data.query_max_len / data.passage_max_len)")
-        truncated += len(b) > room
-        ids.append(head + b[:room] + eos)
-        instr.append(len(head))
+        if len(full) > limit:  # the tokenizer's own truncation keeps the special tokens it adds (an eos at the end)
+            truncated += 1
+            full = tokenizer(joined[k], truncation=True, max_length=limit)["input_ids"]
+        ids.append(full + eos)
+        instr.append(head)
     return ids, instr, truncated
 
 
-def tokenize_embedding(batch: dict, tokenizer, query_max_len: int, passage_max_len: int, fmt: EmbedFormat) -> dict:
-    """Batched `map` function for embedding rows: token ids and instruction lengths of query, pos and neg."""
+def tokenize_embedding(batch: dict, tokenizer, query_max_len: int, passage_max_len: int, fmt: EmbedFormat,
+                       rule: str = "") -> dict:
+    """Batched `map` function for embedding rows: token ids and instruction lengths of query, pos and neg. `rule`
+    (EMBED_TOKENIZATION) only keys datasets' cache: it fingerprints this function by its name, not its code."""
     q_ids, q_instr, _ = tokenize_embed_texts(batch["query"], tokenizer, query_max_len, fmt, batch["origin"])
     out = {"q_ids": q_ids, "q_instr": q_instr}
     for key in ("pos", "neg"):
@@ -288,7 +303,7 @@ def tokenize_embedding(batch: dict, tokenizer, query_max_len: int, passage_max_l
 def tokenize_embedding_dataset(rows, tokenizer, query_max_len: int, passage_max_len: int, fmt: EmbedFormat):
     ds = rows.map(tokenize_embedding, batched=True, batch_size=1000, remove_columns=["query", "pos", "neg"],
                   fn_kwargs={"tokenizer": tokenizer, "query_max_len": query_max_len,
-                             "passage_max_len": passage_max_len, "fmt": fmt})
+                             "passage_max_len": passage_max_len, "fmt": fmt, "rule": EMBED_TOKENIZATION})
     q_len = [len(x) for x in ds["q_ids"]]
     p_len = [len(x) for col in ("pos_ids", "neg_ids") for group in ds[col] for x in group]
     stats = {"samples": len(ds), "mean_query_len": sum(q_len) / len(q_len),
