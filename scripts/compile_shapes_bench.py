@@ -28,7 +28,7 @@ VARIANTS = {
     "eager": ["train.compile=none"],
     "dynamic (default)": ["train.compile=regional"],
     "dynamo default (static first)": ["train.compile=regional", "train.compile_dynamic=false"],
-    "buckets (4), static first": ["train.compile=regional", "train.compile_dynamic=false", "data.pad_buckets=4"],
+    "buckets (4) static first": ["train.compile=regional", "train.compile_dynamic=false", "data.pad_buckets=4"],
     "buckets (4) + dynamic": ["train.compile=regional", "data.pad_buckets=4"],
 }
 
@@ -64,7 +64,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--cache", choices=["cold", "warm"], default="cold")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from: " + ", ".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names from: " + "; ".join(VARIANTS))
     p.add_argument("--out", default=None)
     p.add_argument("overrides", nargs="*", help="section.key=value for every run")
     a = p.parse_args()
