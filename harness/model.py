@@ -106,7 +106,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     added = list(range(base_vocab, len(tokenizer)))  # rows of the tokens added to the base's vocabulary
-    return apply_lora(model, cfg, added_tokens=added)
+    return apply_lora(model, cfg, added_tokens=added).train()  # from_pretrained leaves it in eval mode
 
 
 def auto_attention(mconf, packed_causal: bool) -> str:

@@ -206,3 +206,18 @@ def test_random_init_lora_export_names_its_base(tmp_path):
     ids = torch.randint(0, 200, (2, 16))
     with torch.no_grad():
         assert torch.allclose(peft_model(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)
+
+
+def test_a_pretrained_base_trains_in_train_mode(tmp_path):
+    """from_pretrained returns a model in eval mode; the harness trained it so (dropout off) until the first
+    evaluation switched it back, with or without LoRA on top (its new modules alone in train mode). Every module of
+    the built model must be in train mode."""
+    from tests.harness_launch import DEFAULT
+
+    save_base(tmp_path / "base")
+    for lora in ("false", "true"):
+        cfg = load_config(DEFAULT,
+                          [f"model.name_or_path={tmp_path / 'base'}", "model.config={}", "model.tokenizer=null",
+                           f"model.lora.enabled={lora}"])
+        model = build_model(cfg.model, load_tokenizer(cfg.model, markers=False))
+        assert not [name for name, m in model.named_modules() if not m.training], lora
