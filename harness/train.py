@@ -147,10 +147,10 @@ def train_step(job: Job, step: int, gen_batches: list, emb_batches: list, unlogg
 
 
 def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str], auto_batch: Optional[dict]) -> dict:
-    """After the loop: an early stop's message, or the final evaluation, the export and report.json."""
+    """After the loop: an early stop's message, or the last step's checkpoint, the final evaluation, the export and
+    report.json."""
     side.close()
     train_time, timings = side.meter.elapsed(), job.timings
-    t_loop_end, eval_before_final = time.time(), timings.eval_s
     timings.loop(train_time, state.step - side.start_step)
     if stopped_by == NONFINITE:
         raise nonfinite_error(job, state, side)
@@ -166,6 +166,8 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
     if stopped_by == TIME_BUDGET:
         job.say(f"[harness] time budget of {job.cfg.train.time_budget_hours} h nearly used: stopping at step "
                 f"{state.step}/{job.total_steps} with a checkpoint and the final export")
+    final_checkpoint(job, state, side)
+    t_loop_end, eval_before_final = time.time(), timings.eval_s
     compiled = job.compile.report(train_time, state.step - side.start_step, job.say) if job.compile else None
     final_eval = side.evaluator.run(state.step)
     if final_eval:
@@ -195,6 +197,19 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
             f"{state.first_loss if state.first_loss is not None else float('nan'):.4f} -> "
             f"{side.log.last.get('loss', float('nan')):.4f}; report {job.out / 'report.json'}")
     return report
+
+
+def final_checkpoint(job: Job, state: LoopState, side: SideWork) -> None:
+    """The run's end is checkpointed (weights, optimizer, schedule, data position) unless this attempt just saved
+    that step or resumed at it, so that a rerun with a larger train.max_steps continues from exactly where this run
+    ended. A save that fails (a full disk) is a warning: the export goes on, and a longer rerun would continue from
+    the last checkpoint before this step."""
+    if side.checkpointer.last_step == state.step or state.step == side.start_step:
+        return
+    try:
+        side.checkpointer.save(side.state_to_save(state))
+    except HarnessError as e:
+        job.say(f"[harness] warning: no checkpoint of the final step {state.step} ({e}); the export goes on")
 
 
 def nonfinite_error(job: Job, state: LoopState, side: SideWork) -> HarnessError:

@@ -469,6 +469,24 @@ def test_disk_full_during_a_real_save_is_one_line_and_a_restart_continues(tmp_pa
     assert [s for s, _ in store.list_checkpoints(out)[0]] == [4, 6]
 
 
+def test_disk_full_at_the_final_checkpoint_is_a_warning_and_the_export_goes_on(tmp_path):
+    """The checkpoint a finished run writes at its last step (for a longer rerun to continue from) fails for lack of
+    space: one warning line, the partial folder removed, the export and report.json written, exit 0."""
+    out = tmp_path / "run"
+    args = [f"train.output_dir={out}", "train.max_steps=3", "train.save_every_steps=2", *FAST]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "ENOSPC_AT_STEP": "3"}
+    proc = subprocess.run([sys.executable, "-c", ENOSPC_AT, "--config", str(ROOT / "configs/default.yaml"), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    warning = [line for line in proc.stdout.splitlines() if "warning" in line]
+    assert len(warning) == 1 and warning[0].startswith(
+        "[harness] warning: no checkpoint of the final step 3 (disk full while writing checkpoint step-3 in "), warning
+    assert warning[0].endswith("); the export goes on")
+    assert [s for s, _ in store.list_checkpoints(out)[0]] == [2] and store.list_checkpoints(out)[1] == []
+    assert (out / "final" / "model.safetensors").is_file()
+    assert json.loads((out / "report.json").read_text())["steps"] == 3
+
+
 @pytest.mark.slow
 def test_two_processes_pass_over_a_damaged_checkpoint_together(tmp_path):
     """Under 2 processes: the checksums are split between them at save and at resume, the main process lists and

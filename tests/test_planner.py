@@ -48,14 +48,15 @@ def test_counts():
     assert planner.count_evals(150, 50, True, True) == 4  # 0, 50, 100, 150 (the last is the final one)
     assert planner.count_evals(151, 50, False, True) == 4  # 50, 100, 150, 151
     assert planner.count_evals(150, 50, True, False) == 0
-    assert planner.count_saves(100, 30, 0.0, 0.0) == 3
-    assert planner.count_saves(100, 0, 600.0, 4.0) == 2  # every 4 minutes of 10
+    assert planner.count_saves(100, 30, 0.0, 0.0) == 4  # 30, 60, 90 and the last step's
+    assert planner.count_saves(90, 30, 0.0, 0.0) == 3  # 30, 60, 90: the last one on the schedule
+    assert planner.count_saves(100, 0, 600.0, 4.0) == 3  # every 4 minutes of 10, and the last step's
 
 
 def test_estimate_adds_the_phases():
-    e = planner.estimate(100, CAL, evals=2, save_every_steps=30)  # 3 checkpoints
+    e = planner.estimate(100, CAL, evals=2, save_every_steps=30)  # 4 checkpoints: 30, 60, 90, 100
     assert e["train_s"] == pytest.approx(50.0)
-    assert e["total_s"] == pytest.approx(12 + 3 + 50 + 8 + 6 + 1.5)
+    assert e["total_s"] == pytest.approx(12 + 3 + 50 + 8 + 8 + 1.5)
     # twice the compute per step, same optimizer cost: 0.4 * 2 + 0.1
     assert planner.estimate(10, CAL, 0, 0, work_ratio=2.0)["s_per_step"] == pytest.approx(0.9)
 
@@ -63,24 +64,25 @@ def test_estimate_adds_the_phases():
 def test_plan_fits_with_hand_computed_total():
     cfg = cfg_of("train.epochs=2", "train.micro_batch_size=16")  # 25 steps per epoch -> 50 steps
     plan = planner.make_plan(cfg, gen_data(), CAL, hours=1.0, margin_min=30, flop_dims=(1000, 2, 64))
-    # start-up 12 + warm-up 3 + 50 x 0.5 + 2 evaluations x 4 (step 0 and the end) + export 1.5 = 49.5 s
+    # start-up 12 + warm-up 3 + 50 x 0.5 + 2 evaluations x 4 (step 0 and the end) + the last step's checkpoint 2
+    # + export 1.5 = 51.5 s
     assert plan["estimate"]["steps"] == 50
-    assert plan["estimated_s"] == pytest.approx(49.5)
+    assert plan["estimated_s"] == pytest.approx(51.5)
     assert plan["window_s"] == 1800 and plan["fits"] and plan["adjustments"] == []
     assert any("fits" in line for line in plan["derivations"])
 
 
 def test_plan_too_small_proposes_adjustments_that_fit():
     lengths = [20] * 300 + [120] * 100  # skewed: unpacked batches are padded to their longest sample
-    cfg = cfg_of("train.epochs=4", "train.micro_batch_size=16")  # 100 steps -> 12+3+50+8+1.5 = 74.5 s
+    cfg = cfg_of("train.epochs=4", "train.micro_batch_size=16")  # 100 steps -> 12+3+50+8+2+1.5 = 76.5 s
     window_h = (60 + 60) / 3600  # 120 s window, 60 s margin -> 60 s
     plan = planner.make_plan(cfg, gen_data(lengths=lengths), CAL, hours=window_h, margin_min=1.0, flop_dims=(10**6, 2, 64))
-    assert plan["estimated_s"] == pytest.approx(74.5) and not plan["fits"]
+    assert plan["estimated_s"] == pytest.approx(76.5) and not plan["fits"]
     kinds = {next(iter(a["overrides"])): a for a in plan["adjustments"]}
     epochs = kinds["train.epochs"]
-    # fixed 24.5 s; 60 - 24.5 = 35.5 s of steps -> 71 steps -> 2.84 epochs of 25 steps (ceil(2.84 * 25) = 71)
-    assert epochs["overrides"]["train.epochs"] == pytest.approx(2.84) and epochs["fits"]
-    assert epochs["estimate"]["steps"] == 71 and epochs["estimate"]["total_s"] <= 60
+    # fixed 26.5 s; 60 - 26.5 = 33.5 s of steps -> 67 steps -> 2.68 epochs of 25 steps (ceil(2.68 * 25) = 67)
+    assert epochs["overrides"]["train.epochs"] == pytest.approx(2.68) and epochs["fits"]
+    assert epochs["estimate"]["steps"] == 67 and epochs["estimate"]["total_s"] <= 60
     # packing removes the padding: the same tokens in fewer, full rows
     assert kinds["train.profile"]["overrides"] == {"train.profile": "balanced", "data.packing": True}
     assert kinds["train.profile"]["estimate"]["total_s"] < plan["estimated_s"]
@@ -189,8 +191,8 @@ def test_largest_fitting_bisection():
 def test_plan_prices_the_estimate_and_each_adjustment():
     cfg = cfg_of("train.epochs=4", "train.micro_batch_size=16", "train.price_per_hour=3.6", "train.price_unit=machine")
     plan = planner.make_plan(cfg, gen_data(), CAL, hours=(60 + 60) / 3600, margin_min=1.0, flop_dims=(1000, 2, 64))
-    assert plan["estimate"]["cost"] == pytest.approx(74.5 / 3600 * 3.6)  # 0.0745
-    assert "cost: 0.021 h x 3.6 per machine per hour = 0.0745" in plan["derivations"]
+    assert plan["estimate"]["cost"] == pytest.approx(76.5 / 3600 * 3.6)  # 0.0765
+    assert "cost: 0.021 h x 3.6 per machine per hour = 0.0765" in plan["derivations"]
     for a in plan["adjustments"]:
         assert a["estimate"]["cost"] == pytest.approx(a["estimate"]["total_s"] / 3600 * 3.6)
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import pytest
 
+from harness.checkpoint import store
+from harness.checkpoint.manifest import verify_checkpoint
 from harness.config import load_config
 from harness.errors import ConfigError
 from harness.observe import reporting
-from harness_launch import DEFAULT, FAST, metrics, report, run_train
+from harness_launch import DEFAULT, FAST, final_weights, max_abs_diff, metrics, report, run_train
 
 
 def _mtimes(out) -> dict:
@@ -24,7 +26,8 @@ def test_finished_run_is_not_run_again_unless_overwrite(tmp_path):
     run_train(args)
     assert report(out)["steps"] == 3 and not (out / ".lock").exists()  # released at the end
     before = _mtimes(out)
-    assert {"metrics.jsonl", "report.json", "final", "config.yaml", "checkpoints/step-2"} <= set(before)
+    assert {"metrics.jsonl", "report.json", "final", "config.yaml", "checkpoints/step-2",
+            "checkpoints/step-3"} <= set(before)  # step-3: the end of the run
 
     again = run_train(args)
     assert again.stdout.strip().splitlines() == [
@@ -89,9 +92,9 @@ def test_overwrite_never_deletes_what_no_run_wrote(tmp_path, monkeypatch, capsys
     assert not (tmp_path / ".lock").exists() and not (tmp_path / "config.yaml").exists()
 
 
-def test_max_steps_changed_on_a_rerun(tmp_path):
-    """Below an interrupted run's checkpoint: refused in one line, nothing written. Raised on a finished run: it
-    continues from its last checkpoint with the new schedule, in one line, and ends at the new last step."""
+def test_max_steps_below_an_interrupted_runs_checkpoint_is_refused(tmp_path):
+    """Below an interrupted run's checkpoint: refused in one line, nothing written (raised on a finished run: the
+    test below)."""
     out = tmp_path / "run"
     args = [f"train.output_dir={out}", "train.save_every_steps=2", *FAST]
     run_train([*args, "train.max_steps=3", "train.stop_at_step=2"])  # interrupted at step 2
@@ -102,12 +105,30 @@ def test_max_steps_changed_on_a_rerun(tmp_path):
         "past the 1 steps this config plans; rerun with the run's own train.max_steps (>= 2), or start over with "
         "train.overwrite=true")
     assert not (out / "report.json").exists() and not (out / "final").exists()
-    run_train([*args, "train.max_steps=3"])  # finished at step 3; its last checkpoint is step-2
-    more = run_train([*args, "train.max_steps=5"])
+
+
+def test_more_steps_on_a_finished_run_continue_from_its_final_step(tmp_path):
+    """A finished run of 5 steps (checkpoints every 2: the run's last periodic one is step 4) rerun with
+    train.max_steps=7 continues from the step-5 checkpoint its end wrote: its first step is 6, nothing is trained
+    twice, and (a constant learning rate, so the schedule does not depend on the planned total; one process, fp32)
+    its final weights equal an uninterrupted 7-step run's."""
+    args = ["train.save_every_steps=2", "optim.scheduler=constant", "optim.warmup_steps=0", *FAST]
+    full, out = tmp_path / "full", tmp_path / "run"
+    run_train([f"train.output_dir={full}", *args, "train.max_steps=7"])
+    first = run_train([f"train.output_dir={out}", *args, "train.max_steps=5"])
+    assert f"[harness] checkpoint: {out}/checkpoints/step-5 (" in first.stdout
+    assert [s for s, _ in store.list_checkpoints(out)[0]] == [4, 5] and verify_checkpoint(out / "checkpoints/step-5").ok
+    more = run_train([f"train.output_dir={out}", *args, "train.max_steps=7"])
     assert more.stdout.splitlines()[0] == (
-        f"[harness] {out} holds a finished run (step 3/3); train.max_steps=5 (it planned 3) asks for more: continuing "
-        f"from its last checkpoint {out}/checkpoints/step-2 (step 2) with the new schedule; final/ and report.json are "
+        f"[harness] {out} holds a finished run (step 5/5); train.max_steps=7 (it planned 5) asks for more: continuing "
+        f"from its last checkpoint {out}/checkpoints/step-5 (step 5) with the new schedule; final/ and report.json are "
         "replaced at the end")
-    assert f"resumed from {out}/checkpoints/step-2: step 2" in more.stdout
+    assert f"resumed from {out}/checkpoints/step-5: step 5" in more.stdout
+    trained = [int(line.split()[2].split("/")[0]) for line in more.stdout.splitlines()
+               if line.startswith("[harness] step ")]
+    assert trained == [6, 7], more.stdout[-3000:]
     rep = report(out)
-    assert (rep["steps"], rep["planned_steps"]) == (5, 5) and [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5]
+    assert (rep["steps"], rep["planned_steps"]) == (7, 7) and [r["step"] for r in metrics(out)] == list(range(1, 8))
+    diff = max_abs_diff(final_weights(out), final_weights(full))
+    print(f"continued 5 -> 7 vs uninterrupted 7 steps: final weights max abs diff {diff:.3g}")
+    assert diff <= 1e-6, diff

@@ -352,6 +352,7 @@ class Checkpointer:
         self.accelerator, self.output_dir, self.keep, self.say, self.on_saved = accelerator, output_dir, keep, say, on_saved
         self.every_steps, self.every_minutes = every_steps, every_minutes
         self.last_save = time.time()
+        self.last_step: Optional[int] = None  # the step of this attempt's latest checkpoint
         self.cost_s = 10.0  # until the first save measures it
 
     def minutes_due(self) -> bool:
@@ -364,7 +365,7 @@ class Checkpointer:
     def save(self, loop_state: dict) -> Path:
         t = time.time()
         path = save_checkpoint(self.accelerator, self.output_dir, loop_state, self.keep)
-        self.last_save = time.time()
+        self.last_save, self.last_step = time.time(), loop_state["step"]
         self.cost_s = self.last_save - t
         self.on_saved(self.cost_s)
         self.say(f"[harness] checkpoint: {path} ({self.cost_s:.1f}s)")

@@ -61,10 +61,12 @@ def count_evals(total_steps: int, eval_every: int, eval_at_start: bool, has_eval
 
 
 def count_saves(total_steps: int, save_every_steps: int, train_s: float, save_every_minutes: float) -> int:
-    """Checkpoints written: on the step schedule, and by the clock (approximately, every save_every_minutes)."""
+    """Checkpoints written: on the step schedule, by the clock (approximately, every save_every_minutes), and the
+    last step's when the schedule does not land on it (a finished run checkpoints its end, harness/train.py)."""
     by_steps = total_steps // save_every_steps if save_every_steps else 0
     by_clock = int(train_s // (60 * save_every_minutes)) if save_every_minutes > 0 else 0
-    return by_steps + by_clock
+    last = 0 if save_every_steps and total_steps % save_every_steps == 0 else 1
+    return by_steps + by_clock + last
 
 
 @dataclass
