@@ -252,10 +252,17 @@ def end_training(accelerator):
 
     def close(exc_type, exc, tb) -> bool:
         if exc_type is None:
-            accelerator.end_training()
+            try:
+                accelerator.end_training()
+            except OSError as e:  # a tracker's last flush (tensorboard's event file) on a full disk
+                raise HarnessError(f"could not close the trackers' files ({one_line(e)}); the run itself is "
+                                   f"complete") from e
         else:
             for tracker in accelerator.trackers:
-                tracker.finish()
+                try:
+                    tracker.finish()
+                except OSError:  # a full disk: the run already stops with its own error
+                    pass
         return False
 
     return close

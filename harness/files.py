@@ -24,10 +24,15 @@ def human_bytes(n: float) -> str:
 
 def write_json(path: str | Path, obj: dict) -> None:
     """Write JSON atomically (temporary file + rename; a failed write leaves the previous file and no temporary)."""
+    write_text(path, json.dumps(obj, indent=2, default=str))
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Write a text file (UTF-8) atomically, as `write_json`."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(json.dumps(obj, indent=2, default=str))
+        tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

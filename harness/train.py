@@ -35,8 +35,7 @@ from harness.data import loaders
 from harness.encode import embedding_settings
 from harness.errors import HarnessError
 from harness.evaluation import Evaluator
-from harness.files import write_json
-from harness.observe import metrics, modelcard, monitor, reporting, summary
+from harness.observe import metrics, monitor, reporting
 from harness.observe.profiling import StepProfiler
 from harness.observe.timing import SETTLE_STEPS, BudgetTracker
 from harness.state import LoopState, StepSums, UnloggedSums
@@ -184,12 +183,9 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
     report = reporting.final_report(job, state, side.log, stopped_by, train_time, {
         "compile": compiled, "eval": final_eval, "eval_at_start": side.eval_at_start,
         "final_dir": str(final_dir) if final_dir else None, "micro_batch_auto": auto_batch})
-    if job.accelerator.is_main_process:
-        write_json(job.out / "report.json", report)
-        if final_dir:  # final/README.md, a Hugging Face model card; a failure is a warning line
-            modelcard.try_write_model_card(job.out, job.say, final_dir=final_dir)
-        if job.cfg.train.summary:  # the figures table, summary.md, plots/*.png
-            summary.finish_run(job.out, job.say)
+    # report.json (the run is finished), the model card, summary.md; a full disk: one line saying what is intact
+    failed = side.log.logger.failed
+    distributed.on_main(job.accelerator, lambda: reporting.write_run_end(job, report, final_dir, failed))
     if report["plan"]:
         job.say(f"[harness] plan: estimated {report['plan']['estimated_s']:.1f}s, actual "
                 f"{report['plan']['actual_s']:.1f}s ({report['plan']['error_pct']:+.1f}%)")

@@ -262,3 +262,120 @@ def test_disk_full_while_writing_metrics_is_one_line_and_nothing_is_lost(tmp_pat
     resumed = run_train(args)
     assert f"resumed from {out}/checkpoints/step-3: step 3" in resumed.stdout
     assert [r["step"] for r in records(out)] == [1, 2, 3, 4]
+
+
+# the disk fills up for the files named DISK_FULL_FILES (a pattern of the file name) once DISK_FULL_ONCE_EXISTS
+# exists (if given): a write there puts half of its bytes on disk, then fails with ENOSPC
+FILLS_UP_FILES = """
+import builtins, errno, fnmatch, io, os, sys
+real_open = io.open
+FILES, ONCE = os.environ["DISK_FULL_FILES"], os.environ.get("DISK_FULL_ONCE_EXISTS")
+
+
+class FillsUp:
+    def __init__(self, fh):
+        self.fh = fh
+
+    def write(self, data):
+        self.fh.write(data[: len(data) // 2])
+        self.fh.flush()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.fh.close()
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+
+def fills_up(file, mode="r", *args, **kwargs):
+    fh = real_open(file, mode, *args, **kwargs)
+    full = any(c in mode for c in "wax+") and fnmatch.fnmatch(os.path.basename(str(file)), FILES)
+    return FillsUp(fh) if full and (not ONCE or os.path.exists(ONCE)) else fh
+
+
+io.open = builtins.open = fills_up
+from harness.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _disk_full_run(args: list, files: str, once=None):
+    import os
+    import subprocess
+    import sys
+
+    from harness_launch import DEFAULT, ROOT
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "DISK_FULL_FILES": files,
+           **({"DISK_FULL_ONCE_EXISTS": str(once)} if once else {})}
+    return subprocess.run([sys.executable, "-c", FILLS_UP_FILES, "--config", DEFAULT, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_disk_full_while_writing_tensorboard_events_is_one_line_and_nothing_is_lost(tmp_path):
+    """tensorboard's event file fills up after the step-2 checkpoint: the run stops at step 3 with a checkpoint, as
+    for metrics.jsonl, in one line (no traceback, not even the writer thread's); the restart finishes the run."""
+    from harness.checkpoint.manifest import verify_checkpoint
+    from harness_launch import FAST, metrics as records, run_train
+
+    out = tmp_path / "run"
+    args = [f"train.output_dir={out}", "train.max_steps=4", "train.save_every_steps=2", "train.save_final=false",
+            *FAST, "train.report_to=[tensorboard]"]
+    proc = _disk_full_run(args, "events.out.tfevents.*", once=out / "checkpoints" / "step-2" / "COMPLETE")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"harness: error: could not write the tensorboard record of step 3 to {out}/tensorboard (OSError: [Errno 28] "
+        f"No space left on device): stopped at step 3 with checkpoint {out}/checkpoints/step-3; free some space, "
+        "then continue with train.resume=auto")
+    assert [r["step"] for r in records(out)] == [1, 2, 3] and verify_checkpoint(out / "checkpoints" / "step-3").ok
+    resumed = run_train(args)
+    assert f"resumed from {out}/checkpoints/step-3: step 3" in resumed.stdout
+    assert [r["step"] for r in records(out)] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("files", ["report.json*", "summary*.md", "events.out.tfevents.*"])
+def test_disk_full_at_the_end_of_a_run_is_one_line_and_nothing_is_lost(tmp_path, files):
+    """The disk fills up once the run's last checkpoint (step 3) is written: while writing report.json, summary.md,
+    or tensorboard's record of the final evaluation. One line naming the file and what is intact, exit 1, nothing
+    cut. Before report.json the run is not finished: the same command resumes at step 3 and writes the rest (the
+    same final weights); from summary.md on it is, and `harness summary` writes the summary."""
+    import json
+
+    from harness_launch import FAST, final_weights, max_abs_diff, report, run_train
+
+    out = tmp_path / "run"
+    args = [f"train.output_dir={out}", "train.max_steps=3", "train.save_every_steps=2", *FAST]
+    if files.startswith("summary"):
+        args.append("train.summary=true")
+    if files.startswith("events"):  # the final evaluation's record is the last one tensorboard gets
+        args += ["train.report_to=[tensorboard]", "data.eval_files=[data/sample/gen_eval.jsonl]"]
+    proc = _disk_full_run(args, files, once=out / "checkpoints" / "step-3" / "COMPLETE")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    if files.startswith("summary"):
+        assert last == (
+            f"harness: error: disk full while writing {out}/summary.md (OSError: [Errno 28] No space left on device): "
+            f"the run is complete and nothing is lost (final model {out}/final, report {out}/report.json, checkpoint "
+            f"{out}/checkpoints/step-3); free some space, then write the summary with: harness summary {out}")
+        assert not (out / "summary.md").exists() and json.loads((out / "report.json").read_text())["steps"] == 3
+        assert not list(out.glob("*.tmp")) and not list((out / "plots").glob("*tmp*"))
+        again = run_train(args)
+        assert "nothing to do" in again.stdout
+        return
+    what = (f"{out}/report.json" if files.startswith("report") else
+            f"the tensorboard record of step 3 to {out}/tensorboard")
+    assert last == (
+        f"harness: error: could not write {what} (OSError: [Errno 28] No space left on device): nothing is lost: the "
+        f"final model {out}/final and the checkpoint {out}/checkpoints/step-3 are intact; free some space, then "
+        "run the same command again to write the rest")
+    assert not (out / "report.json").exists() and not list(out.glob("*.tmp"))
+    weights = final_weights(out)
+    again = run_train(args)
+    assert f"resumed from {out}/checkpoints/step-3: step 3" in again.stdout and "[harness] step " not in again.stdout
+    rep = report(out)
+    assert rep["steps"] == 3 and rep["final_loss"] is not None and max_abs_diff(final_weights(out), weights) == 0

@@ -113,11 +113,15 @@ class MetricsLogger:
         self._fh = None
         self.failed: Optional[str] = None  # why a record could not be written (a full disk): the run stops
         self.unwritten: list[str] = []  # the lines since (saved with the checkpoint that stop writes)
+        self.trackers_failed = False  # a tracker's write failed: it gets nothing more (its file would fail again)
+        self.last_logged: dict = {}  # the last training record kept on resume (the report's final loss, if no more)
         if accelerator.is_main_process:
             kept = []
             if resume_step is not None and self.path.exists():
-                kept = [ln for rec, ln in read_records(self.path, accelerator.print)
-                        if rec.get("step", 0) <= resume_step]
+                records = [(rec, ln) for rec, ln in read_records(self.path, accelerator.print)
+                           if rec.get("step", 0) <= resume_step]
+                kept = [ln for _, ln in records]
+                self.last_logged = next((rec for rec, _ in reversed(records) if "loss" in rec), {})
             kept += [ln for ln in unwritten or [] if json.loads(ln).get("step", 0) <= (resume_step or 0)]
             tmp = self.path.with_name(self.path.name + ".tmp")
             with open(tmp, "w", encoding="utf-8") as fh:
@@ -135,7 +139,24 @@ class MetricsLogger:
             self._append(json.dumps(clean) + "\n", record.get("step"))
         scalars = {tracker_tag(k): v for k, v in clean.items()
                    if isinstance(v, (int, float)) and k != "step" and v is not None}
-        self.accelerator.log(scalars, step=record["step"])
+        if not self.trackers_failed:
+            self._track(scalars, record.get("step"))
+
+    def _track(self, scalars: dict, step) -> None:
+        """accelerator.log, one tracker at a time (as accelerate does, main process only), so that a write that fails
+        (tensorboard's event file on a full disk) is named and stops the run like a metrics.jsonl write (`failed`)."""
+        if not self.accelerator.is_main_process:
+            return
+        for tracker in self.accelerator.trackers:
+            try:
+                tracker.log(scalars, step=step)
+            except OSError as e:
+                where = getattr(tracker, "logging_dir", None)
+                self.trackers_failed = True
+                if self.failed is None:
+                    self.failed = (f"could not write the {tracker.name} record of step {step}"
+                                   f"{f' to {where}' if where else ''} ({type(e).__name__}: {e})")
+                return
 
     def _append(self, line: str, step) -> None:
         """One record, whole or not at all: a write that fails (ENOSPC) is cut back to the last whole line, and

@@ -18,6 +18,8 @@ from typing import Callable, Optional
 
 import yaml
 
+from harness.files import write_text
+
 MODE_TAGS = {"generative": ["text-generation"], "embedding": ["sentence-similarity", "feature-extraction"],
              "unified": ["sentence-similarity", "feature-extraction", "text-generation"]}
 DATA_KEYS = [("train_files", "train"), ("eval_files", "eval"), ("emb_train_files", "embedding train"),
@@ -169,7 +171,7 @@ def write_model_card(run_dir: str | Path, final_dir: str | Path | None = None, r
     config_text = (run / "config.yaml").read_text()
     card = render(yaml.safe_load(config_text), json.loads((run / "report.json").read_text()), config_text, final, repo)
     path = final / "README.md"
-    path.write_text(card)
+    write_text(path, card)  # whole or not at all
     return path
 
 

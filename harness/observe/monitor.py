@@ -334,7 +334,28 @@ def init_trackers(accelerator, cfg) -> None:
     hyper-parameters."""
     t = cfg.train
     project, init_kwargs = tracker_settings(t.output_dir, t.tracker_project, t.tracker_entity, t.run_name)
+    if "tensorboard" in t.report_to or "all" in t.report_to:
+        quiet_event_writer_thread()
     accelerator.init_trackers(project, config=flat(cfg.to_dict()), init_kwargs=init_kwargs)
+
+
+def quiet_event_writer_thread() -> None:
+    """tensorboard writes its event file in a thread of its own; a write that fails there (a full disk) is raised
+    again in the run's thread at the next log, where it is one line (metrics.MetricsLogger): the thread's own
+    traceback is not printed as well. Other threads' exceptions are printed as before."""
+    import threading
+
+    previous = threading.excepthook
+    if getattr(previous, "harness_quiet", False):
+        return
+
+    def hook(args) -> None:
+        if issubclass(args.exc_type, OSError) and type(args.thread).__module__.startswith("tensorboard."):
+            return
+        previous(args)
+
+    hook.harness_quiet = True
+    threading.excepthook = hook
 
 
 if __name__ == "__main__":

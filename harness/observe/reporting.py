@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Optional
 
 from harness.config import Config
-from harness.errors import HarnessError
+from harness.errors import HarnessError, one_line
+from harness.files import write_json
 from harness.observe import cost, metrics, monitor, timing
 from harness.state import LoopState, StepSums, UnloggedSums
 from harness.stopping import TIME_BUDGET
@@ -41,7 +42,8 @@ class StepLog:
         self.job, self.cfg, self.logger, self.bar, self.budget = job, job.cfg, logger, bar, budget
         self.start_step = start_step
         self.meter: Optional[metrics.Throughput] = None  # set when the loop's clock starts
-        self.last: dict = {}  # the latest record written (the report's final losses)
+        # the latest record written (the report's final losses): on resume, the last one kept from before
+        self.last: dict = dict(logger.last_logged) if logger is not None else {}
 
     def due(self, step: int) -> bool:
         return step % self.cfg.train.log_every == 0 or step == self.job.total_steps
@@ -126,6 +128,40 @@ def final_report(job, state: LoopState, log: StepLog, stopped_by: Optional[str],
                  "utilisation": job.sampler.stop() if job.sampler else None,
                  "cost": cost.of_run(cfg, job.world, state.elapsed_s + time.time() - job.t_start, 0.0)}
     return {**setup, **progress, **results, **batch, **time_used}
+
+
+def write_run_end(job, report: dict, final_dir: Optional[Path], failed: Optional[str]) -> None:
+    """The run's last files (main process): report.json, written atomically (it marks the run finished), the model
+    card (final/README.md; a failure is a warning line) and summary.md with the plots (train.summary). A record the
+    disk kept out at the end (`failed`: the final evaluation's, in metrics.jsonl or a tracker's file) or a report.json
+    that cannot be written is a one-line HarnessError naming the file and what is intact: the run is not finished,
+    and the same command resumes from its last checkpoint and writes the rest. A full disk at summary.md: one line
+    too (the run is finished then)."""
+    from harness.checkpoint.store import list_checkpoints
+    from harness.observe import modelcard, summary
+
+    out = job.out
+    saved, _ = list_checkpoints(out)
+    intact = ([f"the final model {final_dir}"] if final_dir else []) + ([f"the checkpoint {saved[-1][1]}"] if saved
+                                                                         else [])
+
+    def not_finished(why: str) -> HarnessError:
+        return HarnessError(f"{why}: nothing is lost: {' and '.join(intact) or 'nothing was written'} "
+                            f"{'are' if len(intact) > 1 else 'is'} intact; free some space, then run the same command "
+                            f"again to write the rest")
+
+    if failed:
+        raise not_finished(failed)
+    try:
+        write_json(out / "report.json", report)
+    except OSError as e:
+        raise not_finished(f"could not write {out / 'report.json'} ({one_line(e)})") from e
+    if final_dir:
+        modelcard.try_write_model_card(out, job.say, final_dir=final_dir)
+    if job.cfg.train.summary:  # the figures table, summary.md, plots/*.png
+        summary.finish_run(out, job.say, intact=", ".join(
+            ([f"final model {final_dir}"] if final_dir else []) + [f"report {out / 'report.json'}"]
+            + ([f"checkpoint {saved[-1][1]}"] if saved else [])))
 
 
 def finished_run(output_dir: str | Path) -> Optional[dict]:

@@ -27,7 +27,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from harness.errors import HarnessError
+from harness.errors import HarnessError, one_line
+from harness.files import disk_full
 
 
 # ----------------------------------------------------------------------------------------------- reading a run
@@ -311,7 +312,7 @@ def write_summary(run_dir: str | Path) -> tuple[str, list[Path]]:
     run = load_run(run_dir)
     plots_dir = run["dir"] / "plots"
     plots_dir.mkdir(exist_ok=True)
-    written = [plots_dir / name for name, fn in PLOTS.items() if fn(run, plots_dir / name)]
+    written = [plots_dir / name for name, fn in PLOTS.items() if _whole(plots_dir / name, lambda tmp: fn(run, tmp))]
     figs = key_figures(run)
     tab = table({run["name"]: figs})
     rep = run["report"] or {}
@@ -344,16 +345,36 @@ def write_summary(run_dir: str | Path) -> tuple[str, list[Path]]:
         act = f"{pf['actual_s']:.0f} s" if pf["actual_s"] is not None else "-"
         lines += [f"Plan: estimated {pf['estimated_s']:.0f} s of training, actual {act}{err}.", ""]
     lines += [f"![{p.stem}](plots/{p.name})" for p in written]
-    (run["dir"] / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _whole(run["dir"] / "summary.md", lambda tmp: tmp.write_text("\n".join(lines) + "\n", encoding="utf-8"))
     return tab, written
 
 
-def finish_run(run_dir: str | Path, say=print) -> None:
+def _whole(path: Path, write) -> bool:
+    """`write(tmp)` to a temporary file renamed to `path` (when it returns true): `path` is whole or untouched. A
+    failed write raises an OSError that names `path` (and removes the temporary file)."""
+    tmp = path.with_name(f"{path.stem}.tmp{path.suffix}")  # the same suffix: matplotlib's format
+    try:
+        done = write(tmp)
+        if done:
+            os.replace(tmp, path)
+        return bool(done)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def finish_run(run_dir: str | Path, say=print, intact: str = "") -> None:
     """End of a training run (main process): print the figures and write summary.md and the plots. A failure here
-    is reported as a warning: the model and report are already saved."""
+    is reported as a warning (the model and report are already saved), but for a full disk: a one-line HarnessError
+    naming the file, that says what is intact (`intact`: "final model ..., report ...")."""
     try:
         tab, written = write_summary(run_dir)
     except Exception as e:  # noqa: BLE001 - the summary must not turn a finished run into a failed one
+        if isinstance(e, OSError) and disk_full(e, Path(run_dir)):
+            raise HarnessError(f"disk full while writing {e.filename or Path(run_dir) / 'summary.md'} "
+                               f"({one_line(e.__cause__ or e)}): the run is complete and nothing is lost ({intact}); "
+                               f"free some space, then write the summary with: harness summary {run_dir}") from e
         say(f"[harness] warning: run summary not written ({type(e).__name__}: {e}); retry with harness summary "
             f"{run_dir}")
         return
