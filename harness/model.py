@@ -105,7 +105,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    added = list(range(base_vocab, len(tokenizer)))  # rows of the tokens added to the base's vocabulary
+    added = list(range(base_vocab, model.get_input_embeddings().num_embeddings))  # new rows: added tokens, padding
     return apply_lora(model, cfg, added_tokens=added).train()  # from_pretrained leaves it in eval mode
 
 
@@ -173,10 +173,10 @@ def apply_lora(model, cfg: ModelConfig, added_tokens: list[int] | None = None):
     """With `model.lora.enabled`, wrap the model in a peft LoRA model: base weights frozen, adapters trainable
     (works under DDP and ZeRO-1/2/3: the adapters are ordinary parameters). Otherwise the model unchanged.
 
-    `added_tokens`: ids of tokens that the tokenizer added to the base's vocabulary (the chat markers). Their rows of
-    the input embedding and of the output head were created by the resize and would stay random under a frozen
-    base: they are trained through peft's `trainable_token_indices` (only those rows, saved with the adapter as
-    `trainable_tokens_delta`). A tied head follows the embedding's rows; an untied head gets its own."""
+    `added_tokens`: the rows the resize added to the base's vocabulary: the tokens the tokenizer added (the chat
+    markers) and the padding up to a multiple of 64, randomly drawn by every resize (a user's too). They are trained
+    through peft's `trainable_token_indices` and saved with the adapter (`trainable_tokens_delta`, those rows alone),
+    so that base + adapter is the trained model for every id. A tied head follows the embedding; an untied one too."""
     from harness.config import lora_config
 
     lc = lora_config(cfg)

@@ -173,7 +173,7 @@ def test_added_token_rows_are_trained_and_saved_with_the_adapter(tmp_path, tied)
     assert len(deltas) == (1 if tied else 2), sorted(adapter)  # embedding (+ untied head), not whole matrices
     assert not any(k.endswith(("embed_tokens.weight", "lm_head.weight")) for k in adapter)
     for k, v in deltas.items():
-        assert v.shape[0] == 4  # the four chat markers
+        assert v.shape[0] == -(-(n_base + 4) // 64) * 64 - n_base  # the four chat markers, the padding to 64
         k0 = next(s for s in start if s.startswith(k.removesuffix(".weight").rsplit(".", 1)[0]) and "delta" in s)
         assert not torch.allclose(v, start[k0]), k  # trained
 
@@ -190,6 +190,35 @@ def test_added_token_rows_are_trained_and_saved_with_the_adapter(tmp_path, tied)
         assert torch.allclose(peft_model(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)
         out = peft_model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 5
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_an_adapter_with_added_tokens_gives_the_trained_logits_for_every_id(tmp_path, tied):
+    """Regression: the vocabulary's padding rows (after the added tokens, up to the multiple of 64) got new random
+    values at every resize and were not saved with the adapter, so the adapter loaded as a user does (resize the base,
+    PeftModel.from_pretrained) gave other logits than the trained model for those ids. Every id, as input and as
+    output: the trained model (the run's last checkpoint) and base + adapter must agree."""
+    from harness.model import load_run_tokenizer
+
+    base, run = tmp_path / "base", tmp_path / "run"
+    save_base(base, tied)
+    over = [*FAST, f"model.name_or_path={base}", "model.config={}", "model.tokenizer=null",
+            "model.lora.enabled=true", "model.lora.r=4", "train.max_steps=2", "train.save_every_steps=2",
+            "optim.lr=5e-2", "optim.warmup_steps=0", "train.micro_batch_size=4"]
+    run_train([*over, f"train.output_dir={run}"])
+    cfg = load_config(DEFAULT, over)
+    trained = build_model(cfg.model, load_run_tokenizer(cfg))
+    missing, unexpected = trained.load_state_dict(load_file(str(run / "checkpoints/step-2/model.safetensors")),
+                                                  strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)  # a tied head: saved once
+    user, tok = load_adapter_on_base(base, run / "final")
+    vocab = user.get_base_model().config.vocab_size
+    assert vocab == trained.get_base_model().config.vocab_size and vocab % 64 == 0 and vocab > len(tok)
+    ids = torch.arange(vocab).reshape(-1, 32)  # every id as input; the logits cover every id as output
+    with torch.no_grad():
+        diff = (user(input_ids=ids).logits - trained.eval()(input_ids=ids).logits).abs().max().item()
+    print(f"{'tied' if tied else 'untied'}: logits of base + adapter vs the trained model, max abs diff {diff:.3g}")
+    assert diff <= 1e-6, diff
 
 
 def test_random_init_lora_export_names_its_base(tmp_path):
