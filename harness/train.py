@@ -33,7 +33,7 @@ from harness.checkpoint.export import export_final
 from harness.config import Config, describe, load_config
 from harness.data import loaders
 from harness.encode import embedding_settings
-from harness.errors import HarnessError
+from harness.errors import HarnessError, one_line
 from harness.evaluation import Evaluator
 from harness.observe import metrics, monitor, reporting
 from harness.observe.profiling import StepProfiler
@@ -241,7 +241,7 @@ class SideWork:
         cfg, accelerator, t = job.cfg, job.accelerator, job.cfg.train
         self.job, self.start_step = job, state.step
         if t.report_to:
-            monitor.init_trackers(accelerator, cfg)
+            self._start_trackers()
         logger = metrics.MetricsLogger(accelerator, job.out, resume_step=state.step if job.resume_from else None,
                                        unwritten=state.unwritten)
         state.unwritten = []
@@ -262,6 +262,22 @@ class SideWork:
         opened.callback(self.profiler.close)
         self.unlogged = UnloggedSums(accelerator.device, state.unlogged if accelerator.is_main_process else None)
         self.eval_at_start: Optional[dict] = None
+
+    def _start_trackers(self) -> None:
+        """train.report_to's trackers (their first files: the main process). A tracker that cannot write them (a full
+        disk under tensorboard's event file) stops every process with one line."""
+        job, failure = self.job, None
+        try:
+            monitor.init_trackers(job.accelerator, job.cfg)
+        except OSError as e:
+            where = f"tensorboard in {job.out / 'tensorboard'}" if "tensorboard" in job.cfg.train.report_to else \
+                f"the trackers {', '.join(job.cfg.train.report_to)}"
+            kept = f" (the checkpoint {job.resume_from} is intact)" if job.resume_from else ""
+            failure = (f"could not start {where} ({one_line(e)}): nothing is lost, no step of this attempt ran{kept}; "
+                       f"free some space, then run the same command again")
+        failed = [f for f in distributed.all_gather(job.accelerator, failure) if f]
+        if failed:
+            raise HarnessError(failed[0])
 
     @property
     def meter(self) -> Optional[metrics.Throughput]:

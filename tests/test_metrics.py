@@ -379,3 +379,23 @@ def test_disk_full_at_the_end_of_a_run_is_one_line_and_nothing_is_lost(tmp_path,
     assert f"resumed from {out}/checkpoints/step-3: step 3" in again.stdout and "[harness] step " not in again.stdout
     rep = report(out)
     assert rep["steps"] == 3 and rep["final_loss"] is not None and max_abs_diff(final_weights(out), weights) == 0
+
+
+def test_disk_full_when_tensorboard_starts_is_one_line(tmp_path):
+    """tensorboard's first event file cannot be written (a full disk at the start of an attempt, here a resumed one):
+    one line, exit 1, the checkpoint it resumed from intact; once there is space the same command goes on."""
+    from harness_launch import FAST, metrics as records, run_train
+
+    out = tmp_path / "run"
+    args = [f"train.output_dir={out}", "train.max_steps=3", "train.save_final=false", *FAST]
+    run_train([*args, "train.stop_at_step=2"])
+    args.append("train.report_to=[tensorboard]")
+    proc = _disk_full_run(args, "events.out.tfevents.*")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"harness: error: could not start tensorboard in {out}/tensorboard (OSError: [Errno 28] No space left on "
+        f"device): nothing is lost, no step of this attempt ran (the checkpoint {out}/checkpoints/step-2 is intact); "
+        "free some space, then run the same command again")
+    assert [r["step"] for r in records(out)] == [1, 2]
+    run_train(args)
+    assert [r["step"] for r in records(out)] == [1, 2, 3]
