@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from harness import distributed, hardware, optim, runlock
-from harness.checkpoint import store
+from harness.checkpoint import elastic, store
 from harness.checkpoint.manifest import MARKER, STATE_FILE
 from harness.compiling import CompileWatch
 from harness.config import Config, save_config
@@ -60,6 +60,8 @@ class Job:
     schedule: dict = None  # loaders.schedule_steps: micro_per_epoch, steps_per_epoch, total_steps
     parameters: int = 0
     held: list = None  # parameter elements held by each rank
+    resize: Optional[elastic.Resize] = None  # resumed under another number of processes: the batch's new split
+    universal: bool = False  # the ZeRO checkpoint loads through a universal checkpoint (another process count / stage)
     peak_flops: Optional[float] = None  # all processes together; None where unknown (CPU)
 
     @property
@@ -78,6 +80,16 @@ class Job:
     def primary(self) -> str:
         """The stream that defines epochs: the embedding data in unified mode."""
         return self.streams[0]
+
+    @property
+    def layout(self) -> elastic.Layout:
+        """How this attempt splits the global batch (saved with every checkpoint)."""
+        return elastic.layout_of(self.cfg, self.world, self.zero["zero_stage"])
+
+    @property
+    def epoch_rows(self) -> dict:
+        """Rows (packed rows, query groups) an epoch per training stream."""
+        return {n: len(self.data.loader(n).dataset) for n in self.streams}
 
     @property
     def total_steps(self) -> int:
@@ -111,6 +123,9 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     from harness.config.profiles import resolve_compile
 
     t_start, t_process = time.time(), hardware.process_start_time()
+    # resumed under another number of processes: the checkpoint's global batch, split for this one (before the
+    # Accelerator, whose accumulation and DeepSpeed batch settings follow the config)
+    cfg, resize = elastic.fit_to_world(cfg, distributed.launched_world())
     out = Path(cfg.train.output_dir)
     precision = hardware.resolve_precision(cfg.train.precision)
     hardware.check_attention(cfg.model.attn_implementation)
@@ -128,6 +143,9 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
         past_the_schedule(resume_from, cfg.train.max_steps)
     # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
     zero = distributed.zero_info(accelerator)
+    universal = elastic_checks(resume_from, cfg, accelerator.num_processes, zero["zero_stage"])
+    if universal:
+        elastic.load_universal(accelerator)
     watch = CompileWatch(compile_mode, accelerator.device, zero["zero_stage"]) if compile_mode != "none" else None
     tf32 = hardware.enable_tf32(cfg.train.tf32)
     sampler = monitor.start_sampler(cfg.train.monitor_interval_s, accelerator.is_main_process)  # GPU/CPU utilisation
@@ -136,7 +154,7 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     job = Job(cfg=cfg, accelerator=accelerator, say=accelerator.print, out=out, t_start=t_start, t_process=t_process,
               timings=Timings(), resume_from=resume_from, precision=precision, tf32=tf32,
               env=hardware.environment_report(), zero=zero, compile=watch,
-              sampler=sampler)
+              sampler=sampler, resize=resize, universal=universal)
     if not accelerator.is_main_process:
         import datasets
         import transformers
@@ -150,6 +168,16 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     for p in incomplete:
         job.say(f"[harness] warning: {p} is an incomplete checkpoint (no {MARKER} marker): not resumed from")
     return job
+
+
+def elastic_checks(resume_from: Optional[Path], cfg: Config, processes: int, zero_stage: Optional[int]) -> bool:
+    """Whether the checkpoint to resume from is a ZeRO checkpoint of another process count or stage (it then loads
+    through a universal checkpoint); a DDP checkpoint under DeepSpeed or the reverse is a one-line error."""
+    if resume_from is None:
+        return False
+    before = elastic.saved_layout(resume_from, elastic.read_state(resume_from), elastic.layout_of(cfg, processes))
+    elastic.check_same_engine(resume_from, before, zero_stage)
+    return elastic.needs_universal(before, processes, zero_stage)
 
 
 def past_the_schedule(resume_from: Optional[Path], total_steps: int) -> None:

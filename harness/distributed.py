@@ -274,6 +274,11 @@ def end_training(accelerator):
 # accelerate's own checkpoints).
 
 
+def launched_world() -> int:
+    """The number of processes of this launch, before the Accelerator exists (the launcher's WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
 def num_processes(accelerator) -> int:
     return 1 if accelerator is None else accelerator.num_processes
 

@@ -7,6 +7,9 @@ with neither variable set nothing here does anything.
     HARNESS_FAULT_DROP=3          the loop reads optimizer step 3's batches and trains on none of them (no forward,
                                   no backward, no update, no schedule step): the reference run for an update that is
                                   never applied
+    HARNESS_TRACE_ROWS=<folder>   every process appends to <folder>/rows-<rank>.jsonl, per optimizer step, a digest
+                                  of each row it reads (non-padding tokens): which rows each step trained on, to be
+                                  counted across attempts (tests/test_elastic.py)
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ def _parse(spec: str) -> list[tuple[Optional[int], Optional[int], Optional[int]]
 
 _NAN = _parse(os.environ.get("HARNESS_FAULT_NAN", ""))
 _DROP = {int(s) for s in os.environ.get("HARNESS_FAULT_DROP", "").split(",") if s.strip()}
+_TRACE = os.environ.get("HARNESS_TRACE_ROWS")
 
 
 def _matches(rule, step: int, micro: int, rank: int) -> bool:
@@ -43,3 +47,22 @@ def poison(loss, step: int, micro: int, rank: int):
 def dropped(step: int) -> bool:
     """Whether HARNESS_FAULT_DROP names optimizer step `step` (1-based)."""
     return step in _DROP
+
+
+def trace_rows(step: int, rank: int, batches: dict) -> None:
+    """HARNESS_TRACE_ROWS: record the rows of optimizer step `step`'s micro-batches ({stream: [batch, ...]})."""
+    if not _TRACE:
+        return
+    import hashlib
+    import json
+    from pathlib import Path
+
+    def digests(batch) -> list[str]:
+        part = batch["query"] if "query" in batch else batch
+        mask = part.get("attention_mask", part.get("token_mask"))
+        rows = part["input_ids"] if mask is None else [ids[m.bool()] for ids, m in zip(part["input_ids"], mask)]
+        return [hashlib.sha1(ids.cpu().numpy().tobytes()).hexdigest()[:16] for ids in rows]
+
+    line = {"step": step, **{n: [d for b in bs if b is not None for d in digests(b)] for n, bs in batches.items()}}
+    with open(Path(_TRACE) / f"rows-{rank}.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")

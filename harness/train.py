@@ -28,7 +28,7 @@ from typing import Optional
 from harness import distributed, faults
 from harness.auto_batch import memory_trial, run_auto_batch
 from harness.build import Job, build_run, past_the_schedule
-from harness.checkpoint import store
+from harness.checkpoint import elastic, store
 from harness.checkpoint.export import export_final
 from harness.config import Config, describe, load_config
 from harness.data import loaders
@@ -66,12 +66,18 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
 
 def resume_or_start(job: Job) -> LoopState:
     if job.resume_from is None:
-        return LoopState(streams={n: {"epoch": 0, "batches": 0} for n in job.streams})
+        return LoopState(streams={n: {"epoch": 0, "batches": 0} for n in job.streams}, layout=job.layout.as_dict())
     past_the_schedule(job.resume_from, job.total_steps)
     job.resume_from, saved = store.load_resumable(job.accelerator, job.out, job.resume_from,
-                                                  job.cfg.train.resume == "auto", job.cfg.model.quantization != "none")
+                                                  job.cfg.train.resume == "auto", job.cfg.model.quantization != "none",
+                                                  universal=job.universal)
     state = LoopState.from_saved(saved)
-    job.say(f"[harness] resumed from {job.resume_from}: step {state.step}, data position {state.streams}")
+    # another number of processes (or split of the batch): the data position in rows, the batch's new split
+    assumed = job.resize.before if job.resize else job.layout  # (what a checkpoint of an older harness was)
+    state.streams, job.resize, moved = elastic.carry_over(job.resume_from, saved, job.layout, job.streams,
+                                                          job.epoch_rows, job.universal, assumed)
+    state.layout = job.layout.as_dict()
+    job.say(f"[harness] resumed from {job.resume_from}: step {state.step}, data position {state.streams}{moved}")
     return state
 
 
@@ -85,6 +91,7 @@ def train_loop(job: Job, state: LoopState, side: SideWork) -> Optional[str]:
         gen = [next(streams["gen"]) for _ in range(job.accum)] if "gen" in streams else [None] * job.accum
         emb = [next(streams["emb"]) for _ in range(job.accum)] if "emb" in streams else [None] * job.accum
         side.unlogged.add(StepSums(wait_s=time.perf_counter() - t_step))
+        faults.trace_rows(state.step + 1, job.accelerator.process_index, {"gen": gen, "emb": emb})  # test hook
         if faults.dropped(state.step + 1):  # test hook: the reference run that never trains on these batches
             state.step += 1
             continue
@@ -312,7 +319,9 @@ class SideWork:
     def state_to_save(self, state: LoopState) -> dict:
         """The loop state for a checkpoint, with every process's unlogged sums folded in (collective)."""
         state.unwritten = list(self.log.logger.unwritten)  # (the main process's; a full disk kept them out)
-        return state.to_save(self.meter.elapsed(), self.unlogged.total(self.job.accelerator, reset=False))
+        saved = state.to_save(self.meter.elapsed(), self.unlogged.total(self.job.accelerator, reset=False))
+        saved["streams"] = elastic.samples_read(saved["streams"], self.job.layout, self.job.epoch_rows)
+        return saved
 
     def _evaluated(self, seconds: float) -> None:
         self.job.timings.add("eval", seconds)

@@ -85,6 +85,17 @@ except HarnessError as err:
 PY
 }
 
+# The ZeRO stage the newest complete checkpoint in a run folder was written with (0: DDP / one process), empty when
+# there is none or it does not say: a checkpoint resumes under its own stage, on any number of GPUs.
+checkpoint_stage() {
+  "$PYTHON" - "$1" << 'PY' 2> /dev/null || true
+import sys
+from harness.checkpoint.elastic import checkpoint_stage
+stage = checkpoint_stage(sys.argv[1])
+print("" if stage is None else stage)
+PY
+}
+
 # Direct children of a process (the training workers of an accelerate launcher).
 children_of() {
   if command -v pgrep > /dev/null 2>&1; then pgrep -P "$1" || true; return; fi

@@ -11,7 +11,10 @@
 # unchanged. Paths are relative to the repository root (the script runs there).
 #
 # Output goes to the terminal and to <train.output_dir>/train.log (train-node<R>.log on several nodes).
-# Restarting the same command resumes from the newest complete checkpoint (train.resume=auto is the default).
+# Restarting the same command resumes from the newest complete checkpoint (train.resume=auto is the default), also on a
+# box with another number of GPUs: the run keeps its global batch (the accumulation is chosen for the new count), its
+# data position and its optimizer state (ZeRO's through a DeepSpeed universal checkpoint); --zero auto then keeps the
+# stage the checkpoints were written with.
 # If the launcher fails (a lost worker, an NCCL error), the run is retried up to MAX_RETRIES times, each retry
 # resuming; a bad config or data (a `harness: error:` line) is not retried. On SIGTERM/SIGINT the signal is
 # forwarded to the training processes (not to accelerate's launcher, which would exit 1 with a traceback), which
@@ -103,6 +106,11 @@ else
     ZERO=${CHOICE#zero}
     ZERO=${ZERO/_/-}
     say "--zero auto chose stage $ZERO"
+    KEEP=$(checkpoint_stage "$OUT")
+    if [ -n "$KEEP" ] && [ "$KEEP" != "${ZERO%-offload}" ]; then
+      say "resuming: keeping ZeRO stage $KEEP, the stage of the run's checkpoints (a checkpoint resumes under its own stage, on any number of GPUs)"
+      ZERO=$KEEP
+    fi
   fi
   case $ZERO in
     0) if [ "$WORLD" -eq 1 ]; then ACC=single_gpu; else ACC=multi_gpu; fi ;;

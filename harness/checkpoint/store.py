@@ -280,13 +280,16 @@ def resolve_resume(output_dir: str | Path, resume: Optional[str], accelerator=No
     return None, incomplete
 
 
-def load_checkpoint(accelerator, path: Path, quantized: bool = False) -> dict:
+def load_checkpoint(accelerator, path: Path, quantized: bool = False, universal: bool = False) -> dict:
     """Restore the accelerate state (every rank) and return the loop state saved with it. A checkpoint that cannot be
     loaded (unverifiable and damaged, or written for another model) is a one-line HarnessError.
 
     `quantized` (QLoRA): the frozen base is loaded quantized from model.name_or_path again, and its quantization
     state entries (absmax, quant_map, ...) in the checkpoint do not load as parameters: the model is loaded
-    non-strictly, after checking that the checkpoint holds every trainable parameter (adapters, added tokens)."""
+    non-strictly, after checking that the checkpoint holds every trainable parameter (adapters, added tokens).
+
+    `universal`: a DeepSpeed checkpoint of another process count or ZeRO stage, loaded through its universal view
+    (harness.checkpoint.elastic)."""
     try:
         kwargs = {}
         if quantized:
@@ -302,7 +305,13 @@ def load_checkpoint(accelerator, path: Path, quantized: bool = False) -> dict:
             if not files or lacking:
                 raise RuntimeError(f"the checkpoint lacks trainable parameters, e.g. {(lacking or ['model*.safetensors'])[0]}")
             kwargs["strict"] = False
-        accelerator.load_state(str(path), **kwargs)
+        if universal:
+            from harness.checkpoint.elastic import repair_universal_load, universal_view
+
+            with universal_view(accelerator, path) as view, repair_universal_load(accelerator):
+                accelerator.load_state(str(view), **kwargs)
+        else:
+            accelerator.load_state(str(path), **kwargs)
         return json.loads((path / STATE_FILE).read_text())
     except Exception as e:  # noqa: BLE001 - a damaged file or a user mistake, reported on one line
         error = HarnessError(f"could not load checkpoint {path} ({one_line(e, 400)}); resume from another "
@@ -311,8 +320,8 @@ def load_checkpoint(accelerator, path: Path, quantized: bool = False) -> dict:
         raise error from e
 
 
-def load_resumable(accelerator, output_dir: str | Path, path: Path, auto: bool, quantized: bool = False
-                   ) -> tuple[Path, dict]:
+def load_resumable(accelerator, output_dir: str | Path, path: Path, auto: bool, quantized: bool = False,
+                   universal: bool = False) -> tuple[Path, dict]:
     """Load checkpoint `path` on every process: (the checkpoint loaded, its loop state). With train.resume=auto a
     checkpoint that verified but fails to load on any process (a file it should not hold, written for another model)
     is passed over like one that fails verification: a warning, and the next older one that verifies is loaded (it
@@ -323,7 +332,7 @@ def load_resumable(accelerator, output_dir: str | Path, path: Path, auto: bool, 
     while True:
         error, saved = None, None
         try:
-            saved = load_checkpoint(accelerator, path, quantized)
+            saved = load_checkpoint(accelerator, path, quantized, universal)
         except HarnessError as e:
             error = (str(e), getattr(e, "cause", str(e)))
         errors = [e for e in all_gather(accelerator, error) if e is not None]

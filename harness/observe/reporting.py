@@ -112,7 +112,8 @@ def final_report(job, state: LoopState, log: StepLog, stopped_by: Optional[str],
              "compile": sections["compile"]}
     trained_s = state.elapsed_s + train_time_s
     progress = {"steps": state.step, "planned_steps": job.total_steps, "stopped_by": stopped_by,
-                "resumed_from": str(job.resume_from) if job.resume_from else None, "epochs": epoch_of(job, state),
+                "resumed_from": str(job.resume_from) if job.resume_from else None,
+                "resumed_layout": job.resize.as_dict() if job.resize else None, "epochs": epoch_of(job, state),
                 "tokens": state.tokens, "train_time_s": trained_s, "wall_time_s": time.time() - job.t_start,
                 "tokens_per_s": state.tokens / max(trained_s, 1e-9)}
     results = {"first_loss": state.first_loss, "final_loss": last.get("loss"), "final_loss_gen": last.get("loss_gen"),
