@@ -188,3 +188,36 @@ def test_train_sh_zero_auto_keeps_the_stage_of_the_checkpoints(tmp_path):
     assert "resuming: keeping ZeRO stage 2, the stage of the run's checkpoints" in proc.stdout
     launch = next(ln for ln in proc.stdout.splitlines() if "accelerate.commands.launch" in ln)
     assert "accelerate_configs/zero2.yaml" in launch and "--num_processes 4" in launch
+
+
+def test_length_grouped_order_depends_on_the_global_batch_only():
+    from dataclasses import replace
+
+    from harness.config import load_config
+    from harness.data.loaders import length_group
+
+    cfg = load_config(str(ROOT / "configs" / "default.yaml"), ["train.emb_micro_batch_size=4", "train.grad_accum=2"])
+    one = replace(cfg, train=replace(cfg.train, grad_accum=4))  # the same 16 queries a step on 1 process
+    assert length_group(cfg, 2) == length_group(one, 1) == 32 * 16
+
+
+def test_fit_to_world_splits_both_streams_of_a_unified_run(tmp_path):
+    from harness.config import load_config
+
+    step = tmp_path / "checkpoints" / "step-4"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("{}")
+    layout = {"processes": 2, "micro_batch_size": 4, "emb_micro_batch_size": 8, "grad_accum": 1, "zero_stage": None}
+    (step / "harness_state.json").write_text(json.dumps({"step": 4, "streams": {}, "layout": layout}))
+    cfg = load_config(str(ROOT / "configs" / "gritlm-tiny.yaml"),
+                      [f"train.output_dir={tmp_path}", "train.micro_batch_size=4", "train.emb_micro_batch_size=8",
+                       "train.grad_accum=1"])
+    fitted, resize = elastic.fit_to_world(cfg, 1)  # 8 sequences + 16 queries a step on one process
+    assert (fitted.train.micro_batch_size, fitted.train.emb_micro_batch_size, fitted.train.grad_accum) == (4, 8, 2)
+    assert resize.describe() == ("2 -> 1 process(es), train.grad_accum 1 -> 2, global batch 16 queries + 8 sequences "
+                                 "kept")
+    fitted, _ = elastic.fit_to_world(cfg, 4)  # 2 sequences + 4 queries a process: smaller micro-batches
+    assert (fitted.train.micro_batch_size, fitted.train.emb_micro_batch_size, fitted.train.grad_accum) == (2, 4, 1)
+    assert elastic.fit_to_world(cfg, 2) == (cfg, None)  # the same count: the config as it is
+    with pytest.raises(Exception, match="cannot be kept on 3 process"):
+        elastic.fit_to_world(cfg, 3)

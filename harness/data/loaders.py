@@ -119,8 +119,8 @@ def build_loaders(cfg: Config, accelerator, tokenizer) -> RunData:
             order = {"shuffle": d.shuffle}
             if d.group_by_length:  # queries + their longest passages of similar length batched together
                 lengths = [len(q) + max(map(len, p)) for q, p in zip(ds["q_ids"], ds["pos_ids"])]
-                mega = cfg.train.emb_micro_batch_size * accelerator.num_processes * 32
-                order = {"sampler": data_lib.LengthGroupedSampler(lengths, mega, cfg.train.seed)}
+                order = {"sampler": data_lib.LengthGroupedSampler(lengths, length_group(cfg, accelerator.num_processes),
+                                                                  cfg.train.seed)}
             out.emb = DataLoader(groups, batch_size=cfg.train.emb_micro_batch_size,
                                  collate_fn=data_lib.EmbeddingCollator(
                                      tokenizer.pad_token_id, data_lib.Widths(1, d.pad_buckets, d.query_max_len),
@@ -131,6 +131,12 @@ def build_loaders(cfg: Config, accelerator, tokenizer) -> RunData:
                 out.emb_eval = data_lib.retrieval_eval_set(rows, tokenizer, d.query_max_len, d.passage_max_len,
                                                            fmt)
     return out
+
+
+def length_group(cfg: Config, world: int) -> int:
+    """data.group_by_length's mega-batch: 32 global embedding batches' worth of queries. It depends on the global
+    batch only, which a resume on another number of processes keeps, so the order of an epoch stays the same."""
+    return 32 * cfg.train.emb_micro_batch_size * cfg.train.grad_accum * world
 
 
 def micro_batches(accelerator, loader, pos: dict):
