@@ -1,8 +1,15 @@
 """Shared test setup: never touch the Hugging Face Hub; give tests the repository root without chdir."""
 
 import os
+import sys
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+# DeepSpeed builds its CPU ops (the shared-memory all-reduce at every DeepSpeed start on a CPU, CPU Adam for optimizer
+# offload) into TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions for every checkout on the machine. The build
+# names the venv's include paths, so two checkouts whose tests ran at the same time rebuilt the same op in turns
+# (18-52 s a build, measured from its ninja log); one build folder per venv, for the runs these tests start too.
+if sys.prefix != sys.base_prefix:
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 from pathlib import Path  # noqa: E402
 

@@ -16,12 +16,13 @@ SMALL = ["model.config.num_hidden_layers=2", "train.max_steps=3", "data.packing=
          *FAST, "train.save_final=false"]
 
 
+# bf16 autocast (accelerate's known case of a compiled copy that never runs) under DDP; regional compile in one process
+# fp32: test_unified_gradcache_compiled_equals_eager (with the GritLM objective); ZeRO-3: test_zero3_compiled_...
 @pytest.mark.parametrize("name, nproc, accel, extra", [
-    ("single-regional-bf16", 1, None, ["train.compile=regional", "train.precision=bf16"]),
     ("single-full", 1, None, ["train.compile=full"]),
-    ("ddp-regional", 2, "ddp", ["train.compile=regional"]),
+    ("ddp-regional-bf16", 2, "ddp", ["train.compile=regional", "train.precision=bf16"]),
     ("zero2-regional", 2, "zero2", ["train.compile=regional"]),
-])  # the GritLM objective compiled: test_unified_gradcache_compiled_equals_eager; ZeRO-3: test_zero3_compiled_...
+])
 def test_compiled_blocks_run(name, nproc, accel, extra, tmp_path):
     out = tmp_path / name
     proc = run_train([f"train.output_dir={out}", *SMALL, *extra], nproc=nproc, accel=accel, timeout=900)
@@ -40,9 +41,8 @@ def test_compiled_blocks_run(name, nproc, accel, extra, tmp_path):
         assert set(rep["left_eager"]) == {"lm_head", "model.embed_tokens", "model.norm", "model.rotary_emb"}, rep
 
 
-def test_compile_none_reports_nothing(tmp_path):
-    run_train([f"train.output_dir={tmp_path}", *SMALL, "train.compile=none"])
-    assert report(tmp_path)["compile"] is None
+def test_compile_none_reports_nothing(unified_runs):
+    assert report(unified_runs["none"])["compile"] is None  # the eager reference of the GritLM runs below
 
 
 def test_compiler_warmup_failure_is_reported_not_raised(monkeypatch):
@@ -165,41 +165,46 @@ def test_zero3_compiled_equals_eager(tmp_path):
     runs = {}
     for mode in ("regional", "none"):
         runs[mode] = tmp_path / mode
-        run_train([f"train.output_dir={runs[mode]}", *SMALL, "train.max_steps=5", f"train.compile={mode}"], nproc=2,
-                  accel="zero3", timeout=900)
+        run_train([f"train.output_dir={runs[mode]}", *SMALL, f"train.compile={mode}"], nproc=2, accel="zero3",
+                  timeout=900)
     rep = report(runs["regional"])
     assert rep["zero_stage"] == 3, rep["zero_stage"]
     c = rep["compile"]
     assert c["recompile_limit_hit"] == [] and c["recompiles_after_first_step"] <= 2, c
-    assert c["graphs"] <= 3 and c["block_calls_eager"] == 0 and c["block_calls_compiled"] == 2 * 5, c
+    assert c["graphs"] <= 3 and c["block_calls_eager"] == 0 and c["block_calls_compiled"] == 2 * 3, c
     compiled, eager = metrics(runs["regional"]), metrics(runs["none"])
-    assert len(compiled) == len(eager) == 5
+    assert len(compiled) == len(eager) == 3
     for a, b in zip(compiled, eager):
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-3 * abs(b[key]), (key, a, b)
 
 
-def test_unified_gradcache_compiled_equals_eager(tmp_path):
+@pytest.fixture(scope="module")
+def unified_runs(tmp_path_factory):
+    """configs/gritlm-tiny.yaml (2 layers, GradCache in 2 chunks), 3 steps compiled regionally and eagerly."""
+    gritlm = ["model.config.num_hidden_layers=2", "train.max_steps=3", "train.micro_batch_size=4",
+              "train.emb_micro_batch_size=8", "loss.grad_cache_chunks=2", "train.eval_at_start=false",
+              "train.eval_every=0", "data.eval_files=[]", "data.emb_eval_files=[]", "train.save_final=false",
+              "train.progress_bar=false", "train.log_every=1", "train.report_to=[]", "train.summary=false"]
+    root = tmp_path_factory.mktemp("unified")
+    for mode in ("regional", "none"):
+        run_train([f"train.output_dir={root / mode}", f"train.compile={mode}", *gritlm],
+                  config=str(ROOT / "configs/gritlm-tiny.yaml"), timeout=900)
+    return {mode: root / mode for mode in ("regional", "none")}
+
+
+def test_unified_gradcache_compiled_equals_eager(unified_runs):
     """The GritLM objective compiled (one process): generative, GradCache's no-grad and gradient passes of queries
     and passages through the same compiled blocks. Dynamic shapes from the first step: every kind of pass compiles
     once in step 1 and new batch lengths reuse it (no step-0 evaluation to warm up on), and the losses and gradient
     norms equal eager's step by step."""
-    gritlm = [str(ROOT / "configs/gritlm-tiny.yaml"), "model.config.num_hidden_layers=2", "train.max_steps=5",
-              "train.micro_batch_size=4", "train.emb_micro_batch_size=8", "loss.grad_cache_chunks=2",
-              "train.eval_at_start=false", "train.eval_every=0", "data.eval_files=[]", "data.emb_eval_files=[]",
-              "train.save_final=false", "train.progress_bar=false", "train.log_every=1", "train.report_to=[]",
-              "train.summary=false"]
-    runs = {}
-    for mode in ("regional", "none"):
-        runs[mode] = tmp_path / mode
-        run_train([f"train.output_dir={runs[mode]}", f"train.compile={mode}", *gritlm[1:]], config=gritlm[0],
-                  timeout=900)
+    runs = unified_runs
     c = report(runs["regional"])["compile"]
     assert c["recompiles_after_first_step"] == 0 and c["recompile_limit_hit"] == [], c
-    # 2 layers x 5 steps x (generative + 2 chunks x (no-grad + gradient) x (queries + passages))
-    assert c["block_calls_compiled"] == 2 * 5 * (1 + 2 * 2 * 2) and c["block_calls_eager"] == 0, c
+    # 2 layers x 3 steps x (generative + 2 chunks x (no-grad + gradient) x (queries + passages))
+    assert c["block_calls_compiled"] == 2 * 3 * (1 + 2 * 2 * 2) and c["block_calls_eager"] == 0, c
     compiled, eager = metrics(runs["regional"]), metrics(runs["none"])
-    assert len(compiled) == len(eager) == 5
+    assert len(compiled) == len(eager) == 3
     for a, b in zip(compiled, eager):
         for key in ("loss", "loss_gen", "loss_emb", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-3 * abs(b[key]), (key, a, b)
