@@ -275,13 +275,17 @@ def check_same_engine(path: Path, before: Optional[Layout], zero_stage: Optional
     AssertionError in its loader). One line naming the stage to launch with."""
     if before is None:
         return
-    written = (before.zero_stage if before.zero_stage is not None else "DeepSpeed") if (Path(path) / DS_TAG).is_dir() \
-        else None
+    written: object = None  # None: DDP / plain; a stage; "DeepSpeed": an older harness's, stage unrecorded
+    if (Path(path) / DS_TAG).is_dir():
+        written = before.zero_stage if before.zero_stage is not None else "DeepSpeed"
     if written == zero_stage or (written == "DeepSpeed" and zero_stage is not None):
         return
-    name = lambda stage: ("DDP / one process without DeepSpeed" if stage is None else  # noqa: E731
-                          f"DeepSpeed ZeRO-{stage}" if stage != "DeepSpeed" else "DeepSpeed")
-    flag = 0 if written is None else written if written != "DeepSpeed" else "N"
+
+    def name(stage) -> str:
+        return ("DDP / one process without DeepSpeed" if stage is None else
+                "DeepSpeed" if stage == "DeepSpeed" else f"DeepSpeed ZeRO-{stage}")
+
+    flag = 0 if written is None else "N" if written == "DeepSpeed" else written
     raise ConfigError(f"config key 'train.resume': {path} was written under {name(written)} and this launch runs "
                       f"{name(zero_stage)}: resume under the stage it was written with (launch/train.sh --zero {flag} "
                       f"or its accelerate config), on any number of processes")
