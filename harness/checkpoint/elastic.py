@@ -215,13 +215,10 @@ def positions(saved_streams: dict, before: Optional[Layout], after: Layout, size
     (an epoch that began inside an optimizer step): the remainder is read again."""
     out, notes = {}, []
     for name, pos in saved_streams.items():
-        pos = {"epoch": int(pos["epoch"]), "batches": int(pos["batches"]), **({"samples": pos["samples"]}
-                                                                              if "samples" in pos else {})}
         if before is None or (before.micro(name) == after.micro(name) and before.processes == after.processes):
-            out[name] = {"epoch": pos["epoch"], "batches": pos["batches"]}
+            out[name] = {"epoch": int(pos["epoch"]), "batches": int(pos["batches"])}
             continue
-        rows = pos.get("samples", pos["batches"] * before.micro(name) * before.processes)
-        rows = min(int(rows), sizes[name])
+        rows = rows_read(pos, before, name, sizes[name])
         if rows >= sizes[name]:
             out[name] = {"epoch": pos["epoch"] + 1, "batches": 0}
             continue
@@ -244,8 +241,8 @@ def carry_over(path: Path, saved: dict, after: Layout, streams: tuple, sizes: di
             before.micro(s) == after.micro(s) for s in streams):
         return moved, None, ""
     resize = Resize(path, before, after, streams)
-    rows = ", ".join(f"{n} {min(saved['streams'][n].get('samples', saved['streams'][n]['batches'] * before.micro(n) * before.processes), sizes[n])} rows of epoch {saved['streams'][n]['epoch']}"
-                     for n in streams)
+    rows = ", ".join(f"{n} {rows_read(saved['streams'][n], before, n, sizes[n])} rows of epoch "
+                     f"{saved['streams'][n]['epoch']}" for n in streams)
     optimizer = ("ZeRO optimizer state repartitioned through a universal checkpoint (deepspeed ds_to_universal)"
                  if universal else "optimizer state loaded whole")
     line = (f"; layout changed: {resize.describe()}; data position by rows read ({rows}); {optimizer}"
@@ -253,10 +250,15 @@ def carry_over(path: Path, saved: dict, after: Layout, streams: tuple, sizes: di
     return moved, resize, line
 
 
+def rows_read(pos: dict, layout: Layout, name: str, size: int) -> int:
+    """Rows of the epoch all processes have read at stream position `pos` (its `samples`, or for a checkpoint of an
+    older harness micro-batches x micro-batch x processes of `layout`), at most the epoch's `size`."""
+    return min(int(pos.get("samples", pos["batches"] * layout.micro(name) * layout.processes)), size)
+
+
 def samples_read(streams: dict, layout: Layout, sizes: dict) -> dict:
     """The positions with `samples`: rows of the epoch consumed by all processes (what `positions` converts)."""
-    return {n: {**p, "samples": min(p["batches"] * layout.micro(n) * layout.processes, sizes[n])}
-            for n, p in streams.items()}
+    return {n: {**p, "samples": rows_read({"batches": p["batches"]}, layout, n, sizes[n])} for n, p in streams.items()}
 
 
 # ----------------------------------------------------------------------------------------------- ZeRO's optimizer
