@@ -48,3 +48,20 @@ def llama_style_tokenizer_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("llama_style_tokenizer")
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def stage_run(tmp_path_factory):
+    """stage_run(name) -> the folder of a 2-process run of the default recipe (harness_launch.STAGE_STEPS) under
+    "ddp", "zero1", "zero2" or "zero3", run once per session when first asked for: tests/test_zero.py compares the
+    stages with one another and with stopped-and-resumed runs, tests/test_multinode.py with two launchers."""
+    from harness_launch import STAGE_STEPS, STAGES, run_train
+
+    root = tmp_path_factory.mktemp("stages")
+
+    def run(name: str) -> Path:
+        out = root / name
+        if not (out / "report.json").is_file():
+            run_train([f"train.output_dir={out}", *STAGE_STEPS], nproc=2, accel=STAGES[name])
+        return out
+    return run

@@ -21,6 +21,13 @@ DEFAULT = str(ROOT / "configs" / "default.yaml")
 # Small, fast settings shared by the end-to-end runs (the default recipe's model and data, fewer steps).
 FAST = ["train.progress_bar=false", "train.log_every=1", "data.eval_files=[]", "train.report_to=[]",
         "train.summary=false"]  # no plots: ~2 s a run (tests/test_summary.py covers them)
+# tests/test_zero.py's data: a weighted mix of two sources (3:1) with 24 records held out by data.eval_split
+MIX = ["data.train_files=[{path: data/sample/gen.jsonl, weight: 3}, {path: data/sample/gen_eval.jsonl, weight: 1}]",
+       "data.eval_split=24"]
+# the 2-process runs of the default recipe per stage (conftest.py's stage_run): 16 steps, an epoch boundary after 14;
+# the first 10 are the warm-up (optim.warmup_steps=10), whose learning rates do not depend on train.max_steps
+STAGE_STEPS = ["train.max_steps=16", "train.micro_batch_size=16", *FAST, *MIX]
+STAGES = {"ddp": "multi_gpu", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3"}  # name -> accelerate config
 
 
 def free_port() -> int:

@@ -13,19 +13,29 @@ pytestmark = pytest.mark.slow
 EMB = [f"data.emb_train_files=[{ROOT / 'data/sample/emb.jsonl'}]", "data.emb_eval_files=[]", "train.eval_at_start=false"]
 
 
-def one_step(out, mode, nproc, emb_mb, gen_mb, accel=None, extra=()):
-    run_train([f"train.output_dir={out}", f"loss.mode={mode}", *EMB, "train.max_steps=1", *FAST,
-               f"train.emb_micro_batch_size={emb_mb}", f"train.micro_batch_size={gen_mb}", *extra],
-              nproc=nproc, accel=accel)
-    return metrics(out)[0], final_weights(out)
+_runs: dict = {}
+
+
+def one_step(tmp_path_factory, mode, nproc, emb_mb, gen_mb, accel=None, extra=()):
+    """The first record and the final weights of a 1-step run; the same settings run once per session (the tests
+    below compare some of them with more than one other run)."""
+    accel = {None: "ddp"}.get(accel, accel) if nproc > 1 else accel  # run_train: 2 processes and no accel = DDP
+    key = (mode, nproc, emb_mb, gen_mb, accel, tuple(extra))
+    if key not in _runs:
+        out = tmp_path_factory.mktemp(f"{mode}-{nproc}")
+        run_train([f"train.output_dir={out}", f"loss.mode={mode}", *EMB, "train.max_steps=1", *FAST,
+                   f"train.emb_micro_batch_size={emb_mb}", f"train.micro_batch_size={gen_mb}", *extra],
+                  nproc=nproc, accel=accel)
+        _runs[key] = metrics(out)[0], final_weights(out)
+    return _runs[key]
 
 
 @pytest.mark.parametrize("mode", ["embedding", "unified"])
-def test_two_processes_equal_one_process_with_twice_the_batch(mode, tmp_path):
+def test_two_processes_equal_one_process_with_twice_the_batch(mode, tmp_path_factory):
     """Negatives gathered across processes with their gradient: the loss and the update after one step do not
     depend on how the batch is split."""
-    m2, w2 = one_step(tmp_path / "two", mode, 2, emb_mb=4, gen_mb=8)
-    m1, w1 = one_step(tmp_path / "one", mode, 1, emb_mb=8, gen_mb=16)
+    m2, w2 = one_step(tmp_path_factory, mode, 2, emb_mb=4, gen_mb=8)
+    m1, w1 = one_step(tmp_path_factory, mode, 1, emb_mb=8, gen_mb=16)
     keys = ["loss"] + (["loss_emb", "loss_gen"] if mode == "unified" else [])
     for k in keys:
         assert rel_close(m2[k], m1[k], 1e-4), (k, m2[k], m1[k])
@@ -33,21 +43,22 @@ def test_two_processes_equal_one_process_with_twice_the_batch(mode, tmp_path):
     assert update_rel_diff(w2, w1, initial_weights()) < 1e-4
 
 
-def test_without_gathering_the_split_changes_the_loss(tmp_path):
+def test_without_gathering_the_split_changes_the_loss(tmp_path_factory):
     """Control for the test above: with loss.gather_negatives=false each process only sees its own negatives."""
-    m2, _ = one_step(tmp_path / "two", "embedding", 2, emb_mb=4, gen_mb=8, extra=["loss.gather_negatives=false"])
-    m1, _ = one_step(tmp_path / "one", "embedding", 1, emb_mb=8, gen_mb=16)
+    m2, _ = one_step(tmp_path_factory, "embedding", 2, emb_mb=4, gen_mb=8, extra=["loss.gather_negatives=false"])
+    m1, _ = one_step(tmp_path_factory, "embedding", 1, emb_mb=8, gen_mb=16)  # the reference of the test above
     assert not rel_close(m2["loss"], m1["loss"], 1e-3)
 
 
 @pytest.mark.parametrize("nproc, accel, chunks", [(1, None, 4), (2, "ddp", 2), (2, "zero1", 2), (2, "zero2", 2),
                                                  (2, "zero3", 2)])
-def test_cached_representations_match_the_full_batch(nproc, accel, chunks, tmp_path):
-    """GradCache with k chunks = one pass over the batch: same loss, same update (unified: the generative unit too)."""
+def test_cached_representations_match_the_full_batch(nproc, accel, chunks, tmp_path_factory):
+    """GradCache with k chunks = one pass over the batch: same loss, same update (unified: the generative unit too).
+    The full-batch run under DDP is the 2-process run of the 2-vs-1-process test above."""
     mb = 8 // nproc
-    mc, wc = one_step(tmp_path / "cached", "unified", nproc, emb_mb=mb, gen_mb=8, accel=accel,
+    mc, wc = one_step(tmp_path_factory, "unified", nproc, emb_mb=mb, gen_mb=8, accel=accel,
                       extra=[f"loss.grad_cache_chunks={chunks}"])
-    mf, wf = one_step(tmp_path / "full", "unified", nproc, emb_mb=mb, gen_mb=8, accel=accel)
+    mf, wf = one_step(tmp_path_factory, "unified", nproc, emb_mb=mb, gen_mb=8, accel=accel)
     for k in ("loss", "loss_emb", "loss_gen", "grad_norm"):
         assert rel_close(mc[k], mf[k], 1e-5), (k, mc[k], mf[k])
     assert update_rel_diff(wc, wf, initial_weights()) < 1e-4

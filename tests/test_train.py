@@ -67,14 +67,24 @@ def test_default_job_trains_exports_and_reports(tmp_path):
     assert "GEN:" in proc.stdout and len(proc.stdout.split("GEN:")[1].strip()) > 0
 
 
+EVALS = "data.eval_files=[data/sample/gen_eval.jsonl]"
+
+
+@pytest.fixture(scope="module")
+def one_process_16(tmp_path_factory):
+    """2 steps of 1 process x micro-batch 16, the held-out set evaluated at the start and the end: the reference of
+    2 processes x 8 and of accumulation 2 x 8 (an evaluation changes no weight and no data order)."""
+    out = tmp_path_factory.mktemp("one")
+    run_train([f"train.output_dir={out}", "train.max_steps=2", "train.micro_batch_size=16", *FAST, EVALS])
+    return out
+
+
 @pytest.mark.slow
-def test_two_processes_equal_one_process_with_twice_the_micro_batch(tmp_path):
+def test_two_processes_equal_one_process_with_twice_the_micro_batch(one_process_16, tmp_path):
     """Training losses and the held-out loss (each eval sample counted once, whatever the process count: the eval set
     of 40 records does not divide into 2 x 8-row batches evenly)."""
-    two, one = tmp_path / "two", tmp_path / "one"
-    evals = "data.eval_files=[data/sample/gen_eval.jsonl]"
-    run_train([f"train.output_dir={two}", "train.max_steps=2", "train.micro_batch_size=8", *FAST, evals], nproc=2)
-    run_train([f"train.output_dir={one}", "train.max_steps=2", "train.micro_batch_size=16", *FAST, evals])
+    two, one = tmp_path / "two", one_process_16
+    run_train([f"train.output_dir={two}", "train.max_steps=2", "train.micro_batch_size=8", *FAST, EVALS], nproc=2)
     assert report(two)["world_size"] == 2 and report(one)["world_size"] == 1
     l2, l1 = metrics(two), metrics(one)
     assert rel_close(l2[0]["loss"], l1[0]["loss"], 1e-5), (l2[0]["loss"], l1[0]["loss"])
@@ -100,12 +110,11 @@ def test_entry_points_run_the_same_loop(tmp_path):
 
 
 @pytest.mark.slow
-def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+def test_gradient_accumulation_matches_one_big_batch(one_process_16, tmp_path):
     """accum 2 x micro-batch 8 == accum 1 x micro-batch 16: same loss and the same first update (per-token mean)."""
-    acc, big = tmp_path / "acc", tmp_path / "big"
+    acc, big = tmp_path / "acc", one_process_16
     run_train([f"train.output_dir={acc}", "train.max_steps=2", "train.micro_batch_size=8", "train.grad_accum=2",
                *FAST])
-    run_train([f"train.output_dir={big}", "train.max_steps=2", "train.micro_batch_size=16", *FAST])
     ma, mb = metrics(acc), metrics(big)
     for a, b in zip(ma, mb):
         assert rel_close(a["loss"], b["loss"], 1e-5) and rel_close(a["grad_norm"], b["grad_norm"], 1e-4), (a, b)

@@ -1,10 +1,11 @@
 """DeepSpeed ZeRO stages and exact resume, with two real CPU ranks (gloo).
 
-One set of 2-process runs of the default recipe (16 steps, crossing an epoch boundary after step 14) serves several
-checks: equal losses under DDP and ZeRO-1/2/3, ZeRO-3's partitioned parameters, the ZeRO-3 export, and the
-uninterrupted baselines for the resume tests. The training data is a weighted mix of two sources (3:1: a subset of
-gen.jsonl and 2.75 passes over gen_eval.jsonl) with 24 records held out by data.eval_split, so the mix and the split
-are shown to be the same on every process, under every stage and on resume.
+One set of 2-process runs of the default recipe (16 steps, crossing an epoch boundary after step 14; conftest.py's
+stage_run) serves several checks: equal losses under DDP and ZeRO-1/2/3, ZeRO-3's partitioned parameters, the ZeRO-3
+export, the uninterrupted baselines for the resume tests, and the one-node references of tests/test_multinode.py.
+The training data is a weighted mix of two sources (3:1: a subset of gen.jsonl and 2.75 passes over gen_eval.jsonl)
+with 24 records held out by data.eval_split, so the mix and the split are shown to be the same on every process,
+under every stage and on resume.
 """
 
 from __future__ import annotations
@@ -12,63 +13,51 @@ from __future__ import annotations
 import pytest
 from transformers import AutoModelForCausalLM
 
-from harness_launch import FAST, final_weights, max_abs_diff, metrics, rel_close, report, run_train
+from harness_launch import (FAST, STAGE_STEPS, STAGES, final_weights, max_abs_diff, metrics, rel_close, report,
+                            run_train)
 
 pytestmark = pytest.mark.slow
 
-MIX = ["data.train_files=[{path: data/sample/gen.jsonl, weight: 3}, {path: data/sample/gen_eval.jsonl, weight: 1}]",
-       "data.eval_split=24"]
-STEPS = ["train.max_steps=16", "train.micro_batch_size=16", *FAST, *MIX]
-STAGES = {"ddp": "multi_gpu", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3"}
 
-
-@pytest.fixture(scope="module")
-def stage_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("stages")
-    for name, accel in STAGES.items():
-        run_train([f"train.output_dir={root / name}", *STEPS], nproc=2, accel=accel)
-    return root
-
-
-def test_first_ten_losses_equal_across_ddp_and_zero_stages(stage_runs):
-    ref = [r["loss"] for r in metrics(stage_runs / "ddp")][:10]
+def test_first_ten_losses_equal_across_ddp_and_zero_stages(stage_run):
+    ref = [r["loss"] for r in metrics(stage_run("ddp"))][:10]
     assert len(ref) == 10 and ref[-1] < ref[0]
     for name in ("zero1", "zero2", "zero3"):
-        got = [r["loss"] for r in metrics(stage_runs / name)][:10]
+        got = [r["loss"] for r in metrics(stage_run(name))][:10]
         bad = [(i + 1, a, b) for i, (a, b) in enumerate(zip(ref, got)) if not rel_close(a, b, 1e-4)]
         assert not bad, f"{name} differs from DDP at (step, ddp, {name}): {bad}"
-        rep = report(stage_runs / name)
+        rep = report(stage_run(name))
         assert rep["world_size"] == 2 and rep["zero_stage"] == int(name[-1])
-        start = report(stage_runs / "ddp")["eval_at_start"]["eval_loss"]  # the same held-out records everywhere
+        start = report(stage_run("ddp"))["eval_at_start"]["eval_loss"]  # the same held-out records everywhere
         assert rel_close(rep["eval_at_start"]["eval_loss"], start, 1e-5), (name, rep["eval_at_start"], start)
-    assert report(stage_runs / "ddp")["zero_stage"] is None
+    assert report(stage_run("ddp"))["zero_stage"] is None
 
 
-def test_zero3_partitions_parameters_across_ranks(stage_runs):
-    rep = report(stage_runs / "zero3")
+def test_zero3_partitions_parameters_across_ranks(stage_run):
+    rep = report(stage_run("zero3"))
     total, held = rep["parameters"], rep["parameters_per_rank"]
     assert len(held) == 2
     for h in held:
         assert 0.45 * total <= h <= 0.55 * total, (held, total)
-    assert report(stage_runs / "zero2")["parameters_per_rank"] == [total, total]
+    assert report(stage_run("zero2"))["parameters_per_rank"] == [total, total]
 
 
-def test_zero3_export_reloads_and_matches_the_trained_weights(stage_runs):
+def test_zero3_export_reloads_and_matches_the_trained_weights(stage_run):
     """final/ under ZeRO-3 (weights gathered from both ranks) reloads with AutoModelForCausalLM and equals the
     DDP run's weights (the same training, unpartitioned)."""
-    model = AutoModelForCausalLM.from_pretrained(stage_runs / "zero3" / "final")
+    model = AutoModelForCausalLM.from_pretrained(stage_run("zero3") / "final")
     z3 = {k: v for k, v in model.state_dict().items()}
-    exported = final_weights(stage_runs / "zero3")
+    exported = final_weights(stage_run("zero3"))
     assert max_abs_diff({k: z3[k] for k in exported}, exported) == 0.0
-    assert max_abs_diff(exported, final_weights(stage_runs / "ddp")) < 1e-4
+    assert max_abs_diff(exported, final_weights(stage_run("ddp"))) < 1e-4
 
 
 @pytest.mark.parametrize("stage", ["ddp", "zero3"])
-def test_stopped_and_resumed_run_ends_with_the_same_weights(stage, stage_runs, tmp_path):
+def test_stopped_and_resumed_run_ends_with_the_same_weights(stage, stage_run, tmp_path):
     """Stop after step 10 (checkpoint), resume with train.resume=auto: same final weights (<= 1e-6) and the same
     metrics for the steps after the resume (which cross the epoch boundary after step 14) and the same eval loss."""
     out = tmp_path / stage
-    args = [f"train.output_dir={out}", *STEPS, "train.save_every_steps=5"]
+    args = [f"train.output_dir={out}", *STAGE_STEPS, "train.save_every_steps=5"]
     first = run_train([*args, "train.stop_at_step=10"], nproc=2, accel=STAGES[stage])
     assert "stopped (stop_at_step) at step 10/16" in first.stdout
     assert not (out / "final").exists()
@@ -76,15 +65,15 @@ def test_stopped_and_resumed_run_ends_with_the_same_weights(stage, stage_runs, t
     assert "resumed from" in second.stdout and "step-10" in second.stdout
     assert report(out)["resumed_from"].endswith("step-10")
 
-    diff = max_abs_diff(final_weights(out), final_weights(stage_runs / stage))
+    diff = max_abs_diff(final_weights(out), final_weights(stage_run(stage)))
     assert diff <= 1e-6, f"{stage}: resumed weights differ from the uninterrupted run by {diff}"
     resumed = {r["step"]: r for r in metrics(out)}
-    baseline = {r["step"]: r for r in metrics(stage_runs / stage)}
+    baseline = {r["step"]: r for r in metrics(stage_run(stage))}
     assert sorted(resumed) == sorted(baseline) == list(range(1, 17))
     for step in range(11, 17):
         for key in ("loss", "lr", "grad_norm", "epoch"):
             assert rel_close(resumed[step][key], baseline[step][key], 1e-6), (step, key, resumed[step], baseline[step])
-    assert rel_close(report(out)["eval"]["eval_loss"], report(stage_runs / stage)["eval"]["eval_loss"], 1e-6)
+    assert rel_close(report(out)["eval"]["eval_loss"], report(stage_run(stage))["eval"]["eval_loss"], 1e-6)
 
 
 @pytest.mark.parametrize("launcher", ["python", "accelerate"])
