@@ -11,7 +11,8 @@ import torch
 
 from harness.config import load_config
 from harness.model import build_model, count_parameters, load_tokenizer
-from harness.tools.zero_plan import GIB, Hardware, ModelShape, activation_terms, main, model_shape, plan, state_row
+from harness.tools.sizing import ModelShape, activation_terms, model_shape
+from harness.tools.zero_plan import GIB, Hardware, main, plan, state_row
 
 SHAPE = ModelShape(params=10**9, hidden=2048, intermediate=5632, layers=20, heads=16, kv_heads=4, vocab=32000,
                    model_type="llama", layer_params=40_000_000, embed_params=65_536_000)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from harness.config import load_config
-from harness.tools.zero_plan import GIB, QUANT_BYTES, Hardware, ModelShape, main, plan, state_row
+from harness.tools.sizing import ModelShape
+from harness.tools.zero_plan import GIB, QUANT_BYTES, Hardware, main, plan, state_row
 
 P_70B = 68_976_648_192  # Llama-2-70B, published
 

@@ -53,106 +53,13 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 from harness.config import Config, load_config, lora_config
 from harness.errors import HarnessError
-
-GIB = 2**30
+from harness.tools.sizing import GIB, ModelShape, activation_terms, model_shape
 OPTIONS = ["0", "1", "2", "3", "3-offload"]
 ACCELERATE_CONFIG = {"0": "multi_gpu", "1": "zero1", "2": "zero2", "3": "zero3", "3-offload": "zero3_offload"}
-
-
-@dataclass
-class ModelShape:
-    params: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    model_type: str
-    layer_params: int  # parameters of the largest decoder layer
-    embed_params: int  # parameters of the input embedding
-    trainable: Optional[int] = None  # LoRA: adapter (+ added token rows) parameters; None: full fine-tune, all of P
-    linear_params: int = 0  # weights of the frozen base's Linear layers but the output head (what bitsandbytes
-    # quantizes under model.quantization)
-    note: str = ""  # how the shape was obtained when not from the recipe as is (offline sizing)
-    chunkable_head: bool = True  # the chunked loss can take the output head (objective.resolve_chunked_ce)
-
-    @property
-    def frozen(self) -> int:
-        return 0 if self.trainable is None else self.params - self.trainable
-
-
-def model_shape(cfg: Config) -> ModelShape:
-    """Parameter count and shape of the recipe's model, built on the meta device (nothing allocated)."""
-    import torch
-
-    from harness.model import build_model, load_tokenizer
-
-    m = cfg.model
-    note = ""
-    # quantization is left out: the meta model is built in full precision and bitsandbytes' bytes are counted per
-    # Linear (plan); LoRA adapters are built as configured
-    mc = dataclasses.replace(m, gradient_checkpointing=False, quantization="none",
-                             random_init=m.name_or_path is not None)
-    if m.name_or_path is not None and "model_type" in m.config and not Path(m.name_or_path).is_dir():
-        # the recipe carries the architecture's shape: size it offline from model.config (no hub download), with the
-        # bundled tokenizer (the hub tokenizer's added chat-marker rows, a few, are not counted)
-        mc = dataclasses.replace(mc, name_or_path=None, random_init=False, tokenizer="bundled")
-        note = (f"sizing offline from model.config ({m.config['model_type']} shape of {m.name_or_path}); the bundled "
-                f"tokenizer stands in for the hub one")
-    tok = load_tokenizer(mc)
-    with torch.device("meta"):
-        model = build_model(mc, tok)
-    lora = lora_config(m).enabled
-    head = model.get_output_embeddings()
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if lora else None
-    linear_params = sum(mod.weight.numel() for name, mod in model.named_modules()
-                        if isinstance(mod, torch.nn.Linear) and mod is not head and not mod.weight.requires_grad
-                        and "lora_" not in name) if lora else 0
-    c = model.config
-    c = getattr(c, "text_config", None) or c
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    blocks = max(layers, key=len) if layers else []
-    layer_params = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
-    hidden = c.hidden_size
-    heads = c.num_attention_heads
-    return ModelShape(
-        params=sum(p.numel() for p in model.parameters()),
-        hidden=hidden,
-        intermediate=getattr(c, "intermediate_size", 4 * hidden),
-        layers=c.num_hidden_layers,
-        heads=heads,
-        kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-        vocab=model.get_input_embeddings().num_embeddings,
-        model_type=c.model_type,
-        layer_params=layer_params,
-        embed_params=model.get_input_embeddings().weight.numel(),
-        trainable=trainable,
-        linear_params=linear_params,
-        note=note,
-        chunkable_head=_chunkable_head(model, lora and mc.name_or_path is None and m.name_or_path is not None),
-    )
-
-
-def _chunkable_head(model, lora_offline: bool) -> bool:
-    """Whether the chunked loss can use this model's head. Sized offline with LoRA, no: the hub tokenizer may add the
-    chat markers, and LoRA then wraps the head's added rows (trainable_token_indices), which the chunked loss refuses
-    (auto: full logits); the plan counts the full logits rather than promise memory the run may not get."""
-    from harness.errors import ConfigError
-    from harness.model import output_head
-
-    if lora_offline:
-        return False
-    try:
-        output_head(model)
-    except ConfigError:
-        return False
-    return True
 
 
 @dataclass
@@ -165,74 +72,6 @@ class Hardware:
     @property
     def world(self) -> int:
         return self.gpus_per_node * self.nodes
-
-
-def chunked_ce_positions(cfg: Config, tokens: int, vocab: int) -> Optional[int]:
-    """Positions per chunk when the run's generative loss goes through the head in chunks (objective.
-    chunked_ce_asked, the run's own rule; the caller checks the head, `ModelShape.chunkable_head`), else None."""
-    from harness.objective import chunked_ce_asked
-
-    return min(cfg.loss.chunked_ce_size, tokens) if chunked_ce_asked(cfg, tokens, vocab) else None
-
-
-def activation_terms(cfg: Config, shape: ModelShape, act_bytes: int) -> tuple[list[str], float]:
-    """Activation bytes per GPU for one micro-batch, and the lines that explain them."""
-    d, t, m = cfg.data, cfg.train, cfg.model
-    seq = d.max_len if d.max_len != "auto" else None
-    lines = []
-    if seq is None:
-        model_max = None
-        try:
-            model_max = int(cfg.model.config.get("max_position_embeddings", 0)) or None
-        except (TypeError, ValueError):
-            pass
-        seq = model_max or 4096
-        lines.append(f"data.max_len=auto: taking {seq} tokens (the model's maximum) as the upper bound")
-    passes = []  # (name, tokens, sequence length, with logits)
-    if cfg.loss.mode in ("generative", "unified"):
-        passes.append(("generative", t.micro_batch_size * seq, seq, True))
-    if cfg.loss.mode in ("embedding", "unified"):
-        texts = t.emb_micro_batch_size // cfg.loss.grad_cache_chunks
-        tokens = texts * (d.query_max_len + d.train_group_size * d.passage_max_len)
-        passes.append(("embedding", tokens, max(d.query_max_len, d.passage_max_len), False))
-    h, hkv, i, L = shape.hidden, shape.kv_heads * (shape.hidden // shape.heads), shape.intermediate, shape.layers
-    per_token_layer = 8 * h + act_bytes * (5 * h + 3 * hkv + 4 * i)
-    lines.append(f"per layer and token: 8h + {act_bytes} x (5h + 3h_kv + 4i) = 8*{h} + {act_bytes} x (5*{h} + 3*{hkv} "
-                 f"+ 4*{i}) = {per_token_layer:,} B")
-    eager = m.attn_implementation == "eager"
-    best, best_lines = 0.0, []
-    for name, tokens, s, logits in passes:
-        one_layer = tokens * per_token_layer + (tokens * shape.heads * s * 6 if eager else 0)
-        pl = [f"{name} pass: {tokens:,} tokens per micro-batch"]
-        if eager:
-            pl.append(f"  eager attention scores: {tokens:,} x {shape.heads} heads x {s} x 6 B per layer")
-        if m.gradient_checkpointing:
-            kept = L * tokens * h * act_bytes
-            total = kept + one_layer
-            pl.append(f"  gradient checkpointing: layer inputs {L} x {tokens:,} x {h} x {act_bytes} B = {kept / GIB:.2f} GiB"
-                      f" + one layer recomputed {one_layer / GIB:.2f} GiB")
-        else:
-            total = L * one_layer
-            pl.append(f"  {L} layers x {one_layer / GIB:.2f} GiB = {total / GIB:.2f} GiB (no gradient checkpointing)")
-        chunk = chunked_ce_positions(cfg, tokens, shape.vocab) if logits and shape.chunkable_head else None
-        if chunk:
-            lg = chunk * shape.vocab * 10
-            total += lg
-            pl.append(f"  logits: chunked (loss.chunked_ce={cfg.loss.chunked_ce}), one chunk at a time: {chunk:,} x "
-                      f"{shape.vocab} x (2 + 4 + 4) B = {lg / GIB:.2f} GiB")
-        elif logits:
-            lg = tokens * shape.vocab * 10
-            total += lg
-            pl.append(f"  logits: {tokens:,} x {shape.vocab} x (2 + 4 + 4) B = {lg / GIB:.2f} GiB")
-            if not shape.chunkable_head and chunked_ce_positions(cfg, tokens, shape.vocab):
-                pl.append("  (full logits counted: the chunked loss may not take this head; sized offline with LoRA, "
-                          "the hub tokenizer may add chat markers whose rows LoRA trains through the head)")
-        pl.append(f"  activations: {total / GIB:.2f} GiB")
-        if total >= best:
-            best, best_lines = total, pl
-    if len(passes) > 1:
-        lines.append("unified mode: the passes back-propagate one after the other; the larger counts")
-    return lines + best_lines, best
 
 
 @dataclass
