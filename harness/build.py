@@ -63,6 +63,7 @@ class Job:
     resize: Optional[elastic.Resize] = None  # resumed under another number of processes: the batch's new split
     universal: bool = False  # the ZeRO checkpoint loads through a universal checkpoint (another process count / stage)
     peak_flops: Optional[float] = None  # all processes together; None where unknown (CPU)
+    weights: Optional[str] = None  # dtype of the trained parameters once prepared (train.weights): fp32, bf16, fp16
 
     @property
     def world(self) -> int:
@@ -84,7 +85,7 @@ class Job:
     @property
     def layout(self) -> elastic.Layout:
         """How this attempt splits the global batch (saved with every checkpoint)."""
-        return elastic.layout_of(self.cfg, self.world, self.zero["zero_stage"])
+        return elastic.layout_of(self.cfg, self.world, self.zero["zero_stage"], self.weights)
 
     @property
     def epoch_rows(self) -> dict:
@@ -104,6 +105,13 @@ def build_run(cfg: Config, opened: contextlib.ExitStack) -> Job:
     # only now: a data or model error leaves the folder's config.yaml (which describes its checkpoints) as it was
     distributed.on_main(job.accelerator, lambda: write_run_files(job))
     return job
+
+
+def weights_dtype(model) -> str:
+    """The dtype the trained parameters are stored in, as the run ended up with it (train.weights; DeepSpeed's
+    bf16/fp16 modes cast them, its torch_autocast keeps them fp32): fp32, bf16 or fp16."""
+    dtype = next((p.dtype for p in model.parameters() if p.requires_grad), torch.float32)
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
 def write_run_files(job: Job) -> None:
@@ -128,12 +136,15 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     cfg, resize = elastic.fit_to_world(cfg, distributed.launched_world())
     out = Path(cfg.train.output_dir)
     precision = hardware.resolve_precision(cfg.train.precision)
+    cfg, weights_note = distributed.route_weights(cfg, precision)  # bf16 weights: DeepSpeed's fp32 master copies
     hardware.check_attention(cfg.model.attn_implementation)
     compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
     trackers = monitor.tracker_list(cfg.train.report_to, cfg.train.output_dir)  # tensorboard: <output_dir>/tensorboard
     accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision), compile_mode,
                                                trackers)
     opened.push(distributed.end_training(accelerator))
+    if weights_note:
+        accelerator.print(weights_note)
     hold_output_dir(out, accelerator, opened)  # one run per output folder
     if cfg.train.overwrite:
         distributed.on_main(accelerator, lambda: start_over(out, accelerator.print))
@@ -143,7 +154,8 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
         past_the_schedule(resume_from, cfg.train.max_steps)
     # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
     zero = distributed.zero_info(accelerator)
-    universal = elastic_checks(resume_from, cfg, accelerator.num_processes, zero["zero_stage"])
+    weights = distributed.planned_weights(precision, cfg.train.weights, zero["zero_stage"] is not None)
+    universal = elastic_checks(resume_from, cfg, accelerator.num_processes, zero["zero_stage"], weights)
     if universal:
         elastic.load_universal(accelerator)
     watch = CompileWatch(compile_mode, accelerator.device, zero["zero_stage"]) if compile_mode != "none" else None
@@ -161,21 +173,25 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
 
         transformers.logging.set_verbosity_error()
         datasets.disable_progress_bars()
+    weights = f" ({cfg.train.weights} weights)" if precision == "bf16" else ""
     job.say(f"[harness] {job.world} process(es), {accelerator.distributed_type.value}, ZeRO stage "
-            f"{job.zero['zero_stage']}, device {accelerator.device}, precision {precision}, tf32 {tf32}, compile "
-            f"{compile_mode}, profile {cfg.train.profile}, torch {job.env['torch']}, loss {cfg.loss.mode}")
+            f"{job.zero['zero_stage']}, device {accelerator.device}, precision {precision}{weights}, tf32 {tf32}, "
+            f"compile {compile_mode}, profile {cfg.train.profile}, torch {job.env['torch']}, loss {cfg.loss.mode}")
     job.say(f"[harness] environment: {hardware.describe(job.env)}")
     for p in incomplete:
         job.say(f"[harness] warning: {p} is an incomplete checkpoint (no {MARKER} marker): not resumed from")
     return job
 
 
-def elastic_checks(resume_from: Optional[Path], cfg: Config, processes: int, zero_stage: Optional[int]) -> bool:
+def elastic_checks(resume_from: Optional[Path], cfg: Config, processes: int, zero_stage: Optional[int],
+                   weights: str) -> bool:
     """Whether the checkpoint to resume from is a ZeRO checkpoint of another process count or stage (it then loads
-    through a universal checkpoint); a DDP checkpoint under DeepSpeed or the reverse is a one-line error."""
+    through a universal checkpoint); a DDP checkpoint under DeepSpeed or the reverse, or another train.weights, is a
+    one-line error."""
     if resume_from is None:
         return False
     before = elastic.saved_layout(resume_from, elastic.read_state(resume_from), elastic.layout_of(cfg, processes))
+    elastic.check_same_weights(resume_from, before, weights)
     elastic.check_same_engine(resume_from, before, zero_stage)
     return elastic.needs_universal(before, processes, zero_stage)
 
@@ -287,6 +303,7 @@ def build_model(job: Job) -> None:
     if job.compile is not None:
         job.compile.model_prepared(job.model, job.say, accelerator.state.dynamo_plugin.to_kwargs())
     job.loaders = dict(zip(job.streams, prepared))
+    job.weights = weights_dtype(job.model)
     chunk_size = resolve_chunked_ce(cfg, job.model, longest_micro_batch(job.data), job.say)
     if chunk_size is not None:
         job.say(f"[harness] generative loss: chunked through the output head, {chunk_size} positions per chunk "

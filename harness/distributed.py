@@ -20,6 +20,7 @@ its result or its one-line error on every process), `broadcast`, `all_gather`, `
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -188,9 +189,59 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
     )
     check_deepspeed_in_effect(cfg, accelerator)
     ds = deepspeed_config(accelerator)
-    if ds is not None and ds.get("gradient_clipping", "auto") == "auto":
-        ds["gradient_clipping"] = cfg.optim.max_grad_norm
+    if ds is not None:
+        if ds.get("gradient_clipping", "auto") == "auto":
+            ds["gradient_clipping"] = cfg.optim.max_grad_norm
+        if apply_weights(ds, cfg.train.weights, mixed_precision):
+            # transformers reads its own copy (zero.Init's dtype for pretrained weights under ZeRO-3): renew it
+            accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
     return accelerator
+
+
+def route_weights(cfg: Config, precision: str) -> tuple[Config, Optional[str]]:
+    """train.weights checked against the run, before the Accelerator: bf16 weights need bf16 compute and an
+    unquantized model, and take their fp32 master copies from DeepSpeed, so a run without a DeepSpeed launcher or
+    train.deepspeed gets train.deepspeed=zero0 (DeepSpeed without ZeRO). Returns (config, a note to print or None)."""
+    if cfg.train.weights != "bf16":
+        return cfg, None
+    if precision != "bf16":
+        raise ConfigError(f"config key 'train.weights': bf16 weights need train.precision=bf16 (this run computes in "
+                          f"{precision}); use train.weights=fp32")
+    if cfg.model.quantization != "none":
+        raise ConfigError(f"config key 'train.weights': bf16 is for unquantized models (model.quantization="
+                          f"{cfg.model.quantization} keeps its base in bitsandbytes' format); use train.weights=fp32")
+    if deepspeed_wanted(cfg) is not None:
+        return cfg, None
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, deepspeed="zero0"))
+    return cfg, ("[harness] train.weights=bf16: bf16 weights with fp32 master copies in DeepSpeed's optimizer "
+                 "(train.deepspeed=zero0: DeepSpeed without ZeRO)")
+
+
+def planned_weights(precision: str, weights: str, deepspeed: bool) -> str:
+    """The dtype the trained parameters will have: train.weights in bf16 runs, fp16 under DeepSpeed's fp16 mode,
+    otherwise fp32 (autocast over fp32 weights)."""
+    if precision == "bf16":
+        return weights
+    return "fp16" if precision == "fp16" and deepspeed else "fp32"
+
+
+def apply_weights(ds: dict, weights: str, mixed_precision: str) -> bool:
+    """train.weights in the DeepSpeed config, in place, before prepare() (bf16 runs only; True when it changed).
+    fp32: DeepSpeed's torch_autocast, the plain path's numerics (fp32 weights and gradients, optimizer on the
+    weights, the forward under bf16 autocast); its bf16 mode off. bf16: DeepSpeed's bf16 mode (bf16 weights and
+    gradients, fp32 master copies in the optimizer); torch_autocast off. Other torch_autocast keys of a user's
+    config (lower_precision_safe_modules) are kept."""
+    if mixed_precision != "bf16":
+        return False
+    autocast = dict(ds.get("torch_autocast") or {})
+    if weights == "fp32":
+        ds["bf16"] = {**(ds.get("bf16") or {}), "enabled": False}
+        ds["torch_autocast"] = {**autocast, "enabled": True, "dtype": "bfloat16"}
+    else:
+        ds["bf16"] = {**(ds.get("bf16") or {}), "enabled": True}
+        if autocast:
+            ds["torch_autocast"] = {**autocast, "enabled": False}
+    return True
 
 
 def deepspeed_config(accelerator) -> Optional[dict]:

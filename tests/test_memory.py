@@ -37,16 +37,31 @@ def test_meta_count_of_the_sizing_recipes(recipe, params):
 
 
 def test_state_bytes_partitioned_by_stage():
+    """train.weights=fp32 (the default): fp32 weights and gradients on every stage, the optimizer updating the weights
+    themselves (DeepSpeed's torch_autocast); bf16: DeepSpeed's bf16 mode, 16-bit weights and gradients plus an fp32
+    master copy. 16 bytes a parameter either way; what is partitioned differs."""
     P, N = SHAPE.params, 8
     hw = Hardware(gpus_per_node=8, gpu_mem_gb=80)
-    rows = {o: state_row(o, SHAPE, hw, "bf16", activations=0, overhead=0) for o in ("0", "1", "2", "3", "3-offload")}
+    options = ("0", "1", "2", "3", "3-offload")
+    rows = {o: state_row(o, SHAPE, hw, "bf16", activations=0, overhead=0) for o in options}
     assert (rows["0"].weights, rows["0"].grads, rows["0"].optim, rows["0"].extra) == (4 * P, 4 * P, 8 * P, 4 * P)
-    assert (rows["1"].weights, rows["1"].grads, rows["1"].optim) == (2 * P, 2 * P, 12 * P / N)
-    assert (rows["2"].weights, rows["2"].grads, rows["2"].optim) == (2 * P, 2 * P / N, 12 * P / N)
-    assert (rows["3"].weights, rows["3"].grads, rows["3"].optim) == (2 * P / N, 2 * P / N, 12 * P / N)
-    assert rows["3"].extra == 2 * 65_536_000 * 2  # two gathered embeddings (the largest unit) in bf16
-    assert rows["3-offload"].total == rows["3"].extra and rows["3-offload"].host == 18 * P  # 1 node holds it all
-    two_nodes = state_row("3-offload", SHAPE, Hardware(8, 80, nodes=2), "bf16", 0, 0)
+    assert (rows["1"].weights, rows["1"].grads, rows["1"].optim) == (4 * P, 4 * P, 8 * P / N)
+    assert (rows["2"].weights, rows["2"].grads, rows["2"].optim) == (4 * P, 4 * P / N, 8 * P / N)
+    assert (rows["3"].weights, rows["3"].grads, rows["3"].optim) == (4 * P / N, 4 * P / N, 8 * P / N)
+    assert rows["3"].extra == 2 * 65_536_000 * 4  # two gathered embeddings (the largest unit) in fp32
+    assert rows["3-offload"].total == rows["3"].extra and rows["3-offload"].host == 16 * P  # 1 node holds it all
+    b16 = {o: state_row(o, SHAPE, hw, "bf16", 0, 0, weights="bf16") for o in options}
+    # stage 0 with bf16 weights is DeepSpeed without ZeRO (fp32 master copies), its gradient buckets 16-bit
+    assert (b16["0"].weights, b16["0"].grads, b16["0"].optim, b16["0"].extra) == (2 * P, 2 * P, 12 * P, 2 * P)
+    assert (b16["1"].weights, b16["1"].grads, b16["1"].optim) == (2 * P, 2 * P, 12 * P / N)
+    assert (b16["2"].weights, b16["2"].grads, b16["2"].optim) == (2 * P, 2 * P / N, 12 * P / N)
+    assert (b16["3"].weights, b16["3"].grads, b16["3"].optim) == (2 * P / N, 2 * P / N, 12 * P / N)
+    assert b16["3"].extra == 2 * 65_536_000 * 2  # in bf16
+    assert b16["3-offload"].total == b16["3"].extra and b16["3-offload"].host == 18 * P
+    fp16 = state_row("1", SHAPE, hw, "bf16", 0, 0, weights="fp16")  # DeepSpeed's fp16 mode: 16-bit too
+    assert (fp16.weights, fp16.grads, fp16.optim) == (2 * P, 2 * P, 12 * P / N)
+    assert state_row("0", SHAPE, hw, "bf16", 0, 0, weights="fp16").weights == 4 * P  # DDP with fp16 autocast
+    two_nodes = state_row("3-offload", SHAPE, Hardware(8, 80, nodes=2), "bf16", 0, 0, weights="bf16")
     assert two_nodes.host == 18 * P / 2
     one = state_row("0", SHAPE, Hardware(1, 80), "bf16", 0, 0)
     assert one.extra == 0 and one.total == 16 * P  # no DDP buckets in a single process
@@ -109,8 +124,12 @@ def test_choice_and_exit_codes(capsys):
     p = plan(cfg, Hardware(8, 80), shape=SHAPE)
     assert p.choice == "0" and p.text.endswith("choice: zero0")  # 1B fits plainly in DDP on 80 GB
     assert plan(cfg, Hardware(8, 24), shape=SHAPE).choice == "1"
-    assert plan(cfg, Hardware(8, 12), shape=SHAPE).choice == "2"
-    assert plan(cfg, Hardware(8, 9), shape=SHAPE).choice == "3"
+    assert plan(cfg, Hardware(8, 13), shape=SHAPE).choice == "2"
+    assert plan(cfg, Hardware(8, 10), shape=SHAPE).choice == "3"
+    # bf16 weights keep 2 bytes less per parameter on every GPU under ZeRO-1/2: a lower stage fits
+    bf16w = load_config("configs/default.yaml", ["train.weights=bf16"])
+    assert plan(bf16w, Hardware(8, 12), shape=SHAPE).choice == "2" and plan(cfg, Hardware(8, 12), shape=SHAPE).choice == "3"
+    assert "16-bit weights 2 + grads 2 + fp32 master 4" in plan(bf16w, Hardware(8, 12), shape=SHAPE).text
     assert plan(cfg, Hardware(8, 7.5, host_mem_gb=64), shape=SHAPE).choice == "3-offload"
     none = plan(cfg, Hardware(8, 7.5, host_mem_gb=8), shape=SHAPE)
     assert none.choice is None and none.text.endswith("choice: none") and "no stage fits" in none.text

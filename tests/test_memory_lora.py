@@ -32,15 +32,20 @@ def test_70b_lora_on_8x80_fits_zero3():
     h, hkv, i, L, N = 8192, 1024, 28672, 80, 8
     T = lora_params(8, L, h, hkv, i)
     assert T == 103_546_880 and p.shape.trainable == T and p.shape.frozen == P_70B
-    # stages 0-2 keep the whole frozen bf16 base (2 x 69.0B = 128.5 GiB) on every GPU: too big; ZeRO-3 partitions it
+    # stages 0-2 keep the whole frozen fp32 base (4 x 69.0B = 257 GiB) on every GPU: too big; ZeRO-3 partitions it
     assert [r.total / GIB > 72 for r in p.rows[:3]] == [True] * 3
     layer = 2 * h * h + 2 * h * hkv + 3 * h * i + 2 * h + T // L  # the largest layer, adapters included
-    s3 = ((2 * P_70B + 2 * T) / N + 2 * T / N + 12 * T / N + 2 * layer * 2
-          + checkpointed_activations(L, 4096, h, hkv, i, 32000, logit_positions=1024) + 2 * GIB)
+    act = checkpointed_activations(L, 4096, h, hkv, i, 32000, logit_positions=1024)
+    s3 = (4 * P_70B + 4 * T) / N + 4 * T / N + 8 * T / N + 2 * layer * 4 + act + 2 * GIB  # fp32 weights (default)
     assert p.choice == "3" and p.rows[3].total == pytest.approx(s3)
-    assert s3 / GIB == pytest.approx(28.2, abs=0.05)  # the chunked loss: 1,024 positions of logits at a time
+    assert s3 / GIB == pytest.approx(47.5, abs=0.05)  # the chunked loss: 1,024 positions of logits at a time
     assert "logits: chunked (loss.chunked_ce=auto), one chunk at a time: 1,024 x 32000" in p.text
     assert f"{s3 / GIB:>9.1f}  fits" in p.text and p.text.endswith("choice: zero3")
+    # train.weights=bf16: DeepSpeed's bf16 mode stores the frozen base in 2 bytes
+    b16 = plan(load_config("configs/llama-70b.yaml", ["model.lora.enabled=true", "train.weights=bf16"]),
+               Hardware(8, 80, host_mem_gb=2000))
+    s3_b16 = (2 * P_70B + 2 * T) / N + 2 * T / N + 12 * T / N + 2 * layer * 2 + act + 2 * GIB
+    assert b16.choice == "3" and b16.rows[3].total == pytest.approx(s3_b16) and s3_b16 / GIB == pytest.approx(28.2, abs=0.05)
     assert f"trainable T = {T:,}" in p.text and f"frozen base F = {P_70B:,}" in p.text
     assert main(["configs/llama-70b.yaml", "--gpus", "8", "--gpu-mem-gb", "80", "model.lora.enabled=true"]) == 0
 
@@ -84,7 +89,7 @@ def test_full_70b_plan_unchanged():
     for o, r in zip(("0", "1", "2", "3"), p.rows):
         ref = state_row(o, ModelShape(**{**p.shape.__dict__}), Hardware(8, 80), "bf16", r.activations, r.overhead)
         assert (r.weights, r.grads, r.optim, r.extra) == (ref.weights, ref.grads, ref.optim, ref.extra)
-    assert p.rows[3].weights == 2 * P_70B / 8 and p.rows[3].optim == 12 * P_70B / 8
+    assert p.rows[3].weights == 4 * P_70B / 8 and p.rows[3].optim == 8 * P_70B / 8
     assert p.choice == "3-offload" and p.proposal is None and "proposed:" not in p.text
 
 

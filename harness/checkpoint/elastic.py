@@ -47,6 +47,7 @@ class Layout:
     emb_micro_batch_size: int
     grad_accum: int
     zero_stage: Optional[int] = None
+    weights: Optional[str] = None  # the trained parameters' dtype (train.weights): fp32, bf16, fp16; None: unrecorded
 
     def micro(self, stream: str) -> int:
         return self.emb_micro_batch_size if stream == "emb" else self.micro_batch_size
@@ -57,16 +58,16 @@ class Layout:
     def as_dict(self) -> dict:
         return {"processes": self.processes, "micro_batch_size": self.micro_batch_size,
                 "emb_micro_batch_size": self.emb_micro_batch_size, "grad_accum": self.grad_accum,
-                "zero_stage": self.zero_stage}
+                "zero_stage": self.zero_stage, "weights": self.weights}
 
 
 def streams_of(loss_mode: str) -> tuple[str, ...]:
     return {"generative": ("gen",), "embedding": ("emb",)}.get(loss_mode, ("emb", "gen"))
 
 
-def layout_of(cfg, processes: int, zero_stage: Optional[int] = None) -> Layout:
+def layout_of(cfg, processes: int, zero_stage: Optional[int] = None, weights: Optional[str] = None) -> Layout:
     t = cfg.train
-    return Layout(processes, t.micro_batch_size, t.emb_micro_batch_size, t.grad_accum, zero_stage)
+    return Layout(processes, t.micro_batch_size, t.emb_micro_batch_size, t.grad_accum, zero_stage, weights)
 
 
 def saved_layout(path: Path, saved: Optional[dict], assumed: Layout) -> Optional[Layout]:
@@ -291,6 +292,19 @@ def check_same_engine(path: Path, before: Optional[Layout], zero_stage: Optional
     raise ConfigError(f"config key 'train.resume': {path} was written under {name(written)} and this launch runs "
                       f"{name(zero_stage)}: resume under the stage it was written with (launch/train.sh --zero {flag} "
                       f"or its accelerate config), on any number of processes")
+
+
+def check_same_weights(path: Path, before: Optional[Layout], weights: str) -> None:
+    """A checkpoint resumes with the weights dtype it was trained with (train.weights): DeepSpeed's bf16 mode and its
+    torch_autocast keep the optimizer state in different files (`bf16_zero_pp_rank_*` vs `zero_pp_rank_*`) and
+    formats. Checkpoints of an older harness record no dtype: a DeepSpeed one with bf16 files had bf16 weights."""
+    written = before.weights if before is not None else None
+    if written is None and any((Path(path) / DS_TAG).glob("bf16_*optim_states.pt")):
+        written = "bf16"
+    if written not in ("fp32", "bf16") or weights not in ("fp32", "bf16") or written == weights:
+        return
+    raise ConfigError(f"config key 'train.weights': {path} was trained with {written} weights and this run has "
+                      f"{weights} weights (their optimizer states differ): resume with train.weights={written}")
 
 
 def load_universal(accelerator) -> None:

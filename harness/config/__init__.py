@@ -203,6 +203,12 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16", "fp16"] = _f(
         "auto", "auto: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU."
     )
+    weights: Literal["fp32", "bf16"] = _f(
+        "fp32", "The parameters' dtype when train.precision is bf16. fp32: fp32 weights with the forward under bf16 "
+        "autocast, the same on every path (DeepSpeed ZeRO 1-3 through its torch_autocast), so every ZeRO stage trains "
+        "the plain path's model. bf16: bf16 weights and gradients with fp32 master copies in the optimizer "
+        "(DeepSpeed's bf16 mode; a run without a DeepSpeed launcher or train.deepspeed uses train.deepspeed=zero0): "
+        "2 bytes less per parameter under ZeRO 1-2, half the ZeRO-3 gathers, no weight casts per forward.")
     tf32: bool = _f(True, "Allow TF32 matmuls on Ampere or newer GPUs.")
     profile: Optional[str] = _f(None, "Speed profile (harness/config/profiles.py): conservative, balanced, aggressive, "
                                       "memory_efficient; applied below the recipe file and the overrides.")

@@ -7,15 +7,17 @@ The arithmetic, printed line by line (GiB = 2**30 bytes):
 
 * Parameters P are counted from the recipe's model on the `meta` device (no weights are allocated), the same way
   harness.model.build_model builds it (tokenizer-sized embeddings included).
-* Model states take 16 bytes per parameter. Under DeepSpeed (stages 1-3, bf16/fp16): 16-bit weights 2 + 16-bit
-  gradients 2 + fp32 master weights 4 + Adam m 4 + Adam v 4. Partitioned over the N data-parallel processes:
-  stage 1 the optimizer states (fp32 master + m + v = 12), stage 2 also the gradients (2), stage 3 also the
-  weights (2). Stage 0 is plain DDP with fp32 weights 4 + fp32 gradients 4 + Adam 8 (autocast computes in bf16),
-  none partitioned, plus DDP's gradient buckets (another 4 bytes) when N > 1.
+* Model states take 16 bytes per parameter. With fp32 weights (train.weights=fp32, the default: autocast over fp32
+  weights on every path, DeepSpeed's torch_autocast under ZeRO): fp32 weights 4 + fp32 gradients 4 + Adam m 4 +
+  Adam v 4; partitioned over the N data-parallel processes: stage 1 the optimizer states (8), stage 2 also the
+  gradients (4), stage 3 also the weights (4). With 16-bit weights (train.weights=bf16, or DeepSpeed's fp16 mode):
+  16-bit weights 2 + 16-bit gradients 2 + fp32 master weights 4 + Adam 8; stage 1 partitions the master and Adam
+  (12). Stage 0 is plain DDP with fp32 weights 4 + fp32 gradients 4 + Adam 8, none partitioned, plus DDP's gradient
+  buckets (another 4 bytes) when N > 1; with train.weights=bf16 it is DeepSpeed without ZeRO (2 + 2 + 12, buckets 2).
 * ZeRO-3 gathers the weights of the layer it computes and prefetches the next: 2 x the largest layer (or embedding)
-  x 2 bytes. `3-offload` (accelerate_configs/zero3_offload.yaml) keeps weights and optimizer states in host memory:
-  the GPU holds that working set, host memory holds 2 + 4 + 8 + 4 (fp32 gradients) = 18 bytes per parameter,
-  spread over the nodes.
+  x the weights' bytes. `3-offload` (accelerate_configs/zero3_offload.yaml) keeps weights and optimizer states in
+  host memory: the GPU holds that working set, host memory holds 4 + 4 (fp32 gradients) + 8 = 16 bytes per
+  parameter (2 + 4 master + 4 + 8 = 18 with 16-bit weights), spread over the nodes.
 * Activations for one micro-batch of T = micro_batch_size x max_len tokens (embedding passes: queries and
   passages of one micro-batch, divided by loss.grad_cache_chunks; unified mode back-propagates one pass at a time,
   so the larger counts). What autograd keeps per layer and token in a Llama-style block with b-byte activations:
@@ -31,8 +33,8 @@ The arithmetic, printed line by line (GiB = 2**30 bytes):
 
 LoRA / QLoRA (model.lora.enabled, model.quantization): the T trainable parameters (adapters r x (in + out) per
 targeted Linear, counted on the meta model, plus added token rows) take the 16 bytes above, partitioned the same
-way; the frozen base F takes only its storage: fp32 4 under DDP (stage 0), 16-bit 2 under DeepSpeed, and with
-model.quantization its Linear weights (output head excepted) at 0.5 + 1/64 + 4/16384 = 0.516 B/param (4bit: nf4
+way; the frozen base F takes only its storage: the weights' bytes (4, or 2 with 16-bit weights under DeepSpeed),
+and with model.quantization its Linear weights (output head excepted) at 0.5 + 1/64 + 4/16384 = 0.516 B/param (4bit: nf4
 with double quantisation) or 1 B/param (8bit), the rest (embeddings, head, norms) at the stage's weight bytes. The
 frozen base is partitioned only under ZeRO-3, which refuses quantized weights (the rows say "not supported").
 A recipe with a hub model.name_or_path and the architecture in model.config (with model_type) is sized offline from
@@ -104,19 +106,34 @@ def frozen_bytes(shape: ModelShape, quantization: str, w: float) -> float:
     return shape.linear_params * QUANT_BYTES[quantization] + (shape.frozen - shape.linear_params) * w
 
 
+def weight_bytes(option: str, weights: str) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer states) bytes per trained parameter for one option. `weights` is what the run's
+    parameters are stored in (harness.distributed.planned_weights under DeepSpeed): fp32 (autocast over fp32 weights;
+    DeepSpeed's torch_autocast) 4 + 4 + Adam 8; 16-bit (DeepSpeed's bf16 / fp16 modes) 2 + 2 + fp32 master 4 + Adam 8.
+    Stage 0 is plain DDP, except with bf16 weights (train.weights=bf16 runs DeepSpeed without ZeRO)."""
+    half = weights == "bf16" if option == "0" else weights in ("bf16", "fp16")
+    return (2, 2, 12) if half else (4, 4, 8)
+
+
+def host_bytes(w: int) -> int:
+    """Host bytes per trained parameter under ZeRO-3 offload: the weights, fp32 gradients 4 and Adam 8, plus the fp32
+    master copy 4 when the weights are 16-bit."""
+    return w + 4 + 8 + (4 if w == 2 else 0)
+
+
 def state_row(option: str, shape: ModelShape, hw: Hardware, precision: str, activations: float,
-              overhead: float, quantization: str = "none") -> Row:
-    """Model-state bytes per GPU for one option (see the module docstring for the byte counts)."""
+              overhead: float, quantization: str = "none", weights: str = "fp32") -> Row:
+    """Model-state bytes per GPU for one option (see the module docstring for the byte counts). `weights`: the
+    parameters' dtype under DeepSpeed (fp32, bf16, fp16: harness.distributed.planned_weights)."""
     if shape.trainable is not None:
-        return lora_row(option, shape, hw, precision, activations, overhead, quantization)
+        return lora_row(option, shape, hw, precision, activations, overhead, quantization, weights)
     P, N = shape.params, hw.world
-    half = precision != "fp32"
+    w, g, o = weight_bytes(option, weights)
     if option == "0":
-        return Row(option, 4 * P, 4 * P, 8 * P, 4 * P if N > 1 else 0, activations, overhead)
-    w, g, o = (2, 2, 12) if half else (4, 4, 8)
+        return Row(option, w * P, g * P, o * P, g * P if N > 1 else 0, activations, overhead)
     working = 2 * max(shape.layer_params, shape.embed_params) * w
     if option == "3-offload":
-        host = (w + 4 + 8 + 4) * P * hw.gpus_per_node / N
+        host = host_bytes(w) * P * hw.gpus_per_node / N
         return Row(option, 0, 0, 0, working, activations, overhead, host=host)
     stage = int(option)
     return Row(option, w * P / (N if stage >= 3 else 1), g * P / (N if stage >= 2 else 1), o * P / N,
@@ -124,36 +141,42 @@ def state_row(option: str, shape: ModelShape, hw: Hardware, precision: str, acti
 
 
 def lora_row(option: str, shape: ModelShape, hw: Hardware, precision: str, activations: float, overhead: float,
-             quantization: str) -> Row:
+             quantization: str, weights: str = "fp32") -> Row:
     """LoRA/QLoRA: optimizer states and gradients for the T trainable parameters only (16 B/param, partitioned like a
-    full fine-tune); the frozen base at its storage bytes (fp32 4 under DDP, 16-bit 2 under DeepSpeed bf16, quantized
-    Linears at QUANT_BYTES), partitioned only under ZeRO-3. QLoRA under ZeRO-3: not supported."""
+    full fine-tune); the frozen base at its storage bytes (the weights' bytes: fp32 4, 16-bit 2 under DeepSpeed's
+    bf16 / fp16 modes; quantized Linears at QUANT_BYTES), partitioned only under ZeRO-3. QLoRA under ZeRO-3: not
+    supported."""
     T, N = shape.trainable, hw.world
-    half = precision != "fp32"
+    w, g, o = weight_bytes(option, weights)
     if option == "0":
-        return Row(option, frozen_bytes(shape, quantization, 4) + 4 * T, 4 * T, 8 * T, 4 * T if N > 1 else 0,
+        return Row(option, frozen_bytes(shape, quantization, w) + w * T, g * T, o * T, g * T if N > 1 else 0,
                    activations, overhead)
     if quantization != "none" and option in ("3", "3-offload"):
         return Row(option, 0, 0, 0, 0, activations, overhead, supported=False)
-    w, g, o = (2, 2, 12) if half else (4, 4, 8)
     working = 2 * max(shape.layer_params, shape.embed_params) * w
     base = frozen_bytes(shape, quantization, w)
     if option == "3-offload":
-        host = (base + (w + 4 + 8 + 4) * T) * hw.gpus_per_node / N
+        host = (base + host_bytes(w) * T) * hw.gpus_per_node / N
         return Row(option, 0, 0, 0, working, activations, overhead, host=host)
     stage = int(option)
     return Row(option, (base + w * T) / (N if stage >= 3 else 1), g * T / (N if stage >= 2 else 1), o * T / N,
                working if stage == 3 else 0, activations, overhead)
 
 
-def _state_lines(cfg: Config, shape: ModelShape, hw: Hardware, w: int) -> list[str]:
-    """The model-state arithmetic lines: 16 B/param for a full fine-tune; LoRA/QLoRA: trainable vs frozen."""
+def _states(w: int) -> str:
+    return (f"{'16-bit' if w == 2 else 'fp32'} weights {w} + grads {w} + "
+            + ("fp32 master 4 + Adam m 4 + v 4" if w == 2 else "Adam m 4 + v 4"))
+
+
+def _state_lines(cfg: Config, shape: ModelShape, hw: Hardware, weights: str) -> list[str]:
+    """The model-state arithmetic lines: 16 B/param for a full fine-tune; LoRA/QLoRA: trainable vs frozen.
+    `weights`: the parameters' dtype under DeepSpeed (train.weights; stage 0 is DDP in fp32 unless it is bf16)."""
+    w, w0 = weight_bytes("1", weights)[0], weight_bytes("0", weights)[0]
+    zero0 = "stage 0 (DeepSpeed without ZeRO, train.weights=bf16)" if w0 == 2 else "stage 0 (DDP)"
     if shape.trainable is None:
         return [
-            f"model states, 16 B/param: {'bf16' if w == 2 else 'fp32'} weights {w} + grads {w} + "
-            + ("fp32 master 4 + Adam m 4 + v 4" if w == 2 else "Adam m 4 + v 4")
-            + "; stage 0 (DDP): fp32 weights 4 + grads 4 + Adam 8"
-            + (" + DDP gradient buckets 4" if hw.world > 1 else ""),
+            f"model states, 16 B/param: {_states(w)} (train.weights={cfg.train.weights})"
+            + f"; {zero0}: {_states(w0)}" + (f" + gradient buckets {w0}" if hw.world > 1 else ""),
             f"partitioned over N={hw.world}: stage 1 optimizer states ({16 - 2 * w}), stage 2 + gradients ({w}), "
             f"stage 3 + weights ({w}); ZeRO-3 working set = 2 x {max(shape.layer_params, shape.embed_params):,} "
             f"(largest layer or embedding) x {w} B",
@@ -164,13 +187,12 @@ def _state_lines(cfg: Config, shape: ModelShape, hw: Hardware, w: int) -> list[s
     targets = lc.target_modules if isinstance(lc.target_modules, str) else ",".join(lc.target_modules)
     out = [f"{'QLoRA' if q != 'none' else 'LoRA'} (r={lc.r}, target_modules={targets}): trainable T = {T:,} "
            f"(adapters r x (in + out) per targeted Linear, plus added token rows), frozen base F = {F:,}"]
-    out.append(f"trainable states, 16 B/param of T: {'bf16' if w == 2 else 'fp32'} weights {w} + grads {w} + "
-               + ("fp32 master 4 + Adam m 4 + v 4" if w == 2 else "Adam m 4 + v 4")
-               + "; stage 0 (DDP): fp32 4 + 4 + Adam 8" + (" + DDP gradient buckets 4" if hw.world > 1 else "")
+    out.append(f"trainable states, 16 B/param of T: {_states(w)} (train.weights={cfg.train.weights}); {zero0}: "
+               f"{_states(w0)}" + (f" + gradient buckets {w0}" if hw.world > 1 else "")
                + f" = {16 * T / GIB:.2f} GiB unpartitioned")
     if q == "none":
         out.append(f"frozen base (no gradients, no optimizer states): F x {w} B = {F * w / GIB:.2f} GiB under DeepSpeed "
-                   f"(stage 0: fp32 F x 4 B = {F * 4 / GIB:.2f} GiB), partitioned over N={hw.world} only under ZeRO-3")
+                   f"(stage 0: F x {w0} B = {F * w0 / GIB:.2f} GiB), partitioned over N={hw.world} only under ZeRO-3")
     else:
         qb = QUANT_BYTES[q]
         what = ("nf4 + double quantisation: 0.5 + 1/64 (8-bit absmax per 64) + 4/16384 (fp32 per 256 blocks)"
@@ -178,7 +200,7 @@ def _state_lines(cfg: Config, shape: ModelShape, hw: Hardware, w: int) -> list[s
         rest = F - shape.linear_params
         out.append(f"frozen base, {q}: Linear weights {shape.linear_params:,} x {qb:.4f} B ({what}) = "
                    f"{shape.linear_params * qb / GIB:.2f} GiB + the rest (embeddings, head, norms) {rest:,} x {w} B = "
-                   f"{rest * w / GIB:.2f} GiB (stage 0: fp32 x 4 = {rest * 4 / GIB:.2f} GiB); not partitioned; "
+                   f"{rest * w / GIB:.2f} GiB (stage 0: x {w0} = {rest * w0 / GIB:.2f} GiB); not partitioned; "
                    f"ZeRO-3 not supported with quantization")
     out.append(f"partitioned over N={hw.world}: stage 1 optimizer states of T, stage 2 + gradients of T, stage 3 + "
                f"weights (frozen base too); ZeRO-3 working set = 2 x {max(shape.layer_params, shape.embed_params):,} "
@@ -187,15 +209,16 @@ def _state_lines(cfg: Config, shape: ModelShape, hw: Hardware, w: int) -> list[s
 
 
 def _table(cfg: Config, shape: ModelShape, hw: Hardware, w: int, precision: str, usable: float,
-           overhead_gb: float) -> tuple[list[str], list[Row], Optional[str]]:
-    """Activation lines, the table rows and the lowest option that fits."""
+           overhead_gb: float, weights: str = "fp32") -> tuple[list[str], list[Row], Optional[str]]:
+    """Activation lines (w: bytes per activation value), the table rows and the lowest option that fits."""
     out = [f"activations ({'16-bit' if w == 2 else 'fp32'}, micro-batch {cfg.train.micro_batch_size}, "
            f"max_len {cfg.data.max_len}, gradient checkpointing {'on' if cfg.model.gradient_checkpointing else 'off'}):"]
     act_lines, act = activation_terms(cfg, shape, w)
     out += [f"  {x}" for x in act_lines]
     out.append(f"fixed overhead per GPU (CUDA context, NCCL, workspaces): {overhead_gb:g} GiB; extra = DDP gradient "
                "buckets (stage 0) or the ZeRO-3 working set")
-    rows = [state_row(o, shape, hw, precision, act, overhead_gb * GIB, cfg.model.quantization) for o in OPTIONS]
+    rows = [state_row(o, shape, hw, precision, act, overhead_gb * GIB, cfg.model.quantization, weights)
+            for o in OPTIONS]
     out.append("")
     out.append(f"{'stage':<10}{'weights':>9}{'grads':>9}{'optim':>9}{'extra':>9}{'activ':>9}{'overhead':>9}"
                f"{'total':>9}  GiB per GPU")
@@ -238,9 +261,13 @@ CHECKPOINTING = "model.gradient_checkpointing=true"
 
 def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2.0, source: str = "",
          shape: Optional[ModelShape] = None) -> Plan:
+    from harness.distributed import planned_weights
+
     shape = shape or model_shape(cfg)
     precision = "fp32" if cfg.train.precision == "fp32" else "bf16"
-    w = 2 if precision == "bf16" else 4
+    w = 2 if precision == "bf16" else 4  # activations
+    # the parameters' dtype under DeepSpeed: train.weights in bf16 runs (fp32 by default: torch_autocast), fp16 mode
+    weights = planned_weights("fp16" if cfg.train.precision == "fp16" else precision, cfg.train.weights, True)
     usable = hw.gpu_mem_gb * (1 - margin)
     size = f"{shape.params / 1e9:.2f}B" if shape.params >= 1e9 else f"{shape.params / 1e6:.1f}M"
     out = [
@@ -254,15 +281,15 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
         f"intermediate i={shape.intermediate}, {shape.layers} layers, {shape.heads} heads ({shape.kv_heads} kv), "
         f"vocab {shape.vocab}",
     ]
-    out += _state_lines(cfg, shape, hw, w)
-    table, rows, choice = _table(cfg, shape, hw, w, precision, usable, overhead_gb)
+    out += _state_lines(cfg, shape, hw, weights)
+    table, rows, choice = _table(cfg, shape, hw, w, precision, usable, overhead_gb, weights)
     out += table
     proposal: Optional[str] = None
     if choice not in OPTIONS[:4] and not cfg.model.gradient_checkpointing:
         # activation checkpointing costs a recomputation of the forward (about a third more compute); CPU offload
         # costs far more: propose it first when it makes a stage fit without offload
         ckpt = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gradient_checkpointing=True))
-        _, ck_rows, ck_choice = _table(ckpt, shape, hw, w, precision, usable, overhead_gb)
+        _, ck_rows, ck_choice = _table(ckpt, shape, hw, w, precision, usable, overhead_gb, weights)
         if ck_choice in OPTIONS[:4]:
             r = ck_rows[OPTIONS.index(ck_choice)]
             proposal = ck_choice
@@ -271,12 +298,13 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
                        + ("CPU offload" if choice == "3-offload" else "any stage fits without it"))
     if choice not in OPTIONS[:4]:
         room = usable - (rows[3].total - rows[3].weights - rows[3].grads - rows[3].optim) / GIB
+        wd = weight_bytes("3", weights)[0]
         states = 16 * shape.params if shape.trainable is None else \
-            16 * shape.trainable + frozen_bytes(shape, "none", w)
+            16 * shape.trainable + frozen_bytes(shape, "none", wd)
         need = math.ceil(states / GIB / room) if room > 0 and rows[3].supported else None
         out.append(("no stage fits" if choice is None else "ZeRO-3 without offload does not fit") + ": " + (
             f"it needs at least {need} GPUs of {hw.gpu_mem_gb:g} GiB ({math.ceil(need / hw.gpus_per_node)} nodes of "
-            f"{hw.gpus_per_node}): " + ("16 x P" if shape.trainable is None else f"16 x T + {w} x F")
+            f"{hw.gpus_per_node}): " + ("16 x P" if shape.trainable is None else f"16 x T + {wd} x F")
             + f" = {states / GIB:.1f} GiB over {room:.1f} GiB left per GPU"
             if need else "the activations alone exceed a GPU: lower train.micro_batch_size or data.max_len, or set "
             "model.gradient_checkpointing=true" if rows[3].supported else
