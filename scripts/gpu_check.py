@@ -4,15 +4,15 @@ The next GPU session (issue 25), one command per point, each under 10 minutes on
 estimate before it starts and refuses a call estimated over --budget-min; rows are appended as each variant ends, so
 a call cut off by the device's limit keeps the rows it finished):
 
-    python scripts/gpu_check.py --preset curve           # 1: plain, ZeRO-1/2/3, regional, 100 steps     ~8.5 min
-    python scripts/gpu_check.py --preset curve_eager     # 1: the same four eager (same kernels)         ~8 min
-    python scripts/gpu_check.py --preset bisect          # 1: bisection, train.weights=bf16 (old ZeRO)   ~8 min
-    python scripts/gpu_check.py --preset bisect_ds       # 1: bisection, DeepSpeed knobs on zero2_bf16w  ~7 min
-    python scripts/gpu_check.py --preset gritlm          # 2: GritLM unified 1B, regional vs eager       ~5 min
-    python scripts/gpu_check.py --preset zero3_compile   # 3: ZeRO-3 regional vs eager                   ~5.5 min
-    python scripts/gpu_check.py --preset bf16w           # 4: bf16 weights vs autocast, 100 steps        ~5 min
-    python scripts/gpu_check.py --preset rft_plan        # 5: rft generate on a random 1B; plan vs 300 steps ~9 min
-    python scripts/gpu_check.py --preset qlora           # 6: QLoRA: default, eager, micro-batch 16, profile ~6.5 min
+    python scripts/gpu_check.py --preset curve          # 1: plain, ZeRO-1/2/3, regional, 100 steps       ~8.4 min
+    python scripts/gpu_check.py --preset curve_eager    # 1: the same four eager (same kernels)           ~7.8 min
+    python scripts/gpu_check.py --preset bisect         # 1: train.weights=bf16 (old ZeRO) per stage       ~8.4 min
+    python scripts/gpu_check.py --preset bisect_ds      # 1: DeepSpeed knobs on zero2_bf16w, 100 steps     ~8.3 min
+    python scripts/gpu_check.py --preset gritlm         # 2: GritLM unified 1B, regional vs eager          ~3.5 min
+    python scripts/gpu_check.py --preset zero3_compile  # 3: ZeRO-3 regional vs eager, 100 steps           ~5.2 min
+    python scripts/gpu_check.py --preset bf16w          # 4: bf16 weights vs autocast, 100 steps           ~4.8 min
+    python scripts/gpu_check.py --preset rft_plan       # 5: rft generate, random ~1B; plan vs 300 steps   ~8.5 min
+    python scripts/gpu_check.py --preset qlora          # 6: QLoRA: regional, eager, micro-batch 16, profile ~7.8 min
 
     python scripts/gpu_check.py --list                   # presets and variants, with estimates
     python scripts/gpu_check.py --variants zero2_bf16w --ds-patch '{"zero_optimization": {"reduce_scatter": false}}'
@@ -57,6 +57,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -274,11 +275,20 @@ def launch(cmd: list[str], log: Path, cpu: bool, timeout_s: float, env: Optional
     print("$", shlex.join(cmd), flush=True)
     sampler = UtilisationSampler(interval_s=1.0, gpus=not cpu).start()  # the whole launch, start-up included
     t0 = time.time()
+    # its own process group: at the time limit the launcher AND its training process are stopped (a training
+    # process left behind would hold the GPU for the next variant)
+    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=max(timeout_s, 1), env=env)
-        out, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        out = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+        out, _ = proc.communicate(timeout=max(timeout_s, 1))
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
         rc = None
     seconds = time.time() - t0
     whole = sampler.stop()
@@ -289,7 +299,8 @@ def launch(cmd: list[str], log: Path, cpu: bool, timeout_s: float, env: Optional
     if rc is None:
         res["error"] = f"timed out after {timeout_s:.0f} s (the call's --budget-min); log {log}"
     elif rc != 0:
-        res["error"] = f"exit {rc}: {out[-2000:]}"
+        said = [x for x in out.splitlines() if x.startswith("harness: error:") or "Error:" in x]
+        res["error"] = f"exit {rc}: {said[-1] if said else ''} (log {log}) {out[-1500:]}"
     print(f"  {seconds:.0f} s; utilisation, whole launch: {describe(whole)}"
           + (f" ({whole['note']})" if whole.get("note") else ""), flush=True)
     return res
@@ -595,7 +606,7 @@ def print_table(rows: list[dict]) -> None:
           f"{'recomp':>7}{'loss@100':>9}{'final':>8}{'vs ref':>9}")
     for r in rows:
         if "error" in r:
-            print(f"{r['variant']:<24} failed: {r['error'][-300:]}")
+            print(f"{r['variant']:<24} failed: {r['error'][:300]}")
             continue
         c = r.get("compile") or {}
         gap = (r.get("loss_vs_ref") or {}).get("gap_pct")
