@@ -1,174 +1,716 @@
-"""GPU check: the ~1B recipe on one CUDA GPU: eager vs regional compile, ZeRO-2 vs ZeRO-3; tokens/s, MFU, memory.
+"""GPU check: the ~1B recipe on one CUDA GPU, one row per variant: tokens/s, MFU, memory, GPU busy share, losses.
 
-    python scripts/gpu_check.py                      # eager, regional, zero2, zero3: ~5 minutes on one H100
-    python scripts/gpu_check.py --variants mb4,sdpa,flex,ce_full,v128k,v128k_full,lora,qlora,gritlm,profile
-    python scripts/gpu_check.py --variants eager,regional --steps 20
-    python scripts/gpu_check.py --cpu-smoke          # the script itself, end to end on a CPU (tiny recipe, 2 variants)
+The next GPU session (issue 25), one command per point, each under 10 minutes on one H100 (the script prints its
+estimate before it starts and refuses a call estimated over --budget-min; rows are appended as each variant ends, so
+a call cut off by the device's limit keeps the rows it finished):
 
-Runs `accelerate launch harness/train.py --config configs/gpu-1b.yaml` once per variant (random init, bf16, packed
-2048-token rows, no download; the LoRA variants first save a random bf16 copy of the model to load as the base, which
-bitsandbytes quantizes for qlora), reads each run's report.json and metrics.jsonl, prints a table and writes
-runs/gpu-check/gpu_check.json. Steady-state figures are medians over the logged intervals after the first (which
-holds compilation), GPU utilisation included (NVML's busy share per log interval, "GPU util steady"). It is also
-recorded for the whole run (report.json["utilisation"], start-up included) and by this script around the whole launch,
-as mean and p10. Not a test: it needs a GPU; the figures go to docs/benchmarks.md with the date and device.
-`--cpu-smoke` runs the same code path on a CPU with the default tiny recipe (CPU utilisation in place of NVML), so
-that the script is known to work before a rented GPU's time is spent on it (tests/test_monitor.py runs it).
+    python scripts/gpu_check.py --preset curve          # 1: plain, ZeRO-1/2/3, regional, 100 steps       ~8.4 min
+    python scripts/gpu_check.py --preset curve_eager    # 1: the same four eager (same kernels)           ~7.8 min
+    python scripts/gpu_check.py --preset bisect         # 1: train.weights=bf16 (old ZeRO) per stage       ~8.4 min
+    python scripts/gpu_check.py --preset bisect_ds      # 1: DeepSpeed knobs on zero2_bf16w, 100 steps     ~8.3 min
+    python scripts/gpu_check.py --preset gritlm         # 2: GritLM unified 1B, regional vs eager          ~3.5 min
+    python scripts/gpu_check.py --preset zero3_compile  # 3: ZeRO-3 regional vs eager, 100 steps           ~5.2 min
+    python scripts/gpu_check.py --preset bf16w          # 4: bf16 weights vs autocast, 100 steps           ~4.8 min
+    python scripts/gpu_check.py --preset rft_plan       # 5: rft generate, random ~1B; plan vs 300 steps   ~8.5 min
+    python scripts/gpu_check.py --preset qlora          # 6: QLoRA: regional, eager, micro-batch 16, profile ~7.8 min
+
+    python scripts/gpu_check.py --list                   # presets and variants, with estimates
+    python scripts/gpu_check.py --variants zero2_bf16w --ds-patch '{"zero_optimization": {"reduce_scatter": false}}'
+    python scripts/gpu_check.py --variants plain,zero2 --steps 40 train.weights=bf16   # ad-hoc bisection steps
+    python scripts/gpu_check.py --cpu-smoke --variants plain,zero2_nooverlap --steps 3  # the script on a CPU
+    python scripts/gpu_check.py --cpu-smoke --preset rft_plan                           # point 5 on a CPU, tiny model
+
+A training variant is `accelerate launch --config_file <accelerate yaml> --num_processes 1 harness/train.py --config
+configs/gpu-1b.yaml <overrides>` (random init, bf16 autocast, packed 2048-token rows, micro-batch 8, no download). A
+DeepSpeed variant may carry a patch merged into the shipped ds_configs/zeroN.json (`--ds-patch` adds one to every
+DeepSpeed variant of the call): the patched JSON and an accelerate yaml naming it are written to <out>/_configs/ and
+the launch uses them. Each run's report.json and metrics.jsonl give the row: variant, steps, precision, weights,
+zero_stage, compile (mode, cold compile s, recompiles after step 1, recompile-limit hits), attention, tokens_per_s,
+mfu, mem_gb, gpu_util (medians over the log intervals after the first, which holds compilation), final_loss, loss_at
+(the logged interval means at steps 20, 40, 100), the loss curve, gpu, the command, the accelerate yaml and the
+DeepSpeed JSON; beside a reference row (the plain path of the same compile setting, or for speed the variant named
+as such) the loss gap in % and the tokens/s ratio. Rows go to <out>/gpu_check.json (this call) and are APPENDED to
+docs/bench/gpu-<UTC date>.json (`--bench-out`; {"device", "rows", "calls"}: a second call the same day adds rows and
+a call record, never overwrites).
+
+Point 5 (`rft_plan`): `rft_generate` saves a random-init copy of the recipe's model (bf16, the bundled tokenizer,
+vocabulary cut to the tokenizer's so every sampled token decodes) and runs `harness rft generate configs/rft-tiny.yaml`
+on it (stats.json: sequences/s; the batch: rft.questions_per_batch x rft.oversample, at most
+rft.micro_batch_sequences per generate() call, halvings read from its log; GPU busy share sampled around it);
+`plan_300` runs `harness plan` for 300 steps of the recipe (calibrating under the same launcher) and then the run,
+whose report.json `plan` holds estimate, actual and error; `rft_bench` runs `harness rft bench` (new tokens/s).
+
+Estimates use the H100 figures of docs/benchmarks.md (plain regional ~60k tokens/s at micro-batch 8 x 2048, eager
+~32k, ZeRO-1/2 ~30k, eager ZeRO-3 ~17k) and 40-70 s of start-up and compilation per variant. Not a test: it needs a
+GPU. `--cpu-smoke` runs the same code path on a CPU with the tiny default recipe (DeepSpeed variants with DeepSpeed's
+CPU accelerator, one process; CPU utilisation in place of NVML), so that the script is known to work before a rented
+GPU's time is spent on it (tests/test_monitor.py runs it).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
+import os
+import re
+import shlex
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from harness.observe.monitor import UtilisationSampler, describe  # noqa: E402
-REGIONAL = ["train.compile=regional"]
-GRITLM = ["loss.mode=unified", "data.emb_train_files=[data/sample/emb.jsonl]", "data.emb_eval_files=[]",
+
+REGIONAL = ("train.compile=regional",)
+EAGER = ("train.compile=none",)
+BF16W = ("train.weights=bf16",)  # bf16 parameters, fp32 master copies in the optimizer (DeepSpeed's bf16 mode)
+GRITLM = ("loss.mode=unified", "data.emb_train_files=[data/sample/emb.jsonl]", "data.emb_eval_files=[]",
           "model.pooling=mean", "model.embed_attention=bidirectional", "train.emb_micro_batch_size=64",
-          "data.train_group_size=2", "data.query_max_len=256", "data.passage_max_len=512"]
-LORA = ["model.name_or_path={base}", "model.lora.enabled=true", "model.lora.r=16", "model.lora.alpha=32"]
-VARIANTS = {  # name: (accelerate config, overrides); {base}: a saved random-init copy of the recipe's model
-    "eager": ("single_gpu", ["train.compile=none"]),
-    "sdpa": ("single_gpu", [*REGIONAL, "model.attn_implementation=sdpa"]),
-    "profile": ("single_gpu", [*REGIONAL, "train.profile_steps=3"]),
-    "regional": ("single_gpu", REGIONAL),
-    "zero2": ("zero2", REGIONAL),
-    "zero3": ("zero3", ["train.compile=none"]),
-    "zero3_regional": ("zero3", REGIONAL),  # block forwards compiled, ZeRO-3 hooks eager (harness.compiling)
-    "flex": ("single_gpu", [*REGIONAL, "model.attn_implementation=flex_attention"]),
-    "mb4": ("single_gpu", [*REGIONAL, "train.micro_batch_size=4"]),
-    "ce_full": ("single_gpu", [*REGIONAL, "loss.chunked_ce=false"]),
-    "v128k": ("single_gpu", [*REGIONAL, "model.config.vocab_size=128256", "loss.chunked_ce=true"]),
-    "v128k_full": ("single_gpu", [*REGIONAL, "model.config.vocab_size=128256", "loss.chunked_ce=false"]),
-    "gritlm": ("single_gpu", [*REGIONAL, *GRITLM]),
-    "lora": ("single_gpu", [*REGIONAL, *LORA]),
-    "qlora": ("single_gpu", [*REGIONAL, *LORA, "model.quantization=4bit"]),
+          "data.train_group_size=2", "data.query_max_len=256", "data.passage_max_len=512")
+LORA = ("model.name_or_path={base}", "model.lora.enabled=true", "model.lora.r=16", "model.lora.alpha=32")
+QLORA = (*LORA, "model.quantization=4bit")
+LOSS_STEPS = (20, 40, 100)  # loss_at: the logged interval means at these steps
+TOKENS_PER_ROW = 2048  # configs/gpu-1b.yaml data.max_len (packed rows)
+# DeepSpeed knobs for the bisection of the ZeRO loss gap: each a patch of the shipped ds_configs/zero2.json
+DS_KNOBS = {
+    "nooverlap": {"zero_optimization": {"overlap_comm": False}},
+    "nocontig": {"zero_optimization": {"contiguous_gradients": False}},
+    "fp32accum": {"data_types": {"grad_accum_dtype": "fp32"}},
+    "fp32comm": {"communication_data_type": "fp32"},
 }
-DEFAULT = "eager,regional,zero2,zero3"
 
 
-def make_base(out_root: Path) -> Path:
-    """The recipe's model, randomly initialised in bf16 and saved, for the variants that load a pretrained base
-    (LoRA, QLoRA: bitsandbytes quantizes while loading)."""
-    base = out_root / "base-1b"
+@dataclass(frozen=True)
+class Variant:
+    accel: str  # accelerate_configs/<accel>.yaml (zeroN: DeepSpeed with ds_configs/zeroN.json); rft / plan: point 5
+    overrides: tuple = ()
+    ds_patch: Optional[dict] = None  # merged into the DeepSpeed JSON
+    tok_s: float = 60000  # H100 tokens/s estimate (docs/benchmarks.md), for the wall-time estimate
+    startup_s: float = 60  # start-up + cold compile estimate
+    loss_ref: Optional[str] = None  # the loss gap at step 100 is against this variant's row
+    speed_ref: Optional[str] = None  # tokens/s ratio against this variant's row
+    note: str = ""
+
+
+def _train(accel: str, overrides: tuple, **kw) -> Variant:
+    compiled = "train.compile=regional" in overrides
+    deepspeed = accel.startswith("zero")
+    kw.setdefault("startup_s", (40 if not compiled else 60) + (10 if deepspeed else 0))
+    return Variant(accel, overrides, **kw)
+
+
+VARIANTS: dict[str, Variant] = {
+    # point 1: one loss curve on every stage, the same compile setting on each
+    "plain": _train("single_gpu", REGIONAL, note="no DeepSpeed, regional compile (the recipe's default)"),
+    "zero1": _train("zero1", REGIONAL, tok_s=30000, loss_ref="plain", speed_ref="plain"),
+    "zero2": _train("zero2", REGIONAL, tok_s=30000, loss_ref="plain", speed_ref="plain"),
+    "zero3": _train("zero3", REGIONAL, tok_s=17000, loss_ref="plain", speed_ref="zero3_eager",
+                    note="block forwards compiled, ZeRO-3 hooks eager (harness.compiling)"),
+    "plain_eager": _train("single_gpu", EAGER, tok_s=31700),
+    "zero1_eager": _train("zero1", EAGER, tok_s=25000, loss_ref="plain_eager", speed_ref="plain_eager"),
+    "zero2_eager": _train("zero2", EAGER, tok_s=25000, loss_ref="plain_eager", speed_ref="plain_eager"),
+    "zero3_eager": _train("zero3", EAGER, tok_s=17000, loss_ref="plain_eager", speed_ref="plain_eager"),
+    # point 1, bisection: bf16 weights (ZeRO's behaviour before train.weights) per stage, and DeepSpeed knobs
+    "plain_bf16w": _train("single_gpu", REGIONAL + BF16W, loss_ref="plain", speed_ref="plain",
+                          note="bf16 weights without a launcher's DeepSpeed (train.deepspeed=zero0)"),
+    "zero1_bf16w": _train("zero1", REGIONAL + BF16W, tok_s=30000, loss_ref="plain"),
+    "zero2_bf16w": _train("zero2", REGIONAL + BF16W, tok_s=30000, loss_ref="plain",
+                          note="the old ZeRO behaviour: expected to reproduce the 13% loss gap"),
+    "zero3_bf16w": _train("zero3", REGIONAL + BF16W, tok_s=17000, loss_ref="plain"),
+    **{f"zero2_{k}": _train("zero2", REGIONAL, ds_patch=p, tok_s=30000, loss_ref="plain") for k, p in DS_KNOBS.items()},
+    **{f"zero2_bf16w_{k}": _train("zero2", REGIONAL + BF16W, ds_patch=p, tok_s=30000, loss_ref="plain")
+       for k, p in DS_KNOBS.items()},
+    # point 2: GritLM unified (64 queries x 2 passages + 8 packed rows a step: ~1.3 s a step eager)
+    "gritlm": _train("single_gpu", REGIONAL + GRITLM, tok_s=30000, startup_s=120, speed_ref="gritlm_eager",
+                     note="dynamic shapes: one graph per kind of pass"),
+    "gritlm_eager": _train("single_gpu", EAGER + GRITLM, tok_s=22000),
+    # point 4: bf16 weights
+    "plain_bf16w_mb16": _train("single_gpu", REGIONAL + BF16W + ("train.micro_batch_size=16",), tok_s=65000,
+                               loss_ref="plain", speed_ref="plain"),
+    # point 6: QLoRA ({base}: a saved random-init bf16 copy of the recipe's model, quantized while loading)
+    "qlora": _train("single_gpu", REGIONAL + QLORA, tok_s=39000, startup_s=120, speed_ref="lora",
+                    note="the first LoRA variant of a call also saves the random bf16 base (~30 s)"),
+    "qlora_eager": _train("single_gpu", EAGER + QLORA, tok_s=30000, startup_s=70, speed_ref="qlora"),
+    "qlora_mb16": _train("single_gpu", REGIONAL + QLORA + ("train.micro_batch_size=16",), tok_s=45000,
+                         startup_s=90, speed_ref="qlora"),
+    "qlora_profile": _train("single_gpu", REGIONAL + QLORA + ("train.profile_steps=3",), tok_s=35000, startup_s=100,
+                            note="torch.profiler over 3 settled steps: <out>/qlora_profile/profile/"),
+    "lora": _train("single_gpu", REGIONAL + LORA, tok_s=54000, startup_s=80),
+    # speed figures of docs/benchmarks.md (2026-11-23)
+    "profile": _train("single_gpu", REGIONAL + ("train.profile_steps=3",), tok_s=50000),
+    "sdpa": _train("single_gpu", REGIONAL + ("model.attn_implementation=sdpa",), tok_s=50000),
+    "flex": _train("single_gpu", REGIONAL + ("model.attn_implementation=flex_attention",)),
+    "mb4": _train("single_gpu", REGIONAL + ("train.micro_batch_size=4",), tok_s=54000),
+    "ce_full": _train("single_gpu", REGIONAL + ("loss.chunked_ce=false",), tok_s=54000),
+    "v128k": _train("single_gpu", REGIONAL + ("model.config.vocab_size=128256", "loss.chunked_ce=true"), tok_s=41000),
+    "v128k_full": _train("single_gpu", REGIONAL + ("model.config.vocab_size=128256", "loss.chunked_ce=false"),
+                         tok_s=43000),
+    # point 5 (not training variants: see run_rft_generate, run_rft_bench, run_plan)
+    "rft_generate": Variant("rft", startup_s=100, note="harness rft generate on a random-init ~1B model"),
+    "rft_bench": Variant("rft", startup_s=110, note="harness rft bench --questions 2 (new tokens/s)"),
+    "plan_300": Variant("plan", startup_s=300, note="harness plan for the steps, then the run"),
+}
+ALIASES = {"regional": "plain", "eager": "plain_eager", "zero3_regional": "zero3"}  # names of the 2026-11-23 rows
+PRESETS = {  # name: (variants, steps)
+    "curve": (["plain", "zero1", "zero2", "zero3"], 100),
+    "curve_eager": (["plain_eager", "zero1_eager", "zero2_eager", "zero3_eager"], 100),
+    "bisect": (["plain_bf16w", "zero2_bf16w", "zero1_bf16w", "zero3_bf16w"], 100),
+    "bisect_ds": (["zero2_bf16w_fp32accum", "zero2_bf16w_fp32comm", "zero2_bf16w_nooverlap",
+                   "zero2_bf16w_nocontig"], 100),
+    "gritlm": (["gritlm", "gritlm_eager"], 40),
+    "zero3_compile": (["zero3", "zero3_eager"], 100),
+    "bf16w": (["plain", "plain_bf16w", "plain_bf16w_mb16"], 100),
+    "rft_plan": (["rft_generate", "plan_300", "rft_bench"], 300),
+    "qlora": (["qlora", "qlora_eager", "qlora_mb16", "qlora_profile"], 40),
+}
+DEFAULT = "plain,plain_eager,zero2,zero3"
+SMOKE_DEFAULT = "plain,zero2_nooverlap"
+
+
+# ----------------------------------------------------------------------------------------------- estimates
+
+
+def micro_batch(overrides) -> int:
+    for o in overrides:
+        if o.startswith("train.micro_batch_size="):
+            return int(o.split("=", 1)[1])
+    return 8
+
+
+def estimate_s(name: str, steps: int) -> float:
+    """Wall seconds of one variant on one H100: start-up and compilation + steps x tokens per step / tokens/s."""
+    v = VARIANTS[name]
+    if v.accel == "rft" or v.accel == "plan":
+        return v.startup_s  # their own fixed work (plan_300: calibration 55 steps + 300 steps, each with start-up)
+    return v.startup_s + steps * micro_batch(v.overrides) * TOKENS_PER_ROW / v.tok_s
+
+
+def fmt_min(s: float) -> str:
+    return f"{s / 60:.1f} min"
+
+
+# ----------------------------------------------------------------------------------------------- configs
+
+
+def deep_merge(base: dict, patch: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in patch.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def launch_configs(name: str, accel: str, patch: Optional[dict], out_root: Path, cpu: bool) -> tuple[Path, dict]:
+    """The accelerate yaml to launch with, and the DeepSpeed JSON it names ({} without DeepSpeed). With a patch, both
+    are written to <out>/_configs/<variant>.{json,yaml}."""
+    import yaml
+
+    if not accel.startswith("zero"):
+        return ROOT / "accelerate_configs" / ("cpu.yaml" if cpu else f"{accel}.yaml"), {}
+    shipped_yaml = ROOT / "accelerate_configs" / f"{accel}.yaml"
+    conf = yaml.safe_load(shipped_yaml.read_text())
+    ds_path = ROOT / conf["deepspeed_config"]["deepspeed_config_file"]
+    ds = json.loads(ds_path.read_text())
+    if not patch:
+        return shipped_yaml, ds
+    ds = deep_merge(ds, patch)
+    folder = out_root / "_configs"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps(ds, indent=2) + "\n")
+    conf["deepspeed_config"]["deepspeed_config_file"] = str(folder / f"{name}.json")
+    (folder / f"{name}.yaml").write_text(f"# {accel}.yaml with ds_configs/{accel}.json patched by {json.dumps(patch)}\n"
+                                         + yaml.safe_dump(conf, sort_keys=False))
+    return folder / f"{name}.yaml", ds
+
+
+def launch_env(deepspeed: bool) -> dict:
+    env = dict(os.environ)
+    if deepspeed:  # DeepSpeed on a CPU runs only without it (docs: cpu-distributed traps; a DDP run otherwise)
+        env.pop("ACCELERATE_USE_CPU", None)
+    return env
+
+
+def make_base(out_root: Path, recipe: str, tokenizer_vocab: bool = False) -> Path:
+    """The recipe's model, randomly initialised in bf16 and saved with the recipe's tokenizer, for the variants that
+    load a pretrained base (LoRA, QLoRA: bitsandbytes quantizes while loading) and for rft. tokenizer_vocab: the
+    vocabulary cut to the tokenizer's, so that every token a random model samples decodes (rft)."""
+    base = out_root / (f"base-{Path(recipe).stem}" + ("-tokvocab" if tokenizer_vocab else ""))
     if (base / "config.json").exists():
         return base
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from harness.config import load_config
+    from harness.model import load_tokenizer
 
-    conf = dict(load_config(ROOT / "configs" / "gpu-1b.yaml").model.config)
-    config = AutoConfig.for_model(conf.pop("model_type"), **conf)
+    cfg = load_config(ROOT / "configs" / recipe)
+    tok = load_tokenizer(cfg.model, cfg.data.chat_template)
+    conf = dict(cfg.model.config)
+    if tokenizer_vocab:
+        conf["vocab_size"] = len(tok)
+    config = AutoConfig.for_model(conf.pop("model_type"), **conf, pad_token_id=tok.pad_token_id,
+                                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(base)
+    tmp = base.with_name(base.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(base)
     return base
 
 
-def run_variant(name: str, steps: int, out_root: Path, extra: list[str], cpu: bool = False,
-                timeout_s: float = 900) -> dict:
-    accel, overrides = VARIANTS[name]
-    if any("{base}" in o for o in overrides):
-        base = make_base(out_root)
-        overrides = [o.replace("{base}", str(base)) for o in overrides]
-    if cpu:
-        accel, recipe = "cpu", "default.yaml"
-        extra = ["data.eval_files=[]", "train.log_every=1", *extra]
-    else:
-        recipe = "gpu-1b.yaml"
-    out = out_root / name
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / f"{accel}.yaml"), "--num_processes", "1",
-           str(ROOT / "harness" / "train.py"), "--config", str(ROOT / "configs" / recipe),
-           f"train.output_dir={out}", f"train.max_steps={steps}", "train.resume=null", "train.monitor_interval_s=1",
-           *overrides, *extra]
-    print("$", " ".join(cmd), flush=True)
+# ----------------------------------------------------------------------------------------------- one launch
+
+
+def launch(cmd: list[str], log: Path, cpu: bool, timeout_s: float, env: Optional[dict] = None) -> dict:
+    """Run one command with utilisation sampled around it; {"rc", "output", "whole", "seconds", "error"?}."""
+    print("$", shlex.join(cmd), flush=True)
     sampler = UtilisationSampler(interval_s=1.0, gpus=not cpu).start()  # the whole launch, start-up included
+    t0 = time.time()
+    # its own process group: at the time limit the launcher AND its training process are stopped (a training
+    # process left behind would hold the GPU for the next variant)
+    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:
-        sampler.stop()
-        out_text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        (out_root / f"{name}.log").write_text(out_text)
-        return {"variant": name, "error": f"timed out after {timeout_s:.0f} s"}
+        out, _ = proc.communicate(timeout=max(timeout_s, 1))
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        rc = None
+    seconds = time.time() - t0
     whole = sampler.stop()
-    print(f"  utilisation, whole launch: {describe(whole)}" + (f" ({whole['note']})" if whole["note"] else ""))
-    (out_root / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        return {"variant": name, "error": (proc.stderr or proc.stdout)[-2000:]}
-    rep = json.loads((out / "report.json").read_text())
-    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    recs = [r for r in recs if "loss" in r][1:]  # drop the first interval (compilation, warm-up)
-    util = (rep.get("utilisation") or {}).get("metrics", {})
-    print(f"  utilisation, training: {describe(rep.get('utilisation'))}")
+    whole_samples = list(sampler.samples)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(out)
+    res = {"rc": rc, "output": out, "whole": whole, "samples": whole_samples, "seconds": seconds}
+    if rc is None:
+        res["error"] = f"timed out after {timeout_s:.0f} s (the call's --budget-min); log {log}"
+    elif rc != 0:
+        said = [x for x in out.splitlines() if x.startswith("harness: error:") or "Error:" in x]
+        res["error"] = f"exit {rc}: {said[-1] if said else ''} (log {log}) {out[-1500:]}"
+    print(f"  {seconds:.0f} s; utilisation, whole launch: {describe(whole)}"
+          + (f" ({whole['note']})" if whole.get("note") else ""), flush=True)
+    return res
+
+
+def metric_rows(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def training_row(name: str, run: Path, rep: dict, recs: list[dict]) -> dict:
+    """The row of one finished training run, from its report.json and metrics.jsonl."""
+    logged = [r for r in recs if "loss" in r]
+    steady = logged[1:]  # the first interval holds compilation and warm-up
+
     def med(key: str):  # None where no interval has it (MFU on a device with no known peak, memory on a CPU)
-        vals = [r[key] for r in recs if r.get(key) is not None]
+        vals = [r[key] for r in steady if r.get(key) is not None]
         return statistics.median(vals) if vals else None
-    return {"variant": name, "tokens_per_s": med("tokens_per_s"), "mfu": med("mfu"), "mem_gb": med("mem_gb"),
-            "padding_share": med("padding_share"), "zero_stage": rep.get("zero_stage"), "compile": rep.get("compile"),
-            "final_loss": rep.get("final_loss"), "gpu": (rep["hardware"].get("gpus") or [{}])[0],
-            "gpu_util_steady": med("gpu_util"),  # the log intervals' own NVML means, after the first
-            "gpu_util_mean": util.get("gpu_util", {}).get("mean"), "gpu_util_p10": util.get("gpu_util", {}).get("p10"),
-            "cpu_util_mean": util.get("cpu_util", {}).get("mean"),
-            "gpu_mem_used_max_gb": util.get("gpu_mem_gb", {}).get("max"),
-            "utilisation": rep.get("utilisation"), "utilisation_whole_launch": whole}
+
+    comp = rep.get("compile")
+    util = (rep.get("utilisation") or {}).get("metrics", {})
+    return {
+        "variant": name, "steps": rep.get("steps"), "precision": rep.get("precision"),
+        "weights": rep.get("weights"), "zero_stage": rep.get("zero_stage"),
+        "compile": {"mode": "none"} if not comp else {
+            "mode": comp.get("mode"), "cold_compile_s": comp.get("cold_compile_s"),
+            "recompiles": comp.get("recompiles_after_first_step"),
+            "recompile_limit_hits": len(comp.get("recompile_limit_hit") or []),
+            "recompile_limit_functions": comp.get("recompile_limit_hit") or [], "graphs": comp.get("graphs"),
+            "ran_compiled": comp.get("ran_compiled"), "block_calls_eager": comp.get("block_calls_eager")},
+        "attention": rep.get("attention"),
+        "tokens_per_s": med("tokens_per_s"), "mfu": med("mfu"), "mem_gb": med("mem_gb"),
+        "gpu_util": med("gpu_util"),  # NVML's busy share, the log intervals' own means after the first
+        "final_loss": rep.get("final_loss"),
+        "loss_at": {str(r["step"]): r["loss"] for r in logged if r["step"] in LOSS_STEPS},
+        "loss_curve": {str(r["step"]): r["loss"] for r in logged},
+        "gpu": (rep.get("hardware", {}).get("gpus") or [{}])[0],
+        "padding_share": med("padding_share"), "micro_batch_size": rep.get("micro_batch_size"),
+        "tokens_per_s_run": rep.get("tokens_per_s"), "wall_time_s": rep.get("wall_time_s"),
+        "gpu_util_mean": util.get("gpu_util", {}).get("mean"), "gpu_util_p10": util.get("gpu_util", {}).get("p10"),
+        "cpu_util_mean": util.get("cpu_util", {}).get("mean"),
+        "gpu_mem_used_max_gb": util.get("gpu_mem_gb", {}).get("max"),
+        "compile_report": comp, "utilisation": rep.get("utilisation"),
+    }
+
+
+def train_command(name: str, v: Variant, steps: int, out_root: Path, extra: list[str], cpu: bool,
+                  ds_patch: Optional[dict]) -> tuple[list[str], Path, dict, list[str]]:
+    overrides = list(v.overrides)
+    if any("{base}" in o for o in overrides):
+        base = make_base(out_root, "default.yaml" if cpu else "gpu-1b.yaml")
+        overrides = [o.replace("{base}", str(base)) for o in overrides]
+    recipe = "default.yaml" if cpu else "gpu-1b.yaml"
+    if cpu:
+        extra = ["data.eval_files=[]", "train.log_every=1", *extra]
+    patch = deep_merge(v.ds_patch or {}, ds_patch or {}) if v.accel.startswith("zero") else None
+    accel_yaml, ds = launch_configs(name, v.accel, patch, out_root, cpu)
+    args = [f"train.output_dir={out_root / name}", f"train.max_steps={steps}", "train.resume=null",
+            "train.monitor_interval_s=1", *overrides, *extra]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accel_yaml), "--num_processes",
+           "1", str(ROOT / "harness" / "train.py"), "--config", str(ROOT / "configs" / recipe), *args]
+    return cmd, accel_yaml, {"json": ds, "patch": patch} if ds else None, args
+
+
+def check_overrides(recipe: str, args: list[str]) -> Optional[str]:
+    """The config loader's verdict on the overrides (a key it does not know yet, such as train.weights before it
+    lands), in this process and in a second, before any launch time is spent."""
+    from harness.config import load_config
+    from harness.errors import HarnessError
+
+    try:
+        load_config(ROOT / "configs" / recipe, args)
+    except HarnessError as e:
+        return f"config rejected: {e}"
+    return None
+
+
+def run_variant(name: str, steps: int, out_root: Path, extra: list[str], cpu: bool, timeout_s: float,
+                ds_patch: Optional[dict] = None) -> dict:
+    v = VARIANTS[name]
+    if v.accel == "rft":
+        return run_rft_bench(name, out_root, extra, cpu, timeout_s) if name == "rft_bench" else \
+            run_rft_generate(name, out_root, extra, cpu, timeout_s)
+    if v.accel == "plan":
+        return run_plan(name, steps, out_root, extra, cpu, timeout_s)
+    cmd, accel_yaml, ds, args = train_command(name, v, steps, out_root, extra, cpu, ds_patch)
+    head = {"variant": name, "command": shlex.join(cmd), "accelerate_config": {
+        "path": str(accel_yaml), "text": accel_yaml.read_text()}, "deepspeed_config": ds, "note": v.note}
+    bad = check_overrides("default.yaml" if cpu else "gpu-1b.yaml", args)
+    if bad:
+        print(f"  {name}: {bad}", flush=True)
+        return {**head, "error": bad}
+    run = out_root / name
+    shutil.rmtree(run, ignore_errors=True)  # a fresh run: a finished one in the folder would not run again
+    res = launch(cmd, out_root / f"{name}.log", cpu, timeout_s, launch_env(v.accel.startswith("zero")))
+    if "error" in res:
+        return {**head, "error": res["error"]}
+    rep = json.loads((run / "report.json").read_text())
+    row = training_row(name, run, rep, metric_rows(run))
+    print(f"  utilisation, training: {describe(rep.get('utilisation'))}", flush=True)
+    return {**row, **head, "launch_s": res["seconds"], "utilisation_whole_launch": res["whole"]}
+
+
+# ----------------------------------------------------------------------------------------------- point 5
+
+
+def point5_row(name: str, head: dict) -> dict:
+    """The required keys of a row that is not a training run (None where they do not apply)."""
+    keys = ("steps", "precision", "weights", "zero_stage", "compile", "attention", "tokens_per_s", "mfu", "mem_gb",
+            "gpu_util", "final_loss", "loss_at", "gpu")
+    return {"variant": name, **{k: None for k in keys}, **head}
+
+
+def rft_overrides(out_root: Path, name: str, cpu: bool) -> tuple[list[str], Path]:
+    base = make_base(out_root, "default.yaml" if cpu else "gpu-1b.yaml", tokenizer_vocab=True)
+    gen = out_root / name / "generate"
+    over = [f"model.name_or_path={base}", f"rft.output_dir={gen}", "data.train_files=[data/sample/gen.jsonl]"]
+    if cpu:  # a few seconds on two cores
+        over += ["rft.num_train_questions=32", "rft.oversample=4", "rft.max_new_tokens=16"]
+    return over, gen
+
+
+def gpu_name() -> Optional[dict]:
+    from harness.hardware import environment_report
+
+    return (environment_report().get("gpus") or [None])[0]
+
+
+def run_rft_generate(name: str, out_root: Path, extra: list[str], cpu: bool, timeout_s: float) -> dict:
+    """`harness rft generate configs/rft-tiny.yaml` on a random-init copy of the recipe's model: its stats.json
+    (sequences/s), the batch (settings, and the OOM halvings its log reports), the GPU busy share around it."""
+    from harness.config import load_config
+
+    over, gen = rft_overrides(out_root, name, cpu)
+    over += extra
+    shutil.rmtree(out_root / name, ignore_errors=True)
+    cmd = [sys.executable, "-m", "harness.cli", "rft", "generate", str(ROOT / "configs" / "rft-tiny.yaml"), *over]
+    head = {"command": shlex.join(cmd), "note": VARIANTS[name].note, "gpu": gpu_name()}
+    res = launch(cmd, out_root / f"{name}.log", cpu, timeout_s)
+    if "error" in res:
+        return point5_row(name, {**head, "error": res["error"]})
+    stats = json.loads((gen / "stats.json").read_text())
+    r = load_config(ROOT / "configs" / "rft-tiny.yaml", over).rft
+    halved = [int(x) for x in re.findall(r"micro-batch halved to (\d+) sequences", res["output"])]
+    gen_s = stats["sequences_this_run"] / max(stats["sequences_per_s"], 1e-9)  # seconds inside generate()
+    busy = [s["gpu_util"] for s in res["samples"] if s.get("gpu_util") is not None]
+    dtype = re.search(r"device \S+, (torch\.\w+)\)", res["output"])
+    return point5_row(name, {
+        **head, "precision": dtype.group(1).removeprefix("torch.") if dtype else None,
+        "sequences_per_s": stats["sequences_per_s"],
+        "tokens_per_s": stats.get("new_tokens_per_s"),  # rft generate does not report tokens (rft_bench does)
+        "tokens_per_s_bound": stats["sequences_per_s"] * r.max_new_tokens,  # every sequence at max_new_tokens
+        "generate_s": gen_s, "launch_s": res["seconds"],
+        "gpu_util": 100 * min(1.0, sum(busy) / 100 * 1.0 / gen_s) if busy and gen_s > 0 else None,
+        "gpu_util_note": "NVML busy samples (1 s) around the whole command / seconds inside generate()",
+        "batch": {"questions_per_batch": r.questions_per_batch, "oversample": r.oversample,
+                  "sequences_per_batch": r.questions_per_batch * r.oversample,
+                  "micro_batch_sequences": r.micro_batch_sequences, "oom_halvings": halved,
+                  "micro_batch_sequences_final": halved[-1] if halved else r.micro_batch_sequences,
+                  "max_new_tokens": r.max_new_tokens},
+        "model": over[0].split("=", 1)[1], "stats": stats, "utilisation_whole_launch": res["whole"]})
+
+
+def run_rft_bench(name: str, out_root: Path, extra: list[str], cpu: bool, timeout_s: float) -> dict:
+    """`harness rft bench --questions 2`: its table (one sequence per call, one question per call, a batch of
+    questions per call), with new tokens/s."""
+    over, _ = rft_overrides(out_root, name, cpu)
+    over += extra
+    cmd = [sys.executable, "-m", "harness.cli", "rft", "bench", str(ROOT / "configs" / "rft-tiny.yaml"),
+           "--questions", "2", *over]
+    head = {"command": shlex.join(cmd), "note": VARIANTS[name].note, "gpu": gpu_name()}
+    res = launch(cmd, out_root / f"{name}.log", cpu, timeout_s)
+    if "error" in res:
+        return point5_row(name, {**head, "error": res["error"]})
+    ways = []
+    for line in res["output"].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[1].isdigit():
+            ways.append({"way": cells[0], "sequences": int(cells[1]), "seconds": float(cells[2]),
+                         "sequences_per_s": float(cells[3]), "new_tokens_per_s": float(cells[4]),
+                         "speedup": cells[5]})
+    best = ways[-1] if ways else {}
+    return point5_row(name, {**head, "ways": ways, "sequences_per_s": best.get("sequences_per_s"),
+                             "tokens_per_s": best.get("new_tokens_per_s"), "launch_s": res["seconds"],
+                             "utilisation_whole_launch": res["whole"]})
+
+
+def run_plan(name: str, steps: int, out_root: Path, extra: list[str], cpu: bool, timeout_s: float) -> dict:
+    """`harness plan` for `steps` steps of the recipe (calibrated under the run's own launcher), then the run: its
+    report.json `plan` (estimate, actual, error)."""
+    recipe = ROOT / "configs" / ("default.yaml" if cpu else "gpu-1b.yaml")
+    accel_yaml = ROOT / "accelerate_configs" / ("cpu.yaml" if cpu else "single_gpu.yaml")
+    run = out_root / name
+    shutil.rmtree(run, ignore_errors=True)
+    args = [f"train.output_dir={run}", f"train.max_steps={steps}", "train.resume=null", "train.monitor_interval_s=1",
+            *(["data.eval_files=[]", "train.log_every=5"] if cpu else []), *extra]
+    launcher = shlex.join([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accel_yaml),
+                           "--num_processes", "1"])
+    plan_cmd = [sys.executable, "-m", "harness.cli", "plan", str(recipe), *args, "--hours", "1", "--margin-minutes",
+                "0", "--launcher", launcher, *(["--steps", "5"] if cpu else [])]
+    train_cmd = [*shlex.split(launcher), str(ROOT / "harness" / "train.py"), "--config", str(recipe), *args]
+    head = {"command": shlex.join(plan_cmd) + " && " + shlex.join(train_cmd), "note": VARIANTS[name].note,
+            "accelerate_config": {"path": str(accel_yaml), "text": accel_yaml.read_text()}, "deepspeed_config": None}
+    t0 = time.time()
+    res = launch(plan_cmd, out_root / f"{name}.plan.log", cpu, timeout_s)
+    if "error" in res:
+        return point5_row(name, {**head, "error": "harness plan: " + res["error"]})
+    plan_s = res["seconds"]
+    res = launch(train_cmd, out_root / f"{name}.log", cpu, timeout_s - (time.time() - t0))
+    if "error" in res:
+        return point5_row(name, {**head, "error": res["error"]})
+    rep = json.loads((run / "report.json").read_text())
+    row = training_row(name, run, rep, metric_rows(run))
+    plan = rep.get("plan") or {}
+    planned = json.loads((run / "plan.json").read_text())
+    est, act = plan.get("estimated_s"), plan.get("actual_s")
+    return {**row, **head, "plan": {  # actual_s: the training process (report.json); launch_wall_s: with the launcher
+        "estimated_s": est, "actual_s": act, "error_pct": plan.get("error_pct"), "launch_wall_s": res["seconds"],
+        "error_pct_vs_launch_wall": 100 * (est - res["seconds"]) / res["seconds"] if est else None,
+        "ratio_actual_to_estimate": act / est if est and act else None, "within_5pct": (
+            abs(plan["error_pct"]) <= 5 if plan.get("error_pct") is not None else None),
+        "same_config": plan.get("same_config"), "phases": plan.get("phases"),
+        "derivations": planned.get("derivations"), "plan_command_s": plan_s}, "launch_s": res["seconds"],
+        "utilisation_whole_launch": res["whole"]}
+
+
+# ----------------------------------------------------------------------------------------------- the bench file
+
+
+def compare(rows: list[dict], earlier: list[dict]) -> None:
+    """Loss gap (% at the last common loss_at step, 100 where reached) and tokens/s ratio against the reference
+    variants, from this call's rows or the latest earlier row of the same steps in the bench file."""
+    def ref_row(name: Optional[str], steps) -> Optional[dict]:
+        for r in reversed(rows + earlier):
+            if r.get("variant") == name and "error" not in r and r.get("steps") == steps:
+                return r
+        return None
+
+    for r in rows:
+        v = VARIANTS.get(r["variant"])
+        if v is None or "error" in r:
+            continue
+        ref = ref_row(v.loss_ref, r.get("steps"))
+        if ref:
+            common = sorted(set(r.get("loss_at") or {}) & set(ref.get("loss_at") or {}), key=int)
+            at = common[-1] if common else None
+            if at is not None:
+                r["loss_vs_ref"] = {"ref": v.loss_ref, "step": int(at), "loss": r["loss_at"][at],
+                                    "ref_loss": ref["loss_at"][at],
+                                    "gap_pct": 100 * (r["loss_at"][at] - ref["loss_at"][at]) / ref["loss_at"][at]}
+        sref = ref_row(v.speed_ref, r.get("steps"))
+        if sref and r.get("tokens_per_s") and sref.get("tokens_per_s"):
+            r["speed_vs_ref"] = {"ref": v.speed_ref, "ratio": r["tokens_per_s"] / sref["tokens_per_s"]}
+
+
+def read_bench(path: Path) -> dict:
+    if path.is_file():
+        return json.loads(path.read_text())
+    return {"device": None, "rows": [], "calls": []}
+
+
+def append_rows(path: Path, call: dict, rows: list[dict], device: str) -> None:
+    """Add rows (and, once, the call's record) to the day's file; written atomically, never overwriting rows."""
+    data = read_bench(path)
+    data["device"] = data.get("device") or device
+    calls = data.setdefault("calls", [])
+    if not any(c.get("id") == call["id"] for c in calls):
+        calls.append(call)
+    else:
+        calls[[c.get("id") for c in calls].index(call["id"])] = call
+    data.setdefault("rows", []).extend({**r, "call": call["id"]} for r in rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def print_table(rows: list[dict]) -> None:
+    nan = float("nan")
+    print(f"\n{'variant':<24}{'tokens/s':>10}{'MFU':>7}{'mem GB':>8}{'util':>6}{'compile':>9}{'cold s':>7}"
+          f"{'recomp':>7}{'loss@100':>9}{'final':>8}{'vs ref':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:<24} failed: {r['error'][:300]}")
+            continue
+        c = r.get("compile") or {}
+        gap = (r.get("loss_vs_ref") or {}).get("gap_pct")
+        print(f"{r['variant']:<24}{r.get('tokens_per_s') or 0:>10,.0f}{(r.get('mfu') or 0) * 100:>6.1f}%"
+              f"{r.get('mem_gb') or nan:>8.1f}{r.get('gpu_util') if r.get('gpu_util') is not None else nan:>5.0f}%"
+              f"{c.get('mode') or '-':>9}{c.get('cold_compile_s') if c.get('cold_compile_s') is not None else nan:>7.1f}"
+              f"{c.get('recompiles') if c.get('recompiles') is not None else '-':>7}"
+              f"{(r.get('loss_at') or {}).get('100', nan):>9.4f}{r.get('final_loss') or nan:>8.4f}"
+              f"{f'{gap:+.2f}%' if gap is not None else '-':>9}")
+        if r.get("plan"):
+            p = r["plan"]
+            print(f"  plan: estimated {p['estimated_s'] or nan:.1f} s, actual {p['actual_s'] or nan:.1f} s "
+                  f"({p['error_pct'] or nan:+.1f}%)")
+        if r.get("sequences_per_s") is not None:
+            print(f"  rft: {r['sequences_per_s']:.1f} sequences/s, tokens/s {r.get('tokens_per_s')}, "
+                  f"batch {json.dumps(r.get('batch'))}")
+
+
+# ----------------------------------------------------------------------------------------------- main
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default=DEFAULT, help=f"comma-separated, of: {', '.join(VARIANTS)}")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds per variant before it is stopped")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--out", default=str(ROOT / "runs" / "gpu-check"))
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="one issue-25 point's variants and steps")
+    ap.add_argument("--variants", help=f"comma-separated (default {DEFAULT}); --list shows them")
+    ap.add_argument("--steps", type=int, help="optimizer steps per variant (default: the preset's, else 30)")
+    ap.add_argument("--ds-patch", help="JSON merged into every DeepSpeed variant's config (after its own patch)")
+    ap.add_argument("--budget-min", type=float, default=9.5,
+                    help="the call's wall-time limit in minutes: refused when the estimate is above it, and a "
+                         "variant still running at the limit is stopped (0: no limit)")
+    ap.add_argument("--out", default=str(ROOT / "runs" / "gpu-check"), help="run folders and gpu_check.json")
+    ap.add_argument("--bench-out", help="rows are appended here (default docs/bench/gpu-<UTC date>.json; "
+                                        "with --cpu-smoke <out>/gpu-<UTC date>.json)")
+    ap.add_argument("--list", action="store_true", help="print the presets and variants with estimates and exit")
     ap.add_argument("--cpu-smoke", action="store_true",
-                    help="check the script on a CPU: default tiny recipe, variants eager,regional unless given")
+                    help=f"check the script on a CPU: tiny default recipe, variants {SMOKE_DEFAULT} unless given")
     ap.add_argument("overrides", nargs="*", help="extra section.key=value for every variant")
     args = ap.parse_args()
+    if args.list:
+        for p, (vs, st) in PRESETS.items():
+            print(f"--preset {p:<14} {st:>4} steps  ~{fmt_min(sum(estimate_s(v, st) for v in vs)):>8}  {','.join(vs)}")
+        for name, v in VARIANTS.items():
+            patch = f" ds_patch {json.dumps(v.ds_patch)}" if v.ds_patch else ""
+            print(f"  {name:<22} {v.accel:<11} {' '.join(v.overrides):<60}{patch} {v.note}")
+        print(f"  aliases: {', '.join(f'{a}={b}' for a, b in ALIASES.items())}")
+        return 0
+    names = (args.variants or (",".join(PRESETS[args.preset][0]) if args.preset else
+                               SMOKE_DEFAULT if args.cpu_smoke else DEFAULT)).split(",")
+    names = [ALIASES.get(n, n) for n in names]
+    steps = args.steps or (10 if args.cpu_smoke else PRESETS[args.preset][1] if args.preset else 30)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        print(f"gpu_check: unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)} "
+              f"(or aliases {', '.join(ALIASES)})", file=sys.stderr)
+        return 2
+    try:
+        ds_patch = json.loads(args.ds_patch) if args.ds_patch else None
+    except json.JSONDecodeError as e:
+        print(f"gpu_check: --ds-patch is not JSON ({e})", file=sys.stderr)
+        return 2
     import torch
 
-    if args.cpu_smoke:
-        if args.variants == DEFAULT:
-            args.variants = "eager,regional"
-    elif not torch.cuda.is_available():
+    if not args.cpu_smoke and not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU here; run it on a GPU machine (or --cpu-smoke to check the script)",
               file=sys.stderr)
         return 2
-    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
-    if unknown:
-        print(f"gpu_check: unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
+    est = sum(estimate_s(n, steps) for n in names)
+    print(f"gpu_check: {len(names)} variant(s) x {steps} steps: {', '.join(names)}; estimated on one H100: "
+          f"{fmt_min(est)} ({', '.join(f'{n} {estimate_s(n, steps):.0f} s' for n in names)})", flush=True)
+    if args.budget_min and not args.cpu_smoke and est > 60 * args.budget_min:
+        print(f"gpu_check: estimated {fmt_min(est)} > --budget-min {args.budget_min:g}: split the variants over two "
+              f"calls (or --budget-min 0 to run anyway)", file=sys.stderr)
         return 2
-    zero = [v for v in args.variants.split(",") if VARIANTS[v][0].startswith("zero")]
-    if args.cpu_smoke and zero:
-        print(f"gpu_check: --cpu-smoke runs the variants without DeepSpeed, not {', '.join(zero)} (tests/test_zero.py "
-              f"covers ZeRO on the CPU)", file=sys.stderr)
-        return 2
-    out_root = Path(args.out)
+    out_root = Path(args.out).resolve()
     out_root.mkdir(parents=True, exist_ok=True)
-    rows = [run_variant(v, args.steps, out_root, args.overrides, cpu=args.cpu_smoke, timeout_s=args.timeout)
-            for v in args.variants.split(",")]
-    print(f"\n{'variant':<11}{'tokens/s':>11}{'MFU':>8}{'mem GB':>9}{'cold compile s':>16}{'GPU util steady':>17}"
-          f"{'loss':>8}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['variant']:<11} failed: {r['error'][-300:]}")
-            continue
-        cc = (r["compile"] or {}).get("cold_compile_s")
-        print(f"{r['variant']:<11}{r['tokens_per_s'] or 0:>11,.0f}{(r['mfu'] or 0) * 100:>7.1f}%"
-              f"{r['mem_gb'] or 0:>9.1f}{cc if cc is not None else float('nan'):>16.1f}"
-              f"{r['gpu_util_steady'] if r['gpu_util_steady'] is not None else float('nan'):>16.0f}%"
-              f"{r['final_loss'] or float('nan'):>8.3f}")
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "device": "cpu (smoke)" if args.cpu_smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
-              "steps": args.steps, "rows": rows}
+    now = datetime.datetime.now(datetime.timezone.utc)
+    device = "cpu (smoke)" if args.cpu_smoke else torch.cuda.get_device_name()
+    bench = Path(args.bench_out) if args.bench_out else (
+        (out_root if args.cpu_smoke else ROOT / "docs" / "bench") / f"gpu-{now:%Y-%m-%d}.json")
+    earlier = read_bench(bench)["rows"]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip() or None
+    except OSError:
+        commit = None
+    import accelerate
+    import transformers
+
+    try:
+        import deepspeed  # noqa: F401 - its version for the record
+        ds_version = deepspeed.__version__
+    except Exception:  # noqa: BLE001 - not installed, or it fails to import without a toolchain
+        ds_version = None
+    call = {"id": f"{now:%H%M%S}-{os.getpid()}", "started": now.isoformat(timespec="seconds"), "device": device,
+            "argv": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), "preset": args.preset, "variants": names,
+            "steps": steps, "estimate_s": est, "commit": commit, "torch": torch.__version__,
+            "transformers": transformers.__version__, "accelerate": accelerate.__version__, "deepspeed": ds_version,
+            "overrides": args.overrides, "ds_patch": ds_patch}
+    print(f"gpu_check: rows -> {bench} (appended), {out_root / 'gpu_check.json'}", flush=True)
+    t0, rows = time.time(), []
+    for i, name in enumerate(names):
+        left = 60 * args.budget_min - (time.time() - t0) if args.budget_min else 3600.0
+        if args.cpu_smoke:
+            left = max(left, 600.0)
+        if left < 30:
+            row = {"variant": name, "error": f"skipped: {args.budget_min:g} min of the call spent"}
+        else:
+            row = run_variant(name, steps, out_root, args.overrides, args.cpu_smoke, left, ds_patch)
+        rows.append(row)
+        compare(rows, earlier)
+        call.update(finished=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    wall_s=time.time() - t0)
+        append_rows(bench, call, [row], device)  # now: a call cut off later keeps this row
+    # the comparisons may have gained references from later rows of the call: rewrite this call's rows
+    data = read_bench(bench)
+    mine = iter(rows)
+    data["rows"] = [{**next(mine), "call": call["id"]} if r.get("call") == call["id"] else r for r in data["rows"]]
+    tmp = bench.with_name(bench.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, bench)
+    print_table(rows)
+    result = {**call, "date": call["started"], "rows": rows}
     (out_root / "gpu_check.json").write_text(json.dumps(result, indent=2))
-    print(f"\nwritten {out_root / 'gpu_check.json'}")
+    print(f"\nwritten {out_root / 'gpu_check.json'} and {bench} ({len(data['rows'])} rows)")
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -85,26 +85,57 @@ def test_sampler_reads_this_machine_in_the_background():
 
 @pytest.mark.slow
 def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
-    """scripts/gpu_check.py --cpu-smoke: the GPU script's own code path (launch, report.json and metrics.jsonl
-    parsing, the utilisation it records around the launch and the run's own) works before a GPU is rented for it."""
+    """scripts/gpu_check.py --cpu-smoke: the GPU script's own code path works before a GPU is rented for it: a
+    DeepSpeed variant launched with a patched DeepSpeed JSON (real DeepSpeed on its CPU accelerator, regional
+    compile), report.json and metrics.jsonl parsed into a row with the keys issue 25 asks for, the utilisation
+    recorded around the launch and the run's own; then point 5 (rft generate and bench on a tiny random model, harness
+    plan against the run) in a second call whose rows are appended to the same bench file."""
     import json
     import subprocess
     import sys
 
     from harness_launch import ROOT
 
-    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu-smoke", "--variants", "regional",
-                           "--steps", "3", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    bench = tmp_path / "bench" / "gpu-day.json"
+    common = ["--cpu-smoke", "--out", str(tmp_path / "runs"), "--bench-out", str(bench)]
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", *common, "--variants", "zero2_nooverlap",
+                           "--steps", "3"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "utilisation, training: cpu_util mean" in proc.stdout
-    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    result = json.loads((tmp_path / "runs" / "gpu_check.json").read_text())
     (row,) = result["rows"]
-    assert result["device"] == "cpu (smoke)" and row["variant"] == "regional"
-    assert row["tokens_per_s"] > 0 and row["compile"]["ran_compiled"]
+    assert result["device"] == "cpu (smoke)" and row["variant"] == "zero2_nooverlap"
+    required = {"variant", "steps", "precision", "weights", "zero_stage", "compile", "attention", "tokens_per_s",
+                "mfu", "mem_gb", "gpu_util", "final_loss", "loss_at", "gpu", "command", "accelerate_config",
+                "deepspeed_config"}
+    assert required <= set(row), required - set(row)
+    assert row["steps"] == 3 and row["zero_stage"] == 2 and row["precision"] == "fp32" and row["weights"] == "fp32"
+    assert row["attention"] == "sdpa" and row["tokens_per_s"] > 0 and row["final_loss"] > 0
+    assert row["compile"]["mode"] == "regional" and row["compile"]["ran_compiled"]
+    assert row["compile"]["recompile_limit_hits"] == 0 and row["compile"]["cold_compile_s"] > 0
+    assert set(row["loss_curve"]) == {"1", "2", "3"} and row["loss_at"] == {}  # steps 20, 40, 100 not reached
+    patched = tmp_path / "runs" / "_configs" / "zero2_nooverlap.json"  # the shipped zero2.json, overlap_comm off
+    assert json.loads(patched.read_text())["zero_optimization"]["overlap_comm"] is False
+    assert row["deepspeed_config"]["json"] == json.loads(patched.read_text())
+    assert str(patched) in row["accelerate_config"]["text"] and row["accelerate_config"]["path"] in row["command"]
     assert 0 < row["cpu_util_mean"] <= 100
     whole = row["utilisation_whole_launch"]
     assert whole["samples"] >= 1 and whole["source"] == "cpu" and "cpu_util" in whole["metrics"]
+
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", *common, "--preset", "rft_plan", "--steps", "10"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    day = json.loads(bench.read_text())
+    assert day["device"] == "cpu (smoke)" and len(day["calls"]) == 2
+    assert [r["variant"] for r in day["rows"]] == ["zero2_nooverlap", "rft_generate", "plan_300", "rft_bench"]
+    assert day["rows"][0]["call"] == day["calls"][0]["id"] != day["rows"][1]["call"] == day["calls"][1]["id"]
+    assert all(required - {"command", "accelerate_config", "deepspeed_config"} <= set(r) for r in day["rows"])
+    gen, plan, rft_bench = day["rows"][1:]
+    assert gen["sequences_per_s"] > 0 and gen["batch"]["sequences_per_batch"] == 16 * 4
+    assert gen["stats"]["questions_covered"] == 32 and gen["tokens_per_s_bound"] > 0
+    assert plan["steps"] == 10 and plan["plan"]["estimated_s"] > 0 and plan["plan"]["actual_s"] > 0
+    assert plan["plan"]["same_config"] and plan["plan"]["ratio_actual_to_estimate"] > 0
+    assert rft_bench["tokens_per_s"] > 0 and len(rft_bench["ways"]) == 3
     unknown = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu-smoke", "--variants", "eagre"],
                              cwd=ROOT, capture_output=True, text=True)
     assert unknown.returncode == 2 and "unknown variant(s) eagre" in unknown.stderr

@@ -109,6 +109,8 @@ def final_report(job, state: LoopState, log: StepLog, stopped_by: Optional[str],
     setup = {"world_size": job.world, "distributed_type": job.accelerator.distributed_type.value, **job.zero,
              "loss_mode": cfg.loss.mode, "parameters": job.parameters, "parameters_per_rank": job.held,
              "precision": job.precision, "weights": job.weights, "tf32": job.tf32, "profile": cfg.train.profile,
+             "attention": getattr(job.accelerator.unwrap_model(job.model, keep_torch_compile=False).config,
+                                  "_attn_implementation", None),  # the kernel in use (auto resolved)
              "compile": sections["compile"]}
     trained_s = state.elapsed_s + train_time_s
     progress = {"steps": state.step, "planned_steps": job.total_steps, "stopped_by": stopped_by,
