@@ -212,6 +212,10 @@ def route_weights(cfg: Config, precision: str) -> tuple[Config, Optional[str]]:
                           f"{cfg.model.quantization} keeps its base in bitsandbytes' format); use train.weights=fp32")
     if deepspeed_wanted(cfg) is not None:
         return cfg, None
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        raise ConfigError("config key 'train.weights': bf16 weights take their fp32 master copies from DeepSpeed, "
+                          "which this launch turns off (ACCELERATE_USE_CPU=1: accelerate's --cpu or use_cpu); use "
+                          "train.weights=fp32, or launch without it (harness train, python -m harness.train)")
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, deepspeed="zero0"))
     return cfg, ("[harness] train.weights=bf16: bf16 weights with fp32 master copies in DeepSpeed's optimizer "
                  "(train.deepspeed=zero0: DeepSpeed without ZeRO)")

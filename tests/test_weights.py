@@ -84,7 +84,8 @@ def test_weights_in_the_deepspeed_config():
     assert not apply_weights(fp16, "fp32", "fp16") and fp16 == {"fp16": {"enabled": True}}  # fp16: DeepSpeed's own
 
 
-def test_bf16_weights_route_and_refusals(tmp_path):
+def test_bf16_weights_route_and_refusals(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     cfg = load_config(DEFAULT, ["train.weights=bf16"])
     routed, note = route_weights(cfg, "bf16")
     assert routed.train.deepspeed == "zero0" and "zero0" in note
@@ -97,6 +98,10 @@ def test_bf16_weights_route_and_refusals(tmp_path):
     quant = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quantization="4bit"))
     with pytest.raises(ConfigError, match=r"^config key 'train.weights': bf16 is for unquantized models"):
         route_weights(quant, "bf16")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")  # accelerate's --cpu / use_cpu (launch/train.sh without a GPU)
+    with pytest.raises(ConfigError, match=r"^config key 'train.weights': bf16 weights take their fp32 master copies "
+                                          r"from DeepSpeed, which this launch turns off \(ACCELERATE_USE_CPU=1"):
+        route_weights(cfg, "bf16")
 
 
 def test_a_checkpoint_resumes_with_its_own_weights_dtype(runs):
