@@ -304,6 +304,7 @@ def build_model(job: Job) -> None:
         job.compile.model_prepared(job.model, job.say, accelerator.state.dynamo_plugin.to_kwargs())
     job.loaders = dict(zip(job.streams, prepared))
     job.weights = weights_dtype(job.model)
+    distributed.repair_stage0_optimizer(job.optimizer)  # DeepSpeed without ZeRO: its start-up step undone
     chunk_size = resolve_chunked_ce(cfg, job.model, longest_micro_batch(job.data), job.say)
     if chunk_size is not None:
         job.say(f"[harness] generative loss: chunked through the output head, {chunk_size} positions per chunk "

@@ -248,6 +248,28 @@ def apply_weights(ds: dict, weights: str, mixed_precision: str) -> bool:
     return True
 
 
+def repair_stage0_optimizer(optimizer) -> bool:
+    """DeepSpeed without ZeRO in bf16 / fp16 (train.weights=bf16 on the plain path, train.deepspeed=zero0) wraps the
+    optimizer in its FP16_UnfusedOptimizer (FP16_Optimizer for its own fused Adam), which creates the state with one
+    step on zero gradients when it starts (`initialize_optimizer_states`). That leaves torch's AdamW one step ahead,
+    so its first real update is 0.74 x lr (step 2's bias correction), and decays the fp32 master copies once. Measured
+    on the CPU: AdamW's step read 2 after one step, and zero0 trained 0.6% behind ZeRO-2 at step 2. Repaired after
+    prepare(): the state is emptied (AdamW starts it at the first real step) and the masters are copied back from the
+    16-bit weights they were made from, after which stage 0 trains exactly as ZeRO-2 does. True when repaired."""
+    ds_opt = getattr(optimizer, "optimizer", None)  # accelerate's wrapper -> DeepSpeed's
+    if type(ds_opt).__name__ not in ("FP16_UnfusedOptimizer", "FP16_Optimizer"):
+        return False
+    ds_opt.optimizer.state.clear()
+    if hasattr(ds_opt, "fp32_groups_flat"):  # FP16_Optimizer: one flat master per group
+        pairs = zip(ds_opt.fp32_groups_flat, ds_opt.fp16_groups_flat)
+    else:
+        pairs = ((a, b) for ga, gb in zip(ds_opt.fp32_groups, ds_opt.fp16_groups) for a, b in zip(ga, gb))
+    with torch.no_grad():
+        for master, weight in pairs:
+            master.copy_(weight)
+    return True
+
+
 def deepspeed_config(accelerator) -> Optional[dict]:
     """The live DeepSpeed config dict (auto values filled at prepare), or None without DeepSpeed."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
