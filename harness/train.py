@@ -205,9 +205,10 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
 def final_checkpoint(job: Job, state: LoopState, side: SideWork) -> None:
     """The run's end is checkpointed (weights, optimizer, schedule, data position) unless this attempt just saved
     that step or resumed at it, so that a rerun with a larger train.max_steps continues from exactly where this run
-    ended. A save that fails (a full disk) is a warning: the export goes on, and a longer rerun would continue from
-    the last checkpoint before this step."""
-    if side.checkpointer.last_step == state.step or state.step == side.start_step:
+    ended (train.save_final_checkpoint=false: not at all). A save that fails (a full disk) is a warning: the export
+    goes on, and a longer rerun would continue from the last checkpoint before this step."""
+    if not job.cfg.train.save_final_checkpoint or side.checkpointer.last_step == state.step or \
+            state.step == side.start_step:
         return
     try:
         side.checkpointer.save(side.state_to_save(state))

@@ -487,6 +487,15 @@ def test_disk_full_at_the_final_checkpoint_is_a_warning_and_the_export_goes_on(t
     assert json.loads((out / "report.json").read_text())["steps"] == 3
 
 
+def test_no_final_checkpoint_when_switched_off(tmp_path):
+    """train.save_final_checkpoint=false: the run ends with the export alone; the periodic checkpoints are kept."""
+    out = tmp_path / "run"
+    run_train([f"train.output_dir={out}", "train.max_steps=3", "train.save_every_steps=2",
+               "train.save_final_checkpoint=false", *FAST])
+    assert [s for s, _ in store.list_checkpoints(out)[0]] == [2]
+    assert (out / "final" / "model.safetensors").is_file()
+
+
 @pytest.mark.slow
 def test_two_processes_pass_over_a_damaged_checkpoint_together(tmp_path):
     """Under 2 processes: the checksums are split between them at save and at resume, the main process lists and

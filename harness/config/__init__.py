@@ -242,6 +242,12 @@ class TrainConfig:
                                "device time), summary.json (device time by kernel kind, idle share), trace.json.gz "
                                "(Perfetto). 0: off.")
     save_final: bool = _f(True, "Export the trained model and tokenizer to <output_dir>/final in HF format.")
+    save_final_checkpoint: bool = _f(True, "Also checkpoint the last step (weights, optimizer state, data position; "
+                                           "within train.save_total_limit), so that a rerun with a larger "
+                                           "train.max_steps continues exactly where the run ended. false: the run "
+                                           "ends with the export alone (no disk or time for the optimizer state of "
+                                           "a large model); a longer rerun continues from the last periodic "
+                                           "checkpoint.")
     stop_at_step: int = _f(0, "End this attempt after this many steps of the planned run, with a checkpoint and "
                             "no export (split a run across sessions; continue with train.resume=auto); 0: off.")
     save_every_steps: int = _f(0, "Write a full training checkpoint every N optimizer steps; 0: never.")
