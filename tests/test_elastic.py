@@ -221,3 +221,15 @@ def test_fit_to_world_splits_both_streams_of_a_unified_run(tmp_path):
     assert elastic.fit_to_world(cfg, 2) == (cfg, None)  # the same count: the config as it is
     with pytest.raises(Exception, match="cannot be kept on 3 process"):
         elastic.fit_to_world(cfg, 3)
+
+
+def test_the_resume_line_names_what_changed_the_batch():
+    """On the same process count a changed global batch comes from the config's micro-batch or accumulation (named
+    in the line), not from train.global_batch_size; on another count only that key changes it."""
+    same = elastic.Resize(Path("ck"), elastic.Layout(2, 8, 8, 1), elastic.Layout(2, 4, 8, 1), ("gen",))
+    assert same.describe() == "2 process(es), train.micro_batch_size 8 -> 4, global batch 8 sequences (was 16)"
+    other = elastic.Resize(Path("ck"), elastic.Layout(2, 8, 8, 1), elastic.Layout(1, 8, 8, 4), ("gen",))
+    assert other.describe() == ("2 -> 1 process(es), train.grad_accum 1 -> 4, global batch 32 sequences (was 16, "
+                                "train.global_batch_size)")
+    kept = elastic.Resize(Path("ck"), elastic.Layout(2, 8, 8, 1), elastic.Layout(1, 8, 8, 2), ("gen",))
+    assert kept.describe().endswith("global batch 16 sequences kept")

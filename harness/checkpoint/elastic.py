@@ -140,8 +140,11 @@ class Resize:
                 parts.append(f"{key} {b.micro(s)} -> {a.micro(s)}")
         kept = [f"{a.global_batch(s)} {'queries' if s == 'emb' else 'sequences'}" for s in self.streams]
         same = all(a.global_batch(s) == b.global_batch(s) for s in self.streams)
+        # another process count changes the batch only through train.global_batch_size; the same count through the
+        # config's micro-batch sizes and accumulation (named above)
+        why = ", train.global_batch_size" if b.processes != a.processes else ""
         parts.append(f"global batch {' + '.join(kept)} " + ("kept" if same else
-                     "(was " + " + ".join(str(b.global_batch(s)) for s in self.streams) + ", train.global_batch_size)"))
+                     "(was " + " + ".join(str(b.global_batch(s)) for s in self.streams) + f"{why})"))
         return ", ".join(parts)
 
     def as_dict(self) -> dict:
