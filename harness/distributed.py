@@ -97,6 +97,11 @@ def deepspeed_wanted(cfg: Config) -> Optional[str]:
     return None
 
 
+def cpu_forced() -> bool:
+    """Whether the launch forces the CPU (ACCELERATE_USE_CPU: accelerate's --cpu or use_cpu), which turns DeepSpeed off."""
+    return os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+
+
 def check_deepspeed_in_effect(cfg: Config, accelerator) -> None:
     """DeepSpeed asked for but not in effect is an error, never a silent DDP run."""
     from accelerate.utils import DistributedType
@@ -105,7 +110,7 @@ def check_deepspeed_in_effect(cfg: Config, accelerator) -> None:
     if wanted is None or accelerator.distributed_type == DistributedType.DEEPSPEED:
         return
     got = accelerator.distributed_type.value
-    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+    if cpu_forced():
         raise ConfigError(f"{wanted}, but ACCELERATE_USE_CPU=1 turns DeepSpeed off (the run would be {got}); launch "
                           f"DeepSpeed without it (DeepSpeed runs on CPU by itself)")
     raise ConfigError(f"{wanted}, but accelerate set up {got}: check the accelerate config and launcher flags "
@@ -212,7 +217,7 @@ def route_weights(cfg: Config, precision: str) -> tuple[Config, Optional[str]]:
                           f"{cfg.model.quantization} keeps its base in bitsandbytes' format); use train.weights=fp32")
     if deepspeed_wanted(cfg) is not None:
         return cfg, None
-    if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+    if cpu_forced():
         raise ConfigError("config key 'train.weights': bf16 weights take their fp32 master copies from DeepSpeed, "
                           "which this launch turns off (ACCELERATE_USE_CPU=1: accelerate's --cpu or use_cpu); use "
                           "train.weights=fp32, or launch without it (harness train, python -m harness.train)")
