@@ -43,14 +43,14 @@ def test_state_bytes_partitioned_by_stage():
     P, N = SHAPE.params, 8
     hw = Hardware(gpus_per_node=8, gpu_mem_gb=80)
     options = ("0", "1", "2", "3", "3-offload")
-    rows = {o: state_row(o, SHAPE, hw, "bf16", activations=0, overhead=0) for o in options}
+    rows = {o: state_row(o, SHAPE, hw, activations=0, overhead=0) for o in options}
     assert (rows["0"].weights, rows["0"].grads, rows["0"].optim, rows["0"].extra) == (4 * P, 4 * P, 8 * P, 4 * P)
     assert (rows["1"].weights, rows["1"].grads, rows["1"].optim) == (4 * P, 4 * P, 8 * P / N)
     assert (rows["2"].weights, rows["2"].grads, rows["2"].optim) == (4 * P, 4 * P / N, 8 * P / N)
     assert (rows["3"].weights, rows["3"].grads, rows["3"].optim) == (4 * P / N, 4 * P / N, 8 * P / N)
     assert rows["3"].extra == 2 * 65_536_000 * 4  # two gathered embeddings (the largest unit) in fp32
     assert rows["3-offload"].total == rows["3"].extra and rows["3-offload"].host == 16 * P  # 1 node holds it all
-    b16 = {o: state_row(o, SHAPE, hw, "bf16", 0, 0, weights="bf16") for o in options}
+    b16 = {o: state_row(o, SHAPE, hw, 0, 0, weights="bf16") for o in options}
     # stage 0 with bf16 weights is DeepSpeed without ZeRO (fp32 master copies), its gradient buckets 16-bit
     assert (b16["0"].weights, b16["0"].grads, b16["0"].optim, b16["0"].extra) == (2 * P, 2 * P, 12 * P, 2 * P)
     assert (b16["1"].weights, b16["1"].grads, b16["1"].optim) == (2 * P, 2 * P, 12 * P / N)
@@ -58,14 +58,14 @@ def test_state_bytes_partitioned_by_stage():
     assert (b16["3"].weights, b16["3"].grads, b16["3"].optim) == (2 * P / N, 2 * P / N, 12 * P / N)
     assert b16["3"].extra == 2 * 65_536_000 * 2  # in bf16
     assert b16["3-offload"].total == b16["3"].extra and b16["3-offload"].host == 18 * P
-    fp16 = state_row("1", SHAPE, hw, "bf16", 0, 0, weights="fp16")  # DeepSpeed's fp16 mode: 16-bit too
+    fp16 = state_row("1", SHAPE, hw, 0, 0, weights="fp16")  # DeepSpeed's fp16 mode: 16-bit too
     assert (fp16.weights, fp16.grads, fp16.optim) == (2 * P, 2 * P, 12 * P / N)
-    assert state_row("0", SHAPE, hw, "bf16", 0, 0, weights="fp16").weights == 4 * P  # DDP with fp16 autocast
-    two_nodes = state_row("3-offload", SHAPE, Hardware(8, 80, nodes=2), "bf16", 0, 0, weights="bf16")
+    assert state_row("0", SHAPE, hw, 0, 0, weights="fp16").weights == 4 * P  # DDP with fp16 autocast
+    two_nodes = state_row("3-offload", SHAPE, Hardware(8, 80, nodes=2), 0, 0, weights="bf16")
     assert two_nodes.host == 18 * P / 2
-    one = state_row("0", SHAPE, Hardware(1, 80), "bf16", 0, 0)
+    one = state_row("0", SHAPE, Hardware(1, 80), 0, 0)
     assert one.extra == 0 and one.total == 16 * P  # no DDP buckets in a single process
-    fp32 = state_row("1", SHAPE, hw, "fp32", 0, 0)
+    fp32 = state_row("1", SHAPE, hw, 0, 0)
     assert (fp32.weights, fp32.grads, fp32.optim) == (4 * P, 4 * P, 8 * P / N)
 
 

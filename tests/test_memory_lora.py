@@ -87,7 +87,7 @@ def test_full_70b_plan_unchanged():
     p = plan(cfg, Hardware(8, 80, host_mem_gb=2000))
     assert p.shape.trainable is None and p.shape.params == P_70B
     for o, r in zip(("0", "1", "2", "3"), p.rows):
-        ref = state_row(o, ModelShape(**{**p.shape.__dict__}), Hardware(8, 80), "bf16", r.activations, r.overhead)
+        ref = state_row(o, ModelShape(**{**p.shape.__dict__}), Hardware(8, 80), r.activations, r.overhead)
         assert (r.weights, r.grads, r.optim, r.extra) == (ref.weights, ref.grads, ref.optim, ref.extra)
     assert p.rows[3].weights == 4 * P_70B / 8 and p.rows[3].optim == 8 * P_70B / 8
     assert p.choice == "3-offload" and p.proposal is None and "proposed:" not in p.text

@@ -121,12 +121,12 @@ def host_bytes(w: int) -> int:
     return w + 4 + 8 + (4 if w == 2 else 0)
 
 
-def state_row(option: str, shape: ModelShape, hw: Hardware, precision: str, activations: float,
-              overhead: float, quantization: str = "none", weights: str = "fp32") -> Row:
+def state_row(option: str, shape: ModelShape, hw: Hardware, activations: float, overhead: float,
+              quantization: str = "none", weights: str = "fp32") -> Row:
     """Model-state bytes per GPU for one option (see the module docstring for the byte counts). `weights`: the
     parameters' dtype under DeepSpeed (fp32, bf16, fp16: harness.distributed.planned_weights)."""
     if shape.trainable is not None:
-        return lora_row(option, shape, hw, precision, activations, overhead, quantization, weights)
+        return lora_row(option, shape, hw, activations, overhead, quantization, weights)
     P, N = shape.params, hw.world
     w, g, o = weight_bytes(option, weights)
     if option == "0":
@@ -140,7 +140,7 @@ def state_row(option: str, shape: ModelShape, hw: Hardware, precision: str, acti
                working if stage == 3 else 0, activations, overhead)
 
 
-def lora_row(option: str, shape: ModelShape, hw: Hardware, precision: str, activations: float, overhead: float,
+def lora_row(option: str, shape: ModelShape, hw: Hardware, activations: float, overhead: float,
              quantization: str, weights: str = "fp32") -> Row:
     """LoRA/QLoRA: optimizer states and gradients for the T trainable parameters only (16 B/param, partitioned like a
     full fine-tune); the frozen base at its storage bytes (the weights' bytes: fp32 4, 16-bit 2 under DeepSpeed's
@@ -208,8 +208,8 @@ def _state_lines(cfg: Config, shape: ModelShape, hw: Hardware, weights: str) -> 
     return out
 
 
-def _table(cfg: Config, shape: ModelShape, hw: Hardware, w: int, precision: str, usable: float,
-           overhead_gb: float, weights: str = "fp32") -> tuple[list[str], list[Row], Optional[str]]:
+def _table(cfg: Config, shape: ModelShape, hw: Hardware, w: int, usable: float, overhead_gb: float,
+           weights: str = "fp32") -> tuple[list[str], list[Row], Optional[str]]:
     """Activation lines (w: bytes per activation value), the table rows and the lowest option that fits."""
     out = [f"activations ({'16-bit' if w == 2 else 'fp32'}, micro-batch {cfg.train.micro_batch_size}, "
            f"max_len {cfg.data.max_len}, gradient checkpointing {'on' if cfg.model.gradient_checkpointing else 'off'}):"]
@@ -217,8 +217,7 @@ def _table(cfg: Config, shape: ModelShape, hw: Hardware, w: int, precision: str,
     out += [f"  {x}" for x in act_lines]
     out.append(f"fixed overhead per GPU (CUDA context, NCCL, workspaces): {overhead_gb:g} GiB; extra = DDP gradient "
                "buckets (stage 0) or the ZeRO-3 working set")
-    rows = [state_row(o, shape, hw, precision, act, overhead_gb * GIB, cfg.model.quantization, weights)
-            for o in OPTIONS]
+    rows = [state_row(o, shape, hw, act, overhead_gb * GIB, cfg.model.quantization, weights) for o in OPTIONS]
     out.append("")
     out.append(f"{'stage':<10}{'weights':>9}{'grads':>9}{'optim':>9}{'extra':>9}{'activ':>9}{'overhead':>9}"
                f"{'total':>9}  GiB per GPU")
@@ -264,10 +263,10 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
     from harness.distributed import planned_weights
 
     shape = shape or model_shape(cfg)
-    precision = "fp32" if cfg.train.precision == "fp32" else "bf16"
-    w = 2 if precision == "bf16" else 4  # activations
+    compute = cfg.train.precision if cfg.train.precision != "auto" else "bf16"  # auto: a GPU's bf16
+    w = 4 if compute == "fp32" else 2  # bytes per activation value
     # the parameters' dtype under DeepSpeed: train.weights in bf16 runs (fp32 by default: torch_autocast), fp16 mode
-    weights = planned_weights("fp16" if cfg.train.precision == "fp16" else precision, cfg.train.weights, True)
+    weights = planned_weights(compute, cfg.train.weights, True)
     usable = hw.gpu_mem_gb * (1 - margin)
     size = f"{shape.params / 1e9:.2f}B" if shape.params >= 1e9 else f"{shape.params / 1e6:.1f}M"
     out = [
@@ -282,14 +281,14 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
         f"vocab {shape.vocab}",
     ]
     out += _state_lines(cfg, shape, hw, weights)
-    table, rows, choice = _table(cfg, shape, hw, w, precision, usable, overhead_gb, weights)
+    table, rows, choice = _table(cfg, shape, hw, w, usable, overhead_gb, weights)
     out += table
     proposal: Optional[str] = None
     if choice not in OPTIONS[:4] and not cfg.model.gradient_checkpointing:
         # activation checkpointing costs a recomputation of the forward (about a third more compute); CPU offload
         # costs far more: propose it first when it makes a stage fit without offload
         ckpt = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gradient_checkpointing=True))
-        _, ck_rows, ck_choice = _table(ckpt, shape, hw, w, precision, usable, overhead_gb, weights)
+        _, ck_rows, ck_choice = _table(ckpt, shape, hw, w, usable, overhead_gb, weights)
         if ck_choice in OPTIONS[:4]:
             r = ck_rows[OPTIONS.index(ck_choice)]
             proposal = ck_choice
