@@ -173,9 +173,9 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
 
         transformers.logging.set_verbosity_error()
         datasets.disable_progress_bars()
-    weights = f" ({cfg.train.weights} weights)" if precision == "bf16" else ""
+    stored = f" ({weights} weights)" if precision == "bf16" else ""  # (planned_weights: train.weights in bf16)
     job.say(f"[harness] {job.world} process(es), {accelerator.distributed_type.value}, ZeRO stage "
-            f"{job.zero['zero_stage']}, device {accelerator.device}, precision {precision}{weights}, tf32 {tf32}, "
+            f"{job.zero['zero_stage']}, device {accelerator.device}, precision {precision}{stored}, tf32 {tf32}, "
             f"compile {compile_mode}, profile {cfg.train.profile}, torch {job.env['torch']}, loss {cfg.loss.mode}")
     job.say(f"[harness] environment: {hardware.describe(job.env)}")
     for p in incomplete:
