@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,10 +217,34 @@ def hold_output_dir(out: Path, accelerator, opened: contextlib.ExitStack) -> Non
     process with the same one-line error."""
 
     def take() -> None:
-        lock = runlock.acquire(out, accelerator.print)
-        opened.callback(runlock.release, lock)
+        # the lock and its release's registration as one step: a stop signal in between (the set-up's handler ends
+        # the run through `opened`) would leave a lock that nothing removes; one that comes meanwhile waits
+        with stop_signals_held():
+            lock = runlock.acquire(out, accelerator.print)
+            opened.callback(runlock.release, lock)
 
     distributed.on_main(accelerator, take)
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """SIGTERM / SIGINT arriving inside are noted and raised again when it ends, to the handlers in place then (the
+    set-up's, train.main). Python runs signal handlers in the main thread whichever thread received the signal, so
+    the handlers are swapped rather than the signal mask (blocking it in this thread alone let another thread take
+    it). Outside the main thread: nothing is held."""
+    noted, previous = [], {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous[sig] = signal.signal(sig, lambda signum, frame: noted.append(signum))
+        except ValueError:  # not the main thread
+            pass
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if noted:
+            signal.raise_signal(noted[0])
 
 
 # what a training run writes into its output folder and train.overwrite=true deletes (config.yaml, environment.json

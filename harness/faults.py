@@ -10,6 +10,8 @@ with neither variable set nothing here does anything.
     HARNESS_TRACE_ROWS=<folder>   every process appends to <folder>/rows-<rank>.jsonl, per optimizer step, a digest
                                   of each row it reads (non-padding tokens): which rows each step trained on, to be
                                   counted across attempts (tests/test_elastic.py)
+    HARNESS_FAULT_SIGNAL_AT=lock  the process sends itself SIGTERM as soon as its run lock file exists, before the
+                                  lock's holder is written (tests/test_runlock.py: a stop in that instant)
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ def _parse(spec: str) -> list[tuple[Optional[int], Optional[int], Optional[int]]
 _NAN = _parse(os.environ.get("HARNESS_FAULT_NAN", ""))
 _DROP = {int(s) for s in os.environ.get("HARNESS_FAULT_DROP", "").split(",") if s.strip()}
 _TRACE = os.environ.get("HARNESS_TRACE_ROWS")
+_SIGNAL_AT = os.environ.get("HARNESS_FAULT_SIGNAL_AT")
+
+
+def signal_at(place: str) -> None:
+    """HARNESS_FAULT_SIGNAL_AT=place: SIGTERM to this process here."""
+    if _SIGNAL_AT == place:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _matches(rule, step: int, micro: int, rank: int) -> bool:

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from harness import faults
 from harness.errors import HarnessError
 
 LOCK_NAME = ".lock"
@@ -138,6 +139,7 @@ def _create(path: Path, me: dict) -> bool:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
+    faults.signal_at("lock")  # test hook: a stop in the instant the lock exists
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(json.dumps(me) + "\n")

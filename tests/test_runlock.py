@@ -226,6 +226,21 @@ def test_sigterm_during_the_set_up_releases_the_lock_with_one_line(tmp_path):
     assert not (out / ".lock").exists()
 
 
+def test_sigterm_in_the_instant_the_lock_exists_releases_it(tmp_path):
+    """A stop signal between the lock file's creation and its holder being written (HARNESS_FAULT_SIGNAL_AT=lock): it
+    waits until the lock's release is registered, so the run ends with its one line and no lock left (before, the
+    lock stayed: the CI's timing hit that instant once in the test above)."""
+    from harness_launch import DEFAULT, ROOT
+
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HARNESS_FAULT_SIGNAL_AT": "lock"}
+    proc = subprocess.run([sys.executable, "-m", "harness.train", "--config", DEFAULT, f"train.output_dir={out}",
+                           "train.max_steps=3", *FAST], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("[harness] stopped by signal 15 outside the training loop")
+    assert not (out / ".lock").exists()
+
+
 def test_sigterm_during_the_step_0_evaluation_stops_at_once(tmp_path):
     """A fresh run's step-0 evaluation (a long one here): a stop ends it at once (nothing is trained yet, so there
     is nothing to save), instead of waiting for the evaluation and a first step."""
