@@ -3,9 +3,11 @@
     python scripts/goldens.py record docs/bench/goldens.json     # before moving code
     python scripts/goldens.py compare docs/bench/goldens.json    # after: exit 1 on any difference
 
-Three runs through the real entry point (one process, fp32 CPU): the default job (40 steps), the unified GritLM
-recipe (40 steps), and the default job stopped at step 20 and resumed. What is kept of each: metrics.jsonl without its
-timing and system fields (loss, lr, grad norm, tokens, epoch, padding, evaluations), the key set of its records, and
+Four runs through the real entry point (one process, fp32 CPU): the default job (40 steps), the unified GritLM
+recipe (40 steps), the default job stopped at step 20 and resumed, and the default job under DeepSpeed ZeRO-2 (one
+process through `accelerate launch` with accelerate_configs/zero2.yaml; launched without ACCELERATE_USE_CPU, which
+would quietly turn DeepSpeed off; report.json's zero_stage is kept and must be 2). What is kept of each:
+metrics.jsonl without its timing and system fields (loss, lr, grad norm, tokens, epoch, padding, evaluations), the key set of its records, and
 report.json's key set (nested keys as dotted paths). Values are compared to a relative 1e-6 (the runs are
 deterministic on one machine; the tolerance only absorbs the JSON round trip).
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,12 +32,28 @@ RUNS = {
                                          "train.save_every_steps=20"]),
     "unified": ("configs/gritlm-tiny.yaml", ["train.max_steps=40", "train.log_every=5", "train.eval_every=20"]),
     "resume": ("configs/default.yaml", ["train.max_steps=40", "train.log_every=5", "train.eval_every=10"]),
+    "zero2": ("configs/default.yaml", ["train.max_steps=20", "train.log_every=5", "train.eval_every=10",
+                                       "train.save_every_steps=10"]),
 }
+LAUNCHED = {"zero2": "zero2"}  # run name -> accelerate_configs/<name>.yaml, one process through accelerate launch
 
 
-def train(config: str, overrides: list[str]) -> None:
-    cmd = [sys.executable, "-m", "harness.train", "--config", str(ROOT / config), *COMMON, *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(config: str, overrides: list[str], accel: str | None = None) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("ACCELERATE_USE_CPU", None)  # DeepSpeed on CPU runs only without it (docs: cpu-distributed notes)
+    cmd = [sys.executable, "-m", "harness.train"]
+    if accel:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "accelerate_configs" / f"{accel}.yaml"), "--num_processes", "1",
+               "--main_process_port", str(free_port()), str(ROOT / "harness" / "train.py")]
+    cmd += ["--config", str(ROOT / config), *COMMON, *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if proc.returncode:
         sys.exit(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
@@ -50,8 +70,9 @@ def keys(d: dict, prefix: str = "") -> list[str]:
 def kept(run_dir: Path) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     values = [{k: v for k, v in r.items() if k in DETERMINISTIC or k.startswith("eval")} for r in records]
+    report = json.loads((run_dir / "report.json").read_text())
     return {"records": values, "record_keys": sorted({k for r in records for k in r}),
-            "report_keys": keys(json.loads((run_dir / "report.json").read_text()))}
+            "report_keys": keys(report), "zero_stage": report.get("zero_stage")}
 
 
 def record_all() -> dict:
@@ -62,8 +83,10 @@ def record_all() -> dict:
             if name == "resume":
                 train(config, overrides + [f"train.output_dir={run_dir}", "train.stop_at_step=20"])
                 overrides = overrides + ["train.resume=auto"]
-            train(config, overrides + [f"train.output_dir={run_dir}"])
+            train(config, overrides + [f"train.output_dir={run_dir}"], LAUNCHED.get(name))
             out[name] = kept(run_dir)
+            if name == "zero2" and out[name]["zero_stage"] != 2:
+                sys.exit(f"[goldens] zero2 ran without DeepSpeed ZeRO-2 (zero_stage {out[name]['zero_stage']!r})")
             print(f"[goldens] {name}: {len(out[name]['records'])} records", flush=True)
     return out
 
