@@ -10,18 +10,18 @@ run opens is registered with `opened` (an ExitStack), so that it is closed howev
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
 from harness import distributed, hardware, optim, runlock
-from harness.checkpoint import elastic, store
-from harness.checkpoint.manifest import MARKER, STATE_FILE
+from harness.checkpoint import resume
+from harness.checkpoint.layout import Layout
+from harness.checkpoint.manifest import MARKER
 from harness.compiling import CompileWatch
 from harness.config import Config, save_config
 from harness.config.checks import quantization_zero3_error
@@ -29,42 +29,38 @@ from harness.data import loaders
 from harness.errors import ConfigError, HarnessError
 from harness.files import write_json
 from harness.observe import metrics, monitor
+from harness.observe.record import RunRecord
 from harness.observe.timing import Timings
+from harness.state import LoopState
 
 
-@dataclass
+@dataclass(frozen=True)
 class Job:
-    """A built run: the objects the loop works with and the facts its report states."""
+    """A built run: the objects the loop works with, built once at the end of `build_run` from what the build steps
+    return (frozen: nothing is assigned later). Facts only the report states are in `record` (observe/ reads it)."""
 
     cfg: Config
     accelerator: Any
     say: Callable[[str], None]  # prints on the main process
     out: Path
-    t_start: float  # this process's run() start (time.time())
     t_process: float  # the process's own start (the time window counts from it)
     timings: Timings
-    resume_from: Optional[Path]
     precision: str
-    tf32: bool
-    env: dict  # hardware.environment_report()
     zero: dict  # zero_stage, offload_optimizer, offload_param
     compile: Optional[CompileWatch]  # None without torch.compile
-    sampler: Optional[monitor.UtilisationSampler]
-    tokenizer: Any = None
-    data: Optional[loaders.RunData] = None  # loaders before prepare, eval sets, stats
-    model: Any = None
-    optimizer: Any = None
-    scheduler: Any = None
-    objective: Any = None
-    streams: tuple = ()  # names of the training data streams ("emb", "gen"); the first defines epochs
-    loaders: dict = None  # prepared training loaders by stream name
-    schedule: dict = None  # loaders.schedule_steps: micro_per_epoch, steps_per_epoch, total_steps
-    parameters: int = 0
-    held: list = None  # parameter elements held by each rank
-    resize: Optional[elastic.Resize] = None  # resumed under another number of processes: the batch's new split
-    universal: bool = False  # the ZeRO checkpoint loads through a universal checkpoint (another process count / stage)
-    peak_flops: Optional[float] = None  # all processes together; None where unknown (CPU)
-    weights: Optional[str] = None  # dtype of the trained parameters once prepared (train.weights): fp32, bf16, fp16
+    tokenizer: Any
+    data: loaders.RunData  # loaders before prepare, eval sets, stats
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    objective: Any
+    streams: tuple  # names of the training data streams ("emb", "gen"); the first defines epochs
+    loaders: dict  # prepared training loaders by stream name
+    schedule: dict  # loaders.schedule_steps: micro_per_epoch, steps_per_epoch, total_steps
+    weights: str  # dtype of the trained parameters once prepared (train.weights): fp32, bf16, fp16
+    layout: Layout  # how this attempt splits the global batch (saved with every checkpoint)
+    resume_from: Optional[Path]  # the checkpoint this attempt continued from (None: a fresh start)
+    record: RunRecord  # what only the report reads
 
     @property
     def world(self) -> int:
@@ -72,7 +68,7 @@ class Job:
 
     @property
     def is_deepspeed(self) -> bool:
-        return self.zero["zero_stage"] is not None
+        return distributed.is_deepspeed(self.accelerator)
 
     @property
     def accum(self) -> int:
@@ -84,28 +80,70 @@ class Job:
         return self.streams[0]
 
     @property
-    def layout(self) -> elastic.Layout:
-        """How this attempt splits the global batch (saved with every checkpoint)."""
-        return elastic.layout_of(self.cfg, self.world, self.zero["zero_stage"], self.weights)
-
-    @property
     def epoch_rows(self) -> dict:
         """Rows (packed rows, query groups) an epoch per training stream."""
-        return {n: len(self.data.loader(n).dataset) for n in self.streams}
+        return epoch_rows(self.data, self.streams)
 
     @property
     def total_steps(self) -> int:
         return self.schedule["total_steps"]
 
 
-def build_run(cfg: Config, opened: contextlib.ExitStack) -> Job:
-    job = start_processes(cfg, opened)
-    build_data(job)
-    build_model(job)
-    describe_batch(job)
+@dataclass(frozen=True)
+class Started:
+    """What `start_processes` returns: the processes' set-up, before data and model."""
+
+    cfg: Config
+    accelerator: Any
+    out: Path
+    t_process: float
+    precision: str
+    zero: dict
+    compile: Optional[CompileWatch]
+    resume: resume.Start
+    record: RunRecord
+
+
+@dataclass(frozen=True)
+class Built:
+    """What `build_model` returns: the prepared model, optimizer, schedule, loaders and objective."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    objective: Any
+    loaders: dict
+    schedule: dict
+    weights: str
+    parameters: int
+    held: list
+    peak_flops: Optional[float]
+
+
+def build_run(cfg: Config, opened: contextlib.ExitStack) -> tuple[Job, LoopState]:
+    """The run's parts, and the loop state to train from (a checkpoint's, restored after prepare(), or step 0's)."""
+    started = start_processes(cfg, opened)
+    cfg, accelerator, say = started.cfg, started.accelerator, started.accelerator.print
+    tokenizer, data = build_data(cfg, accelerator, say)
+    built = build_model(started, tokenizer, data)
+    describe_batch(cfg, accelerator.num_processes, built, data.streams, say)
     # only now: a data or model error leaves the folder's config.yaml (which describes its checkpoints) as it was
-    distributed.on_main(job.accelerator, lambda: write_run_files(job))
-    return job
+    distributed.on_main(accelerator, lambda: write_run_files(cfg, started.out, started.record.env))
+    resumed = resume.restore(started.resume, accelerator, cfg, started.zero["zero_stage"], built.weights, data.streams,
+                             epoch_rows(data, data.streams), built.schedule["total_steps"], say)
+    record = replace(started.record, parameters=built.parameters, held=built.held, peak_flops=built.peak_flops,
+                     resize=resumed.resize)
+    job = Job(cfg=cfg, accelerator=accelerator, say=say, out=started.out, t_process=started.t_process,
+              timings=Timings(), precision=started.precision, zero=started.zero, compile=started.compile,
+              tokenizer=tokenizer, data=data, model=built.model, optimizer=built.optimizer, scheduler=built.scheduler,
+              objective=built.objective, streams=data.streams, loaders=built.loaders, schedule=built.schedule,
+              weights=built.weights, layout=resumed.layout, resume_from=resumed.path, record=record)
+    return job, resumed.state
+
+
+def epoch_rows(data: loaders.RunData, streams: tuple) -> dict:
+    """Rows (packed rows, query groups) an epoch per training stream."""
+    return {n: len(data.loader(n).dataset) for n in streams}
 
 
 def weights_dtype(model) -> str:
@@ -115,18 +153,18 @@ def weights_dtype(model) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
-def write_run_files(job: Job) -> None:
+def write_run_files(cfg: Config, out: Path, env: dict) -> None:
     """config.yaml and environment.json (main process); a full disk is one line, with nothing cut left behind."""
-    for name, write in (("config.yaml", lambda p: save_config(job.cfg, p)),
-                        ("environment.json", lambda p: write_json(p, job.env))):
+    for name, write in (("config.yaml", lambda p: save_config(cfg, p)),
+                        ("environment.json", lambda p: write_json(p, env))):
         try:
-            write(job.out / name)
+            write(out / name)
         except OSError as e:
-            raise HarnessError(f"could not write {job.out / name} ({type(e).__name__}: {e}); nothing was trained: free "
+            raise HarnessError(f"could not write {out / name} ({type(e).__name__}: {e}); nothing was trained: free "
                                f"some space, then rerun") from None
 
 
-def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
+def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
     """Precision, the Accelerator, the output folder's lock, the resume target, the compiler's start-up, the sampler
     (config.yaml and environment.json are written by build_run once the data and the model are built)."""
     from harness.config.profiles import resolve_compile
@@ -134,7 +172,8 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     t_start, t_process = time.time(), hardware.process_start_time()
     # resumed under another number of processes: the checkpoint's global batch, split for this one (before the
     # Accelerator, whose accumulation and DeepSpeed batch settings follow the config)
-    cfg, resize = elastic.fit_to_world(cfg, distributed.launched_world())
+    plan = resume.plan(cfg, distributed.launched_world())
+    cfg = plan.cfg
     out = Path(cfg.train.output_dir)
     precision = hardware.resolve_precision(cfg.train.precision)
     cfg, weights_note = distributed.route_weights(cfg, precision)  # bf16 weights: DeepSpeed's fp32 master copies
@@ -149,25 +188,17 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
     hold_output_dir(out, accelerator, opened)  # one run per output folder
     if cfg.train.overwrite:
         distributed.on_main(accelerator, lambda: start_over(out, accelerator.print))
-    resume = None if cfg.train.overwrite else cfg.train.resume
-    resume_from, incomplete = store.resolve_resume(out, resume, accelerator)  # verified, agreed
-    if cfg.train.max_steps > 0:  # (with epochs, resume_or_start checks once the schedule is known)
-        past_the_schedule(resume_from, cfg.train.max_steps)
-    # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
     zero = distributed.zero_info(accelerator)
-    weights = distributed.planned_weights(precision, cfg.train.weights, zero["zero_stage"] is not None)
-    universal = elastic_checks(resume_from, cfg, accelerator.num_processes, zero["zero_stage"], weights)
-    if universal:
-        elastic.load_universal(accelerator)
+    weights = distributed.planned_weights(precision, cfg.train.weights, distributed.is_deepspeed(accelerator))
+    # the checkpoint to resume from: verified, agreed, checked against the schedule, the engine and the weights
+    start = resume.choose(replace(plan, cfg=cfg), accelerator, out, zero["zero_stage"], weights)
+    # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
     watch = CompileWatch(compile_mode, accelerator.device, zero["zero_stage"]) if compile_mode != "none" else None
     tf32 = hardware.enable_tf32(cfg.train.tf32)
     sampler = monitor.start_sampler(cfg.train.monitor_interval_s, accelerator.is_main_process)  # GPU/CPU utilisation
     if sampler is not None:
         opened.callback(sampler.stop)
-    job = Job(cfg=cfg, accelerator=accelerator, say=accelerator.print, out=out, t_start=t_start, t_process=t_process,
-              timings=Timings(), resume_from=resume_from, precision=precision, tf32=tf32,
-              env=hardware.environment_report(), zero=zero, compile=watch,
-              sampler=sampler, resize=resize, universal=universal)
+    env = hardware.environment_report()
     if not accelerator.is_main_process:
         import datasets
         import transformers
@@ -175,41 +206,16 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Job:
         transformers.logging.set_verbosity_error()
         datasets.disable_progress_bars()
     stored = f" ({weights} weights)" if precision == "bf16" else ""  # (planned_weights: train.weights in bf16)
-    job.say(f"[harness] {job.world} process(es), {accelerator.distributed_type.value}, ZeRO stage "
-            f"{job.zero['zero_stage']}, device {accelerator.device}, precision {precision}{stored}, tf32 {tf32}, "
-            f"compile {compile_mode}, profile {cfg.train.profile}, torch {job.env['torch']}, loss {cfg.loss.mode}")
-    job.say(f"[harness] environment: {hardware.describe(job.env)}")
-    for p in incomplete:
-        job.say(f"[harness] warning: {p} is an incomplete checkpoint (no {MARKER} marker): not resumed from")
-    return job
-
-
-def elastic_checks(resume_from: Optional[Path], cfg: Config, processes: int, zero_stage: Optional[int],
-                   weights: str) -> bool:
-    """Whether the checkpoint to resume from is a ZeRO checkpoint of another process count or stage (it then loads
-    through a universal checkpoint); a DDP checkpoint under DeepSpeed or the reverse, or another train.weights, is a
-    one-line error."""
-    if resume_from is None:
-        return False
-    before = elastic.saved_layout(resume_from, elastic.read_state(resume_from), elastic.layout_of(cfg, processes))
-    elastic.check_same_weights(resume_from, before, weights)
-    elastic.check_same_engine(resume_from, before, zero_stage)
-    return elastic.needs_universal(before, processes, zero_stage)
-
-
-def past_the_schedule(resume_from: Optional[Path], total_steps: int) -> None:
-    """A checkpoint past the last step the config plans (train.max_steps lowered on an interrupted run) is refused:
-    resuming would export its weights as a run of fewer steps."""
-    if resume_from is None:
-        return
-    try:
-        step = int(json.loads((resume_from / STATE_FILE).read_text())["step"])
-    except (OSError, ValueError, TypeError, KeyError):
-        return  # load_checkpoint says what is wrong with it
-    if step > total_steps:
-        raise ConfigError(f"config key 'train.max_steps': the run to resume is at step {step} ({resume_from}), past "
-                          f"the {total_steps} steps this config plans; rerun with the run's own train.max_steps (>= "
-                          f"{step}), or start over with train.overwrite=true")
+    accelerator.print(f"[harness] {accelerator.num_processes} process(es), {accelerator.distributed_type.value}, ZeRO "
+                      f"stage {zero['zero_stage']}, device {accelerator.device}, precision {precision}{stored}, tf32 "
+                      f"{tf32}, compile {compile_mode}, profile {cfg.train.profile}, torch {env['torch']}, loss "
+                      f"{cfg.loss.mode}")
+    accelerator.print(f"[harness] environment: {hardware.describe(env)}")
+    for p in start.incomplete:
+        accelerator.print(f"[harness] warning: {p} is an incomplete checkpoint (no {MARKER} marker): not resumed from")
+    record = RunRecord(t_start=t_start, env=env, tf32=tf32, sampler=sampler)
+    return Started(cfg=cfg, accelerator=accelerator, out=out, t_process=t_process, precision=precision, zero=zero,
+                   compile=watch, resume=start, record=record)
 
 
 def hold_output_dir(out: Path, accelerator, opened: contextlib.ExitStack) -> None:
@@ -282,66 +288,69 @@ def holds_run(out: Path) -> bool:
     return isinstance(written, dict) and "train" in written and set(written) <= set(SECTIONS)
 
 
-def build_data(job: Job) -> None:
+def build_data(cfg: Config, accelerator, say: Callable[[str], None]) -> tuple[Any, loaders.RunData]:
     from harness import model as model_lib
 
-    job.tokenizer = model_lib.load_run_tokenizer(job.cfg)
-    job.data = loaders.build_loaders(job.cfg, job.accelerator, job.tokenizer)
-    for kind, st in job.data.stats.items():
-        job.say(f"[harness] {kind} data: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
-                                                        for k, v in st.items() if k != "dropped_examples"))
+    tokenizer = model_lib.load_run_tokenizer(cfg)
+    data = loaders.build_loaders(cfg, accelerator, tokenizer)
+    for kind, st in data.stats.items():
+        say(f"[harness] {kind} data: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                                    for k, v in st.items() if k != "dropped_examples"))
         if st.get("dropped_no_labels"):
-            job.say(f"[harness] warning: dropped samples with no trained token, e.g. "
-                    f"{', '.join(st['dropped_examples'])}")
+            say(f"[harness] warning: dropped samples with no trained token, e.g. {', '.join(st['dropped_examples'])}")
+    return tokenizer, data
 
 
-def build_model(job: Job) -> None:
+def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     """Model, optimizer and schedule (same seed on every rank: identical initial weights), prepared; the objective."""
     from accelerate.utils import set_seed
 
     from harness import model as model_lib
     from harness.objective import Objective, resolve_chunked_ce
 
-    cfg, accelerator = job.cfg, job.accelerator
-    if cfg.model.quantization != "none" and job.zero["zero_stage"] == 3:  # a launcher's ZeRO-3; checks.py: the rest
+    cfg, accelerator, say, zero = started.cfg, started.accelerator, started.accelerator.print, started.zero
+    world = accelerator.num_processes
+    if cfg.model.quantization != "none" and zero["zero_stage"] == 3:  # a launcher's ZeRO-3; checks.py: the rest
         raise ConfigError(quantization_zero3_error(cfg.model.quantization, "the accelerate config's DeepSpeed"))
     set_seed(cfg.train.seed)
     with distributed.model_init_context(accelerator, cfg.model.name_or_path is None or cfg.model.random_init):
-        model = model_lib.build_model(cfg.model, job.tokenizer, precision=job.precision,
+        model = model_lib.build_model(cfg.model, tokenizer, precision=started.precision,
                                        packed_causal=cfg.loss.mode == "generative" and cfg.data.packing)
     if cfg.loss.mode != "generative":
         model_lib.check_embedding_support(model.config.model_type, model.config._attn_implementation,
                                           cfg.model.embed_attention)
-    job.parameters, matmul_params = model_lib.count_parameters(model), metrics.matmul_params(model)
-    if job.compile is not None:
-        job.compile.model_built(model)
-    optimizer = optim.build_optimizer(model, cfg, offload=job.zero["offload_optimizer"] not in (None, "none"))
-    job.streams = job.data.streams
-    primary = job.data.loader(job.streams[0])
-    job.schedule = loaders.schedule_steps(len(primary.dataset), primary.batch_size, job.world, job.accum,
-                                          cfg.train.max_steps, cfg.train.epochs)  # harness plan's arithmetic too
+    parameters, matmul_params = model_lib.count_parameters(model), metrics.matmul_params(model)
+    if started.compile is not None:
+        started.compile.model_built(model)
+    optimizer = optim.build_optimizer(model, cfg, offload=zero["offload_optimizer"] not in (None, "none"))
+    streams = data.streams
+    primary = data.loader(streams[0])
+    schedule = loaders.schedule_steps(len(primary.dataset), primary.batch_size, world, cfg.train.grad_accum,
+                                      cfg.train.max_steps, cfg.train.epochs)  # harness plan's arithmetic too
     # The schedule acts on the raw optimizer's param groups, which DeepSpeed's ZeRO optimizers keep using. It is not
     # prepared (accelerate would step it once per process) but stepped once per optimizer step, and checkpointed.
-    job.scheduler = optim.build_scheduler(optimizer, cfg, job.total_steps)
-    accelerator.register_for_checkpointing(job.scheduler)
-    job.model, job.optimizer, *prepared = accelerator.prepare(model, optimizer, *[job.data.loader(n) for n in job.streams])
-    if job.compile is not None:
-        job.compile.model_prepared(job.model, job.say, accelerator.state.dynamo_plugin.to_kwargs())
-    job.loaders = dict(zip(job.streams, prepared))
-    job.weights = weights_dtype(job.model)
-    distributed.repair_stage0_optimizer(job.optimizer)  # DeepSpeed without ZeRO: its start-up step undone
-    chunk_size = resolve_chunked_ce(cfg, job.model, longest_micro_batch(job.data), job.say)
+    scheduler = optim.build_scheduler(optimizer, cfg, schedule["total_steps"])
+    accelerator.register_for_checkpointing(scheduler)
+    model, optimizer, *prepared = accelerator.prepare(model, optimizer, *[data.loader(n) for n in streams])
+    if started.compile is not None:
+        started.compile.model_prepared(model, say, accelerator.state.dynamo_plugin.to_kwargs())
+    weights = weights_dtype(model)
+    distributed.repair_stage0_optimizer(optimizer)  # DeepSpeed without ZeRO: its start-up step undone
+    chunk_size = resolve_chunked_ce(cfg, model, longest_micro_batch(data), say)
     if chunk_size is not None:
-        job.say(f"[harness] generative loss: chunked through the output head, {chunk_size} positions per chunk "
-                f"(loss.chunked_ce={cfg.loss.chunked_ce})")
-    job.objective = Objective(cfg, accelerator, job.model, chunk_size=chunk_size)
-    mconf = accelerator.unwrap_model(job.model, keep_torch_compile=False).config
-    job.objective.flop_dims = (matmul_params, getattr(mconf, "num_hidden_layers", 0), getattr(mconf, "hidden_size", 0))
-    job.held = accelerator.gather(torch.tensor([distributed.parameters_held(job.model)],
-                                               device=accelerator.device)).tolist()
+        say(f"[harness] generative loss: chunked through the output head, {chunk_size} positions per chunk "
+            f"(loss.chunked_ce={cfg.loss.chunked_ce})")
+    mconf = accelerator.unwrap_model(model, keep_torch_compile=False).config
+    flop_dims = (matmul_params, getattr(mconf, "num_hidden_layers", 0), getattr(mconf, "hidden_size", 0))
+    objective = Objective(cfg, accelerator, model, chunk_size=chunk_size, flop_dims=flop_dims)
+    held = accelerator.gather(torch.tensor([distributed.parameters_held(model)], device=accelerator.device)).tolist()
+    peak_flops = None  # all processes together; None where unknown (CPU)
     if torch.cuda.is_available():
         peak_one, _ = hardware.peak_flops(torch.cuda.get_device_name())
-        job.peak_flops = peak_one * job.world if peak_one else None
+        peak_flops = peak_one * world if peak_one else None
+    return Built(model=model, optimizer=optimizer, scheduler=scheduler, objective=objective,
+                 loaders=dict(zip(streams, prepared)), schedule=schedule, weights=weights, parameters=parameters,
+                 held=held, peak_flops=peak_flops)
 
 
 def longest_micro_batch(data: loaders.RunData) -> int:
@@ -356,22 +365,22 @@ def longest_micro_batch(data: loaders.RunData) -> int:
     return most
 
 
-def describe_batch(job: Job) -> None:
+def describe_batch(cfg: Config, world: int, built: Built, streams: tuple, say: Callable[[str], None]) -> None:
     """Check that the global batch divides as configured; print it with the schedule."""
-    t, world, accum = job.cfg.train, job.world, job.accum
+    t, accum = cfg.train, cfg.train.grad_accum
     if t.global_batch_size and t.micro_batch_size * accum * world != t.global_batch_size:
         raise HarnessError(f"config key 'train.global_batch_size': {t.global_batch_size} is not micro-batch "
                            f"{t.micro_batch_size} x grad_accum {accum} x {world} process(es); fix one of them, or "
                            f"use train.micro_batch_size=auto")
     parts = []
-    if "gen" in job.loaders:
+    if "gen" in built.loaders:
         parts.append(f"{t.micro_batch_size * accum * world} sequences")
-    if "emb" in job.loaders:
-        contrastive = t.emb_micro_batch_size * (world if job.cfg.loss.gather_negatives else 1)
-        parts.append(f"{t.emb_micro_batch_size * accum * world} queries x {job.cfg.data.train_group_size} passages "
+    if "emb" in built.loaders:
+        contrastive = t.emb_micro_batch_size * (world if cfg.loss.gather_negatives else 1)
+        parts.append(f"{t.emb_micro_batch_size * accum * world} queries x {cfg.data.train_group_size} passages "
                      f"(contrastive batch {contrastive} queries)")
-    s = job.schedule
-    job.say(f"[harness] model: {job.parameters / 1e6:.2f}M parameters ({', '.join(f'{h / 1e6:.2f}M' for h in job.held)}"
-            f" held per rank); global batch per step: {' + '.join(parts)} = micro-batch x accumulation {accum} x "
-            f"{world} process(es); {s['steps_per_epoch']} steps/epoch of {job.primary} data; {s['total_steps']} steps "
-            f"({s['total_steps'] / s['steps_per_epoch']:.2f} epochs)")
+    s, held = built.schedule, built.held
+    say(f"[harness] model: {built.parameters / 1e6:.2f}M parameters ({', '.join(f'{h / 1e6:.2f}M' for h in held)}"
+        f" held per rank); global batch per step: {' + '.join(parts)} = micro-batch x accumulation {accum} x "
+        f"{world} process(es); {s['steps_per_epoch']} steps/epoch of {streams[0]} data; {s['total_steps']} steps "
+        f"({s['total_steps'] / s['steps_per_epoch']:.2f} epochs)")

@@ -8,7 +8,7 @@ How a run becomes distributed, in order of precedence:
      variables are filled in here, so DeepSpeed does not look for mpi4py.
 Giving both is an error, and so is DeepSpeed asked for but not in effect (`ACCELERATE_USE_CPU=1` with a DeepSpeed
 accelerate config would otherwise run plain DDP without a word). The JSON is checked when read. The DeepSpeed JSONs leave batch, accumulation, clipping and precision on "auto"; accelerate
-fills them from the run config at prepare(), and `train.py` fills the clipping value from optim.max_grad_norm.
+fills them from the run config at prepare(); `make_accelerator` fills the clipping value from optim.max_grad_norm.
 
 CPU: two ranks need `ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2` (accelerate's `--cpu`
 silently runs one process), and the gloo backend, which `make_accelerator` selects when there is no GPU.
@@ -97,6 +97,13 @@ def deepspeed_wanted(cfg: Config) -> Optional[str]:
     return None
 
 
+def is_deepspeed(accelerator) -> bool:
+    """Whether this run trains under DeepSpeed (the one answer: the loop, the objective, the weights' route)."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
 def cpu_forced() -> bool:
     """Whether the launch forces the CPU (ACCELERATE_USE_CPU: accelerate's --cpu or use_cpu), which turns DeepSpeed off."""
     return os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
@@ -104,10 +111,8 @@ def cpu_forced() -> bool:
 
 def check_deepspeed_in_effect(cfg: Config, accelerator) -> None:
     """DeepSpeed asked for but not in effect is an error, never a silent DDP run."""
-    from accelerate.utils import DistributedType
-
     wanted = deepspeed_wanted(cfg)
-    if wanted is None or accelerator.distributed_type == DistributedType.DEEPSPEED:
+    if wanted is None or is_deepspeed(accelerator):
         return
     got = accelerator.distributed_type.value
     if cpu_forced():

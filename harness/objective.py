@@ -20,6 +20,7 @@ import contextlib
 import torch
 
 from harness import faults, losses
+from harness.distributed import is_deepspeed
 from harness.config import Config
 from harness.data.samples import model_inputs, real_tokens
 from harness.errors import ConfigError
@@ -79,9 +80,7 @@ def _vocab_size(model) -> int | None:
 def deferred_sync(accelerator, model):
     """Backward passes inside add to the gradients without the cross-process reduction; the micro-step's last
     backward pass (outside) reduces everything accumulated."""
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+    if is_deepspeed(accelerator):
         # accelerate tells DeepSpeed whether a backward is on the accumulation boundary from sync_gradients.
         state = accelerator.gradient_state
         previous = state.sync_gradients
@@ -142,12 +141,6 @@ def generative_loss_sum(model, gen: dict, chunk_size: int | None) -> tuple[torch
     return head_loss.result(out)
 
 
-def is_deepspeed(accelerator) -> bool:
-    from accelerate.utils import DistributedType
-
-    return accelerator.distributed_type == DistributedType.DEEPSPEED
-
-
 class LossCheck:
     """Every backward pass of a training step goes through `backward`. Outside DeepSpeed it is accelerator.backward
     (a non-finite loss gives a non-finite gradient norm and the loop skips the update). Under DeepSpeed the engine
@@ -190,7 +183,8 @@ class LossCheck:
 
 
 class Objective:
-    def __init__(self, cfg: Config, accelerator, model, chunk_size: int | None = None):
+    def __init__(self, cfg: Config, accelerator, model, chunk_size: int | None = None,
+                 flop_dims: tuple = (0, 0, 0)):
         self.accelerator, self.model = accelerator, model
         self.chunk_size = chunk_size  # loss.chunked_ce resolved (resolve_chunked_ce): positions per chunk, or None
         self.loss = cfg.loss
@@ -199,7 +193,7 @@ class Objective:
         self.bidirectional = cfg.model.embed_attention == "bidirectional"
         self.world = accelerator.num_processes
         self.accum = cfg.train.grad_accum
-        self.flop_dims = (0, 0, 0)  # (matmul parameters, layers, hidden), set by the loop for MFU accounting
+        self.flop_dims = flop_dims  # (matmul parameters, layers, hidden), for MFU accounting
         self.check = LossCheck(accelerator, before_backward=is_deepspeed(accelerator))
 
     def flops(self, batch: dict, backward: bool) -> float:

@@ -66,7 +66,7 @@ class LoopState:
     unlogged: dict = field(default_factory=dict)  # StepSums of every process not yet in a log line, by name
     first_loss: Optional[float] = None
     unwritten: list = field(default_factory=list)  # metrics.jsonl lines a full disk kept out (written on resume)
-    layout: dict = field(default_factory=dict)  # how the global batch was split (checkpoint.elastic.Layout)
+    layout: dict = field(default_factory=dict)  # how the global batch was split (checkpoint.layout.Layout)
 
     @classmethod
     def from_saved(cls, saved: dict) -> "LoopState":

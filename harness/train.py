@@ -27,9 +27,9 @@ from typing import Optional
 
 from harness import distributed, faults
 from harness.auto_batch import memory_trial, run_auto_batch
-from harness.build import Job, build_run, past_the_schedule
-from harness.checkpoint import elastic, store
+from harness.build import Job, build_run
 from harness.checkpoint.export import export_final
+from harness.checkpoint.store import Checkpointer
 from harness.config import Config, describe, load_config
 from harness.data import loaders
 from harness.encode import embedding_settings
@@ -54,31 +54,15 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
     {"steps", "stopped_early"} when this attempt stopped early with a checkpoint for a later one to continue.
     auto_batch: set by run_auto_batch (train.micro_batch_size=auto): a trial step on the longest batch comes first."""
     with contextlib.ExitStack() as opened:  # the one exit path: all the run opened is closed, however it ends
-        job = build_run(cfg, opened)  # accelerator, data, model, optimizer, schedule, objective
-        state = resume_or_start(job)  # a checkpoint's loop state (and weights, optimizer, RNG), or step 0
+        # accelerator, data, model, optimizer, schedule, objective; and the loop state: a checkpoint's (its weights,
+        # optimizer and RNG restored after prepare(): checkpoint/resume.py), or step 0's
+        job, state = build_run(cfg, opened)
         side = SideWork(job, state, opened)  # log, evaluation, checkpoints, the stop decision
         if auto_batch is not None and not job.is_deepspeed:  # DeepSpeed: its first step is the trial
             memory_trial(job)
         side.start(fresh=job.resume_from is None)  # the step-0 evaluation; the training clock starts
         stopped_by = train_loop(job, state, side)
         return finish(job, state, side, stopped_by, auto_batch)
-
-
-def resume_or_start(job: Job) -> LoopState:
-    if job.resume_from is None:
-        return LoopState(streams={n: {"epoch": 0, "batches": 0} for n in job.streams}, layout=job.layout.as_dict())
-    past_the_schedule(job.resume_from, job.total_steps)
-    job.resume_from, saved = store.load_resumable(job.accelerator, job.out, job.resume_from,
-                                                  job.cfg.train.resume == "auto", job.cfg.model.quantization != "none",
-                                                  universal=job.universal)
-    state = LoopState.from_saved(saved)
-    # another number of processes (or split of the batch): the data position in rows, the batch's new split
-    assumed = job.resize.before if job.resize else job.layout  # (what a checkpoint of an older harness was)
-    state.streams, job.resize, moved = elastic.carry_over(job.resume_from, saved, job.layout, job.streams,
-                                                          job.epoch_rows, job.universal, assumed)
-    state.layout = job.layout.as_dict()
-    job.say(f"[harness] resumed from {job.resume_from}: step {state.step}, data position {state.streams}{moved}")
-    return state
 
 
 def train_loop(job: Job, state: LoopState, side: SideWork) -> Optional[str]:
@@ -163,11 +147,11 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
     if stopped_by == WRITE_FAILED:  # the checkpoint of this step is written (a full disk: its save said so)
         why = distributed.on_main(job.accelerator, lambda: side.log.logger.failed)
         raise HarnessError(f"{why}: stopped at step {state.step} with checkpoint "
-                           f"{store.checkpoints_root(job.out) / f'step-{state.step}'}; free some space, then "
+                           f"{side.checkpointer.folder(state.step)}; free some space, then "
                            f"continue with train.resume=auto")
     if stopped_by in EARLY_WITHOUT_EXPORT:  # this attempt ends early: the state is saved, nothing exported
         job.say(f"[harness] stopped ({stopped_by}) at step {state.step}/{job.total_steps} with checkpoint "
-                f"{store.checkpoints_root(job.out) / f'step-{state.step}'}; continue with train.resume=auto")
+                f"{side.checkpointer.folder(state.step)}; continue with train.resume=auto")
         return {"steps": state.step, "stopped_early": stopped_by}
     if stopped_by == TIME_BUDGET:
         job.say(f"[harness] time budget of {job.cfg.train.time_budget_hours} h nearly used: stopping at step "
@@ -222,11 +206,11 @@ def nonfinite_error(job: Job, state: LoopState, side: SideWork) -> HarnessError:
     (if this run has one)."""
     guard = side.nonfinite
     if guard.applied:
-        saved, _ = store.list_checkpoints(job.out)
-        where = (f"resume from the last checkpoint ({saved[-1][1]}) with a lower optim.lr or check the data"
-                 if saved else "no checkpoint was saved: start again with a lower optim.lr or check the data")
+        newest = side.checkpointer.newest()
+        where = (f"resume from the last checkpoint ({newest}) with a lower optim.lr or check the data"
+                 if newest else "no checkpoint was saved: start again with a lower optim.lr or check the data")
         return HarnessError(f"non-finite gradient at step {state.step} under DeepSpeed (already applied): {where}")
-    path = store.save_checkpoint(job.accelerator, job.out, side.state_to_save(state), job.cfg.train.save_total_limit)
+    path = side.checkpointer.write(side.state_to_save(state))
     if guard.stranded:
         return HarnessError(f"non-finite loss at step {state.step} after its first micro-step (DeepSpeed with "
                             f"train.grad_accum={job.accum}): stopped without applying it; the last good weights are in "
@@ -263,8 +247,8 @@ class SideWork:
         opened.callback(self.stop.close)
         self.nonfinite = NonfiniteGuard(t.max_nonfinite_skips, job.is_deepspeed, job.say)
         self.evaluator = Evaluator(job, self._evaluated)
-        self.checkpointer = store.Checkpointer(accelerator, job.out, t.save_every_steps, t.save_every_minutes,
-                                               t.save_total_limit, job.say, self._saved)
+        self.checkpointer = Checkpointer(accelerator, job.out, t.save_every_steps, t.save_every_minutes,
+                                         t.save_total_limit, job.say, self._saved, job.layout, job.epoch_rows)
         # this process's sums since the last log line; rank 0 carries what the resumed checkpoint had not logged
         self.profiler = StepProfiler(t.profile_steps, job.out, state.step, accelerator.is_main_process, job.say)
         opened.callback(self.profiler.close)
@@ -320,9 +304,7 @@ class SideWork:
     def state_to_save(self, state: LoopState) -> dict:
         """The loop state for a checkpoint, with every process's unlogged sums folded in (collective)."""
         state.unwritten = list(self.log.logger.unwritten)  # (the main process's; a full disk kept them out)
-        saved = state.to_save(self.meter.elapsed(), self.unlogged.total(self.job.accelerator, reset=False))
-        saved["streams"] = elastic.samples_read(saved["streams"], self.job.layout, self.job.epoch_rows)
-        return saved
+        return state.to_save(self.meter.elapsed(), self.unlogged.total(self.job.accelerator, reset=False))
 
     def _evaluated(self, seconds: float) -> None:
         self.job.timings.add("eval", seconds)

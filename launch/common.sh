@@ -90,7 +90,7 @@ PY
 checkpoint_stage() {
   "$PYTHON" - "$1" << 'PY' 2> /dev/null || true
 import sys
-from harness.checkpoint.elastic import checkpoint_stage
+from harness.checkpoint.resume import checkpoint_stage
 stage = checkpoint_stage(sys.argv[1])
 print("" if stage is None else stage)
 PY

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.checkpoint import manifest, store
+from harness.checkpoint import manifest, resume, store
 from harness.checkpoint.export import export_final
 from harness.checkpoint.manifest import ALGORITHM, checkpoint_size, file_checksum, MARKER, read_manifest, verify_checkpoint
 from harness.distributed import share_by_size
@@ -61,13 +61,13 @@ def test_rotation_keeps_newest_and_removes_stale_incomplete(tmp_path):
 
 
 def test_resolve_resume(tmp_path):
-    assert store.resolve_resume(tmp_path, "auto") == (None, [])
-    assert store.resolve_resume(tmp_path, None) == (None, [])
+    assert resume.resolve_resume(tmp_path, "auto") == (None, [])
+    assert resume.resolve_resume(tmp_path, None) == (None, [])
     make_ckpt(tmp_path, 4)
     newest = make_ckpt(tmp_path, 8)
     partial = make_ckpt(tmp_path, 12, complete=False)
-    assert store.resolve_resume(tmp_path, "auto") == (newest, [partial])
-    assert store.resolve_resume(tmp_path, str(newest))[0] == newest
+    assert resume.resolve_resume(tmp_path, "auto") == (newest, [partial])
+    assert resume.resolve_resume(tmp_path, str(newest))[0] == newest
 
 
 @pytest.mark.parametrize("case, message", [
@@ -83,7 +83,7 @@ def test_resolve_resume_errors(tmp_path, case, message):
     arg = {"fresh-over-checkpoints": None, "missing": str(tmp_path / "nope"),
            "incomplete": str(tmp_path / "checkpoints" / "step-12")}[case]
     with pytest.raises(ConfigError) as e:
-        store.resolve_resume(tmp_path, arg)
+        resume.resolve_resume(tmp_path, arg)
     assert str(e.value) == message.format(root=tmp_path)
 
 
@@ -188,13 +188,13 @@ def test_damaged_newest_checkpoint_falls_back_to_the_older_one(tmp_path, name, h
     damage(newest / name, how)
     if name == "optimizer.bin":
         problem = problem.replace("40000", "80000").replace("20000", "40000")
-    assert store.resolve_resume(tmp_path, "auto", acc) == (older, [])
+    assert resume.resolve_resume(tmp_path, "auto", acc) == (older, [])
     assert acc.printed[0] == (f"[harness] warning: checkpoint {newest} fails verification ({name}: {problem}): not "
                               f"resumed from, trying an older one")
     assert acc.printed[1].startswith(f"[harness] checkpoint {older} verified: 4 files, 117.5 KiB in ")
     assert len(acc.printed) == 2
     with pytest.raises(ConfigError) as e:  # named explicitly: no fallback
-        store.resolve_resume(tmp_path, str(newest), acc)
+        resume.resolve_resume(tmp_path, str(newest), acc)
     assert str(e.value) == f"config key 'train.resume': {newest} fails verification: {name}: {problem}"
 
 
@@ -203,7 +203,7 @@ def test_no_checkpoint_verifies_is_one_line(tmp_path):
     damage(save(acc, tmp_path, 2) / "optimizer.bin", "zeroed")
     damage(save(acc, tmp_path, 4) / "model.safetensors", "deleted")
     with pytest.raises(HarnessError) as e:
-        store.resolve_resume(tmp_path, "auto", acc)
+        resume.resolve_resume(tmp_path, "auto", acc)
     assert str(e.value) == (
         f"no checkpoint in {tmp_path}/checkpoints verifies (step-4: model.safetensors: missing; step-2: optimizer.bin: "
         "checksum differs): move the damaged folders away to start afresh, or use another train.output_dir")
@@ -215,7 +215,7 @@ def test_damaged_marker_is_a_failed_verification(tmp_path, content):
     acc = FakeAccelerator()
     older, newest = save(acc, tmp_path, 2), save(acc, tmp_path, 4)
     (newest / MARKER).write_bytes(content)
-    assert store.resolve_resume(tmp_path, "auto", acc)[0] == older
+    assert resume.resolve_resume(tmp_path, "auto", acc)[0] == older
     assert "COMPLETE marker unreadable" in acc.printed[0]
 
 
@@ -225,7 +225,7 @@ def test_older_marker_without_checksums_is_accepted_unverified(tmp_path):
     legacy = make_ckpt(tmp_path, 6)
     check = verify_checkpoint(legacy)
     assert check.ok and check.legacy and read_manifest(legacy) is None
-    assert store.resolve_resume(tmp_path, "auto", acc) == (legacy, [])
+    assert resume.resolve_resume(tmp_path, "auto", acc) == (legacy, [])
     assert acc.printed == [f"[harness] note: {legacy} has no checksums (marker of an older harness): resumed from "
                            "unverified"]
 
@@ -258,7 +258,7 @@ def test_unloadable_checkpoint_is_one_line(tmp_path):
     acc = FakeAccelerator(error=RuntimeError("Error(s) in loading state_dict for LlamaForCausalLM:\n\tsize mismatch"))
     path = make_ckpt(tmp_path, 2)
     with pytest.raises(HarnessError) as e:
-        store.load_checkpoint(acc, path)
+        resume.load_checkpoint(acc, path)
     assert str(e.value) == (f"could not load checkpoint {path} (RuntimeError: Error(s) in loading state_dict for "
                             "LlamaForCausalLM: size mismatch); resume from another one with train.resume=<folder>, "
                             "or check that the config matches the run that wrote it")
@@ -537,16 +537,16 @@ def test_checkpoint_that_verifies_but_does_not_load_falls_back_to_the_older_one(
 
     acc = LoadsOnly()
     older, newest = save(acc, tmp_path, 2), save(acc, tmp_path, 4)
-    assert store.load_resumable(acc, tmp_path, newest, auto=True) == (older, {"step": 2})
+    assert resume.load_resumable(acc, tmp_path, newest, auto=True) == (older, {"step": 2})
     assert acc.printed[0] == (f"[harness] warning: checkpoint {newest} verifies but cannot be loaded (RuntimeError: "
                               "Error(s) in loading state_dict for LlamaForCausalLM: size mismatch): not resumed from, "
                               "trying an older one")
     assert acc.loaded == older
     with pytest.raises(HarnessError, match=f"could not load checkpoint {newest} "):  # named explicitly: no fallback
-        store.load_resumable(acc, tmp_path, newest, auto=False)
+        resume.load_resumable(acc, tmp_path, newest, auto=False)
     shutil.rmtree(older)
     with pytest.raises(HarnessError) as e:
-        store.load_resumable(acc, tmp_path, newest, auto=True)
+        resume.load_resumable(acc, tmp_path, newest, auto=True)
     assert str(e.value) == (f"no checkpoint in {tmp_path}/checkpoints loads (step-4: RuntimeError: Error(s) in loading "
                             "state_dict for LlamaForCausalLM: size mismatch): move the damaged folders away to start "
                             "afresh, check that the config matches the run that wrote them, or use another "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.checkpoint import elastic
+from harness.checkpoint import layout as elastic, resume, universal
 from harness_launch import FAST, ROOT, final_weights, max_abs_diff, report, run_train
 
 STEPS, STOP = 4, 2
@@ -72,7 +72,7 @@ def test_resume_on_another_process_count(tmp_path, kind):
     assert "layout changed: 1 -> 2 process(es), train.grad_accum 4 -> 2, global batch 16 sequences kept" in proc.stdout
     if kind != "ddp":
         assert "repartitioned through a universal checkpoint" in proc.stdout
-        assert not (b / elastic.STAGING).exists()  # the universal view is removed after loading
+        assert not (b / universal.STAGING).exists()  # the universal view is removed after loading
     rep = report(b)
     assert rep["world_size"] == 2 and rep["grad_accum"] == 2 and rep["zero_stage"] == (None if kind == "ddp" else
                                                                                         int(kind[-1]))
@@ -201,7 +201,7 @@ def test_length_grouped_order_depends_on_the_global_batch_only():
     assert length_group(cfg, 2) == length_group(one, 1) == 32 * 16
 
 
-def test_fit_to_world_splits_both_streams_of_a_unified_run(tmp_path):
+def test_plan_fits_the_layout_splitting_both_streams_of_a_unified_run(tmp_path):
     from harness.config import load_config
 
     step = tmp_path / "checkpoints" / "step-4"
@@ -212,15 +212,16 @@ def test_fit_to_world_splits_both_streams_of_a_unified_run(tmp_path):
     cfg = load_config(str(ROOT / "configs" / "gritlm-tiny.yaml"),
                       [f"train.output_dir={tmp_path}", "train.micro_batch_size=4", "train.emb_micro_batch_size=8",
                        "train.grad_accum=1"])
-    fitted, resize = elastic.fit_to_world(cfg, 1)  # 8 sequences + 16 queries a step on one process
+    planned = resume.plan(cfg, 1)
+    fitted, resize = planned.cfg, planned.resize  # 8 sequences + 16 queries a step on one process
     assert (fitted.train.micro_batch_size, fitted.train.emb_micro_batch_size, fitted.train.grad_accum) == (4, 8, 2)
     assert resize.describe() == ("2 -> 1 process(es), train.grad_accum 1 -> 2, global batch 16 queries + 8 sequences "
                                  "kept")
-    fitted, _ = elastic.fit_to_world(cfg, 4)  # 2 sequences + 4 queries a process: smaller micro-batches
+    fitted = resume.plan(cfg, 4).cfg  # 2 sequences + 4 queries a process: smaller micro-batches
     assert (fitted.train.micro_batch_size, fitted.train.emb_micro_batch_size, fitted.train.grad_accum) == (2, 4, 1)
-    assert elastic.fit_to_world(cfg, 2) == (cfg, None)  # the same count: the config as it is
+    assert (resume.plan(cfg, 2).cfg, resume.plan(cfg, 2).resize) == (cfg, None)  # the same count: the config as it is
     with pytest.raises(Exception, match="cannot be kept on 3 process"):
-        elastic.fit_to_world(cfg, 3)
+        resume.plan(cfg, 3)
 
 
 def test_the_resume_line_names_what_changed_the_batch():

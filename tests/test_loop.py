@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness.checkpoint import store
+from harness.checkpoint import resume, store
 from harness.evaluation import Evaluator
 from harness.observe.reporting import StepLog, losses_of
 from harness.state import LoopState, StepSums, UnloggedSums
@@ -48,7 +48,7 @@ def test_unlogged_sums_round_trip_through_a_checkpoint(accelerator, tmp_path):
     state = LoopState(step=4, streams={"gen": {"epoch": 1, "batches": 2}}, tokens=100, elapsed_s=3.0, first_loss=2.5)
     saved = state.to_save(1.5, sums.total(accelerator, reset=False))
     path = store.save_checkpoint(accelerator, tmp_path, saved, keep=0)
-    loaded = LoopState.from_saved(store.load_checkpoint(accelerator, path))
+    loaded = LoopState.from_saved(resume.load_checkpoint(accelerator, path))
     assert (loaded.step, loaded.streams, loaded.tokens, loaded.first_loss) == (4, state.streams, 100, 2.5)
     assert loaded.elapsed_s == 4.5  # earlier attempts + this one
     carried = UnloggedSums(accelerator.device, loaded.unlogged).total(accelerator, reset=False)

@@ -131,7 +131,7 @@ def test_a_checkpoint_resumes_with_its_own_weights_dtype(runs):
 def test_older_checkpoints_weights_read_from_deepspeeds_file_names(tmp_path):
     """A checkpoint of an older harness records no weights dtype; DeepSpeed's bf16 mode names its optimizer files
     bf16_zero_pp_rank_*: that is read as bf16 weights."""
-    from harness.checkpoint.elastic import DS_TAG, Layout, check_same_weights
+    from harness.checkpoint.layout import DS_TAG, Layout, check_same_weights
 
     legacy = Layout(2, 8, 8, 1, 2)  # weights unrecorded
     (tmp_path / DS_TAG).mkdir()

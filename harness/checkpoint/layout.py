@@ -1,9 +1,10 @@
-"""Resuming on another number of processes: the global batch, the data position and the optimizer state carry over.
+"""The layout arithmetic of a resume under another number of processes: how the global batch, the data position
+and the engine carry over (harness/checkpoint/resume.py reads the checkpoint and calls these; no I/O here).
 
 A checkpoint records the layout it was written with (`layout_of`: processes, micro-batches, accumulation, ZeRO stage).
 When a run resumes under another number of processes (8 GPUs became 4, 2 became 1):
 
-- the batch: `fit_to_world` (before the Accelerator exists) keeps the run's global batch (micro-batch x accumulation x
+- the batch: `fit` (before the Accelerator exists) keeps the run's global batch (micro-batch x accumulation x
   processes, for each data stream) by choosing `train.grad_accum`, and where it must a smaller micro-batch (never a
   larger one than the config's: memory); where no combination keeps it, a one-line ConfigError names the process
   counts that would, and how to change the batch knowingly (`train.global_batch_size`);
@@ -11,30 +12,21 @@ When a run resumes under another number of processes (8 GPUs became 4, 2 became 
   consumed by all processes together, then into micro-batches per process of the new layout (accelerate's seedable
   sampler orders the rows the same way for any process count);
 - the optimizer: DDP and plain checkpoints hold the full state (accelerate loads it under any process count);
-  DeepSpeed ZeRO's partitioned state is converted by DeepSpeed's own `ds_to_universal` into a universal checkpoint
-  (`universal_view`, a staging folder beside the checkpoint, removed after loading) and loaded with DeepSpeed's
-  `checkpoint.load_universal` (`load_universal`), which repartitions it for the new process count (and ZeRO stage).
+  DeepSpeed ZeRO's partitioned state goes through a universal checkpoint (harness/checkpoint/universal.py) when
+  `needs_universal` says so.
 
 The checkpoint itself is never changed: the next save is written in the new layout.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import shutil
-import subprocess
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from harness.checkpoint.manifest import STATE_FILE
-from harness.errors import ConfigError, HarnessError, one_line
+from harness.errors import ConfigError
 
 DS_TAG = "pytorch_model"  # the folder accelerate's save_state gives DeepSpeed's engine inside a checkpoint
-STAGING = ".resharded"  # <output_dir>/.resharded/step-N: a checkpoint's universal view while it is loaded
 
 
 @dataclass(frozen=True)
@@ -79,46 +71,6 @@ def saved_layout(path: Path, saved: Optional[dict], assumed: Layout) -> Optional
     return replace(assumed, processes=ranks) if ranks else None
 
 
-def read_state(path: Path) -> Optional[dict]:
-    try:
-        state = json.loads((Path(path) / STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return state if isinstance(state, dict) else None
-
-
-def newest_target(cfg) -> Optional[Path]:
-    """The checkpoint a resume would most likely continue from (before verification, which may pass it over for an
-    older one of the same run): the named folder, or the newest complete one (train.resume=auto)."""
-    from harness.checkpoint.store import list_checkpoints
-
-    t = cfg.train
-    if t.overwrite or t.resume in (None, "none", "null", ""):
-        return None
-    if t.resume != "auto":
-        return Path(t.resume) if (Path(t.resume) / STATE_FILE).is_file() else None
-    complete, _ = list_checkpoints(t.output_dir)
-    for _, path in reversed(complete):
-        if read_state(path) is not None:
-            return path
-    return None
-
-
-def checkpoint_stage(output_dir) -> Optional[int]:
-    """The ZeRO stage of the newest complete checkpoint in `output_dir` (0: DDP / plain), None when there is none or
-    it does not say (an older harness's DeepSpeed checkpoint): what launch/train.sh --zero auto keeps on resume."""
-    from harness.checkpoint.store import list_checkpoints
-
-    for _, path in reversed(list_checkpoints(output_dir)[0]):
-        state = read_state(path)
-        if state is None:
-            continue
-        if state.get("layout"):
-            return state["layout"].get("zero_stage") or 0
-        return None if (path / DS_TAG).is_dir() else 0
-    return None
-
-
 @dataclass
 class Resize:
     """A resume under another layout: what the checkpoint was written with and what this attempt runs."""
@@ -152,17 +104,12 @@ class Resize:
                 "global_batch": {s: [self.before.global_batch(s), self.after.global_batch(s)] for s in self.streams}}
 
 
-def fit_to_world(cfg, world: int):
-    """(cfg, Resize or None) for an attempt of `world` processes: when the checkpoint to resume from was written by
-    another number of processes, a config whose train.grad_accum (and where it must, micro-batch sizes) keep the
-    checkpoint's global batch (train.global_batch_size, when set, is the batch asked for instead). Called before
-    the Accelerator exists (every process the same; nothing is verified yet: the checkpoint's loop state is only
-    read). train.micro_batch_size=auto chooses its own split of train.global_batch_size."""
-    path = newest_target(cfg)
-    if path is None or cfg.train.micro_batch_size == "auto":
-        return cfg, None
-    before = saved_layout(path, read_state(path), layout_of(cfg, world))
-    if before is None or before.processes == world:
+def fit(cfg, path: Path, before: Optional[Layout], world: int):
+    """(cfg, Resize or None) for an attempt of `world` processes resuming checkpoint `path` written in the layout
+    `before`: under another number of processes, a config whose train.grad_accum (and where it must, micro-batch
+    sizes) keep the checkpoint's global batch (train.global_batch_size, when set, is the batch asked for instead).
+    train.micro_batch_size=auto chooses its own split of train.global_batch_size."""
+    if before is None or before.processes == world or cfg.train.micro_batch_size == "auto":
         return cfg, None
     streams = streams_of(cfg.loss.mode)
     t = cfg.train
@@ -238,7 +185,7 @@ def carry_over(path: Path, saved: dict, after: Layout, streams: tuple, sizes: di
                assumed: Layout) -> tuple[dict, Optional[Resize], str]:
     """After loading checkpoint `path` (loop state `saved`) into the layout `after`: (each stream's position in
     `after`, the Resize when the layout changed (else None), what the resume line adds). assumed: the layout of a
-    checkpoint that records none (an older harness): the config's before `fit_to_world`."""
+    checkpoint that records none (an older harness): the config's before `fit`."""
     before = saved_layout(path, saved, assumed)
     moved, notes = positions(saved["streams"], before, after, sizes)
     if before is None or (before.processes, before.grad_accum) == (after.processes, after.grad_accum) and all(
@@ -310,84 +257,3 @@ def check_same_weights(path: Path, before: Optional[Layout], weights: str) -> No
                       f"{weights} weights (their optimizer states differ): resume with train.weights={written}")
 
 
-def load_universal(accelerator) -> None:
-    """Before prepare(): DeepSpeed's engine loads universal checkpoints (`checkpoint.load_universal`)."""
-    from harness.distributed import deepspeed_config
-
-    deepspeed_config(accelerator).setdefault("checkpoint", {})["load_universal"] = True
-
-
-@contextlib.contextmanager
-def universal_view(accelerator, path: Path):
-    """A folder accelerate's load_state reads like checkpoint `path`, with DeepSpeed's partitioned files converted by
-    `deepspeed.checkpoint.ds_to_universal` (on the main process; the others wait) and the other files linked.
-    Removed afterwards, whatever happens; the checkpoint is not touched."""
-    from harness.distributed import all_gather, is_main
-
-    path = Path(path)
-    view = path.parent.parent / STAGING / path.name
-    error = None
-    if is_main(accelerator):
-        try:
-            convert(path, view)
-        except Exception as e:  # noqa: BLE001 - one line on every process below
-            shutil.rmtree(view, ignore_errors=True)
-            error = one_line(e, 300)
-    errors = [e for e in all_gather(accelerator, error) if e is not None]
-    if errors:
-        raise HarnessError(f"could not convert {path} to a universal checkpoint for another process count "
-                           f"({errors[0]}); resume with the process count it was written with")
-    try:
-        yield view
-    finally:
-        accelerator.wait_for_everyone()
-        if is_main(accelerator):
-            shutil.rmtree(view, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                view.parent.rmdir()
-
-
-@contextlib.contextmanager
-def repair_universal_load(accelerator):
-    """Around a universal load, two fixes of DeepSpeed 0.19's ZeRO-3 universal loader
-    (`load_hp_checkpoint_state_from_checkpoint_dir_stage3`), each measured as a weight difference after resuming:
-    - it copies the first parameter group's settings to every group, which puts the matrices' weight decay on norms
-      and biases: each group gets its own settings back (the learning rate is the schedule's);
-    - it gives every parameter sub-group the same `step` tensor, which AdamW increments in place once per sub-group:
-      the second sub-group's bias correction then runs a step ahead. Each state gets its own copy."""
-    keep = ("params", "lr", "initial_lr", "step")
-    groups = [g for opt in accelerator._optimizers for g in opt.param_groups]
-    before = [{k: v for k, v in g.items() if k not in keep} for g in groups]
-    yield
-    for g, settings in zip(groups, before):
-        g.update(settings)
-    for opt in accelerator._optimizers:
-        for state in opt.state.values():
-            if hasattr(state.get("step"), "clone"):
-                state["step"] = state["step"].clone()
-
-
-def convert(path: Path, view: Path) -> None:
-    """Checkpoint `path` -> `view`: DeepSpeed's ds_to_universal on its engine folder, every other file linked."""
-    from harness.checkpoint.manifest import checkpoint_size
-    from harness.files import free_bytes, human_bytes
-
-    shutil.rmtree(view, ignore_errors=True)
-    view.mkdir(parents=True)
-    need, free = checkpoint_size(path / DS_TAG), free_bytes(view)
-    if free < need:
-        raise HarnessError(f"not enough disk space in {view.parent}: about {human_bytes(need)} needed, "
-                           f"{human_bytes(free)} free")
-    for item in path.iterdir():
-        if item.name != DS_TAG:
-            os.symlink(item.resolve(), view / item.name, target_is_directory=item.is_dir())
-    # DeepSpeed's converter in a process of its own: its worker pool forks, which a training process (threads of
-    # its own) must not do
-    workers = str(max(1, min(4, os.cpu_count() or 1)))
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(path / DS_TAG),
-           "--output_folder", str(view / DS_TAG), "--num_extract_workers", workers, "--num_merge_workers", "1",
-           "--inject_missing_state"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        lines = [ln for ln in (done.stderr or done.stdout).splitlines() if ln.strip()]
-        raise HarnessError(f"ds_to_universal exited {done.returncode}: {lines[-1] if lines else 'no output'}")

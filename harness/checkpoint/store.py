@@ -1,11 +1,13 @@
-"""Saving and resuming: full training checkpoints, rotation, the resume target, loading, `Checkpointer`.
+"""Saving checkpoints: full training checkpoints, listing, rotation, disk room, `Checkpointer` (resuming them:
+harness/checkpoint/resume.py).
 
     <output_dir>/checkpoints/step-N/   accelerate save_state (model, optimizer, scheduler, RNG of every rank, sampler)
                                        + harness_state.json (step, epoch, data position, elapsed time, ...)
                                        + COMPLETE, written last: a folder without it is never resumed from
 
 Checkpoints prove themselves (harness/checkpoint/manifest.py): COMPLETE is a manifest of what was written, and
-train.resume=auto falls back to the newest checkpoint that verifies, with a warning naming what was wrong.
+train.resume=auto (resume.py) falls back to the newest checkpoint that verifies, with a warning naming what was
+wrong.
 
 Disk space: a save first compares the free space of the checkpoints folder with the size of the newest checkpoint
 (`make_room`); a write that fails for lack of space (ENOSPC) is a one-line HarnessError on every process, its partial
@@ -14,16 +16,16 @@ folder (never marked complete) removed.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from harness.checkpoint.manifest import (MARKER, STATE_FILE, Verification, build_manifest, checkpoint_size,
+from harness.checkpoint.layout import Layout, samples_read
+from harness.checkpoint.manifest import (MARKER, STATE_FILE, build_manifest, checkpoint_size,
                                         has_manifest, verify_checkpoint, write_marker)
 from harness.distributed import all_gather, is_main, num_processes, on_main
-from harness.errors import ConfigError, HarnessError, one_line
+from harness.errors import HarnessError, one_line
 from harness.files import disk_full, free_bytes, human_bytes, write_json
 
 
@@ -35,7 +37,7 @@ def is_complete(path: Path) -> bool:
     return (path / MARKER).is_file() and (path / STATE_FILE).is_file()
 
 
-def _step(path: Path) -> int:
+def step_of(path: Path) -> int:
     return int(path.name[5:])
 
 
@@ -48,7 +50,7 @@ def list_checkpoints(output_dir: str | Path) -> tuple[list[tuple[int, Path]], li
         for p in root.iterdir():
             if not (p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit()):
                 continue
-            (complete.append((_step(p), p)) if is_complete(p) else incomplete.append(p))
+            (complete.append((step_of(p), p)) if is_complete(p) else incomplete.append(p))
     return sorted(complete), sorted(incomplete)
 
 
@@ -162,15 +164,15 @@ def make_room(output_dir: str | Path, path: Path, keep: int, say: Callable = pri
         return
     removed = []  # folder names
     for p in incomplete:  # stale partial folders: rotation would delete them after this save
-        if _step(p) < complete[-1][0] and p != path:
+        if step_of(p) < complete[-1][0] and p != path:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(f"the partial {p.name}")
     free = free_bytes(root)
-    older = [(s, p) for s, p in complete if s < _step(path)]
+    older = [(s, p) for s, p in complete if s < step_of(path)]
     if free < need and keep > 0 and older:
         anchor = older[-1][1]
-        after = sorted([*complete, (_step(path), path)])
-        doomed = [p for s, p in after[:-keep] if s < _step(anchor)]  # beyond the limit once `path` exists
+        after = sorted([*complete, (step_of(path), path)])
+        doomed = [p for s, p in after[:-keep] if s < step_of(anchor)]  # beyond the limit once `path` exists
         reclaim = sum(checkpoint_size(p) for p in doomed)
         if doomed and free + reclaim >= need:
             check = verify_checkpoint(anchor)
@@ -209,156 +211,24 @@ def rotate(output_dir: str | Path, keep: int, protect: Optional[Path] = None) ->
             doomed.remove(spare)
     if complete:
         newest = complete[-1][0]
-        doomed += [p for p in incomplete if _step(p) < newest]
+        doomed += [p for p in incomplete if step_of(p) < newest]
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed
 
 
-def resolve_resume(output_dir: str | Path, resume: Optional[str], accelerator=None,
-                   older_than: Optional[int] = None) -> tuple[Optional[Path], list[Path]]:
-    """The checkpoint to resume from (None: start fresh) and the incomplete folders that were passed over.
-
-    resume: "auto" (the newest complete checkpoint that verifies, if any), a checkpoint folder (which must verify), or
-    None/"none" (fresh start; refused when output_dir already holds complete checkpoints, so that a restart never
-    overwrites a run by accident).
-
-    Every candidate is checked with `verify_checkpoint` (sizes, then checksums). auto: a checkpoint that fails is
-    passed over with a one-line warning naming what was wrong, and the next older one is tried; when checkpoints
-    exist but none verifies: a one-line HarnessError. An explicit folder that fails: a one-line ConfigError. A
-    checkpoint written by an older harness (marker without checksums) is accepted unverified, with a note.
-
-    accelerator: pass it when it exists (it must, under several processes): the main process lists the folders and
-    reads the markers, the checksum work is split between the processes, and every process gets the same results,
-    hence the same choice. Warnings are printed with accelerator.print (else print).
-
-    older_than: (auto) only checkpoints of earlier steps: those from step `older_than` on failed to load
-    (`load_resumable`)."""
-    say = accelerator.print if accelerator is not None else print
-
-    def plan() -> tuple[list[Path], list[Path], bool]:
-        complete, incomplete = list_checkpoints(output_dir)
-        if resume in (None, "none", "null", ""):
-            if complete:
-                raise ConfigError(
-                    f"config key 'train.resume': {checkpoints_root(output_dir)} already holds checkpoints "
-                    f"(newest step-{complete[-1][0]}); use train.resume=auto to continue or another train.output_dir"
-                )
-            return [], incomplete, False
-        if resume == "auto":
-            return [p for s, p in reversed(complete) if older_than is None or s < older_than], incomplete, False
-        path = Path(resume)
-        if not path.is_dir():
-            raise ConfigError(f"config key 'train.resume': {path} is not a folder")
-        if not is_complete(path):
-            raise ConfigError(f"config key 'train.resume': {path} is not a complete checkpoint (no {MARKER} marker "
-                              f"or {STATE_FILE})")
-        return [path], incomplete, True
-
-    candidates, incomplete, explicit = on_main(accelerator, plan)
-    failed: list[Verification] = []
-    for path in candidates:
-        t0 = time.perf_counter()
-        check = verify_checkpoint(path, accelerator)
-        if check.ok:
-            if check.legacy:
-                say(f"[harness] note: {path} has no checksums (marker of an older harness): resumed from unverified")
-            else:
-                say(f"[harness] checkpoint {path} verified: {check.files} files, {human_bytes(check.size)} in "
-                    f"{time.perf_counter() - t0:.1f}s")
-            return path, incomplete
-        if explicit:
-            raise ConfigError(f"config key 'train.resume': {path} fails verification: {check.describe()}")
-        say(f"[harness] warning: checkpoint {path} fails verification ({check.describe()}): not resumed from, "
-            f"trying an older one")
-        failed.append(check)
-    if failed:
-        raise HarnessError(
-            f"no checkpoint in {checkpoints_root(output_dir)} verifies ("
-            + "; ".join(f"{c.path.name}: {c.describe(limit=2)}" for c in failed)
-            + "): move the damaged folders away to start afresh, or use another train.output_dir")
-    return None, incomplete
-
-
-def load_checkpoint(accelerator, path: Path, quantized: bool = False, universal: bool = False) -> dict:
-    """Restore the accelerate state (every rank) and return the loop state saved with it. A checkpoint that cannot be
-    loaded (unverifiable and damaged, or written for another model) is a one-line HarnessError.
-
-    `quantized` (QLoRA): the frozen base is loaded quantized from model.name_or_path again, and its quantization
-    state entries (absmax, quant_map, ...) in the checkpoint do not load as parameters: the model is loaded
-    non-strictly, after checking that the checkpoint holds every trainable parameter (adapters, added tokens).
-
-    `universal`: a DeepSpeed checkpoint of another process count or ZeRO stage, loaded through its universal view
-    (harness.checkpoint.elastic)."""
-    try:
-        kwargs = {}
-        if quantized:
-            from safetensors import safe_open
-
-            files = sorted(path.glob("model*.safetensors"))
-            saved = set()
-            for f in files:
-                with safe_open(str(f), "pt") as st:
-                    saved.update(st.keys())
-            unwrapped = accelerator.unwrap_model(accelerator._models[0], keep_torch_compile=False)
-            lacking = [n for n, p in unwrapped.named_parameters() if p.requires_grad and n not in saved]
-            if not files or lacking:
-                raise RuntimeError(f"the checkpoint lacks trainable parameters, e.g. {(lacking or ['model*.safetensors'])[0]}")
-            kwargs["strict"] = False
-        if universal:
-            from harness.checkpoint.elastic import repair_universal_load, universal_view
-
-            with universal_view(accelerator, path) as view, repair_universal_load(accelerator):
-                accelerator.load_state(str(view), **kwargs)
-        else:
-            accelerator.load_state(str(path), **kwargs)
-        return json.loads((path / STATE_FILE).read_text())
-    except Exception as e:  # noqa: BLE001 - a damaged file or a user mistake, reported on one line
-        error = HarnessError(f"could not load checkpoint {path} ({one_line(e, 400)}); resume from another "
-                             f"one with train.resume=<folder>, or check that the config matches the run that wrote it")
-        error.cause = one_line(e, 400)
-        raise error from e
-
-
-def load_resumable(accelerator, output_dir: str | Path, path: Path, auto: bool, quantized: bool = False,
-                   universal: bool = False) -> tuple[Path, dict]:
-    """Load checkpoint `path` on every process: (the checkpoint loaded, its loop state). With train.resume=auto a
-    checkpoint that verified but fails to load on any process (a file it should not hold, written for another model)
-    is passed over like one that fails verification: a warning, and the next older one that verifies is loaded (it
-    restores every loaded part, so what the failed attempt loaded does not remain). Every process takes the same
-    decision (one all-gather per attempt). A named checkpoint that fails, or none left: a one-line HarnessError."""
-    say = accelerator.print if accelerator is not None else print
-    failed: list[str] = []
-    while True:
-        error, saved = None, None
-        try:
-            saved = load_checkpoint(accelerator, path, quantized, universal)
-        except HarnessError as e:
-            error = (str(e), getattr(e, "cause", str(e)))
-        errors = [e for e in all_gather(accelerator, error) if e is not None]
-        if not errors:
-            return path, saved
-        if not auto:
-            raise HarnessError(errors[0][0])
-        cause = errors[0][1]
-        say(f"[harness] warning: checkpoint {path} verifies but cannot be loaded ({cause}): not resumed from, "
-            f"trying an older one")
-        failed.append(f"{path.name}: {cause}")
-        path, _ = resolve_resume(output_dir, "auto", accelerator, older_than=_step(path))
-        if path is None:
-            raise HarnessError(f"no checkpoint in {checkpoints_root(output_dir)} loads ({'; '.join(failed)}): move the "
-                               f"damaged folders away to start afresh, check that the config matches the run that "
-                               f"wrote them, or use another train.output_dir")
-
-
 class Checkpointer:
     """Decides when a checkpoint is due and writes it: every `train.save_every_steps` steps, when
     `train.save_every_minutes` have passed (a fact every process agrees on, see harness/stopping.py), and when the
-    attempt stops early. Knows what its last save cost (the time window keeps room for one more)."""
+    attempt stops early. Knows what its last save cost (the time window keeps room for one more). The data position
+    is saved with `samples` (rows of the epoch read by all processes of `layout`: what a resume under another
+    layout converts)."""
 
     def __init__(self, accelerator, output_dir: Path, every_steps: int, every_minutes: float, keep: int,
-                 say: Callable[[str], None], on_saved: Callable[[float], None]):
+                 say: Callable[[str], None], on_saved: Callable[[float], None], layout: Optional[Layout] = None,
+                 epoch_rows: Optional[dict] = None):
         self.accelerator, self.output_dir, self.keep, self.say, self.on_saved = accelerator, output_dir, keep, say, on_saved
+        self.layout, self.epoch_rows = layout, epoch_rows
         self.every_steps, self.every_minutes = every_steps, every_minutes
         self.last_save = time.time()
         self.last_step: Optional[int] = None  # the step of this attempt's latest checkpoint
@@ -371,9 +241,24 @@ class Checkpointer:
     def due(self, step: int, forced: bool) -> bool:
         return forced or bool(self.every_steps and step % self.every_steps == 0)
 
+    def folder(self, step: int) -> Path:
+        """Where the checkpoint of `step` is (or would be) written."""
+        return checkpoints_root(self.output_dir) / f"step-{step}"
+
+    def newest(self) -> Optional[Path]:
+        """The newest complete checkpoint in the output folder (any attempt's), or None."""
+        complete, _ = list_checkpoints(self.output_dir)
+        return complete[-1][1] if complete else None
+
+    def write(self, loop_state: dict) -> Path:
+        """Write a checkpoint of `loop_state` (collective), outside the cadence: nothing is timed or announced."""
+        if self.layout is not None:
+            loop_state = {**loop_state, "streams": samples_read(loop_state["streams"], self.layout, self.epoch_rows)}
+        return save_checkpoint(self.accelerator, self.output_dir, loop_state, self.keep)
+
     def save(self, loop_state: dict) -> Path:
         t = time.time()
-        path = save_checkpoint(self.accelerator, self.output_dir, loop_state, self.keep)
+        path = self.write(loop_state)
         self.last_save, self.last_step = time.time(), loop_state["step"]
         self.cost_s = self.last_save - t
         self.on_saved(self.cost_s)

@@ -65,7 +65,7 @@ class StepLog:
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "tokens_per_s": tok_s,
             "samples_per_s": sums.samples / interval_s,
-            "mfu": metrics.mfu(sums.flops / interval_s, 1.0, job.peak_flops),
+            "mfu": metrics.mfu(sums.flops / interval_s, 1.0, job.record.peak_flops),
             "padding_share": 1 - sums.tokens / max(sums.positions, 1),
             "data_wait_share": sums.wait_s / interval_s,
             "mem_gb": metrics.memory_gb(),
@@ -75,8 +75,9 @@ class StepLog:
         })
         if self.budget is not None:  # the window: elapsed, remaining, ETA, on track
             record.update(self.budget.status(done, total - state.step, meter.elapsed()))
-        record.update(job.sampler.drain() if job.sampler else {})  # utilisation since the previous log line
-        run_cost = cost.of_run(self.cfg, job.world, state.elapsed_s + time.time() - job.t_start, record.get("eta_s"))
+        facts = job.record
+        record.update(facts.sampler.drain() if facts.sampler else {})  # utilisation since the previous log line
+        run_cost = cost.of_run(self.cfg, job.world, state.elapsed_s + time.time() - facts.t_start, record.get("eta_s"))
         record.update(cost.fields(run_cost), **evaluation)
         self.logger.log(record)
         self.last.update(record)
@@ -107,29 +108,32 @@ def final_report(job, state: LoopState, log: StepLog, stopped_by: Optional[str],
     time went, utilisation and cost. `sections`: compile, eval, eval_at_start, final_dir, micro_batch_auto."""
     cfg, timings, last = job.cfg, job.timings, log.last
     setup = {"world_size": job.world, "distributed_type": job.accelerator.distributed_type.value, **job.zero,
-             "loss_mode": cfg.loss.mode, "parameters": job.parameters, "parameters_per_rank": job.held,
-             "precision": job.precision, "weights": job.weights, "tf32": job.tf32, "profile": cfg.train.profile,
+             "loss_mode": cfg.loss.mode, "parameters": job.record.parameters,
+             "parameters_per_rank": list(job.record.held),
+             "precision": job.precision, "weights": job.weights, "tf32": job.record.tf32,
+             "profile": cfg.train.profile,
              "attention": getattr(job.accelerator.unwrap_model(job.model, keep_torch_compile=False).config,
                                   "_attn_implementation", None),  # the kernel in use (auto resolved)
              "compile": sections["compile"]}
     trained_s = state.elapsed_s + train_time_s
     progress = {"steps": state.step, "planned_steps": job.total_steps, "stopped_by": stopped_by,
                 "resumed_from": str(job.resume_from) if job.resume_from else None,
-                "resumed_layout": job.resize.as_dict() if job.resize else None, "epochs": epoch_of(job, state),
-                "tokens": state.tokens, "train_time_s": trained_s, "wall_time_s": time.time() - job.t_start,
+                "resumed_layout": job.record.resize.as_dict() if job.record.resize else None,
+                "epochs": epoch_of(job, state),
+                "tokens": state.tokens, "train_time_s": trained_s, "wall_time_s": time.time() - job.record.t_start,
                 "tokens_per_s": state.tokens / max(trained_s, 1e-9)}
     results = {"first_loss": state.first_loss, "final_loss": last.get("loss"), "final_loss_gen": last.get("loss_gen"),
                "final_loss_emb": last.get("loss_emb"), "eval_at_start": sections["eval_at_start"],
                "eval": sections["eval"], "data": job.data.stats, "final_dir": sections["final_dir"],
-               "hardware": job.env}
+               "hardware": job.record.env}
     batch = {"flop_dims": list(job.objective.flop_dims), "micro_batch_size": cfg.train.micro_batch_size,
              "grad_accum": job.accum, "micro_batch_auto": sections["micro_batch_auto"]}
     time_used = {"timings": timings.as_dict(),
                  "time_budget": log.budget.summary(timings.process_wall_s, stopped_by == TIME_BUDGET)
                  if log.budget else None,
                  "plan": timing.plan_vs_actual(job.out / "plan.json", cfg, timings.process_wall_s),
-                 "utilisation": job.sampler.stop() if job.sampler else None,
-                 "cost": cost.of_run(cfg, job.world, state.elapsed_s + time.time() - job.t_start, 0.0)}
+                 "utilisation": job.record.sampler.stop() if job.record.sampler else None,
+                 "cost": cost.of_run(cfg, job.world, state.elapsed_s + time.time() - job.record.t_start, 0.0)}
     return {**setup, **progress, **results, **batch, **time_used}
 
 

@@ -1,0 +1,305 @@
+"""Resume, in one place: the run calls `plan` before the Accelerator exists, `choose` once it exists (before
+`prepare()`), and `restore` after `prepare()`, which returns the loop state.
+
+- `plan(cfg, world)`: the checkpoint a resume would most likely continue from (`newest_target`: the named folder or
+  the newest complete one), its harness_state.json read once, and the config fitted to this attempt's number of
+  processes (harness/checkpoint/layout.py's `fit`: the accumulation and DeepSpeed's batch settings follow it);
+- `choose(plan, accelerator, ...)`: the checkpoint verified and agreed by every process (`resolve_resume`), refused
+  when it lies past the schedule or was written under another engine or weights dtype; a ZeRO checkpoint of another
+  process count is set up to load through its universal view (harness/checkpoint/universal.py);
+- `restore(start, ...)`: the accelerate state loaded (`load_resumable`: with train.resume=auto a checkpoint that
+  fails to load is passed over for an older one) and the loop state, its data position carried over to this layout;
+  a fresh start's loop state at step 0.
+
+The spellings of "no resume" are `NO_RESUME`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from harness.checkpoint.layout import (DS_TAG, Layout, Resize, carry_over, check_same_engine, check_same_weights, fit,
+                                       layout_of, needs_universal, saved_layout)
+from harness.checkpoint.manifest import MARKER, STATE_FILE, Verification, verify_checkpoint
+from harness.checkpoint.store import checkpoints_root, is_complete, list_checkpoints, step_of
+from harness.checkpoint.universal import load_universal, repair_universal_load, universal_view
+from harness.distributed import all_gather, on_main
+from harness.errors import ConfigError, HarnessError, one_line
+from harness.files import human_bytes
+from harness.state import LoopState
+
+NO_RESUME = (None, "none", "null", "")  # train.resume values that start fresh
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Before the Accelerator: the likely resume target, its loop state (read once) and the config fitted to this
+    attempt's number of processes."""
+
+    cfg: object
+    resize: Optional[Resize]
+    target: Optional[Path]
+    saved: Optional[dict]
+
+
+@dataclass(frozen=True)
+class Start:
+    """Once the Accelerator exists: the verified checkpoint to resume from (None: a fresh start)."""
+
+    plan: Plan
+    path: Optional[Path]
+    saved: Optional[dict]
+    universal: bool  # a ZeRO checkpoint of another process count: loaded through its universal view
+    incomplete: list  # incomplete checkpoint folders passed over
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """After prepare(): the loop state, the checkpoint it came from and the layout change (None: the same)."""
+
+    state: LoopState
+    path: Optional[Path]
+    resize: Optional[Resize]
+    layout: Layout  # how this attempt splits the global batch (saved with every checkpoint)
+
+
+def plan(cfg, world: int) -> Plan:
+    """Before the Accelerator exists (every process the same; nothing is verified yet: the loop state is only read)."""
+    target, saved = newest_target(cfg)
+    before = saved_layout(target, saved, layout_of(cfg, world)) if target is not None else None
+    fitted, resize = fit(cfg, target, before, world) if target is not None else (cfg, None)
+    return Plan(fitted, resize, target, saved)
+
+
+def choose(p: Plan, accelerator, out: Path, zero_stage: Optional[int], weights: str) -> Start:
+    """The checkpoint to resume from, verified and agreed by every process (before prepare(): a ZeRO checkpoint of
+    another process count sets DeepSpeed's `checkpoint.load_universal`)."""
+    cfg = p.cfg
+    path, incomplete = resolve_resume(out, None if cfg.train.overwrite else cfg.train.resume, accelerator)
+    saved = (p.saved if path == p.target else read_state(path)) if path is not None else None
+    if path is not None and cfg.train.max_steps > 0:  # (with epochs: `restore`, once the schedule is known)
+        past_the_schedule(path, saved, cfg.train.max_steps)
+    universal = False
+    if path is not None:
+        before = saved_layout(path, saved, layout_of(cfg, accelerator.num_processes))
+        check_same_weights(path, before, weights)
+        check_same_engine(path, before, zero_stage)
+        universal = needs_universal(before, accelerator.num_processes, zero_stage)
+    if universal:
+        load_universal(accelerator)
+    return Start(p, path, saved, universal, incomplete)
+
+
+def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: str, streams: tuple, epoch_rows: dict,
+            total_steps: int, say: Callable[[str], None]) -> Resumed:
+    """After prepare(): the loop state to train from, a checkpoint's (its weights, optimizer, schedule and RNG
+    loaded on every process, its data position in this attempt's layout) or step 0's."""
+    layout = layout_of(cfg, accelerator.num_processes, zero_stage, weights)
+    if start.path is None:
+        return Resumed(LoopState(streams={n: {"epoch": 0, "batches": 0} for n in streams}, layout=layout.as_dict()),
+                       None, None, layout)
+    if cfg.train.max_steps <= 0:
+        past_the_schedule(start.path, start.saved, total_steps)
+    path, saved = load_resumable(accelerator, Path(cfg.train.output_dir), start.path, cfg.train.resume == "auto",
+                                 cfg.model.quantization != "none", universal=start.universal,
+                                 known={start.path: start.saved})
+    state = LoopState.from_saved(saved)
+    # another number of processes (or split of the batch): the data position in rows, the batch's new split
+    assumed = start.plan.resize.before if start.plan.resize else layout  # (what a checkpoint of an older harness was)
+    state.streams, resize, moved = carry_over(path, saved, layout, streams, epoch_rows, start.universal, assumed)
+    state.layout = layout.as_dict()
+    say(f"[harness] resumed from {path}: step {state.step}, data position {state.streams}{moved}")
+    return Resumed(state, path, resize, layout)
+
+
+def past_the_schedule(path: Path, saved: Optional[dict], total_steps: int) -> None:
+    """A checkpoint past the last step the config plans (train.max_steps lowered on an interrupted run) is refused:
+    resuming would export its weights as a run of fewer steps."""
+    try:
+        step = int(saved["step"])
+    except (ValueError, TypeError, KeyError):
+        return  # load_checkpoint says what is wrong with it
+    if step > total_steps:
+        raise ConfigError(f"config key 'train.max_steps': the run to resume is at step {step} ({path}), past "
+                          f"the {total_steps} steps this config plans; rerun with the run's own train.max_steps (>= "
+                          f"{step}), or start over with train.overwrite=true")
+
+
+def read_state(path: Path) -> Optional[dict]:
+    try:
+        state = json.loads((Path(path) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def newest_target(cfg) -> tuple[Optional[Path], Optional[dict]]:
+    """The checkpoint a resume would most likely continue from (before verification, which may pass it over for an
+    older one of the same run) and its loop state: the named folder, or the newest complete one with a readable loop
+    state (train.resume=auto); (None, None) for a fresh start."""
+    t = cfg.train
+    if t.overwrite or t.resume in NO_RESUME:
+        return None, None
+    if t.resume != "auto":
+        path = Path(t.resume)
+        return (path, read_state(path)) if (path / STATE_FILE).is_file() else (None, None)
+    complete, _ = list_checkpoints(t.output_dir)
+    for _, path in reversed(complete):
+        state = read_state(path)
+        if state is not None:
+            return path, state
+    return None, None
+
+
+def checkpoint_stage(output_dir) -> Optional[int]:
+    """The ZeRO stage of the newest complete checkpoint in `output_dir` (0: DDP / plain), None when there is none or
+    it does not say (an older harness's DeepSpeed checkpoint): what launch/train.sh --zero auto keeps on resume."""
+    for _, path in reversed(list_checkpoints(output_dir)[0]):
+        state = read_state(path)
+        if state is None:
+            continue
+        if state.get("layout"):
+            return state["layout"].get("zero_stage") or 0
+        return None if (path / DS_TAG).is_dir() else 0
+    return None
+
+
+def resolve_resume(output_dir: str | Path, resume: Optional[str], accelerator=None,
+                   older_than: Optional[int] = None) -> tuple[Optional[Path], list[Path]]:
+    """The checkpoint to resume from (None: start fresh) and the incomplete folders that were passed over.
+
+    resume: "auto" (the newest complete checkpoint that verifies, if any), a checkpoint folder (which must verify), or
+    None/"none" (fresh start; refused when output_dir already holds complete checkpoints, so that a restart never
+    overwrites a run by accident).
+
+    Every candidate is checked with `verify_checkpoint` (sizes, then checksums). auto: a checkpoint that fails is
+    passed over with a one-line warning naming what was wrong, and the next older one is tried; when checkpoints
+    exist but none verifies: a one-line HarnessError. An explicit folder that fails: a one-line ConfigError. A
+    checkpoint written by an older harness (marker without checksums) is accepted unverified, with a note.
+
+    accelerator: pass it when it exists (it must, under several processes): the main process lists the folders and
+    reads the markers, the checksum work is split between the processes, and every process gets the same results,
+    hence the same choice. Warnings are printed with accelerator.print (else print).
+
+    older_than: (auto) only checkpoints of earlier steps: those from step `older_than` on failed to load
+    (`load_resumable`)."""
+    say = accelerator.print if accelerator is not None else print
+
+    def candidates() -> tuple[list[Path], list[Path], bool]:
+        complete, incomplete = list_checkpoints(output_dir)
+        if resume in NO_RESUME:
+            if complete:
+                raise ConfigError(
+                    f"config key 'train.resume': {checkpoints_root(output_dir)} already holds checkpoints "
+                    f"(newest step-{complete[-1][0]}); use train.resume=auto to continue or another train.output_dir"
+                )
+            return [], incomplete, False
+        if resume == "auto":
+            return [p for s, p in reversed(complete) if older_than is None or s < older_than], incomplete, False
+        path = Path(resume)
+        if not path.is_dir():
+            raise ConfigError(f"config key 'train.resume': {path} is not a folder")
+        if not is_complete(path):
+            raise ConfigError(f"config key 'train.resume': {path} is not a complete checkpoint (no {MARKER} marker "
+                              f"or {STATE_FILE})")
+        return [path], incomplete, True
+
+    paths, incomplete, explicit = on_main(accelerator, candidates)
+    failed: list[Verification] = []
+    for path in paths:
+        t0 = time.perf_counter()
+        check = verify_checkpoint(path, accelerator)
+        if check.ok:
+            if check.legacy:
+                say(f"[harness] note: {path} has no checksums (marker of an older harness): resumed from unverified")
+            else:
+                say(f"[harness] checkpoint {path} verified: {check.files} files, {human_bytes(check.size)} in "
+                    f"{time.perf_counter() - t0:.1f}s")
+            return path, incomplete
+        if explicit:
+            raise ConfigError(f"config key 'train.resume': {path} fails verification: {check.describe()}")
+        say(f"[harness] warning: checkpoint {path} fails verification ({check.describe()}): not resumed from, "
+            f"trying an older one")
+        failed.append(check)
+    if failed:
+        raise HarnessError(
+            f"no checkpoint in {checkpoints_root(output_dir)} verifies ("
+            + "; ".join(f"{c.path.name}: {c.describe(limit=2)}" for c in failed)
+            + "): move the damaged folders away to start afresh, or use another train.output_dir")
+    return None, incomplete
+
+
+def load_checkpoint(accelerator, path: Path, quantized: bool = False, universal: bool = False,
+                    saved: Optional[dict] = None) -> dict:
+    """Restore the accelerate state (every rank) and return the loop state saved with it (`saved`: as already read
+    by `plan`). A checkpoint that cannot be loaded (unverifiable and damaged, or written for another model) is a
+    one-line HarnessError.
+
+    `quantized` (QLoRA): the frozen base is loaded quantized from model.name_or_path again, and its quantization
+    state entries (absmax, quant_map, ...) in the checkpoint do not load as parameters: the model is loaded
+    non-strictly, after checking that the checkpoint holds every trainable parameter (adapters, added tokens).
+
+    `universal`: a DeepSpeed checkpoint of another process count or ZeRO stage, loaded through its universal view
+    (harness/checkpoint/universal.py)."""
+    try:
+        kwargs = {}
+        if quantized:
+            from safetensors import safe_open
+
+            files = sorted(path.glob("model*.safetensors"))
+            names = set()
+            for f in files:
+                with safe_open(str(f), "pt") as st:
+                    names.update(st.keys())
+            unwrapped = accelerator.unwrap_model(accelerator._models[0], keep_torch_compile=False)
+            lacking = [n for n, p in unwrapped.named_parameters() if p.requires_grad and n not in names]
+            if not files or lacking:
+                raise RuntimeError(f"the checkpoint lacks trainable parameters, e.g. "
+                                   f"{(lacking or ['model*.safetensors'])[0]}")
+            kwargs["strict"] = False
+        if universal:
+            with universal_view(accelerator, path) as view, repair_universal_load(accelerator):
+                accelerator.load_state(str(view), **kwargs)
+        else:
+            accelerator.load_state(str(path), **kwargs)
+        return saved if saved is not None else json.loads((path / STATE_FILE).read_text())
+    except Exception as e:  # noqa: BLE001 - a damaged file or a user mistake, reported on one line
+        error = HarnessError(f"could not load checkpoint {path} ({one_line(e, 400)}); resume from another "
+                             f"one with train.resume=<folder>, or check that the config matches the run that wrote it")
+        error.cause = one_line(e, 400)
+        raise error from e
+
+
+def load_resumable(accelerator, output_dir: str | Path, path: Path, auto: bool, quantized: bool = False,
+                   universal: bool = False, known: Optional[dict] = None) -> tuple[Path, dict]:
+    """Load checkpoint `path` on every process: (the checkpoint loaded, its loop state). With train.resume=auto a
+    checkpoint that verified but fails to load on any process (a file it should not hold, written for another model)
+    is passed over like one that fails verification: a warning, and the next older one that verifies is loaded (it
+    restores every loaded part, so what the failed attempt loaded does not remain). Every process takes the same
+    decision (one all-gather per attempt). A named checkpoint that fails, or none left: a one-line HarnessError."""
+    say = accelerator.print if accelerator is not None else print
+    failed: list[str] = []
+    while True:
+        error, saved = None, None
+        try:
+            saved = load_checkpoint(accelerator, path, quantized, universal, (known or {}).get(path))
+        except HarnessError as e:
+            error = (str(e), getattr(e, "cause", str(e)))
+        errors = [e for e in all_gather(accelerator, error) if e is not None]
+        if not errors:
+            return path, saved
+        if not auto:
+            raise HarnessError(errors[0][0])
+        cause = errors[0][1]
+        say(f"[harness] warning: checkpoint {path} verifies but cannot be loaded ({cause}): not resumed from, "
+            f"trying an older one")
+        failed.append(f"{path.name}: {cause}")
+        path, _ = resolve_resume(output_dir, "auto", accelerator, older_than=step_of(path))
+        if path is None:
+            raise HarnessError(f"no checkpoint in {checkpoints_root(output_dir)} loads ({'; '.join(failed)}): move the "
+                               f"damaged folders away to start afresh, check that the config matches the run that "
+                               f"wrote them, or use another train.output_dir")
