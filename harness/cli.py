@@ -203,11 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("summary", help="(re)write a run folder's summary.md and plots")
     sub.add_parser("compare", help="compare run folders: key figures side by side, losses overlaid")
     sub.add_parser("rft", help="rejection-sampling fine-tuning: sft-data, generate, train, test (docs/rft.md)")
-    sub.add_parser("bench", help="harness vs raw PyTorch vs HF Trainer, or profiles (see python -m harness.tools.bench -h)")
+    sub.add_parser("bench", help="harness vs raw PyTorch vs HF Trainer, or profiles (see harness bench -h)")
     sub.add_parser("plan", help="fit a run into a wall-clock window (harness plan FILE --hours H; see --help)")
     sub.add_parser("chat", help="chat with a trained model (its final/ folder) on stdin (harness chat -h)")
     sub.add_parser("push", help="upload a run's final/ with its model card to the Hugging Face hub (harness push -h)")
-    sub.add_parser("zero-plan", help="GPU memory per ZeRO stage and the lowest that fits (python -m harness.tools.zero_plan -h)")
+    sub.add_parser("zero-plan", help="GPU memory per ZeRO stage and the lowest that fits (harness zero-plan -h)")
     return p
 
 

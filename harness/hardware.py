@@ -1,6 +1,6 @@
 """Device facts: what the hardware supports, peak FLOP/s by GPU name, the environment report.
 
-    python -m harness.hardware        # print the environment report as JSON
+    harness env        # print the environment report
 
 Facts only; the one policy here is `resolve_precision`, the documented mapping from `train.precision: auto`
 to a concrete precision.
@@ -8,7 +8,6 @@ to a concrete precision.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 from importlib import metadata
@@ -160,10 +159,6 @@ def environment_report() -> dict:
             for p in ("harness", "accelerate", "transformers", "deepspeed", "peft", "datasets", "tensorboard", "tokenizers")
         },
     }
-
-
-if __name__ == "__main__":
-    print(json.dumps(environment_report(), indent=2))
 
 
 def process_start_time() -> float:

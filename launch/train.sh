@@ -84,7 +84,7 @@ else
   if [ "$ZERO" = auto ]; then
     MEM=$(gpu_mem_gb)
     [ -n "$MEM" ] || die "cannot read the GPU memory (nvidia-smi); set GPU_MEM_GB or use --zero N"
-    PLAN_CMD=("$PYTHON" -m harness.tools.zero_plan "$CONFIG" "${ARGS[@]}" --gpus "$GPUS" --nodes "$NUM_NODES" --gpu-mem-gb "$MEM")
+    PLAN_CMD=("$PYTHON" -m harness.cli zero-plan "$CONFIG" "${ARGS[@]}" --gpus "$GPUS" --nodes "$NUM_NODES" --gpu-mem-gb "$MEM")
     if [ -n "${HOST_MEM_GB:-}" ]; then PLAN_CMD+=(--host-mem-gb "$HOST_MEM_GB"); fi
     show "${PLAN_CMD[@]}"
     PLAN_RC=0

@@ -18,14 +18,12 @@ harness.model.CHAT_MARKERS):
 The token ids are exactly `tokenizer.apply_chat_template(messages)`'s; the loss covers every assistant turn's
 content and what the template closes it with (`</s>`, `<|im_end|>`, `<|eot_id|>`).
 
-    python -m harness.data.samples data/sample/gen.jsonl     # validate files and print token-length statistics
+    harness data-stats data/sample/gen.jsonl     # validate files and print token-length statistics
 """
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -400,12 +398,3 @@ def retrieval_eval_set(rows, tokenizer, query_max_len: int, passage_max_len: int
     q_ids, q_instr, _ = tokenize_embed_texts([r["query"] for r in rows], tokenizer, query_max_len, fmt)
     c_ids, c_instr, _ = tokenize_embed_texts(texts, tokenizer, passage_max_len, fmt)
     return {"queries": list(zip(q_ids, q_instr)), "corpus": list(zip(c_ids, c_instr)), "positives": positives}
-
-
-if __name__ == "__main__":
-    from harness.config import ModelConfig
-    from harness.model import load_tokenizer
-
-    rows = load_generative_rows(sys.argv[1:] or ["data/sample/gen.jsonl"])
-    _, st = tokenize_dataset(rows, load_tokenizer(ModelConfig()), max_len=1 << 20)
-    print(json.dumps(st, indent=2))

@@ -107,7 +107,3 @@ def main(argv: list[str] | None = None) -> int:
         answer = reply(model, tok, messages, args)
         messages.append({"role": "assistant", "content": answer})
         print(answer, flush=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

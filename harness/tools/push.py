@@ -68,11 +68,3 @@ def main(argv: list[str] | None = None) -> int:
     url = push(args.run_dir, args.repo_id, args.private, args.revision, args.token or os.environ.get("HF_TOKEN"))
     print(f"[harness] pushed {Path(args.run_dir) / 'final'} to {args.repo_id}: {url}")
     return 0
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except HarnessError as err:
-        print(f"harness: error: {err}", file=sys.stderr)
-        sys.exit(err.exit_code)

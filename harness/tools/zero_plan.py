@@ -1,7 +1,7 @@
 """GPU memory per process for each ZeRO stage, and the lowest stage that fits (`launch/train.sh --zero auto`).
 
-    python -m harness.tools.zero_plan configs/llama-7b.yaml --gpus 8 --gpu-mem-gb 80          # or: harness zero-plan ...
-    python -m harness.tools.zero_plan configs/llama-70b.yaml --gpus 8 --nodes 2 --gpu-mem-gb 80 data.max_len=2048
+    harness zero-plan configs/llama-7b.yaml --gpus 8 --gpu-mem-gb 80
+    harness zero-plan configs/llama-70b.yaml --gpus 8 --nodes 2 --gpu-mem-gb 80 data.max_len=2048
 
 The arithmetic, printed line by line (GiB = 2**30 bytes):
 
@@ -360,7 +360,3 @@ def main(argv: list[str] | None = None) -> int:
         return err.exit_code
     print(result.text)
     return 0 if result.choice or result.proposal else 3
-
-
-if __name__ == "__main__":
-    sys.exit(main())
