@@ -209,6 +209,14 @@ def test_save_config_round_trip_default_recipe(tmp_path, repo_root):
     assert load_config(tmp_path / "config.yaml") == original
 
 
+def test_a_training_runs_config_yaml_has_no_rft_section(tmp_path, repo_root):
+    """build.py writes config.yaml without `rft` (a training run reads none of it); it reloads to the same run."""
+    original = load_config(repo_root / "configs" / "default.yaml")
+    save_config(original, tmp_path / "config.yaml", omit=("rft",))
+    assert "rft" not in yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert load_config(tmp_path / "config.yaml") == original
+
+
 def test_save_config_round_trip_tricky_strings(tmp_path):
     # Strings that YAML would read as other types must be quoted on save.
     original = Config(

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from harness.config import Config, lora_config
+from harness.config.sections import Config, lora_config
 from harness.errors import ConfigError
 
 

@@ -1,0 +1,354 @@
+"""The run configuration's sections: every key with its type, default and help text (harness/config/__init__.py
+loads, overrides, validates and writes them). Light: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+from harness.errors import ConfigError
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field with a help text (mutable defaults go through a factory)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: Optional[str] = _f(None, "Hugging Face model id or local folder. Null: build from `config`.")
+    config: dict = _f(
+        {},
+        "transformers config kwargs for a randomly initialised model (needs `model_type`, e.g. llama). "
+        "With name_or_path set, these override the loaded config.",
+    )
+    random_init: bool = _f(False, "With name_or_path: take its architecture but initialise the weights randomly.")
+    tokenizer: Optional[str] = _f(
+        None, "Tokenizer id or folder; `bundled` = the offline tokenizer shipped in harness/assets. "
+        "Null: name_or_path, or the bundled one when building from `config`."
+    )
+    attn_implementation: str = _f(
+        "auto", "Attention kernel: auto, sdpa, eager, flex_attention, flash_attention_2, ... auto: flex_attention "
+        "for packed generative training on a CUDA GPU (the fastest measured, docs/benchmarks.md), else sdpa where "
+        "the model supports it, else eager (one line says so; e.g. gemma2).")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward (non-reentrant) to save memory.")
+    trust_remote_code: bool = _f(False, "Allow model code from the model's repository.")
+    pooling: Literal["mean", "weightedmean", "lasttoken"] = _f(
+        "mean", "Embedding pooling over the text tokens (instruction tokens excluded): mean, weightedmean "
+        "(position-weighted, GritLM), lasttoken (an eos is appended).")
+    embed_attention: Literal["bidirectional", "causal"] = _f(
+        "bidirectional", "Attention in embedding passes (generation is always causal). bidirectional: "
+        "llama, mistral, qwen2, qwen3 with sdpa or eager attention.")
+    quantization: Literal["none", "4bit", "8bit"] = _f(
+        "none", "QLoRA: load the pretrained base quantized by bitsandbytes (pip install harness[qlora]) and train LoRA "
+        "adapters on it. 4bit: nf4 with double quantisation, computing in the run's precision (bf16 or fp32); 8bit: "
+        "LLM.int8. Needs model.lora.enabled=true and a pretrained model.name_or_path; not under ZeRO-3.")
+    lora: dict = _f({}, "LoRA through peft (keys below, LoraConfig); e.g. model.lora.enabled=true model.lora.r=16. "
+                        "final/ then holds the adapter and final/merged/ the merged model.")
+
+
+@dataclass
+class LoraConfig:
+    """The keys of `model.lora` (a mapping, so that `model.lora.r=16` overrides one key)."""
+
+    enabled: bool = _f(False, "Train LoRA adapters instead of all weights (the base is frozen).")
+    r: int = _f(8, "LoRA rank.")
+    alpha: float = _f(16.0, "LoRA alpha (the update is scaled by alpha / r).")
+    dropout: float = _f(0.0, "Dropout on the LoRA input.")
+    target_modules: Union[str, list] = _f("all-linear", "Module names to adapt (list), or all-linear (every linear "
+                                                       "layer but the output head).")
+
+
+def lora_config(model: "ModelConfig") -> LoraConfig:
+    """`model.lora` checked key by key (unknown keys and wrong types name the key) with the defaults filled in."""
+    fields = _section_fields(LoraConfig)
+    out = {}
+    for key, value in model.lora.items():
+        if key not in fields:
+            raise _unknown("key", f"model.lora.{key}", list(fields))
+        out[key] = _coerce(f"model.lora.{key}", value, fields[key])
+    cfg = LoraConfig(**out)
+    if cfg.r < 1 or not 0 <= cfg.dropout < 1:
+        raise ConfigError("config key 'model.lora.r' must be >= 1" if cfg.r < 1
+                          else "config key 'model.lora.dropout': must be in [0, 1)")
+    return cfg
+
+
+@dataclass
+class DataConfig:
+    train_files: list = _f([], "Generative data sources. A source is a path (.jsonl, .jsonl.gz, .json, .parquet, "
+                              ".csv, .tsv, .arrow file; a folder of them; a save_to_disk folder) or a hub data set id, "
+                              "or a mapping {path, split, subset, format, weight, columns}. format: text, messages, "
+                              "sharegpt, alpaca, gritlm (detected from the columns when not given); columns: {field: "
+                              "column}; weight: the source's share of each epoch (give all or none; harness.data.mixing).")
+    eval_files: list = _f([], "Held-out generative sources (as data.train_files); evaluated every train.eval_every "
+                              "steps and at the end.")
+    eval_split: Union[int, float, None] = _f(
+        None, "Hold out part of the training data for evaluation when no eval files are given (data.eval_files, "
+        "data.emb_eval_files): a fraction in (0, 1) or a number of records, drawn once from train.seed before "
+        "weighting (the same on every process and on resume; never trained on).")
+    max_len: Union[int, Literal["auto"]] = _f(
+        512, "Tokens per sample; longer samples are truncated (and counted in the log). auto: the "
+        "max_len_percentile of the data's token lengths, rounded up to a multiple of 8.")
+    chat_template: str = _f(
+        "auto", "How chat records are laid out (harness.data.chat): auto (the tokenizer's own chat template, else the "
+        "GritLM layout <|user|>/<|assistant|>), tokenizer (its own; an error if it has none), gritlm, or the path of "
+        "a Jinja file. The ids trained are apply_chat_template's, the loss is on the assistant turns, and the "
+        "template is saved with the tokenizer (final/, checkpoints).")
+    max_len_percentile: float = _f(99.0, "Percentile of sample lengths that data.max_len=auto covers.")
+    packing: bool = _f(False, "Pack generative samples into rows of max_len (best-fit; no attention across "
+                              "documents: per-document position ids).")
+    group_by_length: bool = _f(False, "Embedding data: batch queries of similar length together (less padding).")
+    pad_buckets: int = _f(0, "Pad unpacked micro-batches up to one of N evenly spaced widths up to the max length "
+                             "(N shapes per stream) instead of to the longest row (0). See docs/speed.md.")
+    emb_train_files: list = _f([], "Embedding sources (as data.train_files, format embedding: {query, pos, neg}; "
+                                   "loss.mode embedding or unified).")
+    emb_eval_files: list = _f([], "Held-out embedding sources: retrieval recall@1 and MRR every train.eval_every "
+                                  "steps and at the end.")
+    train_group_size: int = _f(2, "Passages per query in training: 1 positive + (n-1) sampled hard negatives.")
+    query_max_len: int = _f(64, "Tokens per query, instruction included (the text is truncated, not the instruction).")
+    passage_max_len: int = _f(128, "Tokens per passage, instruction included.")
+    emb_instruction_template: str = _f("<|user|>\n{instruction}\n<|embed|>\n",
+                                       "Text before an embedded text that has an instruction.")
+    emb_plain_template: str = _f("<|embed|>\n", "Text before an embedded text without instruction.")
+    shuffle: bool = _f(True, "Shuffle the training samples each epoch (seeded by train.seed and the epoch).")
+    num_workers: int = _f(0, "DataLoader worker processes.")
+    pin_memory: Union[bool, Literal["auto"]] = _f("auto", "Pin host memory for faster copies (auto: on with a GPU).")
+    prefetch_factor: int = _f(2, "Batches each worker prepares ahead (with num_workers > 0).")
+    persistent_workers: bool = _f(False, "Keep workers alive between epochs (with num_workers > 0).")
+    cache_dir: Optional[str] = _f(None, "datasets cache folder for the tokenized data. Null: the datasets default.")
+
+
+@dataclass
+class LossConfig:
+    mode: Literal["generative", "embedding", "unified"] = _f(
+        "generative", "generative: next-token loss; embedding: contrastive loss; unified: their weighted sum "
+        "(GritLM), one generative and one embedding micro-batch per micro-step.")
+    temperature: float = _f(0.02, "Contrastive softmax temperature on cosine similarities.")
+    gen_averaging: Literal["token", "mixed"] = _f(
+        "token", "token: mean over every trained token of the whole (global, accumulated) step; mixed: mean of the "
+        "per-micro-batch token means (GritLM's 'mixed').")
+    gen_weight: float = _f(1.0, "Weight of the generative loss (GritLM loss_gen_factor).")
+    emb_weight: float = _f(1.0, "Weight of the contrastive loss.")
+    gather_negatives: bool = _f(True, "Use every process's passages as negatives (gathered with their gradient).")
+    grad_cache_chunks: int = _f(
+        1, "Cached-representation mode (GradCache): embed each embedding micro-batch in this many chunks without "
+        "graph, compute the loss on the whole batch, then back-propagate chunk by chunk. 1: off.")
+    chunked_ce: Union[bool, Literal["auto"]] = _f(
+        "auto", "Generative loss through the output head in chunks of positions (harness.losses."
+        "chunked_token_loss_sum): the [batch, seq, vocab] logits are never built; same loss and gradients. true, "
+        "false, or auto: on when the fp32 logits of the longest generative micro-batch (micro-batch x its longest "
+        "row x vocab x 4 bytes) would take at least 256 MiB and the model's head supports it (a plain Linear head, "
+        "no logit scaling, not with train.compile=full); off otherwise, with a one-line note when only the head "
+        "stood in the way. Also used by the generative evaluation.")
+    chunked_ce_size: int = _f(1024, "Positions per chunk with loss.chunked_ce (each chunk builds chunk x vocab "
+                                    "logits).")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(3e-4, "Peak learning rate.")
+    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to biases and norm weights).")
+    beta1: float = _f(0.9, "AdamW beta1.")
+    beta2: float = _f(0.95, "AdamW beta2.")
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
+    scheduler: Literal["cosine", "linear", "constant"] = _f("cosine", "Learning-rate decay after warmup.")
+    warmup_steps: int = _f(0, "Linear warmup steps (takes precedence over warmup_ratio when > 0).")
+    warmup_ratio: float = _f(0.0, "Warmup as a fraction of the total optimizer steps.")
+    min_lr_ratio: float = _f(0.0, "Cosine/linear decay ends at lr * min_lr_ratio.")
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = _f("runs/default", "Run folder: config.yaml, metrics.jsonl, tensorboard/, final/, report.json.")
+    seed: int = _f(42, "Seed for model init, data order and dropout.")
+    max_steps: int = _f(-1, "Optimizer steps to run; -1: run `epochs` epochs.")
+    epochs: float = _f(1.0, "Passes over the training data when max_steps is -1 (fractions allowed).")
+    micro_batch_size: Union[int, Literal["auto"]] = _f(
+        8, "Samples per process per forward/backward. auto: the largest that fits in memory (accelerate's "
+        "find_executable_batch_size, halving from train.global_batch_size / processes after a trial step on the "
+        "longest batch); grad_accum then follows so that the global batch stays train.global_batch_size.")
+    global_batch_size: int = _f(0, "Sequences (or embedding queries) per optimizer step over all processes; needed "
+                                   "with micro_batch_size=auto. 0: micro_batch_size x grad_accum x processes.")
+    emb_micro_batch_size: int = _f(8, "Embedding queries per process per micro-step (each with train_group_size passages).")
+    grad_accum: int = _f(1, "Micro-batches accumulated per optimizer step.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = _f(
+        "auto", "auto: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU."
+    )
+    weights: Literal["fp32", "bf16"] = _f(
+        "fp32", "The parameters' dtype when train.precision is bf16. fp32: fp32 weights with the forward under bf16 "
+        "autocast, the same on every path (DeepSpeed ZeRO 1-3 through its torch_autocast), so every ZeRO stage trains "
+        "the plain path's model. bf16: bf16 weights and gradients with fp32 master copies in the optimizer "
+        "(DeepSpeed's bf16 mode; a run without a DeepSpeed launcher or train.deepspeed uses train.deepspeed=zero0): "
+        "2 bytes less per parameter under ZeRO 1-2, half the ZeRO-3 gathers, no weight casts per forward.")
+    tf32: bool = _f(True, "Allow TF32 matmuls on Ampere or newer GPUs.")
+    profile: Optional[str] = _f(None, "Speed profile (harness/config/profiles.py): conservative, balanced, aggressive, "
+                                      "memory_efficient; applied below the recipe file and the overrides.")
+    compile: Literal["auto", "regional", "full", "none"] = _f(
+        "auto", "torch.compile through accelerate: regional (each repeated block; fast cold start), full, none. "
+        "auto: regional on CUDA, none on CPU. Runs whose batches change shape (embedding passes, unpacked rows) "
+        "compile with dynamic shapes: one graph per kind of pass, not one per length.")
+    compile_dynamic: Optional[bool] = _f(None, "torch.compile shapes. null: dynamic where batches change shape "
+                                               "(embedding passes, unpacked rows); true: always; false: dynamo's "
+                                               "default (static until a size changes).")
+    log_every: int = _f(10, "Log metrics every N optimizer steps (and always at the last step).")
+    eval_every: int = _f(0, "Evaluate (eval files, retrieval) every N steps; 0: only at the end.")
+    eval_at_start: bool = _f(True, "Also evaluate before the first step of a fresh run (the step-0 baseline).")
+    report_to: list = _f(["tensorboard"], "accelerate trackers to log to (tensorboard, wandb, mlflow, ...; "
+                                          "installed separately except tensorboard); [] for none.")
+    tracker_project: Optional[str] = _f(None, "The wandb project and the mlflow experiment (tensorboard writes to "
+                                              "<output_dir>/tensorboard). Null: the output folder's name.")
+    tracker_entity: Optional[str] = _f(None, "wandb entity (team or user); null: wandb's default.")
+    run_name: Optional[str] = _f(None, "The run's name in wandb and mlflow; null: the output folder's name.")
+    monitor_interval_s: float = _f(2.0, "Sample GPU (NVML) / CPU utilisation and memory every N seconds in the "
+                                        "background (metrics.jsonl, report.json); 0: off.")
+    price_per_hour: float = _f(0.0, "Price of one hour per train.price_unit, for the cost so far and projected in "
+                                    "the log lines, report.json and harness plan; 0: not priced.")
+    price_unit: Literal["machine", "gpu"] = _f("machine", "What train.price_per_hour is for: one machine, or one "
+                                                          "GPU (multiplied by the number of processes).")
+    summary: bool = _f(True, "At the end, print the key figures and write summary.md and plots/*.png "
+                             "(harness summary RUN_DIR writes them later too).")
+    progress_bar: bool = _f(True, "Show a tqdm progress bar on the main process.")
+    profile_steps: int = _f(0, "Profile this many training steps with torch.profiler once the run has settled "
+                               "(from the 11th step of the attempt): <output_dir>/profile/ ops.txt (top operators by "
+                               "device time), summary.json (device time by kernel kind, idle share), trace.json.gz "
+                               "(Perfetto). 0: off.")
+    save_final: bool = _f(True, "Export the trained model and tokenizer to <output_dir>/final in HF format.")
+    save_final_checkpoint: bool = _f(True, "Also checkpoint the last step (weights, optimizer state, data position; "
+                                           "within train.save_total_limit), so that a rerun with a larger "
+                                           "train.max_steps continues exactly where the run ended. false: the run "
+                                           "ends with the export alone (no disk or time for the optimizer state of "
+                                           "a large model); a longer rerun continues from the last periodic "
+                                           "checkpoint.")
+    stop_at_step: int = _f(0, "End this attempt after this many steps of the planned run, with a checkpoint and "
+                            "no export (split a run across sessions; continue with train.resume=auto); 0: off.")
+    save_every_steps: int = _f(0, "Write a full training checkpoint every N optimizer steps; 0: never.")
+    max_nonfinite_skips: int = _f(3, "Skip an optimizer step whose gradient is NaN/inf, up to this many in a row; "
+                                     "then stop with a checkpoint of the last good weights (exit 1).")
+    save_every_minutes: float = _f(30.0, "Also checkpoint when this many minutes passed since the last save, so "
+                                         "that a preemptible box loses at most this much work (default 30 min); "
+                                         "0: off.")
+    time_budget_hours: float = _f(0.0, "Wall-clock window of this attempt: stop in time for a final checkpoint and "
+                                       "export before it closes; 0: no window.")
+    save_total_limit: int = _f(2, "Keep only the newest N complete checkpoints; 0: keep all.")
+    resume: Optional[str] = _f(
+        "auto", "auto: continue from the newest complete checkpoint in output_dir if there is one; "
+        "a checkpoint folder; or null to start fresh (refused when output_dir already holds checkpoints). A run "
+        "whose report.json says it finished is not run again: the rerun prints where its outputs are and exits 0."
+    )
+    overwrite: bool = _f(False, "Start over in an output_dir that holds a finished or interrupted run: its "
+                                "checkpoints/, final/, metrics.jsonl, report.json, summary.md, plots/ and "
+                                "tensorboard/ are deleted first (not kept aside); only in a folder that holds a harness run "
+                                "(its config.yaml).")
+    deepspeed: Optional[str] = _f(
+        None, "DeepSpeed config for runs without a DeepSpeed accelerate launcher: a JSON path or a shipped name "
+        "(zero0, zero1, zero2, zero2_offload, zero3, zero3_offload)."
+    )
+
+
+@dataclass
+class RftConfig:
+    """Rejection-sampling fine-tuning (harness/rft): `harness rft generate | train | test`."""
+
+    task: str = _f("arithmetic", "arithmetic (generated sums, differences, products and unit conversions) or a "
+                                 "JSONL file of {question, answer} records with numeric answers.")
+    test_file: Optional[str] = _f(None, "JSONL task: the held-out {question, answer} file for `rft test`.")
+    num_train_questions: int = _f(200, "arithmetic: questions in the split that `rft generate` answers.")
+    num_test_questions: int = _f(100, "arithmetic: held-out questions for `rft test`.")
+    num_sft_questions: int = _f(300, "arithmetic: questions with worked answers for a supervised warm-up "
+                                     "(`rft sft-data`); disjoint from the other splits.")
+    max_operand: int = _f(20, "arithmetic: operands are drawn from 0..max_operand.")
+    task_seed: int = _f(0, "Seed of the generated questions and splits.")
+    tolerance: float = _f(1e-6, "Verifier: |answer - reference| <= tolerance * max(1, |reference|).")
+    oversample: int = _f(8, "Sampled answers per question.")
+    temperature: float = _f(1.0, "Sampling temperature of `rft generate` (`rft test` decodes greedily).")
+    top_p: float = _f(1.0, "Nucleus sampling threshold.")
+    max_new_tokens: int = _f(48, "Tokens generated per answer at most.")
+    questions_per_batch: int = _f(16, "Questions per generation batch (each with `oversample` sequences); a batch "
+                                      "is the unit of progress that a restarted run does not redo.")
+    micro_batch_sequences: int = _f(256, "Sequences per generate() call at most; halved on a CUDA out-of-memory "
+                                         "error.")
+    keep_per_question: int = _f(4, "Distinct verified answers kept per question at most.")
+    output_dir: str = _f("runs/rft/generate", "`rft generate` folder: shards/ (append-only, per rank), rft.jsonl "
+                                              "(the kept examples as chat records), stats.json.")
+    seed: int = _f(0, "Sampling seed (each batch is seeded from it and its first question).")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rft: RftConfig = field(default_factory=RftConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+# ----------------------------------------------------------------------------------------------- typing
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        null = " or null" if type(None) in typing.get_args(tp) else ""
+        return " or ".join(_type_name(a) for a in args) + null
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check `value` against the declared type `tp`; return it (ints are accepted where floats are)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, value, a)
+            except ConfigError:
+                pass
+        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+        return value
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+        list: lambda v: isinstance(v, list),
+        dict: lambda v: isinstance(v, dict),
+    }[tp]
+    if not ok(value):
+        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
+    return float(value) if tp is float else value
+
+
+def _section_fields(section_cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def _unknown(kind: str, key: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key.split(".")[-1], known, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return ConfigError(f"unknown config {kind} '{key}'{hint}")
