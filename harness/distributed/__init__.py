@@ -1,4 +1,4 @@
-"""Process setup: the Accelerator, DeepSpeed ZeRO selection, and facts about how the model is sharded.
+"""Process setup: the Accelerator and DeepSpeed ZeRO selection (the ZeRO facts: harness/distributed/zero.py).
 
 How a run becomes distributed, in order of precedence:
   1. The launcher: `accelerate launch --config_file accelerate_configs/zero2.yaml harness/train.py ...` (the YAML names
@@ -19,7 +19,6 @@ its result or its one-line error on every process), `broadcast`, `all_gather`, `
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -30,9 +29,14 @@ from typing import Callable, Optional
 import torch
 
 from harness.config import Config
+from harness.distributed.zero import (apply_weights, deepspeed_config, model_init_context, parameters_held,
+                                      planned_weights, repair_stage0_optimizer, without_zero3_init, zero_info)
 from harness.errors import ConfigError, HarnessError, one_line
 
-DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+__all__ = ["apply_weights", "deepspeed_config", "model_init_context", "parameters_held", "planned_weights",
+           "repair_stage0_optimizer", "without_zero3_init", "zero_info"]  # (zero.py's, used as distributed.X)
+
+DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 
 
 def launcher_uses_deepspeed() -> bool:
@@ -229,107 +233,6 @@ def route_weights(cfg: Config, precision: str) -> tuple[Config, Optional[str]]:
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, deepspeed="zero0"))
     return cfg, ("[harness] train.weights=bf16: bf16 weights with fp32 master copies in DeepSpeed's optimizer "
                  "(train.deepspeed=zero0: DeepSpeed without ZeRO)")
-
-
-def planned_weights(precision: str, weights: str, deepspeed: bool) -> str:
-    """The dtype the trained parameters will have: train.weights in bf16 runs, fp16 under DeepSpeed's fp16 mode,
-    otherwise fp32 (autocast over fp32 weights)."""
-    if precision == "bf16":
-        return weights
-    return "fp16" if precision == "fp16" and deepspeed else "fp32"
-
-
-def apply_weights(ds: dict, weights: str, mixed_precision: str) -> bool:
-    """train.weights in the DeepSpeed config, in place, before prepare() (bf16 runs only; True when it changed).
-    fp32: DeepSpeed's torch_autocast, the plain path's numerics (fp32 weights and gradients, optimizer on the
-    weights, the forward under bf16 autocast); its bf16 mode off. bf16: DeepSpeed's bf16 mode (bf16 weights and
-    gradients, fp32 master copies in the optimizer); torch_autocast off. Other torch_autocast keys of a user's
-    config (lower_precision_safe_modules) are kept."""
-    if mixed_precision != "bf16":
-        return False
-    autocast = dict(ds.get("torch_autocast") or {})
-    if weights == "fp32":
-        ds["bf16"] = {**(ds.get("bf16") or {}), "enabled": False}
-        ds["torch_autocast"] = {**autocast, "enabled": True, "dtype": "bfloat16"}
-    else:
-        ds["bf16"] = {**(ds.get("bf16") or {}), "enabled": True}
-        if autocast:
-            ds["torch_autocast"] = {**autocast, "enabled": False}
-    return True
-
-
-def repair_stage0_optimizer(optimizer) -> bool:
-    """DeepSpeed without ZeRO in bf16 / fp16 (train.weights=bf16 on the plain path, train.deepspeed=zero0) wraps the
-    optimizer in its FP16_UnfusedOptimizer (FP16_Optimizer for its own fused Adam), which creates the state with one
-    step on zero gradients when it starts (`initialize_optimizer_states`). That leaves torch's AdamW one step ahead,
-    so its first real update is 0.74 x lr (step 2's bias correction), and decays the fp32 master copies once. Measured
-    on the CPU: AdamW's step read 2 after one step, and zero0 trained 0.6% behind ZeRO-2 at step 2. Repaired after
-    prepare(): the state is emptied (AdamW starts it at the first real step) and the masters are copied back from the
-    16-bit weights they were made from, after which stage 0 trains exactly as ZeRO-2 does. True when repaired."""
-    ds_opt = getattr(optimizer, "optimizer", None)  # accelerate's wrapper -> DeepSpeed's
-    if type(ds_opt).__name__ not in ("FP16_UnfusedOptimizer", "FP16_Optimizer"):
-        return False
-    ds_opt.optimizer.state.clear()
-    if hasattr(ds_opt, "fp32_groups_flat"):  # FP16_Optimizer: one flat master per group
-        pairs = zip(ds_opt.fp32_groups_flat, ds_opt.fp16_groups_flat)
-    else:
-        pairs = ((a, b) for ga, gb in zip(ds_opt.fp32_groups, ds_opt.fp16_groups) for a, b in zip(ga, gb))
-    with torch.no_grad():
-        for master, weight in pairs:
-            master.copy_(weight)
-    return True
-
-
-def deepspeed_config(accelerator) -> Optional[dict]:
-    """The live DeepSpeed config dict (auto values filled at prepare), or None without DeepSpeed."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    return plugin.deepspeed_config if plugin is not None else None
-
-
-def zero_info(accelerator) -> dict:
-    """ZeRO stage and offload targets, for the report (stage None without DeepSpeed)."""
-    ds = deepspeed_config(accelerator)
-    if ds is None:
-        return {"zero_stage": None, "offload_optimizer": None, "offload_param": None}
-    z = ds.get("zero_optimization", {})
-    device = lambda key: (z.get(key) or {}).get("device", "none")  # noqa: E731
-    return {"zero_stage": z.get("stage", 0), "offload_optimizer": device("offload_optimizer"),
-            "offload_param": device("offload_param")}
-
-
-def parameters_held(model: torch.nn.Module) -> int:
-    """Parameter elements stored on this rank: the local shard under ZeRO-3, everything otherwise."""
-    return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
-
-
-def model_init_context(accelerator, random_init: bool):
-    """Context for building the model. Under ZeRO-3 transformers builds models inside `deepspeed.zero.Init`
-    (partitioned as they are created), which initialises random weights differently from a plain build. For a
-    random init we build outside it, so every ZeRO stage starts from the same weights for the same seed (switching
-    stage changes memory, not results; the cost is one full copy in CPU memory per process while building);
-    pretrained weights keep zero.Init's partitioned loading."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if random_init and plugin is not None and plugin.is_zero3_init_enabled():
-        return without_zero3_init()
-    return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def without_zero3_init():
-    """Build models outside `deepspeed.zero.Init`, which transformers enters while a ZeRO-3 config is registered with
-    it: unregister the config for the build and put it back. (accelerate 1.15's
-    zero3_init_context_manager(enable=False) re-registers the same config, so it does not switch zero.Init off.)"""
-    try:
-        from transformers.integrations import deepspeed as hf_deepspeed
-    except ImportError:
-        yield
-        return
-    registered = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = registered
 
 
 def end_training(accelerator):
