@@ -20,8 +20,6 @@ import torch
 
 from harness import distributed, hardware, optim, runlock
 from harness.checkpoint import resume
-from harness.checkpoint.layout import Layout
-from harness.checkpoint.manifest import MARKER
 from harness.compiling import CompileWatch
 from harness.config import Config, save_config
 from harness.config.checks import quantization_zero3_error
@@ -32,6 +30,7 @@ from harness.observe import metrics, monitor
 from harness.observe.record import RunRecord
 from harness.observe.timing import Timings
 from harness.state import LoopState
+from harness.stopping import stop_handlers
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,6 @@ class Job:
     loaders: dict  # prepared training loaders by stream name
     schedule: dict  # loaders.schedule_steps: micro_per_epoch, steps_per_epoch, total_steps
     weights: str  # dtype of the trained parameters once prepared (train.weights): fp32, bf16, fp16
-    layout: Layout  # how this attempt splits the global batch (saved with every checkpoint)
     resume_from: Optional[Path]  # the checkpoint this attempt continued from (None: a fresh start)
     record: RunRecord  # what only the report reads
 
@@ -137,7 +135,7 @@ def build_run(cfg: Config, opened: contextlib.ExitStack) -> tuple[Job, LoopState
               timings=Timings(), precision=started.precision, zero=started.zero, compile=started.compile,
               tokenizer=tokenizer, data=data, model=built.model, optimizer=built.optimizer, scheduler=built.scheduler,
               objective=built.objective, streams=data.streams, loaders=built.loaders, schedule=built.schedule,
-              weights=built.weights, layout=resumed.layout, resume_from=resumed.path, record=record)
+              weights=built.weights, resume_from=resumed.path, record=record)
     return job, resumed.state
 
 
@@ -155,7 +153,7 @@ def weights_dtype(model) -> str:
 
 def write_run_files(cfg: Config, out: Path, env: dict) -> None:
     """config.yaml and environment.json (main process); a full disk is one line, with nothing cut left behind."""
-    for name, write in (("config.yaml", lambda p: save_config(cfg, p)),
+    for name, write in (("config.yaml", lambda p: save_config(cfg, p, omit=("rft",))),  # (rft: not trained)
                         ("environment.json", lambda p: write_json(p, env))):
         try:
             write(out / name)
@@ -211,8 +209,8 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
                       f"{tf32}, compile {compile_mode}, profile {cfg.train.profile}, torch {env['torch']}, loss "
                       f"{cfg.loss.mode}")
     accelerator.print(f"[harness] environment: {hardware.describe(env)}")
-    for p in start.incomplete:
-        accelerator.print(f"[harness] warning: {p} is an incomplete checkpoint (no {MARKER} marker): not resumed from")
+    for note in start.notes:
+        accelerator.print(note)
     record = RunRecord(t_start=t_start, env=env, tf32=tf32, sampler=sampler)
     return Started(cfg=cfg, accelerator=accelerator, out=out, t_process=t_process, precision=precision, zero=zero,
                    compile=watch, resume=start, record=record)
@@ -238,17 +236,11 @@ def stop_signals_held():
     set-up's, train.main). Python runs signal handlers in the main thread whichever thread received the signal, so
     the handlers are swapped rather than the signal mask (blocking it in this thread alone let another thread take
     it). Outside the main thread: nothing is held."""
-    noted, previous = [], {}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            previous[sig] = signal.signal(sig, lambda signum, frame: noted.append(signum))
-        except ValueError:  # not the main thread
-            pass
+    noted = []
     try:
-        yield
+        with stop_handlers(lambda signum, frame: noted.append(signum)):
+            yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         if noted:
             signal.raise_signal(noted[0])
 
@@ -306,7 +298,8 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     from accelerate.utils import set_seed
 
     from harness import model as model_lib
-    from harness.objective import Objective, resolve_chunked_ce
+    from harness.chunked_loss import resolve_chunked_ce
+    from harness.objective import Objective
 
     cfg, accelerator, say, zero = started.cfg, started.accelerator, started.accelerator.print, started.zero
     world = accelerator.num_processes

@@ -23,58 +23,10 @@ from harness import faults, losses
 from harness.distributed import is_deepspeed
 from harness.config import Config
 from harness.data.samples import model_inputs, real_tokens
-from harness.errors import ConfigError
-from harness.model import ChunkedHeadLoss, embed, output_head
+from harness.chunked_loss import ChunkedHeadLoss
+from harness.model import embed
 from harness.observe import metrics
 from harness.state import StepSums
-
-# loss.chunked_ce=auto turns the chunked loss on from this size of a micro-batch's fp32 logits (see resolve_chunked_ce)
-AUTO_MIN_LOGITS_BYTES = 256 * 2**20
-
-
-def chunked_ce_asked(cfg: Config, positions: int, vocab: int | None) -> bool:
-    """The config's part of `resolve_chunked_ce` (the head is checked apart; harness.tools.zero_plan plans with this too):
-    off with loss.chunked_ce=false or no generative positions; auto: on when positions x vocab x 4 bytes >=
-    AUTO_MIN_LOGITS_BYTES and train.compile is not full (vocab None: unknown, off)."""
-    setting = cfg.loss.chunked_ce
-    if setting is False or positions <= 0:
-        return False
-    if setting == "auto":
-        return cfg.train.compile != "full" and vocab is not None and positions * vocab * 4 >= AUTO_MIN_LOGITS_BYTES
-    return True
-
-
-def resolve_chunked_ce(cfg: Config, model, positions: int, say=print) -> int | None:
-    """loss.chunked_ce -> positions per chunk for the generative loss, or None for the full logits.
-
-    positions: the most positions one generative micro-batch can have (micro-batch size x longest row; 0 without
-    generative data, then always None). auto: on when positions x vocab x 4 bytes >= AUTO_MIN_LOGITS_BYTES (256 MiB),
-    unless train.compile=full or the model's head is refused by harness.model.output_head (then a one-line note).
-    true with a refused head: a ConfigError. The result depends only on the config and the model, so every process
-    decides the same."""
-    setting = cfg.loss.chunked_ce
-    if not chunked_ce_asked(cfg, positions, _vocab_size(model) if setting == "auto" else None):
-        return None
-    try:
-        output_head(model)
-    except ConfigError as e:
-        reason = str(e).removeprefix("chunked loss: ")
-        if setting is True:
-            raise ConfigError(f"config key 'loss.chunked_ce': true, but the model's output head is not supported: "
-                              f"{reason}; use loss.chunked_ce=false") from None
-        say(f"[harness] note: loss.chunked_ce=auto stays off (full logits): {reason}")
-        return None
-    return cfg.loss.chunked_ce_size
-
-
-def _vocab_size(model) -> int | None:
-    """Rows of the output head (out_features: also right under ZeRO-3, where the weight is a 0-size shard)."""
-    from harness.model import unwrap
-
-    inner = unwrap(model)
-    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    return getattr(head, "out_features", None)
-
 
 @contextlib.contextmanager
 def deferred_sync(accelerator, model):

@@ -20,6 +20,7 @@ decision itself is the pure function `stop_reason`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import signal
@@ -160,6 +161,34 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+@contextlib.contextmanager
+def stop_handlers(handler: Callable):
+    """`handler` for SIGTERM and SIGINT inside, the previous handlers back after (the one handler swap: the loop's
+    StopSignals, the set-up's lock, train.main). Outside the main thread (an embedding application) signals are left
+    alone."""
+    previous = swap_handlers(handler)
+    try:
+        yield
+    finally:
+        put_back(previous)
+
+
+def swap_handlers(handler: Callable) -> dict:
+    """Install `handler` for SIGTERM and SIGINT; returns the previous handlers, for `put_back`."""
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+    return previous
+
+
+def put_back(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
 class StopSignals:
     """SIGTERM / SIGINT handling for preemptible machines. The first signal only sets a flag: the loop finishes the
     optimizer step in flight, every rank agrees (an all-reduce of the flag), a checkpoint is written and the process
@@ -177,11 +206,7 @@ class StopSignals:
 
     def install(self) -> None:
         """Handle SIGTERM / SIGINT (again, after `restore`)."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. an embedding application): leave signals alone
-                pass
+        self._previous = swap_handlers(self._handle)
 
     def _handle(self, signum, frame) -> None:
         if self.received is not None:
@@ -206,6 +231,5 @@ class StopSignals:
 
     def restore(self) -> None:
         """Put the previous handlers back (idempotent)."""
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        put_back(self._previous)
         self._previous = {}

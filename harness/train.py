@@ -40,7 +40,7 @@ from harness.observe.profiling import StepProfiler
 from harness.observe.timing import SETTLE_STEPS, BudgetTracker
 from harness.state import LoopState, StepSums, UnloggedSums
 from harness.stopping import (EARLY_WITHOUT_EXPORT, NONFINITE, TIME_BUDGET, WRITE_FAILED, NonfiniteGuard, StopDecision,
-                              exit_now, finite, watch_launcher)
+                              exit_now, finite, stop_handlers, watch_launcher)
 
 # DeepSpeed still calls collectives that torch deprecated; the warning repeats every step and says nothing to users.
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
@@ -230,7 +230,7 @@ class SideWork:
     training clock (`meter`), which leaves the time of evaluations and checkpoints out of each log interval."""
 
     def __init__(self, job: Job, state: LoopState, opened: contextlib.ExitStack):
-        cfg, accelerator, t = job.cfg, job.accelerator, job.cfg.train
+        accelerator, t = job.accelerator, job.cfg.train
         self.job, self.start_step = job, state.step
         if t.report_to:
             self._start_trackers()
@@ -248,7 +248,7 @@ class SideWork:
         self.nonfinite = NonfiniteGuard(t.max_nonfinite_skips, job.is_deepspeed, job.say)
         self.evaluator = Evaluator(job, self._evaluated)
         self.checkpointer = Checkpointer(accelerator, job.out, t.save_every_steps, t.save_every_minutes,
-                                         t.save_total_limit, job.say, self._saved, job.layout, job.epoch_rows)
+                                         t.save_total_limit, job.say, self._saved, job.epoch_rows)
         # this process's sums since the last log line; rank 0 carries what the resumed checkpoint had not logged
         self.profiler = StepProfiler(t.profile_steps, job.out, state.step, accelerator.is_main_process, job.say)
         opened.callback(self.profiler.close)
@@ -349,29 +349,19 @@ def _stop_outside_the_loop(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    import signal
-
     args = parse_args(argv)
     watch_launcher()  # under a launcher: its death is a stop signal (checkpoint, exit), never an unsupervised run
     if args.help_config:
         print(describe())
         return 0
-    previous = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):  # the loop's StopSignals take over while it runs
-        try:
-            previous[sig] = signal.signal(sig, _stop_outside_the_loop)
-        except ValueError:  # not the main thread: leave signals alone
-            pass
     try:
-        return _main(args)
+        with stop_handlers(_stop_outside_the_loop):  # the loop's StopSignals take over while it runs
+            return _main(args)
     except StoppedOutsideTheLoop as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"[harness] stopped by signal {e.signum} outside the training loop (set-up or export): nothing "
                   f"saved since the last checkpoint; run the same command to continue", file=sys.stderr, flush=True)
         return 128 + e.signum
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -1,5 +1,5 @@
 """Peak memory (and time) of the generative loss over a large vocabulary, forward + backward (issue 18):
-full logits + harness.losses.token_loss_sum ("plain") against harness.losses.chunked_token_loss_sum ("chunked:C",
+full logits + harness.losses.token_loss_sum ("plain") against harness.chunked_loss.chunked_token_loss_sum ("chunked:C",
 chunk size C).
 
 Every contender runs in a fresh process (`--child`), so one's allocations cannot hide in another's heap; its peak is
@@ -45,7 +45,8 @@ def child(args) -> dict:
     import torch
 
     from harness.data import IGNORE_INDEX
-    from harness.losses import chunked_token_loss_sum, token_loss_sum
+    from harness.chunked_loss import chunked_token_loss_sum
+    from harness.losses import token_loss_sum
 
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)

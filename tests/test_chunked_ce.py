@@ -1,5 +1,5 @@
-"""harness.losses.chunked_token_loss_sum (the output head and the next-token loss over chunks of positions) against
-token_loss_sum on full logits, and harness.model.ChunkedHeadLoss (the same inside a HF model's forward).
+"""harness.chunked_loss.chunked_token_loss_sum (the output head and the next-token loss over chunks of positions) against
+token_loss_sum on full logits, and harness.chunked_loss.ChunkedHeadLoss (the same inside a HF model's forward).
 
     python -m pytest tests/test_chunked_ce.py
 """
@@ -12,8 +12,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from harness.data import IGNORE_INDEX
 from harness.errors import ConfigError
-from harness.losses import chunked_token_loss_sum, token_loss_sum
-from harness.model import ChunkedHeadLoss, output_head, unwrap
+from harness.chunked_loss import ChunkedHeadLoss, chunked_token_loss_sum, output_head
+from harness.losses import token_loss_sum
+from harness.model import unwrap
 
 B, T, H, V = 3, 16, 12, 37  # 48 positions
 

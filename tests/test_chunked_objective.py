@@ -17,7 +17,8 @@ from harness.config import ModelConfig, load_config
 from harness.data import IGNORE_INDEX
 from harness.errors import ConfigError
 from harness.model import build_model, load_tokenizer
-from harness.objective import AUTO_MIN_LOGITS_BYTES, Objective, resolve_chunked_ce
+from harness.chunked_loss import AUTO_MIN_LOGITS_BYTES, resolve_chunked_ce
+from harness.objective import Objective
 from harness_launch import DEFAULT, FAST, final_weights, initial_weights, metrics, rel_close, report, run_train, \
     update_rel_diff
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from harness.checkpoint.layout import (DS_TAG, Layout, Resize, carry_over, check_same_engine, check_same_weights, fit,
+from harness.checkpoint.layout import (DS_TAG, Resize, carry_over, check_same_engine, check_same_weights, fit,
                                        layout_of, needs_universal, saved_layout)
 from harness.checkpoint.manifest import MARKER, STATE_FILE, Verification, verify_checkpoint
 from harness.checkpoint.store import checkpoints_root, is_complete, list_checkpoints, step_of
@@ -56,6 +56,12 @@ class Start:
     universal: bool  # a ZeRO checkpoint of another process count: loaded through its universal view
     incomplete: list  # incomplete checkpoint folders passed over
 
+    @property
+    def notes(self) -> list[str]:
+        """The warnings the start line is followed by."""
+        return [f"[harness] warning: {p} is an incomplete checkpoint (no {MARKER} marker): not resumed from"
+                for p in self.incomplete]
+
 
 @dataclass(frozen=True)
 class Resumed:
@@ -64,7 +70,6 @@ class Resumed:
     state: LoopState
     path: Optional[Path]
     resize: Optional[Resize]
-    layout: Layout  # how this attempt splits the global batch (saved with every checkpoint)
 
 
 def plan(cfg, world: int) -> Plan:
@@ -101,7 +106,7 @@ def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: 
     layout = layout_of(cfg, accelerator.num_processes, zero_stage, weights)
     if start.path is None:
         return Resumed(LoopState(streams={n: {"epoch": 0, "batches": 0} for n in streams}, layout=layout.as_dict()),
-                       None, None, layout)
+                       None, None)
     if cfg.train.max_steps <= 0:
         past_the_schedule(start.path, start.saved, total_steps)
     path, saved = load_resumable(accelerator, Path(cfg.train.output_dir), start.path, cfg.train.resume == "auto",
@@ -113,7 +118,7 @@ def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: 
     state.streams, resize, moved = carry_over(path, saved, layout, streams, epoch_rows, start.universal, assumed)
     state.layout = layout.as_dict()
     say(f"[harness] resumed from {path}: step {state.step}, data position {state.streams}{moved}")
-    return Resumed(state, path, resize, layout)
+    return Resumed(state, path, resize)
 
 
 def past_the_schedule(path: Path, saved: Optional[dict], total_steps: int) -> None:

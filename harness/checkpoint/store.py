@@ -221,14 +221,13 @@ class Checkpointer:
     """Decides when a checkpoint is due and writes it: every `train.save_every_steps` steps, when
     `train.save_every_minutes` have passed (a fact every process agrees on, see harness/stopping.py), and when the
     attempt stops early. Knows what its last save cost (the time window keeps room for one more). The data position
-    is saved with `samples` (rows of the epoch read by all processes of `layout`: what a resume under another
-    layout converts)."""
+    is saved with `samples` (rows of the epoch read by all processes in the loop state's `layout`: what a resume
+    under another layout converts; epoch_rows: rows an epoch per stream)."""
 
     def __init__(self, accelerator, output_dir: Path, every_steps: int, every_minutes: float, keep: int,
-                 say: Callable[[str], None], on_saved: Callable[[float], None], layout: Optional[Layout] = None,
-                 epoch_rows: Optional[dict] = None):
+                 say: Callable[[str], None], on_saved: Callable[[float], None], epoch_rows: Optional[dict] = None):
         self.accelerator, self.output_dir, self.keep, self.say, self.on_saved = accelerator, output_dir, keep, say, on_saved
-        self.layout, self.epoch_rows = layout, epoch_rows
+        self.epoch_rows = epoch_rows
         self.every_steps, self.every_minutes = every_steps, every_minutes
         self.last_save = time.time()
         self.last_step: Optional[int] = None  # the step of this attempt's latest checkpoint
@@ -252,8 +251,9 @@ class Checkpointer:
 
     def write(self, loop_state: dict) -> Path:
         """Write a checkpoint of `loop_state` (collective), outside the cadence: nothing is timed or announced."""
-        if self.layout is not None:
-            loop_state = {**loop_state, "streams": samples_read(loop_state["streams"], self.layout, self.epoch_rows)}
+        if self.epoch_rows is not None:
+            layout = Layout(**loop_state["layout"])
+            loop_state = {**loop_state, "streams": samples_read(loop_state["streams"], layout, self.epoch_rows)}
         return save_checkpoint(self.accelerator, self.output_dir, loop_state, self.keep)
 
     def save(self, loop_state: dict) -> Path:

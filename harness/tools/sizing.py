@@ -30,7 +30,7 @@ class ModelShape:
     linear_params: int = 0  # weights of the frozen base's Linear layers but the output head (what bitsandbytes
     # quantizes under model.quantization)
     note: str = ""  # how the shape was obtained when not from the recipe as is (offline sizing)
-    chunkable_head: bool = True  # the chunked loss can take the output head (objective.resolve_chunked_ce)
+    chunkable_head: bool = True  # the chunked loss can take the output head (chunked_loss.resolve_chunked_ce)
 
     @property
     def frozen(self) -> int:
@@ -94,7 +94,7 @@ def _chunkable_head(model, lora_offline: bool) -> bool:
     chat markers, and LoRA then wraps the head's added rows (trainable_token_indices), which the chunked loss refuses
     (auto: full logits); the plan counts the full logits rather than promise memory the run may not get."""
     from harness.errors import ConfigError
-    from harness.model import output_head
+    from harness.chunked_loss import output_head
 
     if lora_offline:
         return False
@@ -108,7 +108,7 @@ def _chunkable_head(model, lora_offline: bool) -> bool:
 def chunked_ce_positions(cfg: Config, tokens: int, vocab: int) -> Optional[int]:
     """Positions per chunk when the run's generative loss goes through the head in chunks (objective.
     chunked_ce_asked, the run's own rule; the caller checks the head, `ModelShape.chunkable_head`), else None."""
-    from harness.objective import chunked_ce_asked
+    from harness.chunked_loss import chunked_ce_asked
 
     return min(cfg.loss.chunked_ce_size, tokens) if chunked_ce_asked(cfg, tokens, vocab) else None
 
