@@ -17,7 +17,8 @@ from harness.config import load_config
 from harness.data import loaders
 from harness.observe import timing
 from harness.tools import planner
-from harness.tools.planner import Calibration
+from harness.tools import plan_arithmetic
+from harness.tools.plan_arithmetic import Calibration
 
 CAL = Calibration(s_per_step=0.5, warmup_extra_s=3.0, startup_s=12.0, eval_s=4.0, save_s=2.0, export_s=1.5,
                   optimizer_s_per_step=0.1, world_size=1, source="fixed")
@@ -44,21 +45,21 @@ def test_schedule_matches_the_loop():
 
 
 def test_counts():
-    assert planner.count_evals(150, 0, True, True) == 2  # step 0 and the end
-    assert planner.count_evals(150, 50, True, True) == 4  # 0, 50, 100, 150 (the last is the final one)
-    assert planner.count_evals(151, 50, False, True) == 4  # 50, 100, 150, 151
-    assert planner.count_evals(150, 50, True, False) == 0
-    assert planner.count_saves(100, 30, 0.0, 0.0) == 4  # 30, 60, 90 and the last step's
-    assert planner.count_saves(90, 30, 0.0, 0.0) == 3  # 30, 60, 90: the last one on the schedule
-    assert planner.count_saves(100, 0, 600.0, 4.0) == 3  # every 4 minutes of 10, and the last step's
+    assert plan_arithmetic.count_evals(150, 0, True, True) == 2  # step 0 and the end
+    assert plan_arithmetic.count_evals(150, 50, True, True) == 4  # 0, 50, 100, 150 (the last is the final one)
+    assert plan_arithmetic.count_evals(151, 50, False, True) == 4  # 50, 100, 150, 151
+    assert plan_arithmetic.count_evals(150, 50, True, False) == 0
+    assert plan_arithmetic.count_saves(100, 30, 0.0, 0.0) == 4  # 30, 60, 90 and the last step's
+    assert plan_arithmetic.count_saves(90, 30, 0.0, 0.0) == 3  # 30, 60, 90: the last one on the schedule
+    assert plan_arithmetic.count_saves(100, 0, 600.0, 4.0) == 3  # every 4 minutes of 10, and the last step's
 
 
 def test_estimate_adds_the_phases():
-    e = planner.estimate(100, CAL, evals=2, save_every_steps=30)  # 4 checkpoints: 30, 60, 90, 100
+    e = plan_arithmetic.estimate(100, CAL, evals=2, save_every_steps=30)  # 4 checkpoints: 30, 60, 90, 100
     assert e["train_s"] == pytest.approx(50.0)
     assert e["total_s"] == pytest.approx(12 + 3 + 50 + 8 + 8 + 1.5)
     # twice the compute per step, same optimizer cost: 0.4 * 2 + 0.1
-    assert planner.estimate(10, CAL, 0, 0, work_ratio=2.0)["s_per_step"] == pytest.approx(0.9)
+    assert plan_arithmetic.estimate(10, CAL, 0, 0, work_ratio=2.0)["s_per_step"] == pytest.approx(0.9)
 
 
 def test_plan_fits_with_hand_computed_total():
@@ -99,11 +100,11 @@ def test_plan_too_small_proposes_adjustments_that_fit():
 def test_epoch_work_padding_and_packing():
     flop = (100, 1, 8)
     lengths = [10, 30, 10, 30]
-    padded = planner.epoch_work(lengths, 64, False, 2, 0, flop)
+    padded = plan_arithmetic.epoch_work(lengths, 64, False, 2, 0, flop)
     assert padded["tokens"] == 80 and padded["positions"] >= 80
-    packed = planner.epoch_work(lengths, 64, True, 2, 0, flop)
+    packed = plan_arithmetic.epoch_work(lengths, 64, True, 2, 0, flop)
     assert packed["items"] == 2 and packed["positions"] == 128  # 30+30 and 10+10 in rows of 64
-    assert planner.epoch_work(lengths, 16, True, 2, 0, flop)["tokens"] == 52  # 30 -> 16 twice
+    assert plan_arithmetic.epoch_work(lengths, 16, True, 2, 0, flop)["tokens"] == 52  # 30 -> 16 twice
 
 
 def test_budget_tracker_and_plan_accuracy(tmp_path):
@@ -183,9 +184,9 @@ def test_plan_then_train_records_accuracy(tmp_path, repo_root):
 
 
 def test_largest_fitting_bisection():
-    assert planner.largest_fitting(1, 100, lambda x: x * 2.0, 71.0) == 35
-    assert planner.largest_fitting(1, 100, lambda x: x, 1000.0) == 100
-    assert planner.largest_fitting(5, 100, lambda x: x, 4.0) is None
+    assert plan_arithmetic.largest_fitting(1, 100, lambda x: x * 2.0, 71.0) == 35
+    assert plan_arithmetic.largest_fitting(1, 100, lambda x: x, 1000.0) == 100
+    assert plan_arithmetic.largest_fitting(5, 100, lambda x: x, 4.0) is None
 
 
 def test_plan_prices_the_estimate_and_each_adjustment():

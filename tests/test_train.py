@@ -183,7 +183,7 @@ def test_evaluation_runs_on_its_own_cadence_not_only_on_log_steps(tmp_path):
     """train.eval_every=3 with train.log_every=2: evaluations at 0, 3, 6 and the end (8), as README and the planner
     promise; each evaluation is its own record when its step is not a log step. (It used to sit inside the logging
     block: evaluations at 0, 6 and 8 only.)"""
-    from harness.tools.planner import count_evals
+    from harness.tools.plan_arithmetic import count_evals
 
     out = tmp_path / "run"
     run_train([f"train.output_dir={out}", "train.max_steps=8", "train.log_every=2", "train.eval_every=3",
