@@ -3,6 +3,7 @@
     .venv/bin/python -m pytest tests/test_layout.py
 """
 
+import ast
 import json
 import subprocess
 import sys
@@ -35,9 +36,131 @@ def test_the_config_imports_no_torch():
 
 
 def test_package_shape():
-    """At most 20 modules at harness/'s top level, the rest in sub-packages by concern; no module over 500 lines."""
+    """At most 20 modules at harness/'s top level, the rest in sub-packages by concern; no module over 400 lines."""
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= 20, top
     long = {str(p.relative_to(ROOT)): n for p in PACKAGE.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 500}
+            if (n := len(p.read_text().splitlines())) > 400}
     assert long == {}
+
+
+# ----------------------------------------------------------------------------------------------- the import graph
+
+# The layers, lowest first: a module imports only modules of its own layer or lower ones (imports inside functions
+# count too). A module matches its longest prefix here ("harness" only itself); a module no prefix matches fails the
+# test (place it).
+LAYERS = [
+    # 0: what everything may use: errors, atomic files, the tests' fault hooks, the report's record
+    ["harness", "harness.errors", "harness.files", "harness.faults", "harness.observe.record",
+     "harness.config.yaml_loader"],
+    # 1: the config and what it checks values against (reading rows, chat templates), plain facts and records
+    ["harness.config", "harness.data", "harness.data.formats", "harness.data.sources", "harness.data.readers",
+     "harness.data.chat",
+     "harness.data.mixing", "harness.hardware", "harness.state", "harness.stopping", "harness.compiling",
+     "harness.observe"],
+    # 2: the run's parts: processes, model, samples and loaders, losses, the objective, checkpoints, the output folder
+    ["harness.distributed", "harness.model", "harness.losses", "harness.chunked_loss", "harness.optim",
+     "harness.objective",
+     "harness.evaluation", "harness.encode", "harness.auto_batch", "harness.data.samples", "harness.data.loaders",
+     "harness.checkpoint", "harness.runlock", "harness.observe.reporting", "harness.rundir"],
+    # 3: the build; 4: the run
+    ["harness.build"],
+    ["harness.train"],
+    # 5: entry points and command tools (the run never imports them: test_the_run_loads_no_command_tool)
+    ["harness.cli", "harness.rft", "harness.tools"],
+]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports_of(name: str) -> set[str]:
+    """The harness modules `name` imports, anywhere in its file (`from harness.x import y` counts as harness.x.y when
+    that is a module, else as harness.x)."""
+    path, out = MODULES[name], set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names}
+    return {m for m in out if m in MODULES and m != name}
+
+
+def layer_of(name: str) -> int:
+    best = max(((len(prefix), i) for i, layer in enumerate(LAYERS) for prefix in layer
+                if name == prefix or (prefix != "harness" and name.startswith(prefix + "."))), default=None)
+    assert best is not None, f"{name} has no layer in tests/test_layout.py LAYERS"
+    return best[1]
+
+
+def test_no_import_cycle():
+    """No two harness modules import each other, directly or through others (lazy imports included)."""
+    graph = {m: imports_of(m) for m in MODULES}
+    cycles, state = [], {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = "open"
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                cycles.append(path[path.index(n):] + [n] if n in path else [m, n])
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []
+
+
+def test_no_import_from_a_lower_layer_to_a_higher_one():
+    upward = sorted(f"{m} ({layer_of(m)}) imports {n} ({layer_of(n)})" for m in MODULES for n in imports_of(m)
+                    if layer_of(n) > layer_of(m))
+    assert upward == []
+
+
+def checkpoint_names(name: str) -> set[str]:
+    """The names of harness.checkpoint that module `name` uses: those it imports from it, and the attributes it
+    reads of the checkpoint modules it imports."""
+    tree = ast.parse(MODULES[name].read_text())
+    used, modules = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("harness.checkpoint"):
+            for a in node.names:
+                bound = a.asname or a.name
+                (modules.add(bound) if f"{node.module}.{a.name}" in MODULES else used.add(a.name))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            used.add(node.attr)
+    return used
+
+
+def test_build_and_train_use_few_checkpoint_names():
+    """Resume is one module's business: the build and the loop use at most 6 names of harness.checkpoint."""
+    used = checkpoint_names("harness.build") | checkpoint_names("harness.train")
+    assert len(used) <= 6, sorted(used)
+
+
+def test_the_job_is_built_once():
+    """build.Job is frozen (no field assigned after construction), and built in one place, from what the build steps
+    return."""
+    import dataclasses
+
+    from harness.build import Job
+
+    assert Job.__dataclass_params__.frozen
+    assert all(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+               for f in dataclasses.fields(Job)), "placeholder fields"
+    calls = [n for m in MODULES for n in ast.walk(ast.parse(MODULES[m].read_text()))
+             if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Job"]
+    assert len(calls) == 1
