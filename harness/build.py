@@ -10,7 +10,6 @@ run opens is registered with `opened` (an ExitStack), so that it is closed howev
 from __future__ import annotations
 
 import contextlib
-import signal
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,19 +17,17 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from harness import distributed, hardware, optim, runlock
+from harness import distributed, hardware, optim, rundir
 from harness.checkpoint import resume
 from harness.compiling import CompileWatch
-from harness.config import Config, save_config
+from harness.config import Config
 from harness.config.checks import quantization_zero3_error
 from harness.data import loaders
 from harness.errors import ConfigError, HarnessError
-from harness.files import write_json
 from harness.observe import metrics, monitor
 from harness.observe.record import RunRecord
 from harness.observe.timing import Timings
 from harness.state import LoopState
-from harness.stopping import stop_handlers
 
 
 @dataclass(frozen=True)
@@ -126,7 +123,7 @@ def build_run(cfg: Config, opened: contextlib.ExitStack) -> tuple[Job, LoopState
     built = build_model(started, tokenizer, data)
     describe_batch(cfg, accelerator.num_processes, built, data.streams, say)
     # only now: a data or model error leaves the folder's config.yaml (which describes its checkpoints) as it was
-    distributed.on_main(accelerator, lambda: write_run_files(cfg, started.out, started.record.env))
+    distributed.on_main(accelerator, lambda: rundir.write_run_files(cfg, started.out, started.record.env))
     resumed = resume.restore(started.resume, accelerator, cfg, started.zero["zero_stage"], built.weights, data.streams,
                              epoch_rows(data, data.streams), built.schedule["total_steps"], say)
     record = replace(started.record, parameters=built.parameters, held=built.held, peak_flops=built.peak_flops,
@@ -151,17 +148,6 @@ def weights_dtype(model) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
-def write_run_files(cfg: Config, out: Path, env: dict) -> None:
-    """config.yaml and environment.json (main process); a full disk is one line, with nothing cut left behind."""
-    for name, write in (("config.yaml", lambda p: save_config(cfg, p, omit=("rft",))),  # (rft: not trained)
-                        ("environment.json", lambda p: write_json(p, env))):
-        try:
-            write(out / name)
-        except OSError as e:
-            raise HarnessError(f"could not write {out / name} ({type(e).__name__}: {e}); nothing was trained: free "
-                               f"some space, then rerun") from None
-
-
 def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
     """Precision, the Accelerator, the output folder's lock, the resume target, the compiler's start-up, the sampler
     (config.yaml and environment.json are written by build_run once the data and the model are built)."""
@@ -183,9 +169,9 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
     opened.push(distributed.end_training(accelerator))
     if weights_note:
         accelerator.print(weights_note)
-    hold_output_dir(out, accelerator, opened)  # one run per output folder
+    rundir.hold(out, accelerator, opened)  # one run per output folder
     if cfg.train.overwrite:
-        distributed.on_main(accelerator, lambda: start_over(out, accelerator.print))
+        distributed.on_main(accelerator, lambda: rundir.start_over(out, accelerator.print))
     zero = distributed.zero_info(accelerator)
     weights = distributed.planned_weights(precision, cfg.train.weights, distributed.is_deepspeed(accelerator))
     # the checkpoint to resume from: verified, agreed, checked against the schedule, the engine and the weights
@@ -214,70 +200,6 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
     record = RunRecord(t_start=t_start, env=env, tf32=tf32, sampler=sampler)
     return Started(cfg=cfg, accelerator=accelerator, out=out, t_process=t_process, precision=precision, zero=zero,
                    compile=watch, resume=start, record=record)
-
-
-def hold_output_dir(out: Path, accelerator, opened: contextlib.ExitStack) -> None:
-    """The main process takes <output_dir>/.lock (released when the run ends, however it ends); a refusal stops every
-    process with the same one-line error."""
-
-    def take() -> None:
-        # the lock and its release's registration as one step: a stop signal in between (the set-up's handler ends
-        # the run through `opened`) would leave a lock that nothing removes; one that comes meanwhile waits
-        with stop_signals_held():
-            lock = runlock.acquire(out, accelerator.print)
-            opened.callback(runlock.release, lock)
-
-    distributed.on_main(accelerator, take)
-
-
-@contextlib.contextmanager
-def stop_signals_held():
-    """SIGTERM / SIGINT arriving inside are noted and raised again when it ends, to the handlers in place then (the
-    set-up's, train.main). Python runs signal handlers in the main thread whichever thread received the signal, so
-    the handlers are swapped rather than the signal mask (blocking it in this thread alone let another thread take
-    it). Outside the main thread: nothing is held."""
-    noted = []
-    try:
-        with stop_handlers(lambda signum, frame: noted.append(signum)):
-            yield
-    finally:
-        if noted:
-            signal.raise_signal(noted[0])
-
-
-# what a training run writes into its output folder and train.overwrite=true deletes (config.yaml, environment.json
-# are rewritten anyway; plan.json (harness plan) and train.log (launch/train.sh) are the user's, kept)
-RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "report.json", "summary.md", "plots", "tensorboard")
-
-
-def start_over(out: Path, say: Callable[[str], None]) -> None:
-    """train.overwrite=true: delete the previous run's outputs (main process, holding the lock). Only in a folder that
-    holds a harness run (its config.yaml): what has those names in any other folder (the current one, when the
-    folder was given as `.`) is not the run's, and nothing is deleted."""
-    import shutil
-
-    gone = [name for name in RUN_OUTPUTS if (out / name).exists()]
-    if gone and not holds_run(out):
-        raise ConfigError(f"config key 'train.overwrite': {out} holds {', '.join(gone)} but no harness run (no "
-                          f"config.yaml written by harness train): nothing deleted; use another train.output_dir")
-    for name in gone:
-        path = out / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    if gone:
-        say(f"[harness] train.overwrite=true: deleted the previous run's {', '.join(gone)} in {out}")
-
-
-def holds_run(out: Path) -> bool:
-    """Whether `out` holds the config.yaml a training run writes (a mapping of config sections with train:)."""
-    import yaml
-
-    from harness.config import SECTIONS
-
-    try:
-        written = yaml.safe_load((out / "config.yaml").read_text())
-    except (OSError, ValueError, yaml.YAMLError):
-        return False
-    return isinstance(written, dict) and "train" in written and set(written) <= set(SECTIONS)
 
 
 def build_data(cfg: Config, accelerator, say: Callable[[str], None]) -> tuple[Any, loaders.RunData]:

@@ -38,6 +38,7 @@ from harness.evaluation import Evaluator
 from harness.observe import metrics, monitor, reporting
 from harness.observe.profiling import StepProfiler
 from harness.observe.timing import SETTLE_STEPS, BudgetTracker
+from harness.rundir import finished
 from harness.state import LoopState, StepSums, UnloggedSums
 from harness.stopping import (EARLY_WITHOUT_EXPORT, NONFINITE, TIME_BUDGET, WRITE_FAILED, NonfiniteGuard, StopDecision,
                               exit_now, finite, stop_handlers, watch_launcher)
@@ -141,7 +142,7 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
     report.json."""
     side.close()
     train_time, timings = side.meter.elapsed(), job.timings
-    timings.loop(train_time, state.step - side.start_step)
+    timings.loop(side.meter.trained(), state.step - side.start_step)
     if stopped_by == NONFINITE:
         raise nonfinite_error(job, state, side)
     if stopped_by == WRITE_FAILED:  # the checkpoint of this step is written (a full disk: its save said so)
@@ -298,7 +299,7 @@ class SideWork:
         if done == 1 and self.job.compile is not None:
             self.job.compile.first_step_done(self.meter.elapsed())
         if done == SETTLE_STEPS:
-            self.job.timings.warmup_done_s = self.job.timings.in_loop(self.meter.elapsed())
+            self.job.timings.warmup_done_s = self.meter.trained()
         self.profiler.step_done(step)
 
     def state_to_save(self, state: LoopState) -> dict:
@@ -367,14 +368,14 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
-        done = None if cfg.train.overwrite else reporting.finished_run(cfg.train.output_dir)
-        asks = reporting.more_steps(cfg, done) if done is not None else None
+        done = None if cfg.train.overwrite else finished.finished_run(cfg.train.output_dir)
+        asks = finished.more_steps(cfg, done) if done is not None else None
         if done is not None and asks is None:  # a finished run stays finished: nothing is started or rewritten
             if os.environ.get("RANK", "0") == "0":
-                print(reporting.describe_finished(cfg.train.output_dir, done), flush=True)
+                print(finished.describe_finished(cfg.train.output_dir, done), flush=True)
             return 0
         if asks is not None:  # more steps asked of a finished run: it goes on from its last checkpoint
-            line = reporting.continue_finished(cfg.train.output_dir, done, asks)
+            line = finished.continue_finished(cfg.train.output_dir, done, asks)
             if os.environ.get("RANK", "0") == "0":
                 print(line, flush=True)
         run_auto_batch(cfg, run) if cfg.train.micro_batch_size == "auto" else run(cfg)

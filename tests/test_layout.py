@@ -62,7 +62,7 @@ LAYERS = [
     ["harness.distributed", "harness.model", "harness.losses", "harness.chunked_loss", "harness.optim",
      "harness.objective",
      "harness.evaluation", "harness.encode", "harness.auto_batch", "harness.data.samples", "harness.data.loaders",
-     "harness.checkpoint", "harness.runlock", "harness.observe.reporting", "harness.rundir"],
+     "harness.checkpoint", "harness.rundir", "harness.observe.reporting"],
     # 3: the build; 4: the run
     ["harness.build"],
     ["harness.train"],

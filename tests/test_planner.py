@@ -129,15 +129,27 @@ def test_steady_rate_from_records():
 
 def test_timings_split_warmup_and_steady():
     t = timing.Timings(eval_s=2.0, save_s=1.0, warmup_done_s=5.0)
-    t.loop(loop_s=28.0, steps=25)  # 25 s of steps: the first 5 took 5 s, the next 20 took 20 s
+    t.loop(25.0, steps=25)  # 25 s of steps: the first 5 took 5 s, the next 20 took 20 s
     assert t.steady_s_per_step == pytest.approx(1.0) and t.warmup_extra_s == pytest.approx(0.0)
     t = timing.Timings(eval_s=3.0)  # a step-0 evaluation of 3 s, before the loop's clock
     t.loop_started(time.time() - 10.0)
     assert t.startup_s == pytest.approx(7.0, abs=0.1)
-    t.add("eval", 2.0)  # one inside the loop
-    t.warmup_done_s = t.in_loop(7.0)  # 5 s of steps after 7 s of loop time with the 2 s evaluation in it
-    t.loop(loop_s=27.0, steps=25)
-    assert t.steady_s_per_step == pytest.approx(1.0) and t.warmup_extra_s == pytest.approx(0.0)
+
+
+def test_the_training_clock_leaves_evaluations_and_saves_out(monkeypatch):
+    """One clock (metrics.Throughput): what is excluded leaves both the log interval and the training time."""
+    from harness.observe import metrics
+
+    now = [100.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+    meter = metrics.Throughput()
+    now[0] += 7.0
+    meter.exclude(2.0)  # an evaluation inside the first 7 s
+    assert meter.trained() == pytest.approx(5.0) and meter.interval() == pytest.approx(5.0)
+    now[0] += 4.0
+    meter.exclude(1.0)  # a checkpoint
+    assert meter.interval() == pytest.approx(3.0)
+    assert meter.trained() == pytest.approx(8.0) and meter.elapsed() == pytest.approx(11.0)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from harness.checkpoint import store
 from harness.checkpoint.manifest import verify_checkpoint
 from harness.config import load_config
 from harness.errors import ConfigError
-from harness.observe import reporting
+from harness.rundir import finished
 from harness_launch import DEFAULT, FAST, final_weights, max_abs_diff, metrics, report, run_train
 
 
@@ -48,16 +48,16 @@ def test_what_counts_as_finished(tmp_path):
 
     def rep(**kw):
         (tmp_path / "report.json").write_text(json.dumps({"steps": 3, "planned_steps": 3, "final_dir": None, **kw}))
-        return reporting.finished_run(tmp_path)
+        return finished.finished_run(tmp_path)
 
-    assert reporting.finished_run(tmp_path) is None  # no report
+    assert finished.finished_run(tmp_path) is None  # no report
     assert rep(stopped_by=None) and rep(stopped_by="time_budget")
     assert rep(stopped_by=None, final_dir=str(tmp_path / "final")) is None  # its export is gone
     (tmp_path / "final").mkdir()
     assert rep(stopped_by=None, final_dir=str(tmp_path / "final"))
     assert rep(stopped_by="nonfinite") is None
     (tmp_path / "report.json").write_text("{cut")
-    assert reporting.finished_run(tmp_path) is None
+    assert finished.finished_run(tmp_path) is None
 
 
 def test_defaults_resume_and_save_every_30_minutes():

@@ -1,4 +1,4 @@
-"""One run per output folder (harness/runlock.py): the lock in process, and a second run refused end to end.
+"""One run per output folder (harness/rundir/lock.py): the lock in process, and a second run refused end to end.
 
     .venv/bin/python -m pytest tests/test_runlock.py
 """
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from harness import runlock
+from harness.rundir import lock as runlock
 from harness.errors import HarnessError
 from harness_launch import FAST, run_train
 
@@ -33,7 +33,7 @@ def _age(path, seconds):
 @pytest.fixture
 def live_holder(tmp_path):
     """A live process of this host holding tmp_path/held/.lock as a run does (start time, boot id)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import sys, time; from harness import runlock; "
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, time; from harness.rundir import lock as runlock; "
                              "runlock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(60)",
                              str(tmp_path / "held")], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
@@ -169,7 +169,7 @@ def test_release_leaves_a_lock_that_is_not_ours(tmp_path):
 
 
 def test_lock_is_released_when_the_run_fails(tmp_path):
-    """Through the run's ExitStack, as build.start_processes registers it."""
+    """Through the run's ExitStack, as rundir.hold registers it."""
     import contextlib
 
     with pytest.raises(RuntimeError), contextlib.ExitStack() as opened:

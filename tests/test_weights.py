@@ -128,19 +128,14 @@ def test_a_checkpoint_resumes_with_its_own_weights_dtype(runs):
     assert (out / "metrics.jsonl").read_text() == before
 
 
-def test_older_checkpoints_weights_read_from_deepspeeds_file_names(tmp_path):
-    """A checkpoint of an older harness records no weights dtype; DeepSpeed's bf16 mode names its optimizer files
-    bf16_zero_pp_rank_*: that is read as bf16 weights."""
-    from harness.checkpoint.layout import DS_TAG, Layout, check_same_weights
+def test_the_recorded_weights_dtype_decides(tmp_path):
+    """The checkpoint's layout records its weights dtype; one that records none (unreadable state) is not refused."""
+    from harness.checkpoint.layout import Layout, check_same_weights
 
-    legacy = Layout(2, 8, 8, 1, 2)  # weights unrecorded
-    (tmp_path / DS_TAG).mkdir()
-    check_same_weights(tmp_path, legacy, "fp32")  # nothing tells: no refusal
-    (tmp_path / DS_TAG / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
-    check_same_weights(tmp_path, legacy, "bf16")
+    check_same_weights(tmp_path, Layout(2, 8, 8, 1, 2, "fp32"), "fp32")
+    check_same_weights(tmp_path, None, "bf16")
     with pytest.raises(ConfigError, match="was trained with bf16 weights and this run has fp32 weights"):
-        check_same_weights(tmp_path, legacy, "fp32")
-    check_same_weights(tmp_path, Layout(2, 8, 8, 1, 2, "fp32"), "fp32")  # recorded: the record decides
+        check_same_weights(tmp_path, Layout(2, 8, 8, 1, 2, "bf16"), "fp32")
 
 
 def test_pretrained_weights_under_zero3_init_stay_fp32(tmp_path):

@@ -26,7 +26,6 @@ from typing import Optional
 
 from harness.errors import ConfigError
 
-DS_TAG = "pytorch_model"  # the folder accelerate's save_state gives DeepSpeed's engine inside a checkpoint
 
 
 @dataclass(frozen=True)
@@ -62,13 +61,9 @@ def layout_of(cfg, processes: int, zero_stage: Optional[int] = None, weights: Op
     return Layout(processes, t.micro_batch_size, t.emb_micro_batch_size, t.grad_accum, zero_stage, weights)
 
 
-def saved_layout(path: Path, saved: Optional[dict], assumed: Layout) -> Optional[Layout]:
-    """The layout checkpoint `path` was written with (its loop state's `layout`). Checkpoints of an older harness
-    have none: their process count is that of their RNG files, the rest as `assumed` (the config's)."""
-    if saved and saved.get("layout"):
-        return Layout(**saved["layout"])
-    ranks = len(list(Path(path).glob("random_states_*.pkl")))
-    return replace(assumed, processes=ranks) if ranks else None
+def saved_layout(saved: Optional[dict]) -> Optional[Layout]:
+    """The layout a checkpoint was written with (its loop state's `layout`; None where it cannot be read)."""
+    return Layout(**saved["layout"]) if saved and saved.get("layout") else None
 
 
 @dataclass
@@ -181,12 +176,11 @@ def positions(saved_streams: dict, before: Optional[Layout], after: Layout, size
     return out, notes
 
 
-def carry_over(path: Path, saved: dict, after: Layout, streams: tuple, sizes: dict, universal: bool,
-               assumed: Layout) -> tuple[dict, Optional[Resize], str]:
+def carry_over(path: Path, saved: dict, after: Layout, streams: tuple, sizes: dict,
+               universal: bool) -> tuple[dict, Optional[Resize], str]:
     """After loading checkpoint `path` (loop state `saved`) into the layout `after`: (each stream's position in
-    `after`, the Resize when the layout changed (else None), what the resume line adds). assumed: the layout of a
-    checkpoint that records none (an older harness): the config's before `fit`."""
-    before = saved_layout(path, saved, assumed)
+    `after`, the Resize when the layout changed (else None), what the resume line adds)."""
+    before = saved_layout(saved)
     moved, notes = positions(saved["streams"], before, after, sizes)
     if before is None or (before.processes, before.grad_accum) == (after.processes, after.grad_accum) and all(
             before.micro(s) == after.micro(s) for s in streams):
@@ -226,19 +220,14 @@ def check_same_engine(path: Path, before: Optional[Layout], zero_stage: Optional
     checkpoints (full model and optimizer state) and DeepSpeed ones (the engine's partitioned files) do not load into
     each other, and DeepSpeed 0.19's universal loader does not move ZeRO-3 state to stage 1 or 2 (measured: an
     AssertionError in its loader). One line naming the stage to launch with."""
-    if before is None:
+    if before is None or before.zero_stage == zero_stage:
         return
-    written: object = None  # None: DDP / plain; a stage; "DeepSpeed": an older harness's, stage unrecorded
-    if (Path(path) / DS_TAG).is_dir():
-        written = before.zero_stage if before.zero_stage is not None else "DeepSpeed"
-    if written == zero_stage or (written == "DeepSpeed" and zero_stage is not None):
-        return
+    written = before.zero_stage  # None: DDP / plain
 
     def name(stage) -> str:
-        return ("DDP / one process without DeepSpeed" if stage is None else
-                "DeepSpeed" if stage == "DeepSpeed" else f"DeepSpeed ZeRO-{stage}")
+        return "DDP / one process without DeepSpeed" if stage is None else f"DeepSpeed ZeRO-{stage}"
 
-    flag = 0 if written is None else "N" if written == "DeepSpeed" else written
+    flag = 0 if written is None else written
     raise ConfigError(f"config key 'train.resume': {path} was written under {name(written)} and this launch runs "
                       f"{name(zero_stage)}: resume under the stage it was written with (launch/train.sh --zero {flag} "
                       f"or its accelerate config), on any number of processes")
@@ -247,10 +236,8 @@ def check_same_engine(path: Path, before: Optional[Layout], zero_stage: Optional
 def check_same_weights(path: Path, before: Optional[Layout], weights: str) -> None:
     """A checkpoint resumes with the weights dtype it was trained with (train.weights): DeepSpeed's bf16 mode and its
     torch_autocast keep the optimizer state in different files (`bf16_zero_pp_rank_*` vs `zero_pp_rank_*`) and
-    formats. Checkpoints of an older harness record no dtype: a DeepSpeed one with bf16 files had bf16 weights."""
+    formats."""
     written = before.weights if before is not None else None
-    if written is None and any((Path(path) / DS_TAG).glob("bf16_*optim_states.pt")):
-        written = "bf16"
     if written not in ("fp32", "bf16") or weights not in ("fp32", "bf16") or written == weights:
         return
     raise ConfigError(f"config key 'train.weights': {path} was trained with {written} weights and this run has "

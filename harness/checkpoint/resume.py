@@ -10,8 +10,6 @@
 - `restore(start, ...)`: the accelerate state loaded (`load_resumable`: with train.resume=auto a checkpoint that
   fails to load is passed over for an older one) and the loop state, its data position carried over to this layout;
   a fresh start's loop state at step 0.
-
-The spellings of "no resume" are `NO_RESUME`.
 """
 
 from __future__ import annotations
@@ -22,17 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from harness.checkpoint.layout import (DS_TAG, Resize, carry_over, check_same_engine, check_same_weights, fit,
+from harness.checkpoint.layout import (Resize, carry_over, check_same_engine, check_same_weights, fit,
                                        layout_of, needs_universal, saved_layout)
 from harness.checkpoint.manifest import MARKER, STATE_FILE, Verification, verify_checkpoint
 from harness.checkpoint.store import checkpoints_root, is_complete, list_checkpoints, step_of
 from harness.checkpoint.universal import load_universal, repair_universal_load, universal_view
+from harness.config import NO_RESUME
 from harness.distributed import all_gather, on_main
 from harness.errors import ConfigError, HarnessError, one_line
 from harness.files import human_bytes
 from harness.state import LoopState
 
-NO_RESUME = (None, "none", "null", "")  # train.resume values that start fresh
 
 
 @dataclass(frozen=True)
@@ -75,8 +73,7 @@ class Resumed:
 def plan(cfg, world: int) -> Plan:
     """Before the Accelerator exists (every process the same; nothing is verified yet: the loop state is only read)."""
     target, saved = newest_target(cfg)
-    before = saved_layout(target, saved, layout_of(cfg, world)) if target is not None else None
-    fitted, resize = fit(cfg, target, before, world) if target is not None else (cfg, None)
+    fitted, resize = fit(cfg, target, saved_layout(saved), world) if target is not None else (cfg, None)
     return Plan(fitted, resize, target, saved)
 
 
@@ -90,7 +87,7 @@ def choose(p: Plan, accelerator, out: Path, zero_stage: Optional[int], weights: 
         past_the_schedule(path, saved, cfg.train.max_steps)
     universal = False
     if path is not None:
-        before = saved_layout(path, saved, layout_of(cfg, accelerator.num_processes))
+        before = saved_layout(saved)
         check_same_weights(path, before, weights)
         check_same_engine(path, before, zero_stage)
         universal = needs_universal(before, accelerator.num_processes, zero_stage)
@@ -114,8 +111,7 @@ def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: 
                                  known={start.path: start.saved})
     state = LoopState.from_saved(saved)
     # another number of processes (or split of the batch): the data position in rows, the batch's new split
-    assumed = start.plan.resize.before if start.plan.resize else layout  # (what a checkpoint of an older harness was)
-    state.streams, resize, moved = carry_over(path, saved, layout, streams, epoch_rows, start.universal, assumed)
+    state.streams, resize, moved = carry_over(path, saved, layout, streams, epoch_rows, start.universal)
     state.layout = layout.as_dict()
     say(f"[harness] resumed from {path}: step {state.step}, data position {state.streams}{moved}")
     return Resumed(state, path, resize)
@@ -161,15 +157,12 @@ def newest_target(cfg) -> tuple[Optional[Path], Optional[dict]]:
 
 
 def checkpoint_stage(output_dir) -> Optional[int]:
-    """The ZeRO stage of the newest complete checkpoint in `output_dir` (0: DDP / plain), None when there is none or
-    it does not say (an older harness's DeepSpeed checkpoint): what launch/train.sh --zero auto keeps on resume."""
+    """The ZeRO stage of the newest complete checkpoint in `output_dir` (0: DDP / plain), None when there is none:
+    what launch/train.sh --zero auto keeps on resume."""
     for _, path in reversed(list_checkpoints(output_dir)[0]):
-        state = read_state(path)
-        if state is None:
-            continue
-        if state.get("layout"):
-            return state["layout"].get("zero_stage") or 0
-        return None if (path / DS_TAG).is_dir() else 0
+        layout = saved_layout(read_state(path))
+        if layout is not None:
+            return layout.zero_stage or 0
     return None
 
 

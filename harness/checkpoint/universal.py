@@ -13,12 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness.checkpoint.layout import DS_TAG
 from harness.checkpoint.manifest import checkpoint_size
 from harness.distributed import all_gather, deepspeed_config, is_main
 from harness.errors import HarnessError, one_line
 from harness.files import free_bytes, human_bytes
 
+DS_TAG = "pytorch_model"  # the folder accelerate's save_state gives DeepSpeed's engine inside a checkpoint
 STAGING = ".resharded"  # <output_dir>/.resharded/step-N: a checkpoint's universal view while it is loaded
 
 

@@ -25,13 +25,13 @@ from typing import Any, Optional
 
 import yaml
 
-from harness.config.sections import (SECTIONS, Config, DataConfig, LoraConfig, LossConfig, ModelConfig, OptimConfig,
+from harness.config.sections import (NO_RESUME, SECTIONS, Config, DataConfig, LoraConfig, LossConfig, ModelConfig, OptimConfig,
                                      RftConfig, TrainConfig, _coerce, _section_fields, _type_name, _unknown,
                                      lora_config)
 from harness.config.yaml_loader import TooLong, read_yaml
 from harness.errors import ConfigError
 
-__all__ = ["SECTIONS", "Config", "DataConfig", "LoraConfig", "LossConfig", "ModelConfig", "OptimConfig", "RftConfig",
+__all__ = ["NO_RESUME", "SECTIONS", "Config", "DataConfig", "LoraConfig", "LossConfig", "ModelConfig", "OptimConfig", "RftConfig",
            "TrainConfig", "lora_config", "load_config", "save_config", "parse_override", "describe"]
 
 def _apply(raw: dict, key: str, value: Any) -> None:

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from harness.config.sections import Config, lora_config
+from harness.config.sections import NO_RESUME, Config, lora_config
 from harness.errors import ConfigError
 
 
@@ -67,7 +67,7 @@ def validate(cfg: Config) -> None:
     if existing is not None and not existing.is_dir():
         raise ConfigError(f"config key 'train.output_dir': {existing} is a file, not a folder"
                           + (f" (in {out})" if existing != out else ""))
-    if t.overwrite and t.resume not in (None, "auto", "none", "null", ""):
+    if t.overwrite and t.resume not in (*NO_RESUME, "auto"):
         raise ConfigError(f"config key 'train.overwrite': starts the run over, so it cannot resume from "
                           f"train.resume={t.resume}")
     check_data_sources(cfg)

@@ -165,6 +165,9 @@ class OptimConfig:
     min_lr_ratio: float = _f(0.0, "Cosine/linear decay ends at lr * min_lr_ratio.")
 
 
+NO_RESUME = (None, "none", "null", "")  # train.resume values that start fresh (the one list of the spellings)
+
+
 @dataclass
 class TrainConfig:
     output_dir: str = _f("runs/default", "Run folder: config.yaml, metrics.jsonl, tensorboard/, final/, report.json.")

@@ -186,18 +186,25 @@ class MetricsLogger:
 
 
 class Throughput:
-    """Training time: since the start, and between two logging points (the loop sums tokens and samples on the
-    device and divides by these intervals). Time spent on evaluations and checkpoints inside an interval is
-    `exclude`d from it, so tokens/s measures training alone."""
+    """The training clock (the one clock that leaves evaluations and checkpoints out): since the start, and between
+    two logging points (the loop sums tokens and samples on the device and divides by these intervals). Time spent
+    on evaluations and checkpoints is `exclude`d, from the current interval and from `trained`, so tokens/s and the
+    report's step times measure training alone."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.mark = self.start
-        self.excluded = 0.0
+        self.excluded = 0.0  # in the current interval
+        self.excluded_total = 0.0
 
     def exclude(self, seconds: float) -> None:
-        """Leave `seconds` (an evaluation, a checkpoint) out of the current interval."""
+        """Leave `seconds` (an evaluation, a checkpoint) out of the current interval and of the training time."""
         self.excluded += seconds
+        self.excluded_total += seconds
+
+    def trained(self) -> float:
+        """Seconds since the start spent on steps: without the evaluations and checkpoints."""
+        return self.elapsed() - self.excluded_total
 
     def interval(self) -> float:
         """Training seconds since the previous call, without the excluded time; starts the next interval."""

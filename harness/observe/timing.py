@@ -55,17 +55,13 @@ class Timings:
         self.eval_before_loop_s = self.eval_s
         self.startup_s = time.time() - t_process - self.eval_s
 
-    def in_loop(self, loop_s: float) -> float:
-        """Loop seconds spent on steps: without the evaluations and checkpoints inside the loop."""
-        return loop_s - (self.eval_s - self.eval_before_loop_s) - self.save_s
-
     def add(self, what: str, seconds: float) -> None:
         setattr(self, f"{what}_s", getattr(self, f"{what}_s") + seconds)
         setattr(self, f"{what}s", getattr(self, f"{what}s") + 1)
 
-    def loop(self, loop_s: float, steps: int) -> None:
-        """Steady seconds per step after the warm-up steps, and what the warm-up steps cost beyond that."""
-        compute = self.in_loop(loop_s)
+    def loop(self, compute: float, steps: int) -> None:
+        """Steady seconds per step after the warm-up steps, and what the warm-up steps cost beyond that (compute: the
+        training clock's seconds on steps, metrics.Throughput.trained)."""
         if self.warmup_done_s is not None and steps > SETTLE_STEPS:
             self.steady_s_per_step = (compute - self.warmup_done_s) / (steps - SETTLE_STEPS)
             self.warmup_extra_s = max(0.0, self.warmup_done_s - SETTLE_STEPS * self.steady_s_per_step)

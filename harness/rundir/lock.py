@@ -1,5 +1,5 @@
 """One run per output folder: `<output_dir>/.lock`, created atomically (O_CREAT|O_EXCL) by the main process at the
-start of a run and removed when the run ends, however it ends (build.start_processes registers the release with the
+start of a run and removed when the run ends, however it ends (harness/rundir/__init__.py's `hold` registers the release with the
 run's ExitStack).
 
 The lock names its holder: `{"host", "pid", "started", "proc_start", "boot_id"}` (proc_start: the process's start

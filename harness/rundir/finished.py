@@ -1,0 +1,70 @@
+"""A rerun into a folder that holds a finished run (train.py's entry): nothing is started or rewritten, unless the
+config asks for more steps than the run planned; then it continues from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from harness.checkpoint.store import list_checkpoints
+from harness.errors import HarnessError
+from harness.stopping import TIME_BUDGET
+
+
+def finished_run(output_dir: str | Path) -> Optional[dict]:
+    """The report of the run that finished in `output_dir` (report.json says it ran to its end or to its time
+    budget, and its final/ export, if it made one, is there), else None: nothing there, or a run to continue."""
+    try:
+        rep = json.loads(Path(output_dir, "report.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rep, dict) or "stopped_by" not in rep or rep["stopped_by"] not in (None, TIME_BUDGET):
+        return None
+    final = rep.get("final_dir")
+    return rep if final is None or Path(final).is_dir() else None
+
+
+def more_steps(cfg, rep: dict) -> Optional[str]:
+    """What in `cfg` asks the finished run of report `rep` for more steps than it planned (e.g. "train.max_steps=6
+    (it planned 3)"), or None: its rerun has nothing to do. With train.max_steps=-1, more epochs than its config.yaml
+    names."""
+    t, planned = cfg.train, rep.get("planned_steps") or 0
+    if t.max_steps > 0:
+        return f"train.max_steps={t.max_steps} (it planned {planned})" if t.max_steps > max(planned, rep["steps"]) \
+            else None
+    try:
+        import yaml
+
+        before = yaml.safe_load(Path(t.output_dir, "config.yaml").read_text())["train"]
+        old_steps, old_epochs = int(before["max_steps"]), float(before["epochs"])
+    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
+        return None
+    if old_steps > 0 or t.epochs > old_epochs:
+        return f"train.max_steps=-1 with train.epochs={t.epochs:g} (it planned {planned} steps)"
+    return None
+
+
+def continue_finished(output_dir: str | Path, rep: dict, asks: str) -> str:
+    """The one line of a finished run asked for more steps: it continues from its last checkpoint with the new
+    schedule; a one-line HarnessError when it has none."""
+    out = Path(output_dir)
+    done = f"{out} holds a finished run (step {rep.get('steps')}/{rep.get('planned_steps')})"
+    saved, _ = list_checkpoints(out)
+    if not saved:
+        raise HarnessError(f"{done} and {asks} asks for more, but it has no checkpoint to continue from: train a new "
+                           f"folder from its final weights (model.name_or_path={out}/final) or start over with "
+                           f"train.overwrite=true")
+    step, path = saved[-1]
+    return (f"[harness] {done}; {asks} asks for more: continuing from its last checkpoint {path} (step {step}) with "
+            f"the new schedule; final/ and report.json are replaced at the end")
+
+
+def describe_finished(output_dir: str | Path, rep: dict) -> str:
+    """The rerun's one line: where the finished run's outputs are."""
+    out = Path(output_dir)
+    final = f"final model {rep['final_dir']}, " if rep.get("final_dir") else ""
+    return (f"[harness] {out} holds a finished run (step {rep.get('steps')}/{rep.get('planned_steps')}"
+            f"{', stopped by its time budget' if rep['stopped_by'] else ''}): {final}report {out / 'report.json'}, "
+            f"metrics {out / 'metrics.jsonl'}; nothing to do (train.overwrite=true trains it again)")
