@@ -78,6 +78,10 @@ def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, ex
         kwargs["save_embedding_layers"] = False
     unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, **kwargs)
     tokenizer.save_pretrained(tmp)
+    if kwargs:  # the vocabulary's padding rows out of the adapter: peft's AutoPeft loader resizes to len(tokenizer)
+        from harness.checkpoint.adapter_tokens import trim_padding_rows
+
+        trim_padding_rows(tmp, len(tokenizer))
     for name, obj in (extra or {}).items():  # small JSON side files, e.g. harness.json
         (tmp / name).write_text(json.dumps(obj, indent=2))
 
