@@ -173,7 +173,7 @@ def test_added_token_rows_are_trained_and_saved_with_the_adapter(tmp_path, tied)
     assert len(deltas) == (1 if tied else 2), sorted(adapter)  # embedding (+ untied head), not whole matrices
     assert not any(k.endswith(("embed_tokens.weight", "lm_head.weight")) for k in adapter)
     for k, v in deltas.items():
-        assert v.shape[0] == 4  # the four chat markers; not the vocabulary's padding rows (AutoPeft resizes to len(tok))
+        assert v.shape[0] == 4  # the four chat markers, not the vocabulary's padding rows (AutoPeft: len(tok) rows)
         k0 = next(s for s in start if s.startswith(k.removesuffix(".weight").rsplit(".", 1)[0]) and "delta" in s)
         assert not torch.allclose(v, start[k0][:4]), k  # trained
 
@@ -188,7 +188,8 @@ def test_added_token_rows_are_trained_and_saved_with_the_adapter(tmp_path, tied)
     ids = tok("<|user|>\nHow many people live in Dunmore?\n<|assistant|>\n", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         n = len(tok)  # every id the tokenizer has (the padding rows after them are not saved with the adapter)
-        assert torch.allclose(peft_model(input_ids=ids).logits[..., :n], merged(input_ids=ids).logits[..., :n], atol=1e-4)
+        a, b = peft_model(input_ids=ids).logits[..., :n], merged(input_ids=ids).logits[..., :n]
+        assert torch.allclose(a, b, atol=1e-4)
         out = peft_model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 5
 
