@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
+
 def _dump(path: Path, obj: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2) + "\n")
