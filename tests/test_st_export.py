@@ -109,3 +109,17 @@ def test_mteb_evaluates_the_final_on_a_local_retrieval_task(final, tmp_path, rep
     for line in lines:
         ndcg = float(line.split("ndcg_at_10=")[1].split()[0])
         assert 0.0 <= ndcg <= 1.0 and "recall_at_10=" in line, line
+    # MTEB's recall@1 is GritModel's top-1 hit rate on the same queries and corpus (one positive per query here):
+    # the queries got their instruction, the passages theirs or the plain template
+    grit = GritModel.load(final[0], device="cpu")
+    for (task, prompts), line in zip(mteb_eval.retrieval_tasks(data, DEFAULTS["instruction_template"],
+                                                         DEFAULTS["plain_template"]), lines):
+        task.load_data()
+        split = task.dataset["default"]["test"]
+        instruction = task.metadata.description.split(": ", 1)[1]
+        q = grit.encode(list(split["queries"]["text"]), instruction=instruction)
+        symmetric = prompts["document"] != DEFAULTS["plain_template"]  # passages with the query's instruction
+        d = grit.encode(list(split["corpus"]["text"]), instruction=instruction if symmetric else "")
+        top = [split["corpus"]["id"][i] for i in (q @ d.T).argmax(1).tolist()]
+        hits = sum(top[i] in split["relevant_docs"][qid] for i, qid in enumerate(split["queries"]["id"]))
+        assert float(line.split("recall_at_1=")[1].split()[0]) == pytest.approx(hits / len(top), abs=1e-4), line
