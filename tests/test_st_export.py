@@ -123,3 +123,17 @@ def test_mteb_evaluates_the_final_on_a_local_retrieval_task(final, tmp_path, rep
         top = [split["corpus"]["id"][i] for i in (q @ d.T).argmax(1).tolist()]
         hits = sum(top[i] in split["relevant_docs"][qid] for i, qid in enumerate(split["queries"]["id"]))
         assert float(line.split("recall_at_1=")[1].split()[0]) == pytest.approx(hits / len(top), abs=1e-4), line
+
+
+def test_mteb_command_bad_input_is_one_line(final, tmp_path, capsys):
+    from harness.cli import main
+
+    folder = final[0]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"query": "q", "pos": ["p"]}\n{"query": "q2"}\n')
+    for argv, expect in ((["mteb", str(tmp_path), str(bad)], "is not a sentence-transformers model"),
+                         (["mteb", str(folder), str(bad)], f"{bad}:2: not an embedding record"),
+                         (["mteb", str(folder), str(tmp_path / "none.jsonl")], "no such embedding file")):
+        assert main(argv) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("harness: error: ") and expect in err[0], err

@@ -1,5 +1,6 @@
 """Evaluate a run's embedder with MTEB's own retrieval evaluation on a local embedding file.
 
+    harness mteb runs/gritlm-tiny/final [data/sample/emb_eval.jsonl]
     python -m harness.tools.mteb_eval runs/gritlm-tiny/final [data/sample/emb_eval.jsonl]
 
 final/ (or final/merged/ for LoRA) is loaded as a sentence-transformers model (harness/checkpoint/st_export.py). The
@@ -17,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+from harness.errors import DataError, HarnessError, one_line
+
 SCORES = ("ndcg_at_10", "map_at_10", "recall_at_1", "recall_at_10", "mrr_at_10")
 
 
@@ -33,9 +36,16 @@ def retrieval_tasks(data_file: str | Path, instruction_template: str, plain_temp
     from mteb.abstasks.task_metadata import TaskMetadata
 
     groups: dict[str, list[dict]] = {}
-    for line in Path(data_file).read_text().splitlines():
+    if not Path(data_file).is_file():
+        raise DataError(f"{data_file}: no such embedding file")
+    for n, line in enumerate(Path(data_file).read_text().splitlines(), 1):
         if line.strip():
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+                if not (row["query"] and row["pos"]):
+                    raise KeyError("query and pos must not be empty")
+            except (ValueError, KeyError, TypeError) as e:
+                raise DataError(f"{data_file}:{n}: not an embedding record with query and pos ({one_line(e)})") from e
             groups.setdefault(_split(row["query"])[0], []).append(row)
     tasks = []
     for k, (instruction, rows) in enumerate(sorted(groups.items())):
@@ -83,11 +93,15 @@ def evaluate(final: str | Path, data_file: str | Path, batch_size: int = 32) -> 
     from harness.encode import DEFAULTS
 
     folder = st_folder(Path(final))
+    if not (folder / "modules.json").is_file():
+        raise HarnessError(f"{folder} is not a sentence-transformers model (no modules.json): the export of an "
+                           f"embedding or unified run with model.pooling=mean is (docs/gritlm.md)")
     settings_file = folder / "harness.json"
     settings = {**DEFAULTS, **(json.loads(settings_file.read_text()) if settings_file.is_file() else {})}
+    tasks = retrieval_tasks(data_file, settings["instruction_template"], settings["plain_template"])
     model = SentenceTransformer(str(folder), device="cpu" if not _cuda() else "cuda")
     out = {}
-    for task, prompts in retrieval_tasks(data_file, settings["instruction_template"], settings["plain_template"]):
+    for task, prompts in tasks:
         model.prompts = prompts
         result = mteb.evaluate(model, task, cache=None, encode_kwargs={"batch_size": batch_size},
                                show_progress_bar=False)
@@ -113,4 +127,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except HarnessError as err:
+        print(f"harness: error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
