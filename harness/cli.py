@@ -16,6 +16,7 @@
     harness rft sft-data|generate|train|test FILE ...  rejection-sampling fine-tuning (docs/rft.md)
     harness chat RUN_DIR/final [--max-new-tokens N] [--temperature T] [--top-p P] [--system TEXT]  chat on stdin
     harness push RUN_DIR REPO_ID [--private] [--revision BRANCH] [--token T]  upload final/ and its model card
+    harness mteb RUN_DIR/final [EMBED_FILE]  MTEB retrieval scores of the embedder (docs/gritlm.md)
 
 For several processes use launch/train.sh or accelerate's launcher on harness/train.py (docs/multi-gpu.md).
 """
@@ -163,7 +164,8 @@ def _data_stats(args: argparse.Namespace) -> int:
 OWN = {"bench": ("harness.tools.bench", False), "plan": ("harness.tools.planner", False),
        "zero-plan": ("harness.tools.zero_plan", False), "summary": ("harness.observe.summary", True),
        "compare": ("harness.observe.summary", True), "rft": ("harness.rft", False),
-       "chat": ("harness.tools.chat", False), "push": ("harness.tools.push", False)}
+       "chat": ("harness.tools.chat", False), "push": ("harness.tools.push", False),
+       "mteb": ("harness.tools.mteb_eval", False)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("plan", help="fit a run into a wall-clock window (harness plan FILE --hours H; see --help)")
     sub.add_parser("chat", help="chat with a trained model (its final/ folder) on stdin (harness chat -h)")
     sub.add_parser("push", help="upload a run's final/ with its model card to the Hugging Face hub (harness push -h)")
+    sub.add_parser("mteb", help="MTEB retrieval scores of final/ on a local embedding file (harness mteb FINAL [FILE])")
     sub.add_parser("zero-plan", help="GPU memory per ZeRO stage and the lowest that fits (harness zero-plan -h)")
     return p
 

@@ -80,8 +80,8 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
             model_type = kwargs.pop("model_type")
             mconf = AutoConfig.for_model(model_type, **kwargs)
         else:
-            # model_type in model.config (recipes carry the shape for offline sizing, harness.tools.zero_plan) is the hub's own
-            overrides = {k: v for k, v in cfg.config.items() if k != "model_type"}
+            from harness.config.shape import pretrained_shape  # the checkpoint's shape wins over the recipe's
+            overrides = pretrained_shape(cfg)
             mconf = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **overrides)
         if auto:
             common["attn_implementation"] = auto_attention(mconf, packed_causal)

@@ -18,6 +18,10 @@ import sys
 if __name__ == "__main__" and not __package__:
     # `accelerate launch harness/train.py` runs this file as a script: import the package, not its siblings.
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if __name__ == "__main__":  # the launch and the config before the heavy imports (config/preflight.py)
+    from harness.config.preflight import early_check
+
+    early_check(sys.argv[1:])
 
 import argparse
 import contextlib
@@ -30,7 +34,7 @@ from harness.auto_batch import memory_trial, run_auto_batch
 from harness.build import Job, build_run
 from harness.checkpoint.export import export_final
 from harness.checkpoint.store import Checkpointer
-from harness.config import Config, describe, load_config
+from harness.config import Config, describe, load_config, preflight
 from harness.data import loaders
 from harness.encode import embedding_settings
 from harness.errors import HarnessError, one_line
@@ -367,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     try:
+        preflight.refuse_fsdp()
         cfg = load_config(args.config, args.overrides)
         done = None if cfg.train.overwrite else finished.finished_run(cfg.train.output_dir)
         asks = finished.more_steps(cfg, done) if done is not None else None
@@ -381,10 +386,8 @@ def _main(args: argparse.Namespace) -> int:
         run_auto_batch(cfg, run) if cfg.train.micro_batch_size == "auto" else run(cfg)
     except HarnessError as e:
         # every process stops with the same error (those of one process are agreed before they are raised): the
-        # main process alone prints it, so N processes do not print N copies
-        if os.environ.get("RANK", "0") == "0":
-            print(f"harness: error: {e}", file=sys.stderr)
-        return e.exit_code
+        # main process alone prints it, the others wait for the launcher to end them (config/preflight.py)
+        return preflight.report(e)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Resume on another number of processes (harness/checkpoint/elastic.py): 2 processes -> 1 and 1 -> 2 under DDP, ZeRO-2
+"""Resume on another number of processes (harness/checkpoint/layout.py, resume.py, universal.py): 2 processes -> 1 and 1 -> 2 under DDP, ZeRO-2
 and ZeRO-3 (real DeepSpeed on its CPU accelerator) keep the global batch, read every row exactly once (counted through
 HARNESS_TRACE_ROWS, step by step against an uninterrupted run) and end at the uninterrupted run's weights; where the
 global batch cannot be kept the resume is refused in one line."""

@@ -118,3 +118,13 @@ def test_gritlm_tiny_recipe_runs_and_the_model_embeds_and_generates(tmp_path):
     d_ref = theirs.encode(["The town of Varnel has 4 bridges.", "Seven plus five equals twelve.", "A third text."],
                           instruction="<|embed|>\n")
     assert (q - torch.from_numpy(q_ref)).abs().max() <= 1e-5 and (d - torch.from_numpy(d_ref)).abs().max() <= 1e-5
+
+    from sentence_transformers import SentenceTransformer  # final/ is a sentence-transformers model too (issue 37)
+
+    st = SentenceTransformer(str(out / "final"), device="cpu")
+    q_st = st.encode(["Which town has 4 bridges?"],
+                     prompt=m.settings["instruction_template"].format(instruction="Retrieve the passage that answers the question."))
+    d_st = st.encode(["The town of Varnel has 4 bridges.", "Seven plus five equals twelve.", "A third text."])
+    print("sentence-transformers vs GritModel max abs:", (q - torch.from_numpy(q_st)).abs().max().item(),
+          (d - torch.from_numpy(d_st)).abs().max().item())
+    assert (q - torch.from_numpy(q_st)).abs().max() <= 1e-5 and (d - torch.from_numpy(d_st)).abs().max() <= 1e-5

@@ -173,9 +173,9 @@ def test_added_token_rows_are_trained_and_saved_with_the_adapter(tmp_path, tied)
     assert len(deltas) == (1 if tied else 2), sorted(adapter)  # embedding (+ untied head), not whole matrices
     assert not any(k.endswith(("embed_tokens.weight", "lm_head.weight")) for k in adapter)
     for k, v in deltas.items():
-        assert v.shape[0] == -(-(n_base + 4) // 64) * 64 - n_base  # the four chat markers, the padding to 64
+        assert v.shape[0] == 4  # the four chat markers, not the vocabulary's padding rows (AutoPeft: len(tok) rows)
         k0 = next(s for s in start if s.startswith(k.removesuffix(".weight").rsplit(".", 1)[0]) and "delta" in s)
-        assert not torch.allclose(v, start[k0]), k  # trained
+        assert not torch.allclose(v, start[k0][:4]), k  # trained
 
     peft_model, tok = load_adapter_on_base(base, final)
     marker = tok.convert_tokens_to_ids("<|assistant|>")
@@ -187,21 +187,22 @@ def test_added_token_rows_are_trained_and_saved_with_the_adapter(tmp_path, tied)
     merged = AutoModelForCausalLM.from_pretrained(final / "merged").eval()
     ids = tok("<|user|>\nHow many people live in Dunmore?\n<|assistant|>\n", return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        assert torch.allclose(peft_model(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)
+        n = len(tok)  # every id the tokenizer has (the padding rows after them are not saved with the adapter)
+        a, b = peft_model(input_ids=ids).logits[..., :n], merged(input_ids=ids).logits[..., :n]
+        assert torch.allclose(a, b, atol=1e-4)
         out = peft_model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 5
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_an_adapter_with_added_tokens_gives_the_trained_logits_for_every_id(tmp_path, tied):
-    """Regression: the vocabulary's padding rows (after the added tokens, up to the multiple of 64) got new random
-    values at every resize and were not saved with the adapter, so the adapter loaded as a user does (resize the base,
-    PeftModel.from_pretrained) gave other logits than the trained model for those ids. Every id, as input and as
-    output: the trained model (the run's last checkpoint) and base + adapter must agree."""
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def added_tokens_run(request, tmp_path_factory):
+    """A LoRA run on a local pretrained base whose tokenizer gets the chat markers (vocabulary resized, padded to 64),
+    with its last checkpoint loaded into the trained model (the reference for final/)."""
     from harness.model import load_run_tokenizer
 
-    base, run = tmp_path / "base", tmp_path / "run"
-    save_base(base, tied)
+    tmp = tmp_path_factory.mktemp("added-tokens")
+    base, run = tmp / "base", tmp / "run"
+    save_base(base, request.param)
     over = [*FAST, f"model.name_or_path={base}", "model.config={}", "model.tokenizer=null",
             "model.lora.enabled=true", "model.lora.r=4", "train.max_steps=2", "train.save_every_steps=2",
             "optim.lr=5e-2", "optim.warmup_steps=0", "train.micro_batch_size=4"]
@@ -211,14 +212,57 @@ def test_an_adapter_with_added_tokens_gives_the_trained_logits_for_every_id(tmp_
     missing, unexpected = trained.load_state_dict(load_file(str(run / "checkpoints/step-2/model.safetensors")),
                                                   strict=False)
     assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)  # a tied head: saved once
-    user, tok = load_adapter_on_base(base, run / "final")
-    vocab = user.get_base_model().config.vocab_size
-    assert vocab == trained.get_base_model().config.vocab_size and vocab % 64 == 0 and vocab > len(tok)
-    ids = torch.arange(vocab).reshape(-1, 32)  # every id as input; the logits cover every id as output
+    return request.param, base, run, trained.eval()
+
+
+def every_token_diff(model, trained, n_tokens: int) -> float:
+    """Max abs difference of the logits over every id the tokenizer has, as input and as output."""
+    ids = torch.arange(n_tokens - n_tokens % 4).reshape(4, -1)
     with torch.no_grad():
-        diff = (user(input_ids=ids).logits - trained.eval()(input_ids=ids).logits).abs().max().item()
-    print(f"{'tied' if tied else 'untied'}: logits of base + adapter vs the trained model, max abs diff {diff:.3g}")
-    assert diff <= 1e-6, diff
+        a = model(input_ids=ids).logits[..., :n_tokens]
+        b = trained(input_ids=ids).logits[..., :n_tokens]
+    return (a - b).abs().max().item()
+
+
+def test_an_adapter_with_added_tokens_gives_the_trained_logits_for_every_id(added_tokens_run):
+    """Regression: peft's one-line loader (AutoPeftModelForCausalLM.from_pretrained(final)) raised IndexError: it
+    resizes the base to len(tokenizer), and the adapter's trainable_token_indices included the vocabulary's padding
+    rows. Now the adapter holds the tokenizer's rows: AutoPeft, the manual recipe (resize, PeftModel) and
+    final/merged/ give the trained model's logits for every id the tokenizer has."""
+    from peft import AutoPeftModelForCausalLM
+
+    tied, base, run, trained = added_tokens_run
+    final = run / "final"
+    auto = AutoPeftModelForCausalLM.from_pretrained(final).eval()
+    manual, tok = load_adapter_on_base(base, final)
+    merged = AutoModelForCausalLM.from_pretrained(final / "merged").eval()
+    assert auto.get_base_model().config.vocab_size == len(tok)  # AutoPeft's resize: no padding
+    for name, model in (("AutoPeft", auto), ("manual", manual), ("merged", merged)):
+        diff = every_token_diff(model, trained, len(tok))
+        print(f"{'tied' if tied else 'untied'}: {name} vs the trained model, {len(tok)} ids, max abs diff {diff:.3g}")
+        assert diff <= 1e-5, (name, diff)
+
+
+def test_an_adapter_saved_with_padding_rows_is_trimmed_to_load(added_tokens_run, tmp_path):
+    """An adapter saved the old way (the padding rows in trainable_token_indices) fails AutoPeft with IndexError;
+    trim_padding_rows rewrites it in place, and it then gives the trained model's logits."""
+    from peft import AutoPeftModelForCausalLM
+
+    from harness.checkpoint.adapter_tokens import padding_indices, trim_padding_rows
+
+    _, _, run, trained = added_tokens_run
+    old = tmp_path / "old"
+    from transformers import AutoTokenizer
+
+    trained.save_pretrained(old, save_embedding_layers=False)
+    AutoTokenizer.from_pretrained(run / "final").save_pretrained(old)
+    n = len(AutoTokenizer.from_pretrained(old))
+    assert padding_indices(old, n)
+    with pytest.raises(IndexError):
+        AutoPeftModelForCausalLM.from_pretrained(old)
+    assert trim_padding_rows(old) and not padding_indices(old, n)
+    assert not trim_padding_rows(old)  # idempotent
+    assert every_token_diff(AutoPeftModelForCausalLM.from_pretrained(old).eval(), trained, n) <= 1e-5
 
 
 def test_random_init_lora_export_names_its_base(tmp_path):
@@ -232,9 +276,13 @@ def test_random_init_lora_export_names_its_base(tmp_path):
     base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])
     peft_model = PeftModel.from_pretrained(base, final).eval()
     merged = AutoModelForCausalLM.from_pretrained(final / "merged").eval()
+    from peft import AutoPeftModelForCausalLM
+
+    auto = AutoPeftModelForCausalLM.from_pretrained(final).eval()  # peft's one-line loader
     ids = torch.randint(0, 200, (2, 16))
     with torch.no_grad():
         assert torch.allclose(peft_model(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)
+        assert torch.allclose(auto(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)
 
 
 def test_a_pretrained_base_trains_in_train_mode(tmp_path):

@@ -1,7 +1,8 @@
 """The final export: the unwrapped model (weights gathered from every rank) and the tokenizer in HF format.
 
     <output_dir>/final/   model (safetensors) + tokenizer, loadable with AutoModelForCausalLM / AutoTokenizer;
-                          with LoRA: the adapter (peft) + tokenizer, and final/merged/ the merged model
+                          with LoRA: the adapter (peft) + tokenizer, and final/merged/ the merged model;
+                          an embedding or unified run: also a sentence-transformers model (checkpoint/st_export.py)
 
 It is written to a temporary sibling folder and renamed into place, so a crash never leaves a half-written export
 under the final name; the free space is compared with the size of the previous export (or of the weights) first.
@@ -78,6 +79,10 @@ def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, ex
         kwargs["save_embedding_layers"] = False
     unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, **kwargs)
     tokenizer.save_pretrained(tmp)
+    if kwargs:  # the vocabulary's padding rows out of the adapter: peft's AutoPeft loader resizes to len(tokenizer)
+        from harness.checkpoint.adapter_tokens import trim_padding_rows
+
+        trim_padding_rows(tmp, len(tokenizer))
     for name, obj in (extra or {}).items():  # small JSON side files, e.g. harness.json
         (tmp / name).write_text(json.dumps(obj, indent=2))
 
@@ -92,3 +97,6 @@ def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, ex
             (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
         for name, obj in (extra or {}).items():
             (tmp / "merged" / name).write_text(json.dumps(obj, indent=2))
+    from harness.checkpoint.st_export import write_sentence_transformers  # final/ as a sentence-transformers model
+
+    write_sentence_transformers(tmp, (extra or {}).get("harness.json"))
