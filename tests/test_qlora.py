@@ -115,6 +115,10 @@ def test_qlora_run_exports_adapter_and_merged_model(tmp_path):
     assert getattr(merged.config, "quantization_config", None) is None
     ids = tok("<|user|>\nHow many people live in Dunmore?\n<|assistant|>\n", return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        assert torch.allclose(peft_model(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)
+        # the tokenizer's ids: the vocabulary's padding rows are no token (the adapter leaves them out, so a loader's
+        # resize draws them afresh; adapter_tokens.py)
+        n = len(tok)
+        assert torch.allclose(peft_model(input_ids=ids).logits[..., :n], merged(input_ids=ids).logits[..., :n],
+                              atol=1e-4)
         assert merged.generate(input_ids=ids, max_new_tokens=4, do_sample=False).shape[1] == ids.shape[1] + 4
     assert isinstance(peft_model, PeftModel)

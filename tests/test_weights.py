@@ -150,7 +150,8 @@ def test_pretrained_weights_under_zero3_init_stay_fp32(tmp_path):
     AutoModelForCausalLM.from_config(AutoConfig.for_model(conf.pop("model_type"), **conf)).save_pretrained(
         tmp_path / "base")
     out = tmp_path / "run"
-    run_train([f"train.output_dir={out}", f"model.name_or_path={tmp_path / 'base'}", *STEPS, "train.max_steps=2"],
+    run_train([f"train.output_dir={out}", f"model.name_or_path={tmp_path / 'base'}", "model.tokenizer=bundled", *STEPS,
+               "train.max_steps=2"],
               accel="zero3")
     rep = report(out)
     assert rep["zero_stage"] == 3 and rep["weights"] == "fp32"
