@@ -40,7 +40,10 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str = "auto",
     try:
         tok = AutoTokenizer.from_pretrained(src, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"config key 'model.tokenizer': cannot load tokenizer '{src}': {str(e).splitlines()[0]}")
+        hint = (f" (model.tokenizer is null, so the tokenizer is model.name_or_path's own: set model.tokenizer to a "
+                f"hub id, a folder, or 'bundled')" if not cfg.tokenizer and cfg.name_or_path else "")
+        raise ConfigError(f"config key 'model.tokenizer': cannot load tokenizer '{src}': "
+                          f"{str(e).splitlines()[0]}{hint}")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
     if tok.eos_token is None:

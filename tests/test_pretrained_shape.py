@@ -38,3 +38,20 @@ def test_the_default_recipe_trains_a_local_pretrained_model(tmp_path):
         "num_key_value_heads, max_position_embeddings ignored: the pretrained model.name_or_path="), lines
     trained = AutoConfig.from_pretrained(out / "final")
     assert (trained.hidden_size, trained.num_hidden_layers, trained.intermediate_size) == (32, 2, 64)
+
+
+def test_a_model_folder_without_a_tokenizer_names_the_key_to_set(tmp_path):
+    """Regression: with model.tokenizer null (the default) a model folder holding weights but no tokenizer gave
+    transformers' 'Couldn't instantiate the backend tokenizer' alone, without saying what to set."""
+    from transformers import LlamaForCausalLM
+
+    from harness.config import ConfigError, load_config
+    from harness.model import load_tokenizer
+
+    LlamaForCausalLM(LlamaConfig(hidden_size=16, num_hidden_layers=1, intermediate_size=32, num_attention_heads=2,
+                                 num_key_value_heads=2, vocab_size=64)).save_pretrained(tmp_path / "base")
+    cfg = load_config(DEFAULT, [f"model.name_or_path={tmp_path / 'base'}"])
+    with pytest.raises(ConfigError) as e:
+        load_tokenizer(cfg.model)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("config key 'model.tokenizer': cannot load tokenizer") and "'bundled'" in msg
