@@ -160,11 +160,16 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
     cfg = plan.cfg
     out = Path(cfg.train.output_dir)
     precision = hardware.resolve_precision(cfg.train.precision)
-    cfg, weights_note = distributed.route_weights(cfg, precision)  # bf16 weights: DeepSpeed's fp32 master copies
+    if precision == "fp8":
+        from harness.float8 import check_fp8
+
+        check_fp8(cfg.model.quantization)
+    compute = hardware.compute_precision(precision)  # fp8: bf16 outside the float8 Linear layers
+    cfg, weights_note = distributed.route_weights(cfg, compute)  # bf16 weights: DeepSpeed's fp32 master copies
     hardware.check_attention(cfg.model.attn_implementation)
     compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
     trackers = monitor.tracker_list(cfg.train.report_to, cfg.train.output_dir)  # tensorboard: <output_dir>/tensorboard
-    accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision), compile_mode,
+    accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(compute), compile_mode,
                                                trackers)
     opened.push(distributed.end_training(accelerator))
     if weights_note:
@@ -173,7 +178,7 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
     if cfg.train.overwrite:
         distributed.on_main(accelerator, lambda: rundir.start_over(out, accelerator.print))
     zero = distributed.zero_info(accelerator)
-    weights = distributed.planned_weights(precision, cfg.train.weights, distributed.is_deepspeed(accelerator))
+    weights = distributed.planned_weights(compute, cfg.train.weights, distributed.is_deepspeed(accelerator))
     # the checkpoint to resume from: verified, agreed, checked against the schedule, the engine and the weights
     start = resume.choose(replace(plan, cfg=cfg), accelerator, out, zero["zero_stage"], weights)
     # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
@@ -189,7 +194,7 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
 
         transformers.logging.set_verbosity_error()
         datasets.disable_progress_bars()
-    stored = f" ({weights} weights)" if precision == "bf16" else ""  # (planned_weights: train.weights in bf16)
+    stored = f" ({weights} weights)" if compute == "bf16" else ""  # (planned_weights: train.weights in bf16)
     accelerator.print(f"[harness] {accelerator.num_processes} process(es), {accelerator.distributed_type.value}, ZeRO "
                       f"stage {zero['zero_stage']}, device {accelerator.device}, precision {precision}{stored}, tf32 "
                       f"{tf32}, compile {compile_mode}, profile {cfg.train.profile}, torch {env['torch']}, loss "
@@ -229,8 +234,12 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
         raise ConfigError(quantization_zero3_error(cfg.model.quantization, "the accelerate config's DeepSpeed"))
     set_seed(cfg.train.seed)
     with distributed.model_init_context(accelerator, cfg.model.name_or_path is None or cfg.model.random_init):
-        model = model_lib.build_model(cfg.model, tokenizer, precision=started.precision,
+        model = model_lib.build_model(cfg.model, tokenizer, precision=hardware.compute_precision(started.precision),
                                        packed_causal=cfg.loss.mode == "generative" and cfg.data.packing)
+    if started.precision == "fp8":  # the blocks' Linear layers in float8 (LoRA's frozen base layers too)
+        from harness import float8
+
+        say(float8.describe(*float8.convert_blocks(model)))
     if cfg.loss.mode != "generative":
         model_lib.check_embedding_support(model.config.model_type, model.config._attn_implementation,
                                           cfg.model.embed_attention)

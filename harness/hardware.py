@@ -88,8 +88,13 @@ def check_attention(attn_implementation: str) -> None:
                               "(pip install flash-attn); sdpa uses flash kernels through PyTorch without it")
 
 
+def compute_precision(precision: str) -> str:
+    """The autocast dtype of a resolved precision: fp8 computes in bf16 outside its float8 Linear layers."""
+    return "bf16" if precision == "fp8" else precision
+
+
 def accelerate_mixed_precision(precision: str) -> str:
-    return {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision]
+    return {"fp32": "no", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}[precision]
 
 
 def enable_tf32(enabled: bool) -> bool:

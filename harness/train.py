@@ -220,7 +220,8 @@ def nonfinite_error(job: Job, state: LoopState, side: SideWork) -> HarnessError:
         return HarnessError(f"non-finite loss at step {state.step} after its first micro-step (DeepSpeed with "
                             f"train.grad_accum={job.accum}): stopped without applying it; the last good weights are in "
                             f"{path}; continue with train.resume=auto (this step's batches are skipped)")
-    other = {"fp16": "train.precision=bf16 (or fp32)", "bf16": "train.precision=fp32"}.get(job.precision)
+    other = {"fp16": "train.precision=bf16 (or fp32)", "bf16": "train.precision=fp32",
+             "fp8": "train.precision=bf16"}.get(job.precision)
     return HarnessError(f"non-finite gradients in {guard.in_a_row} steps in a row (train.max_nonfinite_skips="
                         f"{job.cfg.train.max_nonfinite_skips}): stopped; the last good weights are in {path}. Lower "
                         + (f"optim.lr, check the data, or use {other}" if other else "optim.lr or check the data"))

@@ -59,7 +59,7 @@ LAYERS = [
      "harness.data.mixing", "harness.hardware", "harness.state", "harness.stopping", "harness.compiling",
      "harness.observe"],
     # 2: the run's parts: processes, model, samples and loaders, losses, the objective, checkpoints, the output folder
-    ["harness.distributed", "harness.model", "harness.losses", "harness.chunked_loss", "harness.optim",
+    ["harness.distributed", "harness.model", "harness.float8", "harness.losses", "harness.chunked_loss", "harness.optim",
      "harness.objective",
      "harness.evaluation", "harness.encode", "harness.auto_batch", "harness.data.samples", "harness.data.loaders",
      "harness.checkpoint", "harness.rundir", "harness.observe.reporting"],

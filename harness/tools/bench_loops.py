@@ -36,6 +36,9 @@ def _build_common(cfg, threads: int) -> dict:
     if cfg.loss.mode != "generative":
         raise ConfigError(f"harness bench compares generative training; got loss.mode={cfg.loss.mode}")
     cuda = torch.cuda.is_available()
+    if cfg.train.precision == "fp8":
+        raise ConfigError("harness bench compares fp32/bf16 loops; fp8 against bf16 is measured by "
+                          "scripts/gpu_check.py --preset fp8")
     precision = hardware.resolve_precision(cfg.train.precision)
     hardware.enable_tf32(cfg.train.tf32)
     tok = model_lib.load_run_tokenizer(cfg)

@@ -263,7 +263,9 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
     from harness.distributed import planned_weights
 
     shape = shape or model_shape(cfg)
-    compute = cfg.train.precision if cfg.train.precision != "auto" else "bf16"  # auto: a GPU's bf16
+    # auto: a GPU's bf16; fp8: bf16 bytes (torchao's Float8Linear keeps its inputs in bf16 for the backward and
+    # casts to float8 per matmul; the weights, gradients and optimizer states are the bf16 run's)
+    compute = cfg.train.precision if cfg.train.precision not in ("auto", "fp8") else "bf16"
     w = 4 if compute == "fp32" else 2  # bytes per activation value
     # the parameters' dtype under DeepSpeed: train.weights in bf16 runs (fp32 by default: torch_autocast), fp16 mode
     weights = planned_weights(compute, cfg.train.weights, True)
