@@ -75,8 +75,9 @@ def convertible(module: torch.nn.Module) -> bool:
 
 
 def convert_blocks(model, emulate: Optional[bool] = None) -> tuple[int, int]:
-    """Swap the Linear layers inside the model's repeated blocks for torchao's Float8Linear, in place, before LoRA
-    and before accelerate/DeepSpeed prepare the model. Returns (converted, left in bf16 for their sizes)."""
+    """Swap the Linear layers inside the model's repeated blocks for torchao's Float8Linear, in place: after LoRA's
+    wrap (its frozen base layers are converted, its adapters not), before accelerate/DeepSpeed prepare the model.
+    Returns (converted, left in bf16 for their sizes)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     blocks = block_classes(model)

@@ -78,6 +78,13 @@ GRITLM = ("loss.mode=unified", "data.emb_train_files=[data/sample/emb.jsonl]", "
           "data.train_group_size=2", "data.query_max_len=256", "data.passage_max_len=512")
 LORA = ("model.name_or_path={base}", "model.lora.enabled=true", "model.lora.r=16", "model.lora.alpha=32")
 QLORA = (*LORA, "model.quantization=4bit")
+FP8 = ("train.precision=fp8",)  # the blocks' Linear layers in float8 through torchao (harness/float8.py)
+# the largest model that fits one 80 GB H100 with LoRA: an 8B Llama 3 shape on gpu-1b's data, random init (no
+# download), activation checkpointing
+LORA_8B = ("model.config.hidden_size=4096", "model.config.intermediate_size=14336", "model.config.num_hidden_layers=32",
+           "model.config.num_attention_heads=32", "model.config.num_key_value_heads=8", "model.lora.enabled=true",
+           "model.lora.r=16", "model.lora.alpha=32", "model.gradient_checkpointing=true",
+           "train.micro_batch_size=4")
 LOSS_STEPS = (20, 40, 100)  # loss_at: the logged interval means at these steps
 TOKENS_PER_ROW = 2048  # configs/gpu-1b.yaml data.max_len (packed rows)
 # DeepSpeed knobs for the bisection of the ZeRO loss gap: each a patch of the shipped ds_configs/zero2.json
@@ -155,6 +162,14 @@ VARIANTS: dict[str, Variant] = {
     "v128k_full": _train("single_gpu", REGIONAL + ("model.config.vocab_size=128256", "loss.chunked_ce=false"),
                          tok_s=43000),
     # point 5 (not training variants: see run_rft_generate, run_rft_bench, run_plan)
+    # point 4: fp8 against bf16 on gpu-1b (the same compile setting) and on an 8B with LoRA
+    "fp8": _train("single_gpu", REGIONAL + FP8, tok_s=70000, loss_ref="plain", speed_ref="plain",
+                  note="train.precision=fp8: torchao Float8Linear, tensorwise scaling, regional compile"),
+    "fp8_eager": _train("single_gpu", EAGER + FP8, tok_s=30000, loss_ref="plain_eager", speed_ref="plain_eager"),
+    "lora8b": _train("single_gpu", REGIONAL + LORA_8B, tok_s=9000, startup_s=150,
+                     note="8B Llama shape, random init, LoRA r16, checkpointing"),
+    "lora8b_fp8": _train("single_gpu", REGIONAL + LORA_8B + FP8, tok_s=11000, startup_s=150, loss_ref="lora8b",
+                         speed_ref="lora8b"),
     "rft_generate": Variant("rft", startup_s=100, note="harness rft generate on a random-init ~1B model"),
     "rft_bench": Variant("rft", startup_s=110, note="harness rft bench --questions 2 (new tokens/s)"),
     "plan_300": Variant("plan", startup_s=300, note="harness plan for the steps, then the run"),
@@ -171,6 +186,8 @@ PRESETS = {  # name: (variants, steps)
     "bf16w": (["plain", "plain_bf16w", "plain_bf16w_mb16"], 100),
     "rft_plan": (["rft_generate", "plan_300", "rft_bench"], 300),
     "qlora": (["qlora", "qlora_eager", "qlora_mb16", "qlora_profile"], 40),
+    "fp8": (["plain", "fp8", "plain_eager", "fp8_eager"], 100),
+    "fp8_large": (["lora8b", "lora8b_fp8"], 40),
 }
 DEFAULT = "plain,plain_eager,zero2,zero3"
 SMOKE_DEFAULT = "plain,zero2_nooverlap"
