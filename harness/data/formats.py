@@ -8,6 +8,7 @@ Formats (detected per file from the first record's columns after `columns` renam
     alpaca     {"instruction", "input"?, "output", "system"?, "history"?: [[user, assistant], ...]}
     gritlm     {"text": [user, assistant, user, assistant, ...]}  (GritLM's generative layout)
     embedding  {"query": str | [instruction, str], "pos": [...], "neg": [...]}
+    preference {"prompt"?, "chosen", "rejected"} (TRL's layouts, text or messages: harness.data.pairs)
 
 Canonical generative row: {"segments": [{"role", "content", "extra"}], "tools", "origin"} with role one of
 system/user/assistant/tool/text, `extra` "" or a JSON object string of the message's other keys (tool_calls, name,
@@ -23,18 +24,20 @@ from typing import Any, Optional
 from harness.errors import DataError
 
 GENERATIVE = ("text", "messages", "sharegpt", "alpaca", "gritlm")
-FORMATS = GENERATIVE + ("embedding",)
+FORMATS = GENERATIVE + ("embedding", "preference")
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
                   "observation": "tool", "tool": "tool", "function_call": "assistant"}
 
 
 def kind_of(fmt: str) -> str:
-    return "embedding" if fmt == "embedding" else "generative"
+    return fmt if fmt in ("embedding", "preference") else "generative"
 
 
 def detect_format(obj: dict) -> Optional[str]:
     """The format a record's columns suggest, or None."""
+    if "chosen" in obj and "rejected" in obj:
+        return "preference"
     if "messages" in obj:
         return "messages"
     if "conversations" in obj:
