@@ -186,7 +186,8 @@ def reference_logps(accelerator, model, loader, chunk_size: int) -> torch.Tensor
                                logps[n:].double().unsqueeze(1)], 1))
     model.train()
     local = torch.cat(mine) if mine else torch.zeros(0, 3, dtype=torch.float64, device=accelerator.device)
-    gathered = accelerator.gather(local.contiguous()).cpu()  # every process has as many rows (as many batches)
+    # the last batches of the processes may differ in size: padded with index -1
+    gathered = accelerator.gather(accelerator.pad_across_processes(local.contiguous(), dim=0, pad_index=-1)).cpu()
     out = torch.zeros(len(loader.dataset), 2, dtype=torch.float64)
     keep = gathered[:, 0] >= 0
     out[gathered[keep, 0].long()] = gathered[keep, 1:]

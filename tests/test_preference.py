@@ -208,7 +208,7 @@ def test_truncated_to_nothing_names_the_record(setup, tmp_path):
 
 @pytest.fixture(scope="module")
 def dpo_run(tmp_path_factory):
-    from tests.harness_launch import run_train
+    from harness_launch import run_train
 
     out = tmp_path_factory.mktemp("dpo")
     run_train([f"train.output_dir={out}", "train.max_steps=8",

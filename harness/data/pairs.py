@@ -23,80 +23,8 @@ from typing import Any
 import torch
 
 from harness.data import IGNORE_INDEX
+from harness.data.formats import preference_record  # noqa: F401 - the record layouts, re-exported
 from harness.errors import DataError
-
-
-# ----------------------------------------------------------------------------------------------- records
-
-
-def _side(obj: dict, field: str, where: str) -> tuple[list[dict], bool]:
-    """(segments, conversational) of a chosen / rejected / prompt value."""
-    from harness.data import formats
-
-    if field not in obj or obj[field] is None:
-        raise DataError(f"{where}: missing field '{field}' (a preference pair needs chosen and rejected)")
-    value = obj[field]
-    if isinstance(value, str):
-        return [formats._segment("text", value)], False
-    if isinstance(value, list):
-        if not value:
-            raise DataError(f"{where}: field '{field}' is an empty list")
-        return _messages(value, where, field), True
-    raise DataError(f"{where}: field '{field}' must be a string or a list of messages, got {type(value).__name__}")
-
-
-def _messages(msgs: list, where: str, field: str) -> list[dict]:
-    from harness.data import formats
-
-    segments = []
-    for i, m in enumerate(msgs):
-        f = f"{field}[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in formats.ROLES:
-            raise DataError(f"{where}: field '{f}' must be a message with role one of {', '.join(formats.ROLES)}")
-        content = "" if m.get("content") is None and m.get("tool_calls") else m.get("content")
-        extra = {k: v for k, v in m.items() if k not in ("role", "content") and v is not None}
-        segments.append(formats._segment(m["role"], formats.string(content, where, f"{f}.content"), extra))
-    return segments
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def preference_record(obj: dict, where: str) -> dict:
-    """One record of TRL's preference formats -> the canonical pair row (errors name `where` and the field)."""
-    chosen, conv_c = _side(obj, "chosen", where)
-    rejected, conv_r = _side(obj, "rejected", where)
-    if conv_c != conv_r:
-        raise DataError(f"{where}: fields 'chosen' and 'rejected' must both be text or both be messages")
-    if "prompt" in obj and obj["prompt"] is not None:
-        prompt, conv_p = _side(obj, "prompt", where)
-        if conv_p != conv_c:
-            raise DataError(f"{where}: field 'prompt' must be of the same form as 'chosen' (text or messages)")
-    elif conv_c:  # implicit prompt: the messages both conversations share
-        n = 0
-        while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
-            n += 1
-        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
-    else:
-        c, r = chosen[0]["content"], rejected[0]["content"]
-        n = _common_prefix(c, r)
-        n = c.rfind(" ", 0, n) + 1 if 0 < n < min(len(c), len(r)) and " " in c[:n] else n
-        prompt = [{**chosen[0], "content": c[:n]}]
-        chosen, rejected = [{**chosen[0], "content": c[n:]}], [{**rejected[0], "content": r[n:]}]
-    for name, side in (("chosen", chosen), ("rejected", rejected)):
-        if not side or all(s["content"] == "" and not s["extra"] for s in side):
-            raise DataError(f"{where}: field '{name}': empty completion")
-        if conv_c and any(s["role"] != "assistant" for s in side):
-            raise DataError(f"{where}: field '{name}': the completion must be assistant messages only")
-    if chosen == rejected:
-        raise DataError(f"{where}: fields 'chosen' and 'rejected' are equal (no preference to learn)")
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "origin": where}
 
 
 # ----------------------------------------------------------------------------------------------- tokenization

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from harness.data import formats, pairs
+from harness.data import formats
 from harness.errors import ConfigError, DataError
 from harness.data.readers import (Source, _csv_line, _dataset_records, _quiet_datasets, load_file_dataset,
                                   load_hub_dataset, load_saved_dataset, read_jsonl)
@@ -196,7 +196,7 @@ def unit_rows(unit: Unit, source: Source, kind: str, what: str, need_negatives: 
             if kind == "embedding":
                 yield formats.embedding_record(obj, origin, need_negatives)
             elif kind == "preference":
-                yield pairs.preference_record(obj, origin)
+                yield formats.preference_record(obj, origin)
             else:
                 yield formats.generative_row(obj, fmt, origin)
     except DataError as e:
