@@ -206,14 +206,17 @@ def test_truncated_to_nothing_names_the_record(setup, tmp_path):
 # ----------------------------------------------------------------------------------------------- a DPO run
 
 
+# the tiny recipe, 6 steps of 8 pairs, evaluated at steps 0, 3 and 6; the 2-process runs split each batch 4 + 4
+RUN = ["train.max_steps=6", "train.eval_every=3", "train.log_every=1", "train.progress_bar=false",
+       "train.report_to=[]", "train.save_final=false"]
+
+
 @pytest.fixture(scope="module")
 def dpo_run(tmp_path_factory):
     from harness_launch import run_train
 
     out = tmp_path_factory.mktemp("dpo")
-    run_train([f"train.output_dir={out}", "train.max_steps=8",
-               "train.eval_every=4", "train.log_every=4", "train.progress_bar=false", "train.report_to=[]",
-               "train.summary=false", "train.save_final=false"], config="configs/dpo-tiny.yaml")
+    run_train([f"train.output_dir={out}", *RUN], config="configs/dpo-tiny.yaml")
     return out
 
 
@@ -227,3 +230,27 @@ def test_dpo_run_learns_the_preference(dpo_run):
     assert evals[-1]["eval_rewards/margins"] > evals[0]["eval_rewards/margins"]
     assert train and {"loss", "rewards/chosen", "rewards/rejected", "rewards/margins"} <= set(train[-1])
     assert (dpo_run / "reference_logps.pt").is_file()
+    summary = (dpo_run / "summary.md").read_text()
+    assert "eval reward accuracy" in summary and "eval reward margin" in summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_two_processes_under_zero_equal_one(dpo_run, stage, tmp_path):
+    """2 processes x 4 pairs under ZeRO-2 / ZeRO-3 = 1 process x 8 pairs: loss, rewards and eval figures at every
+    step (<= 1e-5 relative); the reference log-probs divided between the processes are the same."""
+    from harness_launch import rel_close, report, run_train
+
+    out = tmp_path / stage
+    run_train([f"train.output_dir={out}", *RUN, "train.micro_batch_size=4", "train.summary=false"], nproc=2,
+              accel=stage, config="configs/dpo-tiny.yaml")
+    assert report(out)["zero_stage"] == int(stage[-1]) and report(out)["world_size"] == 2
+    one, two = ([json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (dpo_run, out))
+    keys = [k for k in one[-1] if k.startswith(("loss", "rewards/", "eval_"))]
+    pairs_of = [(a, b) for a, b in zip(one, two) if a["step"] == b["step"]]
+    assert len(pairs_of) == len(one) == len(two)
+    bad = [(a["step"], k, a[k], b[k]) for a, b in pairs_of for k in keys + ["eval_rewards/margins"]
+           if k in a and not (rel_close(a[k], b[k], 1e-5) or abs(a[k] - b[k]) < 1e-6)]  # step 1's rewards are ~0
+    assert not bad, bad
+    ref_one, ref_two = (torch.load(d / "reference_logps.pt") for d in (dpo_run, out))
+    assert torch.allclose(ref_one["train"]["logps"], ref_two["train"]["logps"], rtol=1e-5)
