@@ -240,7 +240,7 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
         from harness import float8
 
         say(float8.describe(*float8.convert_blocks(model)))
-    if cfg.loss.mode != "generative":
+    if cfg.loss.mode in ("embedding", "unified"):
         model_lib.check_embedding_support(model.config.model_type, model.config._attn_implementation,
                                           cfg.model.embed_attention)
     parameters, matmul_params = model_lib.count_parameters(model), metrics.matmul_params(model)
@@ -261,7 +261,14 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     weights = weights_dtype(model)
     distributed.repair_stage0_optimizer(optimizer)  # DeepSpeed without ZeRO: its start-up step undone
     chunk_size = resolve_chunked_ce(cfg, model, longest_micro_batch(data), say)
-    if chunk_size is not None:
+    if cfg.loss.mode == "preference":  # sequence log-probs: always through the output head, in chunks
+        from harness import preference
+
+        chunk_size = cfg.loss.chunked_ce_size
+        # the reference (dpo, ipo): the model as it starts, before a checkpoint is loaded; stored in output_dir
+        preference.attach_reference(cfg, accelerator, model, {"train": data.gen, "eval": data.gen_eval}, chunk_size,
+                                    say)
+    elif chunk_size is not None:
         say(f"[harness] generative loss: chunked through the output head, {chunk_size} positions per chunk "
             f"(loss.chunked_ce={cfg.loss.chunked_ce})")
     mconf = accelerator.unwrap_model(model, keep_torch_compile=False).config

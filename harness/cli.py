@@ -115,7 +115,8 @@ def _data_check_recipe(args: argparse.Namespace) -> int:
     from harness.model import load_run_tokenizer
 
     cfg = load_config(args.config, args.paths)
-    kinds = {"generative": ["generative"], "embedding": ["embedding"]}.get(cfg.loss.mode, ["generative", "embedding"])
+    kinds = {"generative": ["generative"], "embedding": ["embedding"], "preference": ["preference"]}.get(
+        cfg.loss.mode, ["generative", "embedding"])
     for kind in kinds:
         what = f"data.{loaders.STREAMS[kind][0]}"
         need_negatives = cfg.data.train_group_size - 1 if kind == "embedding" else 0
@@ -127,6 +128,14 @@ def _data_check_recipe(args: argparse.Namespace) -> int:
             tok = load_run_tokenizer(cfg)
             _, stats = data.tokenize_dataset(rows, tok, loaders.resolve_max_len(cfg, rows, tok, print))
             print(f"generative samples of an epoch (chat template: {cfg.data.chat_template}):")
+            print(json.dumps(stats, indent=2))
+        if kind == "preference":  # pairs, lengths and truncation as the run tokenizes them
+            from harness.data import chat, pairs
+
+            tok = load_run_tokenizer(cfg)
+            max_len = cfg.data.max_len if cfg.data.max_len != "auto" else 1 << 20
+            _, stats = pairs.tokenize_pair_dataset(rows, tok, max_len, chat.resolve_template(tok, cfg.data.chat_template))
+            print(f"preference pairs of an epoch (chat template: {cfg.data.chat_template}):")
             print(json.dumps(stats, indent=2))
     return 0
 

@@ -88,7 +88,12 @@ class Evaluator:
     def run(self, step: int) -> dict:
         """{"eval_loss", "eval_recall_at_1", "eval_mrr"} for the eval data the run has ({} without any)."""
         t, results, job = time.perf_counter(), {}, self.job
-        if job.data.gen_eval is not None:
+        if job.data.gen_eval is not None and job.cfg.loss.mode == "preference":
+            from harness.preference import evaluate_preference
+
+            results.update(evaluate_preference(job.accelerator, job.model, job.data.gen_eval, job.cfg.loss,
+                                               job.objective.chunk_size))
+        elif job.data.gen_eval is not None:
             results["eval_loss"] = evaluate_generative(job.accelerator, job.model, job.data.gen_eval,
                                                        job.objective.chunk_size)
         if job.data.emb_eval is not None:

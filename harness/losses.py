@@ -104,3 +104,53 @@ def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     dist.all_gather(parts, x.detach().contiguous())
     parts[dist.get_rank()] = x
     return torch.cat(parts)
+
+
+# ----------------------------------------------------------------------------------------------- preference pairs
+#
+# The losses of TRL's DPOTrainer (sigmoid, ipo), CPOTrainer (simpo) and ORPOTrainer (odds ratio), on the sequence
+# log-probabilities of the completions (sums over their tokens; `*_len` their token counts). Each returns per-pair
+# losses and the rewards TRL logs; the objective averages the losses over the pairs of the whole step.
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation (branch at -ln 2)."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def preference_loss(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: torch.Tensor,
+                    rejected_len: torch.Tensor, ref_chosen: torch.Tensor | None = None,
+                    ref_rejected: torch.Tensor | None = None, beta: float = 0.1, label_smoothing: float = 0.0,
+                    simpo_gamma: float = 0.5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-pair loss [n], chosen rewards [n], rejected rewards [n]), in fp32.
+
+    dpo:   -(1-ls) logsigmoid(beta d) - ls logsigmoid(-beta d), d = (chosen - ref_chosen) - (rejected - ref_rejected)
+           (ls = 0: TRL's sigmoid loss; ls > 0: conservative DPO); rewards beta (logp - ref_logp)
+    ipo:   (d_c / len_c - d_r / len_r - 1 / (2 beta))^2 on the log-ratios averaged per token (TRL's ipo)
+    simpo: as dpo on the per-token averages without reference, minus the margin gamma / beta; rewards beta avg
+    orpo:  -beta logsigmoid(log odds(chosen) - log odds(rejected)) on the per-token averages (the NLL term on the
+           chosen completion is added by the caller); rewards beta avg"""
+    chosen, rejected = chosen.float(), rejected.float()
+    if kind in ("dpo", "ipo"):
+        if ref_chosen is None or ref_rejected is None:
+            raise ValueError(f"{kind} needs the reference model's log-probs")
+        c, r = chosen - ref_chosen.float(), rejected - ref_rejected.float()
+        if kind == "ipo":
+            delta = c / chosen_len.clamp(min=1) - r / rejected_len.clamp(min=1)
+            losses = (delta - 1 / (2 * beta)) ** 2
+        else:
+            losses = _smoothed(beta * (c - r), label_smoothing)
+        return losses, beta * c.detach(), beta * r.detach()
+    c, r = chosen / chosen_len.clamp(min=1), rejected / rejected_len.clamp(min=1)
+    if kind == "simpo":
+        losses = _smoothed(beta * (c - r - simpo_gamma / beta), label_smoothing)
+    elif kind == "orpo":
+        log_odds = (c - r) - (log1mexp(c) - log1mexp(r))
+        losses = -beta * F.logsigmoid(log_odds)
+    else:
+        raise ValueError(f"unknown preference loss {kind!r}")
+    return losses, beta * c.detach(), beta * r.detach()
+
+
+def _smoothed(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing

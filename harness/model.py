@@ -58,7 +58,7 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str = "auto",
 def load_run_tokenizer(cfg) -> PreTrainedTokenizerBase:
     """A run's tokenizer (Config): data.chat_template resolved; the GritLM markers only where they are used (the
     GritLM chat layout, or the embedding templates of loss.mode embedding/unified)."""
-    markers = True if cfg.loss.mode != "generative" else None
+    markers = True if cfg.loss.mode in ("embedding", "unified") else None
     return load_tokenizer(cfg.model, cfg.data.chat_template, markers=markers)
 
 

@@ -159,6 +159,10 @@ class Objective:
     def gen_scale(self, gen_batches: list[dict]) -> torch.Tensor | float:
         """Token averaging: W * A / N with N the step's trained tokens over every process (one all-reduce; the
         result stays a device tensor, so the host does not wait for the GPU here)."""
+        if self.mode == "preference":  # [W A / pairs, W A / chosen tokens] of the step
+            from harness import preference
+
+            return preference.step_scale(self.accelerator, self.world, self.accum, gen_batches)
         if self.loss.gen_averaging != "token":
             return 0.0
         local = torch.stack([losses.trained_tokens(b["labels"]) for b in gen_batches]).sum()
@@ -190,6 +194,10 @@ class Objective:
         sums = StepSums()
         if self.check.skipped:  # a non-finite loss earlier in this step: no more passes (on any process)
             return sums
+        if self.mode == "preference":  # pairs (harness/preference.py): one forward of chosen + rejected
+            from harness import preference
+
+            return preference.micro_step(self, gen, gen_scale)
         if gen is not None:
             deferred = deferred_sync(accelerator, model) if emb is not None else contextlib.nullcontext()
             with deferred:

@@ -26,10 +26,27 @@ class StepSums:
     positions: Number = 0  # input positions, padding included
     flops: Number = 0  # model FLOPs (for MFU)
     wait_s: Number = 0  # seconds spent waiting for the data loader
+    pref_sum: Number = 0  # preference losses, summed over pairs
+    pref_pairs: Number = 0  # preference pairs
+    nll_sum: Number = 0  # ORPO: NLL of the chosen completions, summed over their tokens
+    nll_count: Number = 0  # ORPO: chosen completion tokens
+    reward_chosen_sum: Number = 0  # rewards of the chosen completions, summed over pairs
+    reward_rejected_sum: Number = 0  # rewards of the rejected completions, summed over pairs
+    reward_correct: Number = 0  # pairs whose chosen reward is above the rejected one
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+
+def preference_figures(sums: dict, orpo: bool, prefix: str = "") -> dict:
+    """{loss, rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies} (TRL's names; `prefix` eval_
+    for the evaluation) from summed preference StepSums values."""
+    pairs = max(sums["pref_pairs"], 1)
+    loss = sums["pref_sum"] / pairs + (sums["nll_sum"] / max(sums["nll_count"], 1) if orpo else 0.0)
+    chosen, rejected = sums["reward_chosen_sum"] / pairs, sums["reward_rejected_sum"] / pairs
+    return {f"{prefix}loss": loss, f"{prefix}rewards/chosen": chosen, f"{prefix}rewards/rejected": rejected,
+            f"{prefix}rewards/margins": chosen - rejected, f"{prefix}rewards/accuracies": sums["reward_correct"] / pairs}
 
 
 class UnloggedSums:

@@ -278,7 +278,7 @@ BAD = [
                                               "train.emb_micro_batch_size=6", "loss.grad_cache_chunks=4"],
      "config key 'loss.grad_cache_chunks': must divide train.emb_micro_batch_size (6), got 4"),
     ("bad-loss-mode", None, ["model.config.model_type=llama", "data.train_files=[a]", "loss.mode=contrastive"],
-     "config key 'loss.mode': expected one of 'generative', 'embedding', 'unified', got 'contrastive'"),
+     "config key 'loss.mode': expected one of 'generative', 'embedding', 'unified', 'preference', got 'contrastive'"),
     ("zero-temperature", None, ["model.config.model_type=llama", "data.train_files=[a]", "loss.temperature=0"],
      "config key 'loss.temperature': must be > 0, got 0.0"),
     ("empty-train-files", None, ["model.config.model_type=llama", "data.train_files=[]"],

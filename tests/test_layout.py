@@ -62,7 +62,8 @@ LAYERS = [
     ["harness.distributed", "harness.model", "harness.float8", "harness.losses", "harness.chunked_loss", "harness.optim",
      "harness.objective",
      "harness.evaluation", "harness.encode", "harness.auto_batch", "harness.data.samples", "harness.data.loaders",
-     "harness.checkpoint", "harness.rundir", "harness.observe.reporting"],
+     "harness.checkpoint", "harness.rundir", "harness.observe.reporting", "harness.data.pairs",
+     "harness.preference"],
     # 3: the build; 4: the run
     ["harness.build"],
     ["harness.train"],

@@ -137,6 +137,11 @@ def test_merge_writes_training_records_in_question_order(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / gen.OUTPUT).read_text().splitlines()]
     assert [r["messages"][0]["content"] for r in rows] == [qs[0].question, qs[2].question]
     assert len(data.load_generative_rows([str(tmp_path / gen.OUTPUT)])) == 2  # what `harness train` reads
+    from harness.data import sources
+
+    pairs = sources.load_rows([str(tmp_path / gen.PAIRS)], "preference")  # what loss.mode=preference reads
+    assert stats["preference_pairs"] == len(pairs) == 2
+    assert pairs[0]["rejected"][0]["content"] == "The answer is -1." and pairs[0]["prompt"][-1]["role"] == "user"
 
 
 # ----------------------------------------------------------------------------------------------- sampling

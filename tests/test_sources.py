@@ -94,7 +94,7 @@ def test_parse_sources_and_config(tmp_path):
     bad = [("[{path: a, fromat: text}]", "config key 'data.train_files[0]': unknown key 'fromat' (did you mean "
             "'format'?)"),
            ("[{path: a, format: chatml}]", "config key 'data.train_files[0].format': expected one of text, messages, "
-            "sharegpt, alpaca, gritlm, embedding, got 'chatml'"),
+            "sharegpt, alpaca, gritlm, embedding, preference, got 'chatml'"),
            ("[a, {path: b, weight: 0}]", "config key 'data.train_files[1].weight': must be a number > 0, got 0"),
            ("[{format: text}]", "config key 'data.train_files[0].path': required, a file, folder or hub data set id"),
            ("[{path: a, weight: 3}, b]", "config key 'data.train_files[1]': has no weight while other sources of the "

@@ -53,7 +53,7 @@ class Layout:
 
 
 def streams_of(loss_mode: str) -> tuple[str, ...]:
-    return {"generative": ("gen",), "embedding": ("emb",)}.get(loss_mode, ("emb", "gen"))
+    return {"generative": ("gen",), "embedding": ("emb",), "preference": ("gen",)}.get(loss_mode, ("emb", "gen"))
 
 
 def layout_of(cfg, processes: int, zero_stage: Optional[int] = None, weights: Optional[str] = None) -> Layout:

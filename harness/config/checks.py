@@ -88,6 +88,7 @@ def validate(cfg: Config) -> None:
                           f"({t.emb_micro_batch_size}), got {cfg.loss.grad_cache_chunks}")
     if "{instruction}" not in d.emb_instruction_template:
         raise ConfigError("config key 'data.emb_instruction_template': must contain {instruction}")
+    check_preference(cfg)
     check_quantization(cfg)
     check_rft(cfg.rft)
     check_model(cfg.model)
@@ -130,11 +131,31 @@ def check_data_sources(cfg: Config) -> None:
         if any(weighted) and not all(weighted):
             raise ConfigError(f"config key 'data.{key}[{weighted.index(False)}]': has no weight while other sources "
                               f"of the list have one; give every source a weight, or none")
-    if mode in ("generative", "unified") and not d.train_files:
+    if mode in ("generative", "unified", "preference") and not d.train_files:
         raise ConfigError(f"config key 'data.train_files': loss.mode={mode} needs generative JSONL files or folders")
     if mode in ("embedding", "unified") and not d.emb_train_files:
         raise ConfigError(f"config key 'data.emb_train_files': loss.mode={mode} needs embedding JSONL files or folders")
     check_eval_split(cfg)
+
+
+def check_preference(cfg: Config) -> None:
+    """loss.mode=preference: beta > 0, label smoothing only where the loss has it, no packing."""
+    loss = cfg.loss
+    if loss.mode != "preference":
+        return
+    if loss.beta <= 0:
+        raise ConfigError(f"config key 'loss.beta': must be > 0, got {loss.beta}")
+    if not 0 <= loss.label_smoothing < 0.5:
+        raise ConfigError(f"config key 'loss.label_smoothing': must be in [0, 0.5), got {loss.label_smoothing}")
+    if loss.label_smoothing and loss.preference not in ("dpo", "simpo"):
+        raise ConfigError(f"config key 'loss.label_smoothing': loss.preference={loss.preference} has no label "
+                          f"smoothing (dpo and simpo have); set it to 0")
+    if cfg.data.packing:
+        raise ConfigError("config key 'data.packing': loss.mode=preference scores whole sequences, one a row; set "
+                          "data.packing=false")
+    if cfg.train.compile == "full":
+        raise ConfigError("config key 'train.compile': full is not supported with loss.mode=preference (the "
+                          "sequence log-probs replace the output head's forward); use regional")
 
 
 def check_model(m) -> None:

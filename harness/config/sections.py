@@ -127,9 +127,17 @@ class DataConfig:
 
 @dataclass
 class LossConfig:
-    mode: Literal["generative", "embedding", "unified"] = _f(
+    mode: Literal["generative", "embedding", "unified", "preference"] = _f(
         "generative", "generative: next-token loss; embedding: contrastive loss; unified: their weighted sum "
-        "(GritLM), one generative and one embedding micro-batch per micro-step.")
+        "(GritLM), one generative and one embedding micro-batch per micro-step; preference: pairs {prompt?, chosen, "
+        "rejected} in data.train_files, the loss loss.preference (docs/preference.md).")
+    preference: Literal["dpo", "ipo", "simpo", "orpo"] = _f(
+        "dpo", "loss.mode=preference: dpo (sigmoid loss on the log-ratios to the reference model), ipo, simpo "
+        "(length-normalised, no reference, margin loss.simpo_gamma), orpo (NLL on the chosen completion + odds "
+        "ratio, no reference). The reference model's log-probs are computed once before training.")
+    beta: float = _f(0.1, "Preference loss: beta (DPO/SimPO temperature, IPO's tau, ORPO's lambda).")
+    label_smoothing: float = _f(0.0, "Preference loss: label smoothing in [0, 0.5) (conservative DPO, SimPO).")
+    simpo_gamma: float = _f(0.5, "SimPO: the target reward margin gamma (TRL's simpo_gamma).")
     temperature: float = _f(0.02, "Contrastive softmax temperature on cosine similarities.")
     gen_averaging: Literal["token", "mixed"] = _f(
         "token", "token: mean over every trained token of the whole (global, accumulated) step; mixed: mean of the "

@@ -8,6 +8,7 @@ Formats (detected per file from the first record's columns after `columns` renam
     alpaca     {"instruction", "input"?, "output", "system"?, "history"?: [[user, assistant], ...]}
     gritlm     {"text": [user, assistant, user, assistant, ...]}  (GritLM's generative layout)
     embedding  {"query": str | [instruction, str], "pos": [...], "neg": [...]}
+    preference {"prompt"?, "chosen", "rejected"} (TRL's layouts, text or messages: harness.data.pairs)
 
 Canonical generative row: {"segments": [{"role", "content", "extra"}], "tools", "origin"} with role one of
 system/user/assistant/tool/text, `extra` "" or a JSON object string of the message's other keys (tool_calls, name,
@@ -23,18 +24,20 @@ from typing import Any, Optional
 from harness.errors import DataError
 
 GENERATIVE = ("text", "messages", "sharegpt", "alpaca", "gritlm")
-FORMATS = GENERATIVE + ("embedding",)
+FORMATS = GENERATIVE + ("embedding", "preference")
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
                   "observation": "tool", "tool": "tool", "function_call": "assistant"}
 
 
 def kind_of(fmt: str) -> str:
-    return "embedding" if fmt == "embedding" else "generative"
+    return fmt if fmt in ("embedding", "preference") else "generative"
 
 
 def detect_format(obj: dict) -> Optional[str]:
     """The format a record's columns suggest, or None."""
+    if "chosen" in obj and "rejected" in obj:
+        return "preference"
     if "messages" in obj:
         return "messages"
     if "conversations" in obj:
@@ -283,3 +286,74 @@ def embedding_record(obj: dict, where: str, need_negatives: int) -> dict:
         "neg": [_embed_text(v, where, f"neg[{i}]") for i, v in enumerate(neg)],
         "origin": where,
     }
+
+
+# ----------------------------------------------------------------------------------------------- preference pairs
+#
+# TRL's preference layouts (harness.data.pairs tokenizes them).
+
+
+def _side(obj: dict, field: str, where: str) -> tuple[list[dict], bool]:
+    """(segments, conversational) of a chosen / rejected / prompt value."""
+    if field not in obj or obj[field] is None:
+        raise DataError(f"{where}: missing field '{field}' (a preference pair needs chosen and rejected)")
+    value = obj[field]
+    if isinstance(value, str):
+        return [_segment("text", value)], False
+    if isinstance(value, list):
+        if not value:
+            raise DataError(f"{where}: field '{field}' is an empty list")
+        return _messages(value, where, field), True
+    raise DataError(f"{where}: field '{field}' must be a string or a list of messages, got {type(value).__name__}")
+
+
+def _messages(msgs: list, where: str, field: str) -> list[dict]:
+    segments = []
+    for i, m in enumerate(msgs):
+        f = f"{field}[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise DataError(f"{where}: field '{f}' must be a message with role one of {', '.join(ROLES)}")
+        content = "" if m.get("content") is None and m.get("tool_calls") else m.get("content")
+        extra = {k: v for k, v in m.items() if k not in ("role", "content") and v is not None}
+        segments.append(_segment(m["role"], string(content, where, f"{f}.content"), extra))
+    return segments
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def preference_record(obj: dict, where: str) -> dict:
+    """One record of TRL's preference formats -> the canonical pair row (errors name `where` and the field)."""
+    chosen, conv_c = _side(obj, "chosen", where)
+    rejected, conv_r = _side(obj, "rejected", where)
+    if conv_c != conv_r:
+        raise DataError(f"{where}: fields 'chosen' and 'rejected' must both be text or both be messages")
+    if "prompt" in obj and obj["prompt"] is not None:
+        prompt, conv_p = _side(obj, "prompt", where)
+        if conv_p != conv_c:
+            raise DataError(f"{where}: field 'prompt' must be of the same form as 'chosen' (text or messages)")
+    elif conv_c:  # implicit prompt: the messages both conversations share
+        n = 0
+        while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+            n += 1
+        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+    else:
+        c, r = chosen[0]["content"], rejected[0]["content"]
+        n = _common_prefix(c, r)
+        n = c.rfind(" ", 0, n) + 1 if 0 < n < min(len(c), len(r)) and " " in c[:n] else n
+        prompt = [{**chosen[0], "content": c[:n]}]
+        chosen, rejected = [{**chosen[0], "content": c[n:]}], [{**rejected[0], "content": r[n:]}]
+    for name, side in (("chosen", chosen), ("rejected", rejected)):
+        if not side or all(s["content"] == "" and not s["extra"] for s in side):
+            raise DataError(f"{where}: field '{name}': empty completion")
+        if conv_c and any(s["role"] != "assistant" for s in side):
+            raise DataError(f"{where}: field '{name}': the completion must be assistant messages only")
+    if chosen == rejected:
+        raise DataError(f"{where}: fields 'chosen' and 'rejected' are equal (no preference to learn)")
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "origin": where}

@@ -20,7 +20,8 @@ from harness.config import Config
 from harness.data import mixing, sources
 from harness.data import samples as data_lib
 
-STREAMS = {"generative": ("train_files", "eval_files"), "embedding": ("emb_train_files", "emb_eval_files")}
+STREAMS = {"generative": ("train_files", "eval_files"), "embedding": ("emb_train_files", "emb_eval_files"),
+           "preference": ("train_files", "eval_files")}
 
 
 def training_rows(cfg: Config, kind: str, say=lambda *a: None):
@@ -109,6 +110,8 @@ def build_loaders(cfg: Config, accelerator, tokenizer) -> RunData:
                 ds, _ = data_lib.tokenize_dataset(rows, tokenizer, max_len)
                 out.gen_eval = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=False,
                                           collate_fn=padded, **common)
+        if mode == "preference":
+            out.gen, out.gen_eval, out.stats["preference"] = preference_loaders(cfg, accelerator, tokenizer, common)
         if mode in ("embedding", "unified"):
             fmt = data_lib.EmbedFormat(d.emb_instruction_template, d.emb_plain_template,
                                        append_eos=cfg.model.pooling == "lasttoken")
@@ -131,6 +134,31 @@ def build_loaders(cfg: Config, accelerator, tokenizer) -> RunData:
                 out.emb_eval = data_lib.retrieval_eval_set(rows, tokenizer, d.query_max_len, d.passage_max_len,
                                                            fmt)
     return out
+
+
+def preference_loaders(cfg: Config, accelerator, tokenizer, common: dict):
+    """(training loader, eval loader or None, stats) of preference pairs (harness.data.pairs): each batch holds its
+    micro-batch's chosen sequences, then its rejected ones."""
+    from torch.utils.data import DataLoader
+
+    from harness.data import chat, pairs
+
+    d = cfg.data
+    template = chat.resolve_template(tokenizer, d.chat_template)
+    rows, held = training_rows(cfg, "preference", accelerator.print)
+    max_len = d.max_len if d.max_len != "auto" else 1 << 20
+    ds, stats = pairs.tokenize_pair_dataset(rows, tokenizer, max_len, template)
+    widths = data_lib.Widths(8 if torch.cuda.is_available() else 1, d.pad_buckets, max_len)
+    train = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=d.shuffle,
+                       collate_fn=pairs.PairCollator(tokenizer.pad_token_id, widths), **common)
+    evaluation = None
+    if d.eval_files or held is not None:
+        rows = held if held is not None else sources.load_rows(d.eval_files, "preference", d.cache_dir,
+                                                               "data.eval_files")
+        eval_ds, _ = pairs.tokenize_pair_dataset(rows, tokenizer, max_len, template)
+        evaluation = DataLoader(eval_ds, batch_size=cfg.train.micro_batch_size, shuffle=False,
+                                collate_fn=pairs.PairCollator(tokenizer.pad_token_id, widths), **common)
+    return train, evaluation, stats
 
 
 def length_group(cfg: Config, world: int) -> int:

@@ -177,8 +177,9 @@ def _unit_format(unit: Unit, first: dict, source: Source, kind: str, what: str) 
     fmt = source.format or formats.detect_format(first)
     if fmt is not None and formats.kind_of(fmt) != kind:
         how = "given" if source.format else f"detected from the columns {', '.join(first)}"
-        takes = ("generative data (text, messages, sharegpt, alpaca, gritlm)" if kind == "generative"
-                 else "embedding data ({query, pos, neg})")
+        takes = {"generative": "generative data (text, messages, sharegpt, alpaca, gritlm)",
+                 "embedding": "embedding data ({query, pos, neg})",
+                 "preference": "preference pairs ({prompt?, chosen, rejected})"}[kind]
         raise DataError(f"{what}: {unit.name}: format '{fmt}' ({how}) is {formats.kind_of(fmt)} data; {what} takes "
                         f"{takes}")
     return fmt
@@ -194,6 +195,8 @@ def unit_rows(unit: Unit, source: Source, kind: str, what: str, need_negatives: 
                 fmt = _unit_format(unit, obj, source, kind, what)
             if kind == "embedding":
                 yield formats.embedding_record(obj, origin, need_negatives)
+            elif kind == "preference":
+                yield formats.preference_record(obj, origin)
             else:
                 yield formats.generative_row(obj, fmt, origin)
     except DataError as e:
@@ -240,6 +243,9 @@ def features(kind: str):
     if kind == "embedding":
         text = {"instruction": s, "text": s}
         return datasets.Features({"query": text, "pos": datasets.List(text), "neg": datasets.List(text), "origin": s})
+    segments = datasets.List({"role": s, "content": s, "extra": s})
+    if kind == "preference":
+        return datasets.Features({"prompt": segments, "chosen": segments, "rejected": segments, "origin": s})
     return datasets.Features({"segments": datasets.List({"role": s, "content": s, "extra": s}), "tools": s,
                               "origin": s})
 

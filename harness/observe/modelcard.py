@@ -21,10 +21,12 @@ import yaml
 from harness.files import write_text
 
 MODE_TAGS = {"generative": ["text-generation"], "embedding": ["sentence-similarity", "feature-extraction"],
-             "unified": ["sentence-similarity", "feature-extraction", "text-generation"]}
+             "unified": ["sentence-similarity", "feature-extraction", "text-generation"],
+             "preference": ["text-generation"]}
 DATA_KEYS = [("train_files", "train"), ("eval_files", "eval"), ("emb_train_files", "embedding train"),
              ("emb_eval_files", "embedding eval")]
-PIPELINE = {"generative": "text-generation", "embedding": "feature-extraction", "unified": "text-generation"}
+PIPELINE = {"generative": "text-generation", "embedding": "feature-extraction", "unified": "text-generation",
+            "preference": "text-generation"}
 
 
 def _hub_id(name: Optional[str]) -> Optional[str]:
@@ -49,7 +51,8 @@ def front_matter(cfg: dict, lora: bool) -> dict:
     base = _hub_id(cfg["model"].get("name_or_path"))
     if base:
         meta["base_model"] = base
-    extra = (["lora"] if lora else []) + (["gritlm"] if mode == "unified" else [])
+    extra = (["lora"] if lora else []) + (["gritlm"] if mode == "unified" else []) + \
+        ([loss_kind] if (loss_kind := cfg["loss"].get("preference")) and mode == "preference" else [])
     meta["tags"] = ["harness", *extra, *MODE_TAGS[mode]]
     meta["pipeline_tag"] = PIPELINE[mode]
     return meta
@@ -83,6 +86,9 @@ def settings(cfg: dict, report: dict) -> list[str]:
         out.append(f"generative: micro-batch {report.get('micro_batch_size', t['micro_batch_size'])} (batch "
                    f"{_batch(report.get('micro_batch_size', t['micro_batch_size']), accum, world)}), max_len "
                    f"{d['max_len']}, packing {d['packing']}, loss averaging {loss['gen_averaging']}")
+    if loss["mode"] == "preference":
+        out.append(f"preference: {loss['preference']}, beta {loss['beta']:g}, label smoothing "
+                   f"{loss['label_smoothing']:g}, micro-batch {t['micro_batch_size']} pairs, max_len {d['max_len']}")
     if loss["mode"] in ("embedding", "unified"):
         out.append(f"embedding: {t['emb_micro_batch_size']} queries per micro-batch (batch "
                    f"{_batch(t['emb_micro_batch_size'], accum, world)}), {d['train_group_size']} passages per query, "

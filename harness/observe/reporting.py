@@ -8,6 +8,7 @@ the time window and the cost, and sends it to metrics.jsonl, the trackers, the p
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
@@ -15,12 +16,14 @@ from harness.config import Config
 from harness.errors import HarnessError, one_line
 from harness.files import write_json
 from harness.observe import cost, metrics, monitor, timing
-from harness.state import LoopState, StepSums, UnloggedSums
+from harness.state import LoopState, StepSums, UnloggedSums, preference_figures
 from harness.stopping import TIME_BUDGET
 
 
 def losses_of(sums: StepSums, cfg: Config) -> dict:
     """{"loss"} (and "loss_gen", "loss_emb" in unified mode) from summed step sums."""
+    if cfg.loss.mode == "preference":
+        return preference_figures(asdict(sums), cfg.loss.preference == "orpo")
     parts = {}
     if sums.gen_micro:
         parts["loss_gen"] = (sums.gen_sum / max(sums.gen_count, 1) if cfg.loss.gen_averaging == "token"

@@ -83,6 +83,8 @@ def key_figures(run: dict) -> dict:
         "final_loss_emb": rep.get("final_loss_emb", last.get("loss_emb")),
         "eval_loss": evals.get("eval_loss", last_eval.get("eval_loss")),
         "eval_recall_at_1": evals.get("eval_recall_at_1"),
+        "eval_reward_accuracy": last_eval.get("eval_rewards/accuracies"),  # loss.mode=preference
+        "eval_reward_margin": last_eval.get("eval_rewards/margins"),
         "gpu_util_mean_pct": (util.get("gpu_util") or {}).get("mean"),
         "gpu_util_p10_pct": (util.get("gpu_util") or {}).get("p10"),
         "cpu_util_mean_pct": (util.get("cpu_util") or {}).get("mean"),
@@ -110,7 +112,8 @@ LABELS = {
     "tokens_per_s": "tokens/s (median)", "tokens_per_s_overall": "tokens/s (whole run)", "mfu_pct": "MFU (%)",
     "peak_mem_gb": "peak memory (GB)", "first_loss": "first loss", "final_loss": "final loss",
     "final_loss_gen": "final loss_gen", "final_loss_emb": "final loss_emb", "eval_loss": "eval loss",
-    "eval_recall_at_1": "eval recall@1", "gpu_util_mean_pct": "GPU util mean (%)",
+    "eval_recall_at_1": "eval recall@1", "eval_reward_accuracy": "eval reward accuracy",
+    "eval_reward_margin": "eval reward margin", "gpu_util_mean_pct": "GPU util mean (%)",
     "gpu_util_p10_pct": "GPU util p10 (%)", "cpu_util_mean_pct": "CPU util mean (%)", "cost": "cost",
 }
 

@@ -28,6 +28,7 @@ from harness.rft.tasks import Question, Task
 
 SHARDS = "shards"
 OUTPUT = "rft.jsonl"
+PAIRS = "pairs.jsonl"  # preference pairs: a verified answer (chosen) and a wrong one (rejected) to one question
 STATS = "stats.json"
 SETTINGS = "settings.json"
 
@@ -122,8 +123,10 @@ class Sampler:
 
 
 def judge(task: Task, q: Question, responses: list[str], keep: int) -> dict:
-    """One question's shard record: counts, and its distinct verified responses (at most `keep`, first come)."""
+    """One question's shard record: counts, its distinct verified responses (at most `keep`, first come) and as many
+    distinct wrong ones (`rejected`: the preference pairs' other side)."""
     kept: list[str] = []
+    rejected: list[str] = []
     correct = answered = duplicates = 0
     for r in responses:
         ok = task.verify(r, q)
@@ -134,8 +137,10 @@ def judge(task: Task, q: Question, responses: list[str], keep: int) -> dict:
                 duplicates += 1
             elif len(kept) < keep:
                 kept.append(r)
+        elif r.strip() and r not in rejected and len(rejected) < keep:
+            rejected.append(r)
     return {"qid": q.qid, "question": q.question, "answer": q.answer, "samples": len(responses), "correct": correct,
-            "answered": answered, "duplicates": duplicates, "kept": kept}
+            "answered": answered, "duplicates": duplicates, "kept": kept, "rejected": rejected}
 
 
 # ----------------------------------------------------------------------------------------------- shards
@@ -187,9 +192,17 @@ def merge(task: Task, questions: list[Question], folder: Path) -> dict:
         r = by_qid.get(q.qid)
         for answer in (r or {}).get("kept", []):
             rows.append({"messages": task.messages(q) + [{"role": "assistant", "content": answer}]})
-    tmp = folder / (OUTPUT + ".tmp")
-    tmp.write_text("".join(json.dumps(x) + "\n" for x in rows), encoding="utf-8")
-    os.replace(tmp, folder / OUTPUT)
+    pairs = []  # each verified answer against a wrong one of the same question (loss.mode=preference)
+    for q in questions:
+        r = by_qid.get(q.qid) or {}
+        wrong = r.get("rejected", [])
+        for i, answer in enumerate(r.get("kept", []) if wrong else []):
+            pairs.append({"prompt": task.messages(q), "chosen": [{"role": "assistant", "content": answer}],
+                          "rejected": [{"role": "assistant", "content": wrong[i % len(wrong)]}]})
+    for name, records in ((OUTPUT, rows), (PAIRS, pairs)):
+        tmp = folder / (name + ".tmp")
+        tmp.write_text("".join(json.dumps(x) + "\n" for x in records), encoding="utf-8")
+        os.replace(tmp, folder / name)
     done = [by_qid[q.qid] for q in questions if q.qid in by_qid]
     samples = sum(r["samples"] for r in done)
     stats = {
@@ -197,6 +210,7 @@ def merge(task: Task, questions: list[Question], folder: Path) -> dict:
         "questions_covered": len(done),
         "questions_with_kept": sum(bool(r["kept"]) for r in done),
         "kept_examples": len(rows),
+        "preference_pairs": len(pairs),
         "samples": samples,
         "correct_samples": sum(r["correct"] for r in done),
         "success_rate": sum(r["correct"] for r in done) / max(samples, 1),
@@ -204,6 +218,7 @@ def merge(task: Task, questions: list[Question], folder: Path) -> dict:
         "duplicates_dropped": sum(r["duplicates"] for r in done),
         "repeated_question_records": repeats,
         "output": str(folder / OUTPUT),
+        "pairs": str(folder / PAIRS),
     }
     write_json(folder / STATS, stats)
     return stats

@@ -132,6 +132,9 @@ def analyse_data(cfg: Config) -> dict:
     from harness.model import load_run_tokenizer
 
     d, mode, out = cfg.data, cfg.loss.mode, {}
+    if mode == "preference":  # a pair is two sequences: not yet in the plan's arithmetic
+        raise ConfigError("config key 'loss.mode': harness plan does not plan loss.mode=preference yet (a pair is "
+                          "two sequences); time a few steps with train.max_steps instead")
     tok = load_run_tokenizer(cfg)
     if mode in ("generative", "unified"):
         rows, _ = training_rows(cfg, "generative")

@@ -1,0 +1,223 @@
+"""Preference training (loss.mode=preference; docs/preference.md): sequence log-probs, the reference model's
+log-probs computed once before training, the micro-step and the evaluation of pairs.
+
+A micro-batch of n pairs is one batch of 2n rows (the chosen sequences, then the rejected ones: harness.data.pairs),
+run in one forward pass. The output head returns per-position log-probs of the labels instead of logits
+(`SequenceLogps`, through the model's wrappers as the chunked generative loss does): the logits of one chunk of
+positions exist at a time, and each chunk is recomputed in the backward pass (torch.utils.checkpoint), so no
+[2n, T, V] tensor is ever kept. The row sums over the completion tokens are the sequence log-probs.
+
+Scale: the loss of a step is the mean over the step's pairs on every process (plus, for ORPO, the NLL of the chosen
+completions per token of the step); a micro-batch back-propagates its sums times W * A / (pairs of the step), as the
+generative token averaging does (harness/losses.py), so any split of the global batch gives the same update.
+
+The reference model (dpo, ipo) is the model as it starts: its log-probs of every pair are computed before the first
+step (before a resumed run loads its checkpoint), kept in <output_dir>/reference_logps.pt with the data and model
+fingerprint (a resumed run reads them back), and put in each batch by the collator. Under LoRA the starting adapter
+is zero, so this is the base model; no second model is held.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from harness import losses
+from harness.chunked_loss import ChunkedHeadLoss
+from harness.data import IGNORE_INDEX
+from harness.data.samples import model_inputs, real_tokens
+from harness.state import StepSums, preference_figures
+
+REFERENCE_FILE = "reference_logps.pt"
+
+
+# ----------------------------------------------------------------------------------------------- sequence log-probs
+
+
+def _chunk_logps(h, weight, bias, targets, softcap):
+    logits = F.linear(h, weight, bias).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    valid = targets != IGNORE_INDEX
+    picked = logits.log_softmax(-1).gather(1, torch.where(valid, targets, 0).unsqueeze(1)).squeeze(1)
+    return torch.where(valid, picked, torch.zeros_like(picked))
+
+
+def token_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None,
+                chunk_size: int = 1024, softcap: float | None = None) -> torch.Tensor:
+    """[B, T] log p(labels[:, t + 1] | ..t) at position t (0 where the label is IGNORE_INDEX and at the last
+    position), from the final hidden states, chunk_size positions at a time; with gradients each chunk is
+    recomputed in the backward pass (its logits are not kept)."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    flat, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    parts = []
+    for start in range(0, flat.shape[0], chunk_size):
+        args = (flat[start:start + chunk_size], weight, bias, targets[start:start + chunk_size], softcap)
+        parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False) if grad else _chunk_logps(*args))
+    return torch.cat(parts).view(labels.shape)
+
+
+class SequenceLogps(ChunkedHeadLoss):
+    """While active the output head returns `token_logps` ([B, T]) in place of the logits; `result(out)` gives
+    (sequence log-probs [B], completion tokens [B])."""
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > 1 or hidden.shape[:2] != self.labels.shape:
+            raise RuntimeError("SequenceLogps: the output head must run once, on every position")
+        return token_logps(hidden, self.head.weight, self.labels, self.head.bias, self.chunk_size, self.softcap)
+
+    def result(self, out) -> tuple[torch.Tensor, torch.Tensor]:
+        per_token, _ = super().result(out)
+        return per_token.sum(1), (self.labels[:, 1:] != IGNORE_INDEX).sum(1)
+
+
+def sequence_logps(model, batch: dict, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence log-probs [2n] in fp32, completion tokens [2n]) of a pair batch, in one forward pass."""
+    with SequenceLogps(model, batch["labels"], chunk_size=chunk_size) as head:
+        out = model(**model_inputs(batch), use_cache=False)
+    return head.result(out)
+
+
+def pair_terms(cfg_loss, logps: torch.Tensor, counts: torch.Tensor, batch: dict):
+    """(per-pair losses, chosen rewards, rejected rewards, chosen NLL sum, chosen tokens) of one pair batch."""
+    n = logps.shape[0] // 2
+    ref = batch.get("ref_logps")
+    needs_ref = cfg_loss.preference in ("dpo", "ipo")
+    if needs_ref and ref is None:
+        raise RuntimeError("loss.preference needs the reference log-probs (attach_reference) in the batch")
+    per_pair, rc, rr = losses.preference_loss(
+        cfg_loss.preference, logps[:n], logps[n:], counts[:n], counts[n:],
+        ref[:n] if needs_ref else None, ref[n:] if needs_ref else None, beta=cfg_loss.beta,
+        label_smoothing=cfg_loss.label_smoothing, simpo_gamma=cfg_loss.simpo_gamma)
+    return per_pair, rc, rr, -logps[:n].sum(), counts[:n].sum()
+
+
+def step_scale(accelerator, world: int, accum: int, batches: list[dict]) -> torch.Tensor:
+    """[W A / pairs of the step, W A / chosen completion tokens of the step] (one all-reduce)."""
+    local = torch.stack([torch.stack([torch.tensor(b["pair_index"].shape[0], device=b["labels"].device),
+                                      (b["labels"][: b["pair_index"].shape[0], 1:] != IGNORE_INDEX).sum()])
+                         for b in batches]).sum(0)
+    total = accelerator.reduce(local.to(accelerator.device), "sum").double()
+    return (world * accum / total.clamp(min=1)).float()
+
+
+def micro_step(objective, batch: dict, scale: torch.Tensor) -> StepSums:
+    """One pair micro-batch: forward, the step-averaged loss's backward pass, the sums for the log line."""
+    cfg_loss = objective.loss
+    logps, counts = sequence_logps(objective.model, batch, objective.chunk_size)
+    per_pair, rc, rr, nll, chosen_tokens = pair_terms(cfg_loss, logps, counts, batch)
+    loss = per_pair.sum() * scale[0]
+    if cfg_loss.preference == "orpo":
+        loss = loss + nll * scale[1]
+    objective.check.backward(loss)
+    n = per_pair.shape[0]
+    return StepSums(pref_sum=per_pair.detach().sum(), pref_pairs=n, nll_sum=nll.detach(), nll_count=chosen_tokens,
+                    reward_chosen_sum=rc.sum(), reward_rejected_sum=rr.sum(), reward_correct=(rc > rr).sum(),
+                    gen_micro=1, tokens=real_tokens(batch), positions=batch["input_ids"].numel(),
+                    samples=2 * n, flops=objective.flops(batch, backward=True))
+
+
+# ----------------------------------------------------------------------------------------------- shards of a data set
+
+
+def _shard_batches(accelerator, loader):
+    """(batch or None, real) of process r: rows r, r + W, ... in batches of the loader's size; a process with fewer
+    batches than the others runs its first pair again (`real` False) so that every process runs every forward."""
+    world, rank, size, ds = accelerator.num_processes, accelerator.process_index, loader.batch_size, loader.dataset
+    rows = list(range(rank, len(ds), world))
+    for i in range(math.ceil(math.ceil(len(ds) / world) / size)):
+        part = rows[i * size:(i + 1) * size]
+        samples = [ds[j] for j in (part or [0])]
+        yield {k: v.to(accelerator.device) for k, v in loader.collate_fn(samples).items()}, bool(part)
+
+
+@torch.no_grad()
+def evaluate_preference(accelerator, model, loader, cfg_loss, chunk_size: int) -> dict:
+    """eval_loss and eval_rewards/* over the eval pairs, each pair counted once whatever the process count."""
+    names = ("pref_sum", "pref_pairs", "nll_sum", "nll_count", "reward_chosen_sum", "reward_rejected_sum",
+             "reward_correct")
+    totals = torch.zeros(len(names), dtype=torch.float64, device=accelerator.device)
+    model.eval()
+    for batch, real in _shard_batches(accelerator, loader):
+        logps, counts = sequence_logps(model, batch, chunk_size)
+        per_pair, rc, rr, nll, tokens = pair_terms(cfg_loss, logps, counts, batch)
+        if real:
+            totals += torch.stack([t.double() for t in (per_pair.sum(), torch.tensor(per_pair.shape[0]).to(nll),
+                                                        nll, tokens.to(nll), rc.sum(), rr.sum(), (rc > rr).sum())])
+    model.train()
+    totals = accelerator.reduce(totals, "sum").tolist()
+    return preference_figures(dict(zip(names, totals)), cfg_loss.preference == "orpo", prefix="eval_")
+
+
+# ----------------------------------------------------------------------------------------------- the reference
+
+
+def fingerprint(cfg, ds) -> str:
+    """The data's token ids and the model that scores them (name, config, precision, seed, LoRA)."""
+    h = hashlib.sha256(json.dumps([cfg.model.name_or_path, cfg.model.config, cfg.model.random_init, cfg.train.seed,
+                                   cfg.train.precision, cfg.model.quantization], sort_keys=True,
+                                  default=str).encode())
+    for column in ("chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"):
+        h.update(json.dumps(list(ds[column])).encode())
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def reference_logps(accelerator, model, loader, chunk_size: int) -> torch.Tensor:
+    """[pairs, 2] (chosen, rejected) sequence log-probs of the model as it is, in eval mode, divided between the
+    processes and gathered."""
+    model.eval()
+    mine = []
+    for batch, real in _shard_batches(accelerator, loader):
+        logps, _ = sequence_logps(model, batch, chunk_size)
+        n = logps.shape[0] // 2
+        index = batch["pair_index"] if real else torch.full_like(batch["pair_index"], -1)
+        mine.append(torch.cat([index.double().unsqueeze(1), logps[:n].double().unsqueeze(1),
+                               logps[n:].double().unsqueeze(1)], 1))
+    model.train()
+    local = torch.cat(mine) if mine else torch.zeros(0, 3, dtype=torch.float64, device=accelerator.device)
+    # the last batches of the processes may differ in size: padded with index -1
+    gathered = accelerator.gather(accelerator.pad_across_processes(local.contiguous(), dim=0, pad_index=-1)).cpu()
+    out = torch.zeros(len(loader.dataset), 2, dtype=torch.float64)
+    keep = gathered[:, 0] >= 0
+    out[gathered[keep, 0].long()] = gathered[keep, 1:]
+    return out
+
+
+def attach_reference(cfg, accelerator, model, loaders: dict, chunk_size: int, say=print) -> None:
+    """For dpo / ipo: the reference log-probs of the training and eval pairs, read from <output_dir>/
+    reference_logps.pt when it holds this data and model's, else computed now (before any update) and saved;
+    each loader's collator then puts them in its batches."""
+    if cfg.loss.preference not in ("dpo", "ipo"):
+        return
+    path = Path(cfg.train.output_dir) / REFERENCE_FILE
+    stored = torch.load(path, weights_only=True) if path.is_file() else {}
+    fresh, changed = {}, False
+    for name, loader in loaders.items():
+        if loader is None:
+            continue
+        key = fingerprint(cfg, loader.dataset)
+        held = stored.get(name)
+        if held is not None and held.get("fingerprint") == key:
+            values = held["logps"]
+            say(f"[harness] reference log-probs of {len(values)} {name} pairs read from {path}")
+        else:
+            values, changed = reference_logps(accelerator, model, loader, chunk_size), True
+            say(f"[harness] reference log-probs of {len(values)} {name} pairs computed (the model before training)")
+        fresh[name] = {"fingerprint": key, "logps": values}
+        loader.collate_fn.reference = values.float()
+    if accelerator.is_main_process and (changed or set(fresh) != set(stored)):
+        tmp = path.with_suffix(".tmp")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(fresh, tmp)
+        os.replace(tmp, path)

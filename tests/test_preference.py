@@ -1,0 +1,256 @@
+"""Preference training (loss.mode=preference, harness/preference.py, harness/data/pairs.py).
+
+- equal to TRL: on one tiny model and one pair batch, the loss, rewards and gradients of dpo (sigmoid, and with label
+  smoothing), ipo, simpo and orpo match TRL's own computation within 1e-5 relative: DPOTrainer._compute_loss with
+  its fused LM head (dpo, ipo), CPOTrainer.cpo_loss (simpo, conservative dpo) and ORPOTrainer.odds_ratio_loss on
+  TRL's get_batch_logps of the full logits;
+- TRL's record layouts, and the bad records that are one error line naming file:line;
+- a DPO run of the tiny recipe raises the held-out reward accuracy above 0.5 and the margin (slow).
+
+    python -m pytest tests/test_preference.py
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import types
+from collections import defaultdict
+
+import pytest
+import torch
+
+from harness.config import load_config
+from harness.data import IGNORE_INDEX, pairs
+from harness.data.chat import resolve_template
+from harness.errors import DataError
+from harness.model import build_model, load_run_tokenizer
+from harness.preference import pair_terms, sequence_logps
+
+trl = pytest.importorskip("trl")
+
+RECORDS = [
+    {"prompt": [{"role": "user", "content": "What colour is the sky?"}],
+     "chosen": [{"role": "assistant", "content": "Sure! The sky is blue. Hope this helps."}],
+     "rejected": [{"role": "assistant", "content": "no idea"}]},
+    {"prompt": "What colour is snow? ", "chosen": "Sure! Snow is white.", "rejected": "The snow is red, I think"},
+    {"chosen": [{"role": "user", "content": "Colour of grass?"}, {"role": "assistant", "content": "Green, surely."}],
+     "rejected": [{"role": "user", "content": "Colour of grass?"}, {"role": "assistant", "content": "why ask"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = load_config("configs/dpo-tiny.yaml", ["train.output_dir=/tmp/unused"])
+    tok = load_run_tokenizer(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, tok, precision="fp32").float()
+    rows = [pairs.preference_record(r, f"test:{i + 1}") for i, r in enumerate(RECORDS)]
+    cols = {k: [r[k] for r in rows] for k in rows[0]}
+    tokenized = pairs.tokenize_pairs(cols, tok, 96, resolve_template(tok, "auto"))
+    samples = [{**{k: v[i] for k, v in tokenized.items()}, "index": i} for i in range(len(rows))]
+    batch = pairs.PairCollator(tok.pad_token_id)(samples)
+    batch["ref_logps"] = torch.tensor([-40.0, -31.5, -12.25, -20.0, -9.5, -14.0])  # some reference
+    return cfg, model, batch
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _close(a, b, rel=1e-5):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    assert torch.allclose(a, b, rtol=rel, atol=rel * float(b.abs().max()) + 1e-12), (a, b)  # relative to its scale
+
+
+def ours(cfg_loss, model, batch):
+    """Our loss (mean over pairs, + ORPO's NLL per chosen token), rewards and gradients, 5-position chunks."""
+    model.zero_grad()
+    logps, counts = sequence_logps(model, batch, chunk_size=5)
+    per_pair, rc, rr, nll, tokens = pair_terms(cfg_loss, logps, counts, batch)
+    loss = per_pair.mean() + (nll / tokens if cfg_loss.preference == "orpo" else 0)
+    loss.backward()
+    return loss.detach(), rc, rr, _grads(model)
+
+
+def trl_dpo(kind, beta, model, batch):
+    """TRL's DPOTrainer._compute_loss (precomputed reference log-probs) on a copy with its fused LM head."""
+    from trl.trainer.dpo_trainer import DPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = copy.deepcopy(model)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    n = batch["input_ids"].shape[0] // 2
+    accel = types.SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t, gather_for_metrics=lambda t: t)
+    trainer = types.SimpleNamespace(
+        model=model, accelerator=accel, aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True,
+        f_divergence_type="reverse_kl", loss_types=[{"dpo": "sigmoid"}.get(kind, kind)], loss_weights=[1.0],
+        beta=beta, use_weighting=False, label_smoothing=0.0, _metrics=defaultdict(lambda: defaultdict(list)),
+        _total_train_tokens=0, _tp_size=1, ref_model=None, args=types.SimpleNamespace())
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+              "completion_mask": (batch["labels"] != IGNORE_INDEX).long(),
+              "ref_chosen_logps": batch["ref_logps"][:n], "ref_rejected_logps": batch["ref_logps"][n:]}
+    model.train()
+    loss = DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
+    loss.backward()
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return loss.detach(), metrics, _grads(model)
+
+
+def trl_functions(kind, beta, ls, gamma, model, batch):
+    """TRL's loss functions (CPOTrainer.cpo_loss, ORPOTrainer.odds_ratio_loss) on TRL's get_batch_logps of the
+    full logits; ORPO's NLL on the chosen completion tokens."""
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
+    model = copy.deepcopy(model)
+    model.zero_grad()
+    n = batch["input_ids"].shape[0] // 2
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    accel = types.SimpleNamespace(device=torch.device("cpu"))
+    fake = types.SimpleNamespace(beta=beta, label_smoothing=ls, simpo_gamma=gamma, alpha=0.0, accelerator=accel,
+                                 loss_type="simpo" if kind == "simpo" else "sigmoid")
+    if kind == "cdpo":  # conservative DPO = CPO's smoothed sigmoid loss on the log-ratios to the reference
+        logps = CPOTrainer.get_batch_logps(logits, batch["labels"], average_log_prob=False) - batch["ref_logps"]
+        losses, rc, rr = CPOTrainer.cpo_loss(fake, logps[:n], logps[n:])
+        loss = losses.mean()
+    elif kind == "simpo":
+        logps = CPOTrainer.get_batch_logps(logits, batch["labels"], average_log_prob=True)
+        losses, rc, rr = CPOTrainer.cpo_loss(fake, logps[:n], logps[n:])
+        loss = losses.mean()
+    else:
+        logps = ORPOTrainer.get_batch_logps(logits, batch["labels"], average_log_prob=True)
+        losses, rc, rr, _, _ = ORPOTrainer.odds_ratio_loss(fake, logps[:n], logps[n:])
+        nll = torch.nn.functional.cross_entropy(logits[:n, :-1].reshape(-1, logits.shape[-1]),
+                                                batch["labels"][:n, 1:].reshape(-1), ignore_index=IGNORE_INDEX)
+        loss = nll - losses.mean()
+    loss.backward()
+    return loss.detach(), rc, rr, _grads(model)
+
+
+@pytest.mark.parametrize("kind,ls", [("dpo", 0.0), ("ipo", 0.0)])
+def test_dpo_ipo_equal_trl_trainer(setup, kind, ls):
+    cfg, model, batch = setup
+    cfg_loss = types.SimpleNamespace(preference=kind, beta=0.3, label_smoothing=ls, simpo_gamma=0.5)
+    loss, rc, rr, grads = ours(cfg_loss, model, batch)
+    ref_loss, m, ref_grads = trl_dpo(kind, 0.3, model, batch)
+    _close(loss, ref_loss)
+    _close(rc.mean(), m["rewards/chosen"])
+    _close(rr.mean(), m["rewards/rejected"])
+    _close((rc - rr).mean(), m["rewards/margins"])
+    _close((rc > rr).float().mean(), m["rewards/accuracies"])
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        _close(grads[name], ref_grads[name])
+
+
+@pytest.mark.parametrize("kind,ls", [("cdpo", 0.2), ("simpo", 0.0), ("simpo", 0.1), ("orpo", 0.0)])
+def test_simpo_orpo_cdpo_equal_trl_functions(setup, kind, ls):
+    cfg, model, batch = setup
+    cfg_loss = types.SimpleNamespace(preference="dpo" if kind == "cdpo" else kind, beta=0.5, label_smoothing=ls,
+                                     simpo_gamma=0.7)
+    loss, rc, rr, grads = ours(cfg_loss, model, batch)
+    ref_loss, ref_rc, ref_rr, ref_grads = trl_functions(kind, 0.5, ls, 0.7, model, batch)
+    _close(loss, ref_loss)
+    _close(rc, ref_rc)
+    _close(rr, ref_rr)
+    for name in grads:
+        _close(grads[name], ref_grads[name])
+
+
+def test_chunking_keeps_values(setup):
+    """One chunk or many: the same sequence log-probs (and no [2n, T, V] tensor kept between chunks)."""
+    _, model, batch = setup
+    with torch.no_grad():
+        a, ca = sequence_logps(model, batch, chunk_size=3)
+        b, cb = sequence_logps(model, batch, chunk_size=10_000)
+    _close(a, b, 1e-6)
+    assert ca.tolist() == cb.tolist() and min(ca.tolist()) > 0
+
+
+def test_layouts_and_labels(setup):
+    """TRL's three layouts: the implicit prompt is the shared turns; labels only on the completion."""
+    row = pairs.preference_record(RECORDS[2], "f.jsonl:3")
+    assert [s["role"] for s in row["prompt"]] == ["user"] and row["chosen"][0]["content"] == "Green, surely."
+    text = pairs.preference_record({"chosen": "The sky is blue", "rejected": "The sky is red"}, "f.jsonl:1")
+    assert text["prompt"][0]["content"] == "The sky is " and text["rejected"][0]["content"] == "red"
+    _, _, batch = setup
+    n = batch["input_ids"].shape[0] // 2
+    trained = batch["labels"] != IGNORE_INDEX
+    assert trained.any(1).all() and not trained[:, 0].any()
+    assert (batch["labels"][trained] == batch["input_ids"][trained]).all() and n == 3
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"prompt": "q", "rejected": "a"}, "f.jsonl:7: missing field 'chosen'"),
+    ({"prompt": "q", "chosen": "a", "rejected": "a"}, "f.jsonl:7: fields 'chosen' and 'rejected' are equal"),
+    ({"prompt": "q", "chosen": "", "rejected": "b"}, "f.jsonl:7: field 'chosen': empty completion"),
+    ({"prompt": "q", "chosen": [{"role": "assistant", "content": "a"}], "rejected": "b"},
+     "f.jsonl:7: fields 'chosen' and 'rejected' must both be text or both be messages"),
+])
+def test_bad_records_are_one_line(record, message):
+    with pytest.raises(DataError) as e:
+        pairs.preference_record(record, "f.jsonl:7")
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_truncated_to_nothing_names_the_record(setup, tmp_path):
+    cfg, _, _ = setup
+    tok = load_run_tokenizer(cfg)
+    row = pairs.preference_record({"prompt": "a long prompt " * 20, "chosen": "yes", "rejected": "no"}, "p.jsonl:4")
+    cols = {k: [v] for k, v in row.items()}
+    with pytest.raises(DataError, match=r"^p.jsonl:4: field 'chosen': truncated to nothing"):
+        pairs.tokenize_pairs(cols, tok, 16, resolve_template(tok, "auto"))
+
+
+# ----------------------------------------------------------------------------------------------- a DPO run
+
+
+# the tiny recipe, 6 steps of 8 pairs, evaluated at steps 0, 3 and 6; the 2-process runs split each batch 4 + 4
+RUN = ["train.max_steps=6", "train.eval_every=3", "train.log_every=1", "train.progress_bar=false",
+       "train.report_to=[]", "train.save_final=false"]
+
+
+@pytest.fixture(scope="module")
+def dpo_run(tmp_path_factory):
+    from harness_launch import run_train
+
+    out = tmp_path_factory.mktemp("dpo")
+    run_train([f"train.output_dir={out}", *RUN], config="configs/dpo-tiny.yaml")
+    return out
+
+
+@pytest.mark.slow
+def test_dpo_run_learns_the_preference(dpo_run):
+    records = [json.loads(line) for line in (dpo_run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval_rewards/accuracies" in r]
+    train = [r for r in records if "rewards/accuracies" in r]
+    assert evals[0]["step"] == 0 and evals[0]["eval_rewards/margins"] == 0  # the reference is the starting model
+    assert evals[-1]["eval_rewards/accuracies"] > 0.5
+    assert evals[-1]["eval_rewards/margins"] > evals[0]["eval_rewards/margins"]
+    assert train and {"loss", "rewards/chosen", "rewards/rejected", "rewards/margins"} <= set(train[-1])
+    assert (dpo_run / "reference_logps.pt").is_file()
+    summary = (dpo_run / "summary.md").read_text()
+    assert "eval reward accuracy" in summary and "eval reward margin" in summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_two_processes_under_zero_equal_one(dpo_run, stage, tmp_path):
+    """2 processes x 4 pairs under ZeRO-2 / ZeRO-3 = 1 process x 8 pairs: loss, rewards and eval figures at every
+    step (<= 1e-5 relative); the reference log-probs divided between the processes are the same."""
+    from harness_launch import rel_close, report, run_train
+
+    out = tmp_path / stage
+    run_train([f"train.output_dir={out}", *RUN, "train.micro_batch_size=4", "train.summary=false"], nproc=2,
+              accel=stage, config="configs/dpo-tiny.yaml")
+    assert report(out)["zero_stage"] == int(stage[-1]) and report(out)["world_size"] == 2
+    one, two = ([json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (dpo_run, out))
+    keys = [k for k in one[-1] if k.startswith(("loss", "rewards/", "eval_"))]
+    pairs_of = [(a, b) for a, b in zip(one, two) if a["step"] == b["step"]]
+    assert len(pairs_of) == len(one) == len(two)
+    bad = [(a["step"], k, a[k], b[k]) for a, b in pairs_of for k in keys + ["eval_rewards/margins"]
+           if k in a and not (rel_close(a[k], b[k], 1e-5) or abs(a[k] - b[k]) < 1e-6)]  # step 1's rewards are ~0
+    assert not bad, bad
+    ref_one, ref_two = (torch.load(d / "reference_logps.pt") for d in (dpo_run, out))
+    assert torch.allclose(ref_one["train"]["logps"], ref_two["train"]["logps"], rtol=1e-5)
