@@ -58,7 +58,10 @@ def test_greedy_text_equals_the_static_path_with_slots_refilled_and_the_cache_sh
     out = e.generate(prompts, 1, greedy=True)
     assert out == static and shifts
     assert min(e.stats.lengths) < 10 and max(e.stats.lengths) == NEW  # mixed lengths: early EOS and the cap
-    assert e.stats.sequences == len(prompts) and 0 < e.stats.waste() < 1
+    assert e.stats.sequences == len(prompts) and e.stats.waste() == 0 and 1 < e.stats.mean_batch() <= 3
+    s = gen.Sampler(model, tok, max_new_tokens=NEW, micro=64)
+    s.sample(prompts, 1, greedy=True)  # one batch waits for its longest: the early-ended rows are padding
+    assert s.stats.waste() == pytest.approx(1 - sum(e.stats.lengths) / (len(prompts) * NEW))
 
 
 def test_a_prompt_is_prefilled_once_for_its_samples_and_seeded_samples_repeat(setup):

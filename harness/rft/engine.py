@@ -104,16 +104,21 @@ class PromptCache:
 
 
 class Stats:
-    """Counters of one engine: sequences and new tokens (EOS included), seconds generating, and slot-steps (slots x
-    decode steps) against the ones a sequence used: 1 - used / slot_steps is the share wasted on padding or waiting."""
+    """Counters of one engine: sequences and new tokens (EOS included), seconds generating, decode steps, and the
+    slot-steps computed (sequences in the batch, summed over the decode steps) against the ones a running sequence
+    used: 1 - used / computed is the share wasted on padding (a static batch decodes its finished rows until its
+    longest ends); computed / steps is the mean batch."""
 
     def __init__(self) -> None:
-        self.sequences = self.tokens = self.slot_steps = self.used_slot_steps = 0
+        self.sequences = self.tokens = self.slot_steps = self.used_slot_steps = self.steps = 0
         self.seconds = 0.0
         self.lengths: list[int] = []  # new tokens of each sequence
 
     def waste(self) -> float:
         return 1 - self.used_slot_steps / max(self.slot_steps, 1)
+
+    def mean_batch(self) -> float:
+        return self.slot_steps / max(self.steps, 1)
 
 
 class ContinuousEngine:
@@ -246,8 +251,9 @@ class ContinuousEngine:
             except torch.cuda.OutOfMemoryError:
                 cache = self._shrink(cache, rows, waiting, prompt_kv)
                 continue
-            self.stats.slot_steps += len(cache.k[0])
+            self.stats.slot_steps += len(rows)  # only the running sequences are computed
             self.stats.used_slot_steps += len(rows)
+            self.stats.steps += 1
             cache.col += 1
             for r, t in zip(rows, nxt):
                 r["tokens"].append(t)

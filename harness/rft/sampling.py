@@ -127,6 +127,7 @@ class Sampler:
         self.stats.lengths += used.tolist()
         self.stats.used_slot_steps += int(used.sum())
         self.stats.slot_steps += new.shape[0] * steps
+        self.stats.steps += steps
 
 
 class StaticEngine:
