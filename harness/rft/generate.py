@@ -16,6 +16,7 @@ and a failed answer per record, TRL's preference format) and `<output_dir>/stats
 
 from __future__ import annotations
 
+import time
 import zlib
 from pathlib import Path
 from typing import Optional
@@ -76,7 +77,7 @@ def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[
         f"max_new_tokens {r.max_new_tokens}, {describe(engine)}, device {acc.device}, "
         f"{engine.dtype})")
     bar = tqdm(total=len(todo), desc="rft generate", disable=not acc.is_main_process, dynamic_ncols=True)
-    tally = {"correct": 0, "samples": 0}
+    tally = {"correct": 0, "samples": 0, "t0": time.perf_counter()}
 
     def on_done(i: int, responses: list[str]) -> None:  # a question's samples have all ended: its line, at once
         rec = judge(task, todo[i], responses, r.keep_per_question)
@@ -85,7 +86,7 @@ def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[
         tally["samples"] += rec["samples"]
         bar.update(1)
         bar.set_postfix(success=f"{tally['correct'] / max(tally['samples'], 1):.1%}",
-                        seq_s=f"{engine.stats.sequences / max(engine.stats.seconds, 1e-9):.1f}")
+                        seq_s=f"{tally['samples'] / max(time.perf_counter() - tally['t0'], 1e-9):.1f}")
 
     if todo:  # each batch (static) or the whole run (continuous) seeded from rft.seed and its first question
         engine.generate([prompt_text(task, q, tok) for q in todo], r.oversample, r.temperature, r.top_p,
