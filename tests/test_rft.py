@@ -241,7 +241,9 @@ def test_rft_end_to_end(tmp_path):
     # continued on 2 processes
     shard = out / gen.SHARDS / "rank-0.jsonl"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    victim = subprocess.Popen([sys.executable, "-m", "harness.rft", "generate", RECIPE, *common], cwd=ROOT, env=env,
+    # (4 sequences in flight: the continuous engine ends one question at a time, so the kill finds some not done)
+    victim = subprocess.Popen([sys.executable, "-m", "harness.rft", "generate", RECIPE, *common,
+                               "rft.micro_batch_sequences=4"], cwd=ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while victim.poll() is None and time.time() < deadline and not (shard.is_file() and shard.read_text().count("\n")):

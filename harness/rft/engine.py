@@ -134,6 +134,7 @@ class ContinuousEngine:
         self.dtype = next(model.parameters()).dtype
         params = inspect.signature(model.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # the last position's logits only
         c = model.config.get_text_config()
         self.layers = c.num_hidden_layers
         self.heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
@@ -165,7 +166,7 @@ class ContinuousEngine:
     # ------------------------------------------------------------------------------------------- model calls
     def _forward(self, ids, positions, mask, cache):
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                         logits_to_keep=1, **{self.cache_arg: cache})
+                         **self.keep, **{self.cache_arg: cache})
         return out.logits[:, -1, :].to(dtype=torch.float32)
 
     def _prefill(self, ids: list[int]):
