@@ -106,14 +106,20 @@ def test_out_of_memory_halves_the_sequences_in_flight_and_loses_nothing(setup):
     e = ContinuousEngine(model, tok, NEW, max_slots=8, say=said.append)
     forward = e._forward
 
+    prefills = []
+
     def small_gpu(ids, positions, mask, cache):
+        if ids.shape[1] > 1:  # a prefill: the third one fails once, with two sequences running
+            prefills.append(1)
+            if len(prefills) == 3:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated, in a prefill)")
         if ids.shape[0] > 2 and ids.shape[1] == 1:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated limit of 2 sequences)")
         return forward(ids, positions, mask, cache)
 
     e._forward = small_gpu
     assert e.generate(prompts, 1, greedy=True) == static
-    assert e.max_slots == 2 and len(said) == 2 and "out of memory" in said[0]
+    assert e.max_slots == 2 and len(said) == 2 and "out of memory" in said[0]  # 8 -> 4 (prefill) -> 2 (decode)
 
 
 def test_the_kv_budget_sets_the_sequences_in_flight(setup):

@@ -227,7 +227,12 @@ class ContinuousEngine:
             while waiting and cache.n < len(cache.k[0]):
                 i, j = waiting.pop()
                 if i not in prompt_kv:
-                    prompt_kv[i] = self._prefill(ids[i])
+                    try:
+                        prompt_kv[i] = self._prefill(ids[i])
+                    except torch.cuda.OutOfMemoryError:
+                        waiting.append((i, j))
+                        cache = self._shrink(cache, rows, waiting, prompt_kv)
+                        continue
                 keys, values, logits = prompt_kv[i]
                 if j == n - 1:
                     del prompt_kv[i]
