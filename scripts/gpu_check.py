@@ -13,6 +13,7 @@ a call cut off by the device's limit keeps the rows it finished):
     python scripts/gpu_check.py --preset bf16w          # 4: bf16 weights vs autocast, 100 steps           ~4.8 min
     python scripts/gpu_check.py --preset rft_plan       # 5: rft generate, random ~1B; plan vs 300 steps   ~8.5 min
     python scripts/gpu_check.py --preset qlora          # 6: QLoRA: regional, eager, micro-batch 16, profile ~7.8 min
+    python scripts/gpu_check.py --preset rft_engine     # issue 39: rft generate continuous vs static, bench ~8.2 min
 
     python scripts/gpu_check.py --list                   # presets and variants, with estimates
     python scripts/gpu_check.py --variants zero2_bf16w --ds-patch '{"zero_optimization": {"reduce_scatter": false}}'
@@ -39,6 +40,14 @@ on it (stats.json: sequences/s; the batch: rft.questions_per_batch x rft.oversam
 rft.micro_batch_sequences per generate() call, halvings read from its log; GPU busy share sampled around it);
 `plan_300` runs `harness plan` for 300 steps of the recipe (calibrating under the same launcher) and then the run,
 whose report.json `plan` holds estimate, actual and error; `rft_bench` runs `harness rft bench` (new tokens/s).
+
+Issue 39 (`rft_engine`): `harness rft generate` on the same random ~1B model with rft.engine=continuous
+(`rft_generate`) and static (`rft_generate_static`): tokens/s, sequences/s, the GPU busy share over the seconds
+inside generation, the sequences in flight; `rft_bench_mixed`: `harness rft bench --engines static,continuous` on 32
+questions x 16 samples, max_new_tokens 200 (tokens/s, sequences/s, the padding share and the GPU busy share of each
+engine, NVML every 0.5 s, and whether their greedy text is the same). Each row carries the seed's figures for
+comparison (`seed`: A100, generation 6-10x faster than one-by-one, GPU 90-95% busy, 256-sequence batches); the goal
+is a GPU >= 90% busy.
 
 Estimates use the H100 figures of docs/benchmarks.md (plain regional ~60k tokens/s at micro-batch 8 x 2048, eager
 ~32k, ZeRO-1/2 ~30k, eager ZeRO-3 ~17k) and 40-70 s of start-up and compilation per variant. Not a test: it needs a
@@ -161,7 +170,6 @@ VARIANTS: dict[str, Variant] = {
     "v128k": _train("single_gpu", REGIONAL + ("model.config.vocab_size=128256", "loss.chunked_ce=true"), tok_s=41000),
     "v128k_full": _train("single_gpu", REGIONAL + ("model.config.vocab_size=128256", "loss.chunked_ce=false"),
                          tok_s=43000),
-    # point 5 (not training variants: see run_rft_generate, run_rft_bench, run_plan)
     # point 4: fp8 against bf16 on gpu-1b (the same compile setting) and on an 8B with LoRA
     "fp8": _train("single_gpu", REGIONAL + FP8, tok_s=70000, loss_ref="plain", speed_ref="plain",
                   note="train.precision=fp8: torchao Float8Linear, tensorwise scaling, regional compile"),
@@ -170,8 +178,16 @@ VARIANTS: dict[str, Variant] = {
                      note="8B Llama shape, random init, LoRA r16, checkpointing"),
     "lora8b_fp8": _train("single_gpu", REGIONAL + LORA_8B + FP8, tok_s=11000, startup_s=150, loss_ref="lora8b",
                          speed_ref="lora8b"),
-    "rft_generate": Variant("rft", startup_s=100, note="harness rft generate on a random-init ~1B model"),
-    "rft_bench": Variant("rft", startup_s=110, note="harness rft bench --questions 2 (new tokens/s)"),
+    # point 5 (not training variants: see run_rft_generate, run_rft_bench, run_plan)
+    "rft_generate": Variant("rft", startup_s=100, note="harness rft generate on a random-init ~1B model "
+                                                     "(rft.engine=continuous, the default)"),
+    "rft_generate_static": Variant("rft", ("rft.engine=static",), startup_s=150,
+                                   note="harness rft generate, rft.engine=static (model.generate over batches)"),
+    "rft_bench": Variant("rft", startup_s=110, note="harness rft bench --questions 2: one sequence per call, static, "
+                                                    "continuous (new tokens/s, GPU busy share, greedy identity)"),
+    "rft_bench_mixed": Variant("rft", ("rft.max_new_tokens=200",), startup_s=240,
+                               note="harness rft bench --questions 32 x 16 samples, max_new_tokens 200: static vs "
+                                    "continuous"),
     "plan_300": Variant("plan", startup_s=300, note="harness plan for the steps, then the run"),
 }
 ALIASES = {"regional": "plain", "eager": "plain_eager", "zero3_regional": "zero3"}  # names of the 2026-11-23 rows
@@ -185,6 +201,7 @@ PRESETS = {  # name: (variants, steps)
     "zero3_compile": (["zero3", "zero3_eager"], 100),
     "bf16w": (["plain", "plain_bf16w", "plain_bf16w_mb16"], 100),
     "rft_plan": (["rft_generate", "plan_300", "rft_bench"], 300),
+    "rft_engine": (["rft_generate", "rft_generate_static", "rft_bench_mixed"], 0),
     "qlora": (["qlora", "qlora_eager", "qlora_mb16", "qlora_profile"], 40),
     "fp8": (["plain", "fp8", "plain_eager", "fp8_eager"], 100),
     "fp8_large": (["lora8b", "lora8b_fp8"], 40),
@@ -401,7 +418,7 @@ def run_variant(name: str, steps: int, out_root: Path, extra: list[str], cpu: bo
                 ds_patch: Optional[dict] = None) -> dict:
     v = VARIANTS[name]
     if v.accel == "rft":
-        return run_rft_bench(name, out_root, extra, cpu, timeout_s) if name == "rft_bench" else \
+        return run_rft_bench(name, out_root, extra, cpu, timeout_s) if name.startswith("rft_bench") else \
             run_rft_generate(name, out_root, extra, cpu, timeout_s)
     if v.accel == "plan":
         return run_plan(name, steps, out_root, extra, cpu, timeout_s)
@@ -424,6 +441,10 @@ def run_variant(name: str, steps: int, out_root: Path, extra: list[str], cpu: bo
 
 
 # ----------------------------------------------------------------------------------------------- point 5
+
+
+SEED_FIGURES = {"device": "A100", "generation_vs_one_by_one": "6-10x faster", "gpu_busy_percent": "90-95",
+                "batch_sequences": 256, "source": "the seed harness's figures quoted in issue 39"}
 
 
 def point5_row(name: str, head: dict) -> dict:
@@ -454,7 +475,7 @@ def run_rft_generate(name: str, out_root: Path, extra: list[str], cpu: bool, tim
     from harness.config import load_config
 
     over, gen = rft_overrides(out_root, name, cpu)
-    over += extra
+    over += [*VARIANTS[name].overrides, *extra]
     shutil.rmtree(out_root / name, ignore_errors=True)
     cmd = [sys.executable, "-m", "harness.cli", "rft", "generate", str(ROOT / "configs" / "rft-tiny.yaml"), *over]
     head = {"command": shlex.join(cmd), "note": VARIANTS[name].note, "gpu": gpu_name()}
@@ -467,10 +488,12 @@ def run_rft_generate(name: str, out_root: Path, extra: list[str], cpu: bool, tim
     gen_s = stats["sequences_this_run"] / max(stats["sequences_per_s"], 1e-9)  # seconds inside generate()
     busy = [s["gpu_util"] for s in res["samples"] if s.get("gpu_util") is not None]
     dtype = re.search(r"device \S+, (torch\.\w+)\)", res["output"])
+    flight = re.search(r"(\d+) sequences in flight at most", res["output"])
     return point5_row(name, {
         **head, "precision": dtype.group(1).removeprefix("torch.") if dtype else None,
         "sequences_per_s": stats["sequences_per_s"],
-        "tokens_per_s": stats.get("new_tokens_per_s"),  # rft generate does not report tokens (rft_bench does)
+        "tokens_per_s": stats.get("new_tokens_per_s"), "engine": stats.get("engine"),
+        "slot_waste": stats.get("slot_waste"), "seed": SEED_FIGURES,
         "tokens_per_s_bound": stats["sequences_per_s"] * r.max_new_tokens,  # every sequence at max_new_tokens
         "generate_s": gen_s, "launch_s": res["seconds"],
         "gpu_util": 100 * min(1.0, sum(busy) / 100 * 1.0 / gen_s) if busy and gen_s > 0 else None,
@@ -479,31 +502,34 @@ def run_rft_generate(name: str, out_root: Path, extra: list[str], cpu: bool, tim
                   "sequences_per_batch": r.questions_per_batch * r.oversample,
                   "micro_batch_sequences": r.micro_batch_sequences, "oom_halvings": halved,
                   "micro_batch_sequences_final": halved[-1] if halved else r.micro_batch_sequences,
-                  "max_new_tokens": r.max_new_tokens},
+                  "max_new_tokens": r.max_new_tokens, "sequences_in_flight": int(flight.group(1)) if flight else None},
         "model": over[0].split("=", 1)[1], "stats": stats, "utilisation_whole_launch": res["whole"]})
 
 
 def run_rft_bench(name: str, out_root: Path, extra: list[str], cpu: bool, timeout_s: float) -> dict:
-    """`harness rft bench --questions 2`: its table (one sequence per call, one question per call, a batch of
-    questions per call), with new tokens/s."""
+    """`harness rft bench` (rft_bench: --questions 2, engines one, static, continuous; rft_bench_mixed: 32 questions
+    x 16 samples, max_new_tokens 200, static and continuous): its JSON (per engine tokens/s, sequences/s, padding
+    share, GPU busy share; the greedy identity)."""
     over, _ = rft_overrides(out_root, name, cpu)
-    over += extra
+    over += [*VARIANTS[name].overrides, *extra]
+    mixed = name == "rft_bench_mixed"
+    if mixed and not cpu:
+        over += ["rft.oversample=16"]
+    result = out_root / f"{name}.json"
+    result.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "harness.cli", "rft", "bench", str(ROOT / "configs" / "rft-tiny.yaml"),
-           "--questions", "2", *over]
-    head = {"command": shlex.join(cmd), "note": VARIANTS[name].note, "gpu": gpu_name()}
+           "--questions", "32" if mixed and not cpu else "2", "--engines",
+           "static,continuous" if mixed else "one,static,continuous", "--json", str(result), *over]
+    head = {"command": shlex.join(cmd), "note": VARIANTS[name].note, "gpu": gpu_name(), "seed": SEED_FIGURES}
     res = launch(cmd, out_root / f"{name}.log", cpu, timeout_s)
     if "error" in res:
         return point5_row(name, {**head, "error": res["error"]})
-    ways = []
-    for line in res["output"].splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 6 and cells[1].isdigit():
-            ways.append({"way": cells[0], "sequences": int(cells[1]), "seconds": float(cells[2]),
-                         "sequences_per_s": float(cells[3]), "new_tokens_per_s": float(cells[4]),
-                         "speedup": cells[5]})
+    bench = json.loads(result.read_text())
+    ways = bench["rows"]
     best = ways[-1] if ways else {}
     return point5_row(name, {**head, "ways": ways, "sequences_per_s": best.get("sequences_per_s"),
-                             "tokens_per_s": best.get("new_tokens_per_s"), "launch_s": res["seconds"],
+                             "tokens_per_s": best.get("new_tokens_per_s"), "gpu_util": best.get("gpu_busy"),
+                             "greedy": bench["greedy"], "settings": bench["settings"], "launch_s": res["seconds"],
                              "utilisation_whole_launch": res["whole"]})
 
 

@@ -131,7 +131,7 @@ def test_merge_writes_training_records_in_question_order(tmp_path):
     recs = [gen.judge(t, q, [t.worked_answer(q)] * 2 + ["The answer is -1."], 4) for q in qs]
     gen.append_records(tmp_path / gen.SHARDS / "rank-1.jsonl", recs[:1])
     gen.append_records(tmp_path / gen.SHARDS / "rank-0.jsonl", recs[2:])
-    stats = gen.merge(t, qs, tmp_path)
+    stats = gen.merge(t, qs, tmp_path, pairs=1)
     assert stats["questions_covered"] == 2 and stats["kept_examples"] == 2 and stats["duplicates_dropped"] == 2
     assert stats["success_rate"] == pytest.approx(4 / 6)
     rows = [json.loads(x) for x in (tmp_path / gen.OUTPUT).read_text().splitlines()]
@@ -246,7 +246,9 @@ def test_rft_end_to_end(tmp_path):
     # continued on 2 processes
     shard = out / gen.SHARDS / "rank-0.jsonl"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    victim = subprocess.Popen([sys.executable, "-m", "harness.rft", "generate", RECIPE, *common], cwd=ROOT, env=env,
+    # (4 sequences in flight: the continuous engine ends one question at a time, so the kill finds some not done)
+    victim = subprocess.Popen([sys.executable, "-m", "harness.rft", "generate", RECIPE, *common,
+                               "rft.micro_batch_sequences=4"], cwd=ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while victim.poll() is None and time.time() < deadline and not (shard.is_file() and shard.read_text().count("\n")):

@@ -184,6 +184,11 @@ def check_rft(r) -> None:
     if r.temperature <= 0 or not 0 < r.top_p <= 1 or r.tolerance < 0:
         bad = "rft.temperature" if r.temperature <= 0 else "rft.top_p" if not 0 < r.top_p <= 1 else "rft.tolerance"
         raise ConfigError(f"config key '{bad}': out of range")
+    if r.pairs_per_question < 0 or (r.kv_cache_gb is not None and r.kv_cache_gb <= 0):
+        bad = "rft.pairs_per_question" if r.pairs_per_question < 0 else "rft.kv_cache_gb"
+        raise ConfigError(f"config key '{bad}': out of range")
+    if any(not isinstance(s, str) or not s for s in r.stop_strings):
+        raise ConfigError("config key 'rft.stop_strings': non-empty strings needed (an empty one would stop every answer at once)")
 
 
 def check_quantization(cfg: Config) -> None:

@@ -286,8 +286,18 @@ class RftConfig:
     max_new_tokens: int = _f(48, "Tokens generated per answer at most.")
     questions_per_batch: int = _f(16, "Questions per generation batch (each with `oversample` sequences); a batch "
                                       "is the unit of progress that a restarted run does not redo.")
-    micro_batch_sequences: int = _f(256, "Sequences per generate() call at most; halved on a CUDA out-of-memory "
+    engine: Literal["continuous", "static", "vllm"] = _f(
+        "continuous", "Generation engine of `rft generate | test | bench`: continuous (finished sequences leave the "
+                      "batch, waiting ones enter; a prompt prefilled once for its samples), static (model.generate "
+                      "over fixed batches of repeated prompts), vllm (when installed).")
+    micro_batch_sequences: int = _f(256, "Sequences in flight at most (continuous; fewer when rft.kv_cache_gb holds "
+                                         "fewer) or per generate() call (static); halved on a CUDA out-of-memory "
                                          "error.")
+    kv_cache_gb: Optional[float] = _f(None, "continuous: KV-cache budget in GiB that sets the sequences in flight "
+                                            "(null: 90% of the free GPU memory after the model; 4 on CPU).")
+    stop_strings: list = _f([], "Strings that end an answer (besides EOS); the text keeps the stop string.")
+    pairs_per_question: int = _f(0, "`rft generate` also writes pairs.jsonl: per question at most this many "
+                                    "preference pairs (a verified answer, a failed one; TRL's format). 0: none.")
     keep_per_question: int = _f(4, "Distinct verified answers kept per question at most.")
     output_dir: str = _f("runs/rft/generate", "`rft generate` folder: shards/ (append-only, per rank), rft.jsonl "
                                               "(the kept examples as chat records), stats.json.")

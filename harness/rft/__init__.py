@@ -4,7 +4,8 @@
     harness rft generate RECIPE [--model PATH] [--stop-after N] [overrides]   sample, verify, keep -> rft.jsonl
     harness rft train    RECIPE [overrides]        harness training on data.train_files + <rft.output_dir>/rft.jsonl
     harness rft test     RECIPE [--model PATH] [--out FILE] [overrides]       accuracy + answer rate -> JSON
-    harness rft bench    RECIPE [--model PATH] [--questions N]    sequences/s: batched vs one question at a time
+    harness rft bench    RECIPE [--model PATH] [--questions N] [--engines static,continuous] [--json FILE]
+                                                   the generation engines side by side: tokens/s, sequences/s, waste
 
 Several processes: `accelerate launch ... -m harness.rft generate RECIPE` (test and train alike). Guide: docs/rft.md.
 """
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     for name, text in (("sft-data", "write warm-up SFT records"), ("generate", "sample, verify, keep"),
                        ("train", "train on the kept examples"), ("test", "held-out accuracy"),
-                       ("bench", "generation throughput, batched vs one at a time")):
+                       ("bench", "generation engines side by side")):
         s = sub.add_parser(name, help=text)
         s.add_argument("file", help="run recipe (YAML) with an rft: section")
         s.add_argument("overrides", nargs="*", help="section.key=value")
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--stop-after", type=int, default=0, help="stop after N question batches per process")
         if name == "bench":
             s.add_argument("--questions", type=int, default=32, help="train questions to sample")
+            s.add_argument("--engines", default="static,continuous", help="comma-separated: one, static, continuous")
+            s.add_argument("--repeats", type=int, default=1, help="runs per engine (interleaved; the best is kept)")
+            s.add_argument("--json", help="also write the result to this JSON file")
         if name in ("test", "sft-data"):
             s.add_argument("--out", required=name == "sft-data", help="output file")
     # overrides may also come after the options (`... --out x.json rft.oversample=8`): argparse leaves those over
@@ -74,22 +78,10 @@ def main(argv: list[str] | None = None) -> int:
 
             generate.run(cfg, args.model, args.stop_after)
         elif args.command == "bench":
-            from datetime import datetime, timezone
+            from harness.rft import bench
 
-            from harness.hardware import environment_report
-            from harness.rft import generate
-
-            rows = generate.bench(cfg, args.model, args.questions)
-            env = environment_report()
-            gpus = env.get("gpus") or []
-            dev = gpus[0].get("name", "GPU") if gpus else f"CPU ({env.get('cpu_count', '?')} cores)"
-            print(f"rft generation throughput, {datetime.now(timezone.utc):%Y-%m-%d}, {dev}, torch {env['torch']}; "
-                  f"{args.questions} questions x {cfg.rft.oversample} samples, temperature {cfg.rft.temperature}, "
-                  f"max_new_tokens {cfg.rft.max_new_tokens}")
-            print("| way | sequences | seconds | sequences/s | new tokens/s | speed-up |\n|---|---|---|---|---|---|")
-            for r in rows:
-                print(f"| {r['way']} | {r['sequences']} | {r['seconds']} | {r['sequences_per_s']} | "
-                      f"{r['new_tokens_per_s']} | {r['speedup']}x |")
+            bench.report(bench.bench(cfg, args.model, args.questions, args.repeats,
+                                     tuple(x for x in args.engines.split(",") if x)), args.json)
         else:
             from harness.rft import evaluate
 

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from harness.rft.generate import Sampler, load_for_generation, make_accelerator, prompt_text, resolve_model_path
+from harness.rft.generate import make_accelerator
+from harness.rft.sampling import StaticEngine, load_engine, prompt_text, resolve_model_path
 
 
 def run(cfg, model_path: Optional[str] = None, out: Optional[str] = None, split: str = "test") -> Optional[dict]:
@@ -27,17 +28,16 @@ def run(cfg, model_path: Optional[str] = None, out: Optional[str] = None, split:
     questions = task.split(split)
     acc = make_accelerator()
     path = model_path or cfg.model.name_or_path
-    model, tok = load_for_generation(path, acc.device)
-    sampler = Sampler(model, tok, r.max_new_tokens, r.micro_batch_sequences, acc.print)
+    engine, tok = load_engine(r, path, acc.device, acc.print)
+    if isinstance(engine, StaticEngine):
+        engine.per_call = max(1, r.micro_batch_sequences)  # one generate() call per that many questions
     mine = questions[acc.process_index::acc.num_processes]
     t0 = time.time()
     rows = []
-    step = max(1, r.micro_batch_sequences)
-    for i in range(0, len(mine), step):
-        batch = mine[i:i + step]
-        for q, (resp,) in zip(batch, sampler.sample([prompt_text(task, q, tok) for q in batch], 1, greedy=True)):
-            rows.append({"qid": q.qid, "question": q.question, "answer": q.answer, "response": resp,
-                         "extracted": task.extract(resp), "correct": task.verify(resp, q)})
+    responses = engine.generate([prompt_text(task, q, tok) for q in mine], 1, greedy=True)
+    for q, (resp,) in zip(mine, responses):
+        rows.append({"qid": q.qid, "question": q.question, "answer": q.answer, "response": resp,
+                     "extracted": task.extract(resp), "correct": task.verify(resp, q)})
     rows = gather_object(rows)
     report = None
     if acc.is_main_process:
@@ -50,6 +50,7 @@ def run(cfg, model_path: Optional[str] = None, out: Optional[str] = None, split:
             "accuracy": sum(x["correct"] for x in rows) / max(n, 1),
             "answer_rate": sum(x["extracted"] is not None for x in rows) / max(n, 1),
             "decoding": "greedy",
+            "engine": engine.name,
             "max_new_tokens": r.max_new_tokens,
             "processes": acc.num_processes,
             "seconds": time.time() - t0,

@@ -1,0 +1,136 @@
+"""`harness rft bench`: the generation engines side by side on the same questions, model, device and settings.
+
+    harness rft bench configs/rft-tiny.yaml --questions 32 rft.oversample=16 rft.max_new_tokens=200
+    harness rft bench configs/rft-tiny.yaml --engines one,static,continuous --json docs/bench/rft-engines-cpu.json
+
+Per engine: the sampling of `rft generate` (the first N train questions x rft.oversample, rft.temperature, rft.top_p,
+rft.max_new_tokens): sequences/s, new tokens/s (EOS included), the share of the computed slot-steps (sequences in
+the batch x decode steps) spent on padding (finished rows decoded while a static batch waits for its longest), the
+mean batch, the answers' lengths, the GPU busy share (NVML, sampled every 0.5 s); then greedy decoding of the same questions (one answer
+each, as `rft test`) and whether every engine's greedy text equals the static engine's. Engines: static (batches of
+rft.questions_per_batch questions, today's path), continuous, one (one sequence per generate() call). Best of
+`--repeats`, engines interleaved.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Optional
+
+import torch
+
+from harness.errors import ConfigError
+
+ENGINES = ("one", "static", "continuous")
+
+
+def build(name: str, r, model, tok):
+    from harness.rft.engine import ContinuousEngine
+    from harness.rft.sampling import StaticEngine
+
+    stops = tuple(r.stop_strings)
+    if name == "continuous":
+        return ContinuousEngine(model, tok, r.max_new_tokens, r.micro_batch_sequences, r.kv_cache_gb, stops, print)
+    if name == "static":
+        return StaticEngine(model, tok, r.max_new_tokens, r.micro_batch_sequences, r.questions_per_batch, stops, print)
+    return StaticEngine(model, tok, r.max_new_tokens, 1, 1, stops, print)
+
+
+def bench(cfg, model_path: Optional[str] = None, questions: int = 32, repeats: int = 1,
+          engines: tuple = ("static", "continuous")) -> dict:
+    """{"rows": one per engine, "greedy": identity check, "settings": ...}; see the module docstring."""
+    from harness.observe.monitor import UtilisationSampler
+    from harness.rft.sampling import load_for_generation, prompt_text
+    from harness.rft.tasks import build_task
+
+    bad = [e for e in engines if e not in ENGINES]
+    if bad:
+        raise ConfigError(f"--engines: unknown engine '{bad[0]}' (one of {', '.join(ENGINES)})")
+    r = cfg.rft
+    task = build_task(r)
+    qs = task.split("train")[:questions]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = load_for_generation(model_path or cfg.model.name_or_path, device)
+    prompts = [prompt_text(task, q, tok) for q in qs]
+    best: dict[str, dict] = {}
+    for rep in range(repeats):
+        for name in engines:
+            e = build(name, r, model, tok)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            util = UtilisationSampler(0.5).start()  # GPU busy share (NVML) or CPU, sampled while it runs
+            t0 = time.perf_counter()
+            out = e.generate(prompts, r.oversample, r.temperature, r.top_p, seed=r.seed + rep)
+            secs = time.perf_counter() - t0
+            busy = util.stop()["metrics"]
+            st = e.stats
+            row = {"engine": name, "sequences": st.sequences, "new_tokens": st.tokens, "seconds": round(secs, 2),
+                   "sequences_per_s": round(st.sequences / secs, 2), "new_tokens_per_s": round(st.tokens / secs, 1),
+                   "slot_waste": round(st.waste(), 3), "mean_batch": round(st.mean_batch(), 1),
+                   "slots": getattr(e, "max_slots", None),
+                   "gpu_busy": (busy.get("gpu_util") or {}).get("mean"),
+                   "cpu_busy": (busy.get("cpu_util") or {}).get("mean"),
+                   "answer_tokens": {"min": min(st.lengths), "median": statistics.median(st.lengths),
+                                     "p90": sorted(st.lengths)[int(0.9 * (len(st.lengths) - 1))],
+                                     "max": max(st.lengths)},
+                   "success_rate": round(sum(task.verify(a, q) for q, g in zip(qs, out) for a in g)
+                                         / max(st.sequences, 1), 3)}
+            if name not in best or row["sequences_per_s"] > best[name]["sequences_per_s"]:
+                best[name] = row
+    rows = [best[n] for n in engines]
+    base = best.get("static", rows[0])
+    for row in rows:
+        row["speedup_sequences"] = round(row["sequences_per_s"] / base["sequences_per_s"], 2)
+        row["speedup_tokens"] = round(row["new_tokens_per_s"] / base["new_tokens_per_s"], 2)
+    greedy, lens = {}, []
+    for name in engines:
+        e = build(name, r, model, tok)
+        greedy[name] = [g[0] for g in e.generate(prompts, 1, greedy=True)]
+        lens = lens or e.stats.lengths
+    ref = greedy.get("static", next(iter(greedy.values())))
+    return {"rows": rows, "greedy": {
+        "questions": len(prompts), "identical_to_static": {n: g == ref for n, g in greedy.items()},
+        "differing": {n: sum(a != b for a, b in zip(g, ref)) for n, g in greedy.items()},
+        "answer_tokens": {"min": min(lens), "median": statistics.median(lens), "max": max(lens)}},
+        "settings": {"questions": len(prompts), "oversample": r.oversample, "temperature": r.temperature,
+                     "top_p": r.top_p, "max_new_tokens": r.max_new_tokens, "questions_per_batch": r.questions_per_batch,
+                     "micro_batch_sequences": r.micro_batch_sequences, "device": str(device),
+                     "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "repeats": repeats}}
+
+
+def report(result: dict, path: Optional[str] = None) -> None:
+    """The table (and the JSON file when `path` is given)."""
+    from datetime import datetime, timezone
+
+    from harness.hardware import environment_report
+
+    env = environment_report()
+    gpus = env.get("gpus") or []
+    dev = gpus[0].get("name", "GPU") if gpus else f"CPU ({env.get('cpu_count', '?')} cores)"
+    s = result["settings"]
+    result["environment"] = {"date": f"{datetime.now(timezone.utc):%Y-%m-%d}", "device": dev, "torch": env["torch"]}
+    print(f"rft generation engines, {result['environment']['date']}, {dev}, torch {env['torch']}, {s['dtype']}; "
+          f"{s['questions']} questions x {s['oversample']} samples, temperature {s['temperature']}, top-p "
+          f"{s['top_p']}, max_new_tokens {s['max_new_tokens']}")
+    unit = "gpu" if any(r["gpu_busy"] is not None for r in result["rows"]) else "cpu"
+    print(f"| engine | sequences | new tokens | seconds | sequences/s | new tokens/s | slot-steps wasted | "
+          f"mean batch | answer tokens min/median/p90/max | {unit.upper()} busy | speed-up (tokens/s) |\n"
+          f"|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in result["rows"]:
+        a, b = r["answer_tokens"], r[f"{unit}_busy"]
+        print(f"| {r['engine']} | {r['sequences']} | {r['new_tokens']} | {r['seconds']} | {r['sequences_per_s']} | "
+              f"{r['new_tokens_per_s']} | {r['slot_waste']:.1%} | {r['mean_batch']} | {a['min']}/{a['median']}/{a['p90']}/{a['max']} | "
+              f"{'-' if b is None else f'{b:.0f}%'} | {r['speedup_tokens']}x |")
+    g = result["greedy"]
+    same = ", ".join(f"{n}: {'identical' if ok else str(g['differing'][n]) + ' differ'}"
+                     for n, ok in g["identical_to_static"].items())
+    print(f"greedy ({g['questions']} questions, answers of {g['answer_tokens']['min']}-{g['answer_tokens']['max']} "
+          f"tokens) against static: {same}")
+    if path:
+        from pathlib import Path
+
+        from harness.files import write_json
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_json(Path(path), result)

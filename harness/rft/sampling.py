@@ -1,0 +1,182 @@
+"""Loading a model for generation, the prompt, and the static engine (rft.engine=static): model.generate over fixed
+batches of repeated prompts; `make_engine` picks the engine that `rft generate | test | bench` use.
+
+    python -c "from harness.rft.sampling import make_engine; help(make_engine)"
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from harness.errors import ConfigError, HarnessError
+from harness.rft.engine import ContinuousEngine, Stats, servable
+from harness.rft.tasks import Question, Task
+
+
+# ----------------------------------------------------------------------------------------------- model and sampling
+
+
+def resolve_model_path(path: Optional[str]) -> str:
+    """A model folder for generation: a LoRA final/ (adapter) is replaced by its merged/ sibling."""
+    if not path:
+        raise ConfigError("config key 'model.name_or_path': rft needs a trained model (a folder such as "
+                          "runs/x/final, or a hub id); give it there or with --model")
+    p = Path(path)
+    if (p / "adapter_config.json").is_file():
+        if not (p / "merged").is_dir():
+            raise ConfigError(f"config key 'model.name_or_path': {p} holds a LoRA adapter without merged/")
+        return str(p / "merged")
+    return str(path)
+
+
+def load_for_generation(path: str, device: torch.device):
+    """(model in eval mode, tokenizer with left padding); bf16 on GPUs that support it, fp32 otherwise."""
+    from transformers import AutoModelForCausalLM
+
+    from harness import hardware
+    from harness.config import ModelConfig
+    from harness.model import load_tokenizer
+
+    path = resolve_model_path(path)
+    dtype = torch.bfloat16 if device.type == "cuda" and hardware.resolve_precision("auto") == "bf16" else torch.float32
+    tok = load_tokenizer(ModelConfig(name_or_path=path), markers=None)  # its saved chat template, else GritLM's
+    tok.padding_side = "left"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"config key 'model.name_or_path': cannot load '{path}': {str(e).splitlines()[0]}")
+    return model.to(device).eval(), tok
+
+
+def prompt_text(task: Task, q: Question, tokenizer) -> str:
+    """The question in the model's chat template (the one it was trained with, saved with its tokenizer), ending
+    where the assistant's answer starts; bos included when the template writes it."""
+    return tokenizer.apply_chat_template(task.messages(q), add_generation_prompt=True, tokenize=False)
+
+
+class Sampler:
+    """Batched sampling with left padding; each prompt `n` times (repeated prompts, so that one call mixes many
+    questions). Sequences go through generate() in chunks of at most `micro` sequences; a CUDA out-of-memory error
+    halves `micro` and retries the chunk."""
+
+    def __init__(self, model, tokenizer, max_new_tokens: int, micro: int, say: Callable = print,
+                 stop_strings: tuple = ()) -> None:
+        self.model, self.tok, self.max_new_tokens, self.micro, self.say = model, tokenizer, max_new_tokens, micro, say
+        self.stop_strings = list(stop_strings)
+        self.stats = Stats()
+
+    @property
+    def sequences(self) -> int:  # generated so far
+        return self.stats.sequences
+
+    @property
+    def seconds(self) -> float:  # spent in generate()
+        return self.stats.seconds
+
+    def sample(self, prompts: list[str], n: int, temperature: float = 1.0, top_p: float = 1.0,
+               greedy: bool = False) -> list[list[str]]:
+        """n responses per prompt, grouped by prompt."""
+        seqs = [p for p in prompts for _ in range(n)]
+        out: list[str] = []
+        i = 0
+        while i < len(seqs):
+            chunk = seqs[i:i + self.micro]
+            try:
+                t0 = time.perf_counter()
+                out += self._generate(chunk, temperature, top_p, greedy)
+                self.stats.seconds += time.perf_counter() - t0
+            except torch.cuda.OutOfMemoryError:
+                if self.micro == 1:
+                    raise HarnessError("out of GPU memory with one sequence per generate() call: lower "
+                                       "rft.max_new_tokens or use a larger GPU") from None
+                self.micro = max(1, self.micro // 2)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                self.say(f"[rft] out of memory: micro-batch halved to {self.micro} sequences")
+                continue
+            i += len(chunk)
+            self.stats.sequences += len(chunk)
+        return [out[k * n:(k + 1) * n] for k in range(len(prompts))]
+
+    @torch.no_grad()
+    def _generate(self, texts: list[str], temperature: float, top_p: float, greedy: bool) -> list[str]:
+        tok, dev = self.tok, self.model.device
+        ids = tok(texts, add_special_tokens=False)["input_ids"]  # the chat template writes bos where it wants one
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids], device=dev)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=dev)
+        kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        if self.stop_strings:
+            kw.update(stop_strings=self.stop_strings, tokenizer=tok)
+        gen = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=self.max_new_tokens,
+                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **kw)
+        self._count(gen[:, width:])
+        return [t.strip() for t in tok.batch_decode(gen[:, width:], skip_special_tokens=True)]
+
+    def _count(self, new: torch.Tensor) -> None:
+        """New tokens per row (EOS included; the padding after a finished row not) and the slot-steps of the call."""
+        pad, eos = self.tok.pad_token_id, self.tok.eos_token_id
+        steps = new.shape[1]
+        trailing = (new != pad).int().flip(1).cumsum(1).eq(0).sum(1)  # pads after the row's last token
+        used = steps - trailing + ((trailing > 0) & (pad == eos)).int()
+        self.stats.tokens += int(used.sum())
+        self.stats.lengths += used.tolist()
+        self.stats.used_slot_steps += int(used.sum())
+        self.stats.slot_steps += new.shape[0] * steps
+        self.stats.steps += steps
+
+
+class StaticEngine:
+    """rft.engine=static: model.generate over fixed batches of `per_call` questions x n samples (today's path, kept
+    for comparison); each batch seeded with seed(i), i its first prompt's index, and waits for its longest answer."""
+
+    name = "static"
+
+    def __init__(self, model, tokenizer, max_new_tokens: int, micro: int, per_call: int, stop_strings: tuple = (),
+                 say: Callable = print) -> None:
+        self.sampler = Sampler(model, tokenizer, max_new_tokens, micro, say, stop_strings)
+        self.per_call, self.stats = per_call, self.sampler.stats
+        self.dtype = next(model.parameters()).dtype
+
+    def generate(self, prompts: list[str], n: int, temperature: float = 1.0, top_p: float = 1.0,
+                 greedy: bool = False, seed=0, on_done: Optional[Callable] = None) -> list[list[str]]:
+        out: list[list[str]] = []
+        for i in range(0, len(prompts), self.per_call):
+            torch.manual_seed(seed(i) if callable(seed) else seed + i)
+            got = self.sampler.sample(prompts[i:i + self.per_call], n, temperature, top_p, greedy)
+            for k, responses in enumerate(got):
+                if on_done is not None:
+                    on_done(i + k, responses)
+            out += got
+        return out
+
+
+def make_engine(r, model, tokenizer, say: Callable = print):
+    """The engine that rft.engine names (r: the rft config section), continuous or static; a model the continuous
+    engine cannot serve falls back to static with one line."""
+    stops = tuple(r.stop_strings)
+    if r.engine == "continuous":
+        why = servable(model)
+        if why is None:
+            return ContinuousEngine(model, tokenizer, r.max_new_tokens, r.micro_batch_sequences, r.kv_cache_gb,
+                                    stops, say)
+        say(f"[rft] rft.engine=continuous cannot serve {why}: using rft.engine=static")
+    return StaticEngine(model, tokenizer, r.max_new_tokens, r.micro_batch_sequences, r.questions_per_batch, stops, say)
+
+
+def load_engine(r, path: Optional[str], device, say: Callable = print):
+    """(engine, tokenizer) for the model at `path` on `device`, as rft.engine says (vllm loads the model itself)."""
+    if r.engine == "vllm":
+        from harness.config import ModelConfig
+        from harness.model import load_tokenizer
+        from harness.rft.vllm_engine import VllmEngine
+
+        path = resolve_model_path(path)
+        engine = VllmEngine(path, r.max_new_tokens, tuple(r.stop_strings), say)
+        return engine, load_tokenizer(ModelConfig(name_or_path=path), markers=None)
+    model, tok = load_for_generation(path, device)
+    return make_engine(r, model, tok, say), tok

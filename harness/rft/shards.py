@@ -1,0 +1,164 @@
+"""The resumable output of `harness rft generate`: per-question records in append-only shards, their merge into
+rft.jsonl (and pairs.jsonl), and the settings a restarted run must share.
+
+    python -c "from harness.rft.shards import read_shards; print(len(read_shards(__import__('pathlib').Path('runs/rft-tiny/generate/shards'))))"
+
+A question is done once its line is in `<output_dir>/shards/rank-R.jsonl` (flush + fsync after each write); a
+half-written last line (a kill during the write) is cut before appending; the merge writes each question once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+from harness.errors import ConfigError
+from harness.rft.tasks import Question, Task
+
+SHARDS = "shards"
+OUTPUT = "rft.jsonl"
+PAIRS = "pairs.jsonl"
+STATS = "stats.json"
+SETTINGS = "settings.json"
+
+
+def judge(task: Task, q: Question, responses: list[str], keep: int) -> dict:
+    """One question's shard record: counts, its distinct verified responses and its distinct failed ones (at most
+    `keep` of each, first come; the failed ones make the preference pairs)."""
+    kept: list[str] = []
+    rejected: list[str] = []
+    correct = answered = duplicates = 0
+    for r in responses:
+        ok = task.verify(r, q)
+        answered += task.extract(r) is not None
+        correct += ok
+        if ok:
+            if r in kept:
+                duplicates += 1
+            elif len(kept) < keep:
+                kept.append(r)
+        elif r not in rejected and len(rejected) < keep:
+            rejected.append(r)
+    return {"qid": q.qid, "question": q.question, "answer": q.answer, "samples": len(responses), "correct": correct,
+            "answered": answered, "duplicates": duplicates, "kept": kept, "rejected": rejected}
+
+
+# ----------------------------------------------------------------------------------------------- shards
+
+
+def repair_shard(path: Path) -> None:
+    """Cut a partial last line (a run killed while writing) so that appending continues on a clean line."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end != len(data):
+        with path.open("r+b") as fh:
+            fh.truncate(end)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def read_shards(folder: Path) -> list[dict]:
+    """Every complete question record of every shard file (a partial last line is ignored)."""
+    records = []
+    for f in sorted(folder.glob("rank-*.jsonl")):
+        for line in f.read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # only the last line of a killed run can be partial
+    return records
+
+
+def append_records(path: Path, records: list[dict]) -> None:
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in records))
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def preference_pairs(task: Task, q: Question, record: dict, most: int) -> list[dict]:
+    """At most `most` pairs of one question: its i-th verified answer with its i-th failed one, in TRL's
+    conversational preference format (prompt messages, chosen and rejected assistant turns)."""
+    prompt = task.messages(q)
+    return [{"prompt": prompt, "chosen": [{"role": "assistant", "content": good}],
+             "rejected": [{"role": "assistant", "content": bad}]}
+            for good, bad in list(zip(record.get("kept", []), record.get("rejected", [])))[:most]]
+
+
+def merge(task: Task, questions: list[Question], folder: Path, pairs: int = 0) -> dict:
+    """shards/ -> rft.jsonl (chat records in question order), pairs.jsonl when `pairs` > 0 (at most that many
+    preference pairs per question), stats.json; returns the stats."""
+    from harness.files import write_json
+
+    by_qid: dict[str, dict] = {}
+    repeats = 0
+    for r in read_shards(folder / SHARDS):
+        repeats += r["qid"] in by_qid
+        by_qid.setdefault(r["qid"], r)
+    rows = []
+    for q in questions:
+        r = by_qid.get(q.qid)
+        for answer in (r or {}).get("kept", []):
+            rows.append({"messages": task.messages(q) + [{"role": "assistant", "content": answer}]})
+    write_lines(folder / OUTPUT, rows)
+    done = [by_qid[q.qid] for q in questions if q.qid in by_qid]
+    pair_rows = [x for q in questions if q.qid in by_qid for x in preference_pairs(task, q, by_qid[q.qid], pairs)]
+    if pairs:
+        write_lines(folder / PAIRS, pair_rows)
+    samples = sum(r["samples"] for r in done)
+    stats = {
+        "questions": len(questions),
+        "questions_covered": len(done),
+        "questions_with_kept": sum(bool(r["kept"]) for r in done),
+        "kept_examples": len(rows),
+        "samples": samples,
+        "correct_samples": sum(r["correct"] for r in done),
+        "success_rate": sum(r["correct"] for r in done) / max(samples, 1),
+        "answer_rate": sum(r["answered"] for r in done) / max(samples, 1),
+        "duplicates_dropped": sum(r["duplicates"] for r in done),
+        "repeated_question_records": repeats,
+        "preference_pairs": len(pair_rows) if pairs else None,
+        "output": str(folder / OUTPUT),
+    }
+    write_json(folder / STATS, stats)
+    return stats
+
+
+def write_lines(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(x) + "\n" for x in rows), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def generation_settings(cfg, model_path: Optional[str]) -> dict:
+    """What the shards' answers depend on: a restarted run must use the same, or its output would mix two runs."""
+    r = cfg.rft
+    return {"model": str(model_path or cfg.model.name_or_path), "task": r.task, "test_file": r.test_file,
+            "num_train_questions": r.num_train_questions, "num_test_questions": r.num_test_questions,
+            "num_sft_questions": r.num_sft_questions, "max_operand": r.max_operand, "task_seed": r.task_seed,
+            "tolerance": r.tolerance, "oversample": r.oversample, "temperature": r.temperature, "top_p": r.top_p,
+            "max_new_tokens": r.max_new_tokens, "keep_per_question": r.keep_per_question,
+            **({"stop_strings": list(r.stop_strings)} if r.stop_strings else {})}
+
+
+def check_settings(path: Path, settings: dict, write: bool = True) -> None:
+    """Record the settings of a new run; refuse to continue one that was started with other settings."""
+    if path.is_file():
+        old = json.loads(path.read_text())
+        diff = [k for k in [*settings, *(k for k in old if k not in settings)] if old.get(k) != settings.get(k)]
+        if diff:
+            key = "model.name_or_path (or --model)" if diff[0] == "model" else f"rft.{diff[0]}"
+            raise ConfigError(f"config key '{key}': {path.parent.parent} was started with "
+                              f"{diff[0]}={old.get(diff[0])!r}, now {settings.get(diff[0])!r}; use another rft.output_dir "
+                              f"or the same settings to continue")
+        return
+    if write:
+        from harness.files import write_json
+
+        write_json(path, settings)
+
+

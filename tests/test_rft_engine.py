@@ -1,0 +1,175 @@
+"""The continuous generation engine (harness/rft/engine.py) against the static path, on a tiny random model whose
+greedy answers run from a few tokens to max_new_tokens: identical greedy text with slots refilled and the cache
+shifted, one prefill per prompt, top-p at its limit equal to greedy, seeded samples, stop strings, the out-of-memory
+back-off, the KV budget, the fallback for a model it cannot serve; preference pairs from the shards.
+
+    .venv/bin/python -m pytest tests/test_rft_engine.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harness.config import ModelConfig, load_config
+from harness.errors import ConfigError, HarnessError
+from harness.rft import generate as gen
+from harness.rft.engine import ContinuousEngine, SlotCache, servable
+from harness.rft.sampling import StaticEngine, make_engine
+from harness.rft.tasks import ArithmeticTask, Question
+from tests.harness_launch import ROOT
+
+# untied embeddings and a wide init: a random model that does not just repeat its last token, so that its answers
+# end (EOS) anywhere from the first token to max_new_tokens
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 128,
+        "tie_word_embeddings": False, "initializer_range": 0.3}
+NEW = 30
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from accelerate.utils import set_seed
+
+    from harness.model import build_model, load_tokenizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is fastest, and spared the wait of busy shared cores
+    cfg = ModelConfig(config=dict(TINY))
+    tok = load_tokenizer(cfg)
+    tok.padding_side = "left"
+    set_seed(0)
+    model = build_model(cfg, tok).eval()
+    t = ArithmeticTask(n_train=12, n_test=0, n_sft=0, max_operand=12)
+    prompts = [gen.prompt_text(t, q, tok) for q in t.split("train")]
+    static = gen.Sampler(model, tok, max_new_tokens=NEW, micro=64).sample(prompts, 1, greedy=True)
+    yield model, tok, prompts, static
+    torch.set_num_threads(threads)
+
+
+def test_greedy_text_equals_the_static_path_with_slots_refilled_and_the_cache_shifted(setup, monkeypatch):
+    model, tok, prompts, static = setup
+    shifts = []
+    shift = SlotCache.shift
+    monkeypatch.setattr(SlotCache, "shift", lambda self, by: shifts.append(by) or shift(self, by))
+    e = ContinuousEngine(model, tok, NEW, max_slots=3)
+    out = e.generate(prompts, 1, greedy=True)
+    assert out == static and shifts
+    assert min(e.stats.lengths) < 10 and max(e.stats.lengths) == NEW  # mixed lengths: early EOS and the cap
+    assert e.stats.sequences == len(prompts) and e.stats.waste() == 0 and 1 < e.stats.mean_batch() <= 3
+    s = gen.Sampler(model, tok, max_new_tokens=NEW, micro=64)
+    s.sample(prompts, 1, greedy=True)  # one batch waits for its longest: the early-ended rows are padding
+    assert s.stats.waste() == pytest.approx(1 - sum(e.stats.lengths) / (len(prompts) * NEW))
+
+
+def test_a_prompt_is_prefilled_once_for_its_samples_and_seeded_samples_repeat(setup):
+    model, tok, prompts, static = setup
+    e = ContinuousEngine(model, tok, NEW, max_slots=5)  # 4 samples of 3 prompts: a prompt's samples split
+    calls = []
+    prefill = e._prefill
+    e._prefill = lambda ids: calls.append(ids) or prefill(ids)
+    a = e.generate(prompts[:3], 4, temperature=1.0, seed=7)
+    assert len(calls) == 3 and [len(g) for g in a] == [4, 4, 4] and len(set(a[0])) > 1
+    assert ContinuousEngine(model, tok, NEW, max_slots=5).generate(prompts[:3], 4, temperature=1.0, seed=7) == a
+    # top-p at its limit keeps the most likely token only: sampling is then greedy decoding
+    assert e.generate(prompts, 1, temperature=0.7, top_p=1e-6, seed=1) == static
+
+
+def test_on_done_comes_as_each_prompt_ends(setup):
+    model, tok, prompts, static = setup
+    seen = []
+    ContinuousEngine(model, tok, NEW, max_slots=4).generate(prompts, 2, greedy=True,
+                                                           on_done=lambda i, r: seen.append((i, r)))
+    assert sorted(i for i, _ in seen) == list(range(len(prompts)))
+    assert all(r == [static[i][0]] * 2 for i, r in seen)
+    assert [i for i, _ in seen] != list(range(len(prompts)))  # short answers are written before long ones
+
+
+def test_stop_strings_end_the_answer(setup):
+    model, tok, prompts, static = setup
+    long = next(s[0] for s in static if len(s[0]) > 20)
+    stop = long[8:12]
+    out = ContinuousEngine(model, tok, NEW, max_slots=4, stop_strings=(stop,)).generate(prompts, 1, greedy=True)
+    for (got,), (full,) in zip(out, static):
+        assert full.startswith(got)
+        if stop in full:  # ended at the token that completes the stop string, which the text keeps
+            assert stop in got and len(got) <= full.index(stop) + len(stop) + 16
+        else:
+            assert got == full
+
+
+def test_out_of_memory_halves_the_sequences_in_flight_and_loses_nothing(setup):
+    model, tok, prompts, static = setup
+    said = []
+    e = ContinuousEngine(model, tok, NEW, max_slots=8, say=said.append)
+    forward = e._forward
+
+    prefills = []
+
+    def small_gpu(ids, positions, mask, cache):
+        if ids.shape[1] > 1:  # a prefill: the third one fails once, with two sequences running
+            prefills.append(1)
+            if len(prefills) == 3:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated, in a prefill)")
+        if ids.shape[0] > 2 and ids.shape[1] == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated limit of 2 sequences)")
+        return forward(ids, positions, mask, cache)
+
+    e._forward = small_gpu
+    assert e.generate(prompts, 1, greedy=True) == static
+    assert e.max_slots == 2 and len(said) == 2 and "out of memory" in said[0]  # 8 -> 4 (prefill) -> 2 (decode)
+
+
+def test_the_kv_budget_sets_the_sequences_in_flight(setup):
+    model, tok, _, _ = setup
+    e = ContinuousEngine(model, tok, NEW, max_slots=256, kv_cache_gb=(e1 := 10 * 2**20 / 2**30))
+    per_slot = e.slot_bytes(100) + 12 * model.config.vocab_size
+    assert e.plan_slots(100) == min(256, int(e1 * 2**30 // per_slot)) < 256
+    with pytest.raises(HarnessError, match="rft.kv_cache_gb"):
+        ContinuousEngine(model, tok, NEW, max_slots=8, kv_cache_gb=1e-9).plan_slots(100)
+
+
+def test_engine_choice_and_the_fallback_for_a_model_it_cannot_serve(setup):
+    model, tok, _, _ = setup
+    r = load_config(str(ROOT / "configs" / "rft-tiny.yaml")).rft
+    assert r.engine == "continuous" and isinstance(make_engine(r, model, tok), ContinuousEngine)
+    r.engine = "static"
+    assert isinstance(make_engine(r, model, tok), StaticEngine)
+    r.engine = "continuous"
+    said = []
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    try:
+        assert "sliding_attention" in servable(model)
+        assert isinstance(make_engine(r, model, tok, said.append), StaticEngine)
+    finally:
+        del model.config.layer_types
+    assert len(said) == 1 and "using rft.engine=static" in said[0]
+    r.engine = "vllm"
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        from harness.rft.sampling import load_engine
+
+        with pytest.raises(ConfigError, match="vllm is not installed"):
+            load_engine(r, "unused", torch.device("cpu"))
+
+
+def test_preference_pairs_pair_a_verified_answer_with_a_failed_one(tmp_path):
+    t = ArithmeticTask(n_train=2, n_test=0, n_sft=0, max_operand=5)
+    qs = t.split("train")
+    (tmp_path / gen.SHARDS).mkdir()
+    good, bad = t.worked_answer(qs[0]), "The answer is -1."
+    gen.append_records(tmp_path / gen.SHARDS / "rank-0.jsonl", [
+        gen.judge(t, qs[0], [good, bad, bad, "no answer", good], 4),
+        gen.judge(t, qs[1], ["The answer is -3."], 4)])  # nothing verified: no pair
+    stats = gen.merge(t, qs, tmp_path, pairs=1)
+    rows = [json.loads(x) for x in (tmp_path / gen.PAIRS).read_text().splitlines()]
+    assert stats["preference_pairs"] == 1 and rows == [{
+        "prompt": [{"role": "user", "content": qs[0].question}],
+        "chosen": [{"role": "assistant", "content": good}], "rejected": [{"role": "assistant", "content": bad}]}]
+    gen.merge(t, qs, tmp_path, pairs=3)
+    assert len((tmp_path / gen.PAIRS).read_text().splitlines()) == 1  # one verified answer: one pair
+    rec = gen.judge(t, Question("q", "What is 1 + 1?", 2.0), ["The answer is 3.", "The answer is 3.", "x"], 4)
+    assert rec["rejected"] == ["The answer is 3.", "x"]
