@@ -87,8 +87,8 @@ class Resize:
 
     def describe(self) -> str:
         b, a = self.before, self.after
-        parts = [f"{b.processes} -> {a.processes} data-parallel process(es)" if b.processes != a.processes else
-                 f"{a.processes} data-parallel process(es)"]
+        parts = [f"{b.processes} -> {a.processes} process(es)" if b.processes != a.processes else
+                 f"{a.processes} process(es)"]  # (data-parallel ones)
         if b.sequence_parallel != a.sequence_parallel:
             parts.append(f"train.sequence_parallel {b.sequence_parallel} -> {a.sequence_parallel}")
         if b.grad_accum != a.grad_accum:
