@@ -237,3 +237,17 @@ def test_sp2_checkpoint_resumed_with_sp1_keeps_the_global_batch_and_the_rows(run
     bad = [(a["step"], a["loss"], b["loss"]) for a, b in zip(ref_loss[:7], got[:7])
            if not rel_close(a["loss"], b["loss"], 1e-5)]
     assert not bad, bad
+
+
+def test_zero_plan_divides_the_activations_by_n_and_skips_stage_0():
+    from harness.tools.sizing import activation_terms, model_shape
+    from harness.tools.zero_plan import Hardware, plan
+
+    one = load_config(DEFAULT, ["data.max_len=8192", "train.micro_batch_size=1"])
+    two = load_config(DEFAULT, ["data.max_len=8192", "train.micro_batch_size=1", "train.sequence_parallel=2"])
+    shape = model_shape(one)
+    a1, a2 = activation_terms(one, shape, 2)[1], activation_terms(two, shape, 2)[1]
+    assert a2 < 0.55 * a1, (a1, a2)
+    got = plan(two, Hardware(gpus_per_node=2, nodes=1, gpu_mem_gb=80.0), shape=shape)
+    assert "= 2 processes (1 data-parallel x sequence parallel 2)" in got.text and got.choice == "1"
+    assert "train.sequence_parallel=2: each GPU holds 8192 / 2 = 4096 positions" in got.text
