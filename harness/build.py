@@ -174,12 +174,14 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
     sequence.check_launch(cfg.train.sequence_parallel, distributed.launched_world(), distributed.deepspeed_wanted(cfg),
                           distributed.cpu_forced())
     compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
+    compile_mode, compile_note = sequence.compile_mode(cfg.train.sequence_parallel, cfg.train.compile, compile_mode)
     trackers = monitor.tracker_list(cfg.train.report_to, cfg.train.output_dir)  # tensorboard: <output_dir>/tensorboard
     accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(precision), compile_mode,
                                                trackers)
     opened.push(distributed.end_training(accelerator))
-    if weights_note:
-        accelerator.print(weights_note)
+    for note in (weights_note, compile_note):
+        if note:
+            accelerator.print(note)
     rundir.hold(out, accelerator, opened)  # one run per output folder
     if cfg.train.overwrite:
         distributed.on_main(accelerator, lambda: rundir.start_over(out, accelerator.print))

@@ -251,3 +251,16 @@ def test_zero_plan_divides_the_activations_by_n_and_skips_stage_0():
     got = plan(two, Hardware(gpus_per_node=2, nodes=1, gpu_mem_gb=80.0), shape=shape)
     assert "= 2 processes (1 data-parallel x sequence parallel 2)" in got.text and got.choice == "1"
     assert "train.sequence_parallel=2: each GPU holds 8192 / 2 = 4096 positions" in got.text
+
+
+def test_the_gritlm_unified_recipe_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match="trains the generative loss only; loss.mode=unified's embedding passes") as e:
+        load_config(str(ROOT / "configs" / "gritlm-tiny.yaml"), ["train.sequence_parallel=2"])
+    assert "\n" not in str(e.value)
+
+
+def test_compile_is_off_under_sequence_parallelism_or_refused():
+    assert sequence.compile_mode(2, "auto", "regional")[0] == "none"
+    assert sequence.compile_mode(1, "regional", "regional") == ("regional", None)
+    with pytest.raises(ConfigError, match="use train.compile=none"):
+        sequence.compile_mode(2, "full", "full")
