@@ -206,8 +206,8 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
         datasets.disable_progress_bars()
     stored = f" ({weights} weights)" if precision == "bf16" else ""  # (planned_weights: train.weights in bf16)
     ranks = f" ({sp.dp_size} data-parallel x sequence parallel {sp.size})" if sp else ""
-    accelerator.print(f"[harness] {accelerator.num_processes} process(es){ranks}, {accelerator.distributed_type.value}, ZeRO "
-                      f"stage {zero['zero_stage']}, device {accelerator.device}, precision {precision}{stored}, tf32 "
+    accelerator.print(f"[harness] {accelerator.num_processes} process(es){ranks}, {accelerator.distributed_type.value}, "
+                      f"ZeRO stage {zero['zero_stage']}, device {accelerator.device}, precision {precision}{stored}, tf32 "
                       f"{tf32}, compile {compile_mode}, profile {cfg.train.profile}, torch {env['torch']}, loss "
                       f"{cfg.loss.mode}")
     accelerator.print(f"[harness] environment: {hardware.describe(env)}")
@@ -320,8 +320,10 @@ def describe_batch(cfg: Config, world: int, built: Built, streams: tuple, say: C
         parts.append(f"{t.emb_micro_batch_size * accum * world} queries x {cfg.data.train_group_size} passages "
                      f"(contrastive batch {contrastive} queries)")
     s, held = built.schedule, built.held
+    n = t.sequence_parallel
+    sp_note = f" (sequence parallel {n}: {world * n} processes)" if n > 1 else ""
     say(f"[harness] model: {built.parameters / 1e6:.2f}M parameters ({', '.join(f'{h / 1e6:.2f}M' for h in held)}"
         f" held per rank); global batch per step: {' + '.join(parts)} = micro-batch x accumulation {accum} x "
         f"{world} {'data-parallel ' if t.sequence_parallel > 1 else ''}process(es)"
-        f"{f' (sequence parallel {t.sequence_parallel}: {world * t.sequence_parallel} processes)' if t.sequence_parallel > 1 else ''}; {s['steps_per_epoch']} steps/epoch of {streams[0]} data; {s['total_steps']} steps "
+        f"{sp_note}; {s['steps_per_epoch']} steps/epoch of {streams[0]} data; {s['total_steps']} steps "
         f"({s['total_steps'] / s['steps_per_epoch']:.2f} epochs)")

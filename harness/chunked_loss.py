@@ -233,7 +233,7 @@ def chunked_token_loss_sum(
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if shifted:  # labels[b, t] is position t's target already (a sequence-parallel shard: harness/distributed/sequence.py)
+    if shifted:  # labels[b, t] is position t's target already (a sequence-parallel shard)
         count, targets = (labels != IGNORE_INDEX).sum(), labels.reshape(-1)
     else:
         count = (labels[:, 1:] != IGNORE_INDEX).sum()

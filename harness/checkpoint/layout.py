@@ -113,8 +113,8 @@ class Resize:
 
 def fit(cfg, path: Path, before: Optional[Layout], world: int):
     """(cfg, Resize or None) for an attempt of `world` processes resuming checkpoint `path` written in the layout
-    `before`: under another number of data-parallel processes (world / train.sequence_parallel), a config whose train.grad_accum (and where it must, micro-batch
-    sizes) keep the checkpoint's global batch (train.global_batch_size, when set, is the batch asked for instead).
+    `before`: under another number of data-parallel processes (world / train.sequence_parallel), a config whose
+    train.grad_accum (and where it must, micro-batch sizes) keep the checkpoint's global batch (train.global_batch_size, when set, is the batch asked for instead).
     train.micro_batch_size=auto chooses its own split of train.global_batch_size."""
     launched, world = world, max(1, world // cfg.train.sequence_parallel)  # from here: data-parallel ranks
     if before is None or before.processes == world or cfg.train.micro_batch_size == "auto":

@@ -150,11 +150,17 @@ def block_causal_mask(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def _documents_sdpa(core):
-    """sdpa with the documents' mask from the (gathered, whole-row) position ids; is_causal when there is none."""
+    """sdpa with the documents' mask from the (gathered, whole-row) position ids; is_causal when there is none. One
+    mask serves every layer of a pass (as transformers' own does): a mask per layer, each kept for its backward,
+    measured +17% peak memory at 8192 tokens and 16 layers."""
+    cached: list = [None, None]  # (position ids, mask) of the last pass
 
     def attend(module, query, key, value, attention_mask, *args, **kwargs):
-        if attention_mask is None and kwargs.get("position_ids") is not None:  # (evaluation keeps its own mask)
-            attention_mask = block_causal_mask(kwargs["position_ids"])
+        positions = kwargs.get("position_ids")
+        if attention_mask is None and positions is not None:  # (evaluation keeps its own mask)
+            if cached[0] is None or cached[0].shape != positions.shape or not torch.equal(cached[0], positions):
+                cached[:] = [positions, block_causal_mask(positions)]
+            attention_mask = cached[1]
         return core(module, query, key, value, attention_mask, *args, **kwargs)
 
     return attend
