@@ -3,9 +3,12 @@
     python scripts/sp_memory.py                      # SP 1 (1 process) and SP 2 (2 processes), ZeRO-3, 8192 tokens
     python scripts/sp_memory.py --max-len 16384 --layers 8 --out docs/bench/sp-memory-cpu.json
 
-A model whose activations dominate (hidden 256, 16 layers, 4 heads: 12.6M parameters) trains one packed row of
-`--max-len` tokens per step (the sample data packed into rows of that width) under DeepSpeed ZeRO-3, 2 steps, the
-chunked loss. Each training process records (a wrapper around harness.train's loop, `--worker`): its resident set
+A model whose activations dominate (hidden 256, 16 layers, 4 heads: 12.6M parameters) trains one row of `--max-len`
+tokens per step (one long document a row, written to <work>/long.jsonl: plain causal attention, no mask) under
+DeepSpeed ZeRO-3, 2 steps. (`--packed` packs the sample data instead: under sdpa on a CPU the documents' mask is an
+L x L tensor per layer, which the kernel keeps for its backward on every process whatever N: measured at 8192 tokens
+and 8 layers SP 2 / SP 1 = 0.86 on the peak's growth. Flash attention reads document boundaries from the position
+ids and has no such mask.) Each training process records (a wrapper around harness.train's loop, `--worker`): its resident set
 before the first step (libraries, model, optimizer: what no sequence split changes on a CPU) and its peak resident
 set (ru_maxrss) after the steps. The measure: the peak's growth during training (activations, gradients, workspaces:
 what a GPU's max_memory_allocated counts) and the raw peak, per process; SP 2 / SP 1 for each. One JSON row per
@@ -54,6 +57,20 @@ def worker(argv: list[str]) -> int:
     return train.main(argv)
 
 
+def long_rows(out: Path, rows: int = 4, words: int = 40000) -> Path:
+    """A data file of `rows` documents of `words` words each (more tokens than any --max-len: each row is cut to it)."""
+    import random
+
+    path = out / "long.jsonl"
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    vocab = "the a of to and in is it that was for on are with as by this be at from or have an".split()
+    with open(path, "w") as f:
+        for _ in range(rows):
+            f.write(json.dumps({"text": " ".join(rng.choice(vocab) for _ in range(words))}) + "\n")
+    return path
+
+
 def run(sp: int, args, out: Path) -> list[dict]:
     folder = out / f"sp{sp}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -61,7 +78,8 @@ def run(sp: int, args, out: Path) -> list[dict]:
     env.pop("ACCELERATE_USE_CPU", None)  # DeepSpeed runs on CPU without it
     overrides = ["train.progress_bar=false", "train.report_to=[]", "train.summary=false", "data.eval_files=[]",
                  "train.eval_at_start=false", "train.save_final=false", "train.save_final_checkpoint=false",
-                 "data.packing=true", f"data.max_len={args.max_len}", "train.micro_batch_size=1",
+                 f"data.max_len={args.max_len}", "train.micro_batch_size=1",
+                 *(["data.packing=true"] if args.packed else ["data.packing=false", f"data.train_files=[{long_rows(out)}]"]),
                  f"train.max_steps={args.steps}", "train.log_every=1", "model.config.hidden_size=256",
                  "model.config.intermediate_size=688", f"model.config.num_hidden_layers={args.layers}",
                  "model.config.num_attention_heads=4", "model.config.num_key_value_heads=4",
@@ -78,7 +96,7 @@ def run(sp: int, args, out: Path) -> list[dict]:
     rows = []
     for r in range(sp):
         row = json.loads((folder / f"rank-{r}.json").read_text())
-        row.update(sequence_parallel=sp, processes=sp, max_len=args.max_len, layers=args.layers,
+        row.update(sequence_parallel=sp, processes=sp, max_len=args.max_len, layers=args.layers, packed=args.packed,
                    growth_gib=row["peak_gib"] - row["start_rss_gib"], wall_s=round(time.time() - t0, 1))
         rows.append(row)
     return rows
@@ -91,6 +109,7 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--packed", action="store_true", help="the sample data packed (many documents a row)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "sp-memory-cpu.json"))
     ap.add_argument("--work", default="/tmp/sp-memory")
     args = ap.parse_args()

@@ -151,8 +151,8 @@ def block_causal_mask(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
 
 def _documents_sdpa(core):
     """sdpa with the documents' mask from the (gathered, whole-row) position ids; is_causal when there is none. One
-    mask serves every layer of a pass (as transformers' own does): a mask per layer, each kept for its backward,
-    measured +17% peak memory at 8192 tokens and 16 layers."""
+    mask serves every layer of a pass (as transformers' own does). It is L x L: under sdpa, packed rows keep an
+    attention term that does not shrink with N (docs/long-context.md); flash attention needs no mask."""
     cached: list = [None, None]  # (position ids, mask) of the last pass
 
     def attend(module, query, key, value, attention_mask, *args, **kwargs):
