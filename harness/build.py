@@ -23,6 +23,7 @@ from harness.compiling import CompileWatch
 from harness.config import Config
 from harness.config.checks import quantization_zero3_error
 from harness.data import loaders
+from harness.distributed import sequence
 from harness.errors import ConfigError, HarnessError
 from harness.observe import metrics, monitor
 from harness.observe.record import RunRecord
@@ -54,12 +55,18 @@ class Job:
     loaders: dict  # prepared training loaders by stream name
     schedule: dict  # loaders.schedule_steps: micro_per_epoch, steps_per_epoch, total_steps
     weights: str  # dtype of the trained parameters once prepared (train.weights): fp32, bf16, fp16
+    sp: Optional[sequence.SequenceParallel]  # train.sequence_parallel > 1: this process's group; else None
     resume_from: Optional[Path]  # the checkpoint this attempt continued from (None: a fresh start)
     record: RunRecord  # what only the report reads
 
     @property
     def world(self) -> int:
         return self.accelerator.num_processes
+
+    @property
+    def dp_world(self) -> int:
+        """Data-parallel ranks (processes / train.sequence_parallel): what the global batch counts."""
+        return sequence.dp_world(self.cfg.train.sequence_parallel, self.world)
 
     @property
     def is_deepspeed(self) -> bool:
@@ -97,6 +104,7 @@ class Started:
     compile: Optional[CompileWatch]
     resume: resume.Start
     record: RunRecord
+    sp: Optional[sequence.SequenceParallel]
 
 
 @dataclass(frozen=True)
@@ -121,7 +129,8 @@ def build_run(cfg: Config, opened: contextlib.ExitStack) -> tuple[Job, LoopState
     cfg, accelerator, say = started.cfg, started.accelerator, started.accelerator.print
     tokenizer, data = build_data(cfg, accelerator, say)
     built = build_model(started, tokenizer, data)
-    describe_batch(cfg, accelerator.num_processes, built, data.streams, say)
+    describe_batch(cfg, sequence.dp_world(cfg.train.sequence_parallel, accelerator.num_processes), built,
+                   data.streams, say)
     # only now: a data or model error leaves the folder's config.yaml (which describes its checkpoints) as it was
     distributed.on_main(accelerator, lambda: rundir.write_run_files(cfg, started.out, started.record.env))
     resumed = resume.restore(started.resume, accelerator, cfg, started.zero["zero_stage"], built.weights, data.streams,
@@ -132,7 +141,7 @@ def build_run(cfg: Config, opened: contextlib.ExitStack) -> tuple[Job, LoopState
               timings=Timings(), precision=started.precision, zero=started.zero, compile=started.compile,
               tokenizer=tokenizer, data=data, model=built.model, optimizer=built.optimizer, scheduler=built.scheduler,
               objective=built.objective, streams=data.streams, loaders=built.loaders, schedule=built.schedule,
-              weights=built.weights, resume_from=resumed.path, record=record)
+              weights=built.weights, sp=started.sp, resume_from=resumed.path, record=record)
     return job, resumed.state
 
 
@@ -167,17 +176,23 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
     compute = hardware.compute_precision(precision)  # fp8: bf16 outside the float8 Linear layers
     cfg, weights_note = distributed.route_weights(cfg, compute)  # bf16 weights: DeepSpeed's fp32 master copies
     hardware.check_attention(cfg.model.attn_implementation)
+    sequence.check_launch(cfg.train.sequence_parallel, distributed.launched_world(), distributed.deepspeed_wanted(cfg),
+                          distributed.cpu_forced())
     compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
+    compile_mode, compile_note = sequence.compile_mode(cfg.train.sequence_parallel, cfg.train.compile, compile_mode)
     trackers = monitor.tracker_list(cfg.train.report_to, cfg.train.output_dir)  # tensorboard: <output_dir>/tensorboard
     accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(compute), compile_mode,
                                                trackers)
     opened.push(distributed.end_training(accelerator))
-    if weights_note:
-        accelerator.print(weights_note)
+    for note in (weights_note, compile_note):
+        if note:
+            accelerator.print(note)
     rundir.hold(out, accelerator, opened)  # one run per output folder
     if cfg.train.overwrite:
         distributed.on_main(accelerator, lambda: rundir.start_over(out, accelerator.print))
     zero = distributed.zero_info(accelerator)
+    sequence.check_stage(cfg.train.sequence_parallel, zero["zero_stage"])
+    sp = sequence.start(cfg.train.sequence_parallel, accelerator)  # the groups of N consecutive ranks
     weights = distributed.planned_weights(compute, cfg.train.weights, distributed.is_deepspeed(accelerator))
     # the checkpoint to resume from: verified, agreed, checked against the schedule, the engine and the weights
     start = resume.choose(replace(plan, cfg=cfg), accelerator, out, zero["zero_stage"], weights)
@@ -195,8 +210,9 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
         transformers.logging.set_verbosity_error()
         datasets.disable_progress_bars()
     stored = f" ({weights} weights)" if compute == "bf16" else ""  # (planned_weights: train.weights in bf16)
-    accelerator.print(f"[harness] {accelerator.num_processes} process(es), {accelerator.distributed_type.value}, ZeRO "
-                      f"stage {zero['zero_stage']}, device {accelerator.device}, precision {precision}{stored}, tf32 "
+    ranks = f" ({sp.dp_size} data-parallel x sequence parallel {sp.size})" if sp else ""
+    accelerator.print(f"[harness] {accelerator.num_processes} process(es){ranks}, {accelerator.distributed_type.value}, "
+                      f"ZeRO stage {zero['zero_stage']}, device {accelerator.device}, precision {precision}{stored}, tf32 "
                       f"{tf32}, compile {compile_mode}, profile {cfg.train.profile}, torch {env['torch']}, loss "
                       f"{cfg.loss.mode}")
     accelerator.print(f"[harness] environment: {hardware.describe(env)}")
@@ -204,7 +220,7 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
         accelerator.print(note)
     record = RunRecord(t_start=t_start, env=env, tf32=tf32, sampler=sampler)
     return Started(cfg=cfg, accelerator=accelerator, out=out, t_process=t_process, precision=precision, zero=zero,
-                   compile=watch, resume=start, record=record)
+                   compile=watch, resume=start, record=record, sp=sp)
 
 
 def build_data(cfg: Config, accelerator, say: Callable[[str], None]) -> tuple[Any, loaders.RunData]:
@@ -229,13 +245,13 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     from harness.objective import Objective
 
     cfg, accelerator, say, zero = started.cfg, started.accelerator, started.accelerator.print, started.zero
-    world = accelerator.num_processes
+    world, sp = accelerator.num_processes, started.sp
     if cfg.model.quantization != "none" and zero["zero_stage"] == 3:  # a launcher's ZeRO-3; checks.py: the rest
         raise ConfigError(quantization_zero3_error(cfg.model.quantization, "the accelerate config's DeepSpeed"))
     set_seed(cfg.train.seed)
     with distributed.model_init_context(accelerator, cfg.model.name_or_path is None or cfg.model.random_init):
         model = model_lib.build_model(cfg.model, tokenizer, precision=hardware.compute_precision(started.precision),
-                                       packed_causal=cfg.loss.mode == "generative" and cfg.data.packing)
+                                       packed_causal=cfg.loss.mode == "generative" and cfg.data.packing and sp is None)
     if started.precision == "fp8":  # the blocks' Linear layers in float8 (LoRA's frozen base layers too)
         from harness import float8
 
@@ -249,13 +265,22 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     optimizer = optim.build_optimizer(model, cfg, offload=zero["offload_optimizer"] not in (None, "none"))
     streams = data.streams
     primary = data.loader(streams[0])
-    schedule = loaders.schedule_steps(len(primary.dataset), primary.batch_size, world, cfg.train.grad_accum,
+    if sp is not None:  # DeepSpeed's Ulysses all-to-all around the attention kernel of training passes
+        say(f"[harness] sequence parallel {sp.size}: Ulysses attention around "
+            f"{sequence.install_attention(sp, model, cfg.train.micro_batch_size)}, groups of {sp.size} consecutive "
+            f"processes, each 1/{sp.size} of every row's positions")
+    dp = sp.dp_size if sp else world
+    schedule = loaders.schedule_steps(len(primary.dataset), primary.batch_size, dp, cfg.train.grad_accum,
                                       cfg.train.max_steps, cfg.train.epochs)  # harness plan's arithmetic too
     # The schedule acts on the raw optimizer's param groups, which DeepSpeed's ZeRO optimizers keep using. It is not
     # prepared (accelerate would step it once per process) but stepped once per optimizer step, and checkpointed.
     scheduler = optim.build_scheduler(optimizer, cfg, schedule["total_steps"])
     accelerator.register_for_checkpointing(scheduler)
     model, optimizer, *prepared = accelerator.prepare(model, optimizer, *[data.loader(n) for n in streams])
+    if sp is not None:  # the group's processes read the same rows: loaders sharded over the data-parallel ranks
+        mine = sequence.dp_loaders(accelerator, sp, [data.loader(n) for n in streams])
+        accelerator._dataloaders = [d for d in accelerator._dataloaders if d not in prepared] + mine
+        prepared = mine
     if started.compile is not None:
         started.compile.model_prepared(model, say, accelerator.state.dynamo_plugin.to_kwargs())
     weights = weights_dtype(model)
@@ -273,12 +298,12 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
             f"(loss.chunked_ce={cfg.loss.chunked_ce})")
     mconf = accelerator.unwrap_model(model, keep_torch_compile=False).config
     flop_dims = (matmul_params, getattr(mconf, "num_hidden_layers", 0), getattr(mconf, "hidden_size", 0))
-    objective = Objective(cfg, accelerator, model, chunk_size=chunk_size, flop_dims=flop_dims)
+    objective = Objective(cfg, accelerator, model, chunk_size=chunk_size, flop_dims=flop_dims, sp=sp)
     held = accelerator.gather(torch.tensor([distributed.parameters_held(model)], device=accelerator.device)).tolist()
     peak_flops = None  # all processes together; None where unknown (CPU)
     if torch.cuda.is_available():
         peak_one, _ = hardware.peak_flops(torch.cuda.get_device_name())
-        peak_flops = peak_one * world if peak_one else None
+        peak_flops = peak_one * world if peak_one else None  # (all processes, sequence-parallel ones included)
     return Built(model=model, optimizer=optimizer, scheduler=scheduler, objective=objective,
                  loaders=dict(zip(streams, prepared)), schedule=schedule, weights=weights, parameters=parameters,
                  held=held, peak_flops=peak_flops)
@@ -311,7 +336,10 @@ def describe_batch(cfg: Config, world: int, built: Built, streams: tuple, say: C
         parts.append(f"{t.emb_micro_batch_size * accum * world} queries x {cfg.data.train_group_size} passages "
                      f"(contrastive batch {contrastive} queries)")
     s, held = built.schedule, built.held
+    n = t.sequence_parallel
+    sp_note = f" (sequence parallel {n}: {world * n} processes)" if n > 1 else ""
     say(f"[harness] model: {built.parameters / 1e6:.2f}M parameters ({', '.join(f'{h / 1e6:.2f}M' for h in held)}"
         f" held per rank); global batch per step: {' + '.join(parts)} = micro-batch x accumulation {accum} x "
-        f"{world} process(es); {s['steps_per_epoch']} steps/epoch of {streams[0]} data; {s['total_steps']} steps "
+        f"{world} {'data-parallel ' if t.sequence_parallel > 1 else ''}process(es)"
+        f"{sp_note}; {s['steps_per_epoch']} steps/epoch of {streams[0]} data; {s['total_steps']} steps "
         f"({s['total_steps'] / s['steps_per_epoch']:.2f} epochs)")

@@ -118,8 +118,10 @@ class ChunkedHeadLoss:
     output unchanged (a family that transforms it after the head is refused there, whatever its config says). With
     final_logit_softcapping the config value is set to None for the duration, and the cap applied in the loss."""
 
-    def __init__(self, model, labels: torch.Tensor, chunk_size: int = 1024, skip_ignored: bool = False):
+    def __init__(self, model, labels: torch.Tensor, chunk_size: int = 1024, skip_ignored: bool = False,
+                 shifted: bool = False):
         self.model, self.labels, self.chunk_size, self.skip_ignored = model, labels, chunk_size, skip_ignored
+        self.shifted = shifted  # labels already shifted (sequence parallelism's shift_labels): position t predicts t
         self.count = self.returned = None
         self.calls = 0
 
@@ -146,7 +148,7 @@ class ChunkedHeadLoss:
                                f"{tuple(self.labels.shape)}; call the model with logits_to_keep=0")
         total, self.count = chunked_token_loss_sum(hidden, self.head.weight, self.labels, self.head.bias,
                                                    self.chunk_size, softcap=self.softcap,
-                                                   skip_ignored=self.skip_ignored)
+                                                   skip_ignored=self.skip_ignored, shifted=self.shifted)
         return total
 
     def _record(self, module, args, output) -> None:
@@ -184,6 +186,7 @@ def chunked_token_loss_sum(
     *,
     softcap: float | None = None,
     skip_ignored: bool = False,
+    shifted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_loss_sum(hidden @ weight.T + bias, labels)` without building the [B, T, V] logits.
 
@@ -192,6 +195,7 @@ def chunked_token_loss_sum(
     predicts labels[t + 1], as in token_loss_sum. Returns (sum of the per-token losses, fp32 0-d tensor; number of
     trained tokens, int64 0-d tensor), the same as token_loss_sum.
 
+    shifted: labels are the targets already (position t predicts labels[b, t]; sequence parallelism's shards).
     softcap: Gemma-2-style final-logit softcapping, logits -> softcap * tanh(logits / softcap) (applied in fp32).
     skip_ignored: compute only the positions that have a target (one host sync for the index; worth it when many
     positions are ignored, e.g. long SFT prompts or padding). Without it every position is computed and the ignored
@@ -229,11 +233,15 @@ def chunked_token_loss_sum(
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    count = (labels[:, 1:] != IGNORE_INDEX).sum()
-    # Row b*T + t of the flattened hidden states predicts labels[b, t + 1]; the last position of a row predicts nothing.
-    targets = torch.full_like(labels, IGNORE_INDEX)
-    targets[:, :-1] = labels[:, 1:]
-    targets = targets.reshape(-1)
+    if shifted:  # labels[b, t] is position t's target already (a sequence-parallel shard)
+        count, targets = (labels != IGNORE_INDEX).sum(), labels.reshape(-1)
+    else:
+        count = (labels[:, 1:] != IGNORE_INDEX).sum()
+        # Row b*T + t of the flattened hidden states predicts labels[b, t + 1]; the last position of a row predicts
+        # nothing.
+        targets = torch.full_like(labels, IGNORE_INDEX)
+        targets[:, :-1] = labels[:, 1:]
+        targets = targets.reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
     if skip_ignored:
         rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)

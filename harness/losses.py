@@ -35,6 +35,14 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return total, count
 
 
+def shifted_token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_loss_sum with the targets already shifted (position t predicts targets[t]: a sequence-parallel shard)."""
+    flat = targets.reshape(-1)
+    total = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), flat, ignore_index=IGNORE_INDEX,
+                            reduction="sum")
+    return total, (flat != IGNORE_INDEX).sum()
+
+
 def trained_tokens(labels: torch.Tensor) -> torch.Tensor:
     """Number of positions that contribute to the generative loss (after the shift)."""
     return (labels[:, 1:] != IGNORE_INDEX).sum()

@@ -22,6 +22,7 @@ import torch
 from harness import faults, losses
 from harness.distributed import is_deepspeed
 from harness.config import Config
+from harness.data import IGNORE_INDEX
 from harness.data.samples import model_inputs, real_tokens
 from harness.chunked_loss import ChunkedHeadLoss
 from harness.model import embed
@@ -84,7 +85,15 @@ class _RngReplay:
 
 
 def generative_loss_sum(model, gen: dict, chunk_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """See Objective.generative_loss_sum (also the evaluation's, under no_grad)."""
+    """See Objective.generative_loss_sum (also the evaluation's, under no_grad). A sequence-parallel shard carries
+    its targets already shifted (`shift_labels`: the next position may be on another process)."""
+    if "shift_labels" in gen:
+        inputs = {"input_ids": gen["input_ids"], "position_ids": gen["position_ids"]}
+        if chunk_size is None:
+            return losses.shifted_token_loss_sum(model(**inputs, use_cache=False).logits, gen["shift_labels"])
+        with ChunkedHeadLoss(model, gen["shift_labels"], chunk_size=chunk_size, shifted=True) as head_loss:
+            out = model(**inputs, use_cache=False)
+        return head_loss.result(out)
     if chunk_size is None:
         logits = model(**model_inputs(gen), use_cache=False).logits
         return losses.token_loss_sum(logits, gen["labels"])
@@ -136,8 +145,9 @@ class LossCheck:
 
 class Objective:
     def __init__(self, cfg: Config, accelerator, model, chunk_size: int | None = None,
-                 flop_dims: tuple = (0, 0, 0)):
+                 flop_dims: tuple = (0, 0, 0), sp=None):
         self.accelerator, self.model = accelerator, model
+        self.sp = sp  # harness.distributed.sequence.SequenceParallel, or None
         self.chunk_size = chunk_size  # loss.chunked_ce resolved (resolve_chunked_ce): positions per chunk, or None
         self.loss = cfg.loss
         self.mode = cfg.loss.mode
@@ -156,6 +166,13 @@ class Objective:
 
     # ---- pieces
 
+    def shard(self, gen_batches: list) -> list:
+        """Sequence parallelism: this process's positions of each generative micro-batch (the group holds the same
+        rows); without it the batches as they are."""
+        if self.sp is None or gen_batches[0] is None:
+            return gen_batches
+        return [self.sp.shard(b) for b in gen_batches]
+
     def gen_scale(self, gen_batches: list[dict]) -> torch.Tensor | float:
         """Token averaging: W * A / N with N the step's trained tokens over every process (one all-reduce; the
         result stays a device tensor, so the host does not wait for the GPU here)."""
@@ -165,7 +182,8 @@ class Objective:
             return preference.step_scale(self.accelerator, self.world, self.accum, gen_batches)
         if self.loss.gen_averaging != "token":
             return 0.0
-        local = torch.stack([losses.trained_tokens(b["labels"]) for b in gen_batches]).sum()
+        local = torch.stack([(b["shift_labels"] != IGNORE_INDEX).sum() if "shift_labels" in b else
+                             losses.trained_tokens(b["labels"]) for b in gen_batches]).sum()
         total = self.accelerator.reduce(local.to(self.accelerator.device), "sum")
         return losses.step_scale(self.world, self.accum, total.double()).float()
 
@@ -205,9 +223,10 @@ class Objective:
                 scale = gen_scale if self.loss.gen_averaging == "token" else losses.mixed_scale(count)
                 self.check.backward(self.loss.gen_weight * total * scale)
             total = total.detach()
+            first = self.sp is None or self.sp.rank == 0  # a group's rows are counted once
             sums = StepSums(gen_sum=total, gen_count=count, gen_mean_sum=total / count.clamp(min=1),
-                            gen_micro=1, tokens=real_tokens(gen), positions=gen["input_ids"].numel(),
-                            samples=gen["input_ids"].shape[0], flops=self.flops(gen, backward=True))
+                            gen_micro=int(first), tokens=real_tokens(gen), positions=gen["input_ids"].numel(),
+                            samples=gen["input_ids"].shape[0] if first else 0, flops=self.flops(gen, backward=True))
         if emb is not None:
             chunks = self.loss.grad_cache_chunks
             loss_emb = self._embedding_plain(emb) if chunks == 1 else self._embedding_cached(emb, chunks)

@@ -120,6 +120,7 @@ def train_step(job: Job, step: int, gen_batches: list, emb_batches: list, unlogg
     whether the update was skipped)."""
     accelerator, objective, model, optimizer = job.accelerator, job.objective, job.model, job.optimizer
     objective.check.new_step(step)
+    gen_batches = objective.shard(gen_batches)  # train.sequence_parallel: this process's positions of each row
     gen_scale = objective.gen_scale(gen_batches) if gen_batches[0] is not None else 0.0
     for micro, (gen, emb) in enumerate(zip(gen_batches, emb_batches)):
         objective.check.micro = micro

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Usage: launch/train.sh [--zero 0|1|2|3|3-offload|auto] [--dry-run] CONFIG [section.key=value ...]
+# Usage: launch/train.sh [--zero 0|1|2|3|3-offload|auto] [--sp N] [--dry-run] CONFIG [section.key=value ...]
 #
 # Trains CONFIG on every GPU of this node (and of the other nodes, see below) through `accelerate launch`, with the
 # accelerate config for the ZeRO stage: 0 = DDP (accelerate_configs/multi_gpu.yaml, single_gpu.yaml for one GPU),
@@ -20,6 +20,10 @@
 # forwarded to the training processes (not to accelerate's launcher, which would exit 1 with a traceback), which
 # finish their step, write a checkpoint and exit; the script then exits 0 without retrying (a checkpoint was written
 # after the signal; otherwise the launcher's exit status): run the same command again to continue.
+#
+# `--sp N` (docs/long-context.md) trains with sequence parallelism: N GPUs share each row (train.sequence_parallel=N);
+# N divides the GPUs and the model's attention heads, it needs ZeRO 1-3 (`--zero auto` divides the activations per GPU
+# by N and never picks 0), and the batch counts data-parallel ranks (GPUs / N).
 #
 # Without a GPU it runs one CPU process (accelerate_configs/cpu.yaml) and says so.
 #
@@ -59,12 +63,18 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY_RUN=1 ;;
     --zero) [ $# -ge 2 ] || die "--zero needs a value: 0, 1, 2, 3, 3-offload or auto"; ZERO=$2; shift ;;
     --zero=*) ZERO=${1#--zero=} ;;
+    --sp) [ $# -ge 2 ] || die "--sp needs a value: the GPUs per sequence-parallel group"; SP=$2; shift ;;
+    --sp=*) SP=${1#--sp=} ;;
     -*) die "unknown option $1 (see --help)" ;;
     *) if [ -z "$CONFIG" ]; then CONFIG=$1; else ARGS+=("$1"); fi ;;
   esac
   shift
 done
 [ -n "$CONFIG" ] || { usage >&2; exit 2; }
+if [ -n "${SP:-}" ]; then
+  case $SP in '' | *[!0-9]* | 0) die "--sp must be a number >= 1, got '$SP'" ;; esac
+  ARGS+=("train.sequence_parallel=$SP")
+fi
 case $ZERO in 0 | 1 | 2 | 3 | 3-offload | auto) ;; *) die "--zero must be 0, 1, 2, 3, 3-offload or auto, got '$ZERO'" ;; esac
 [ -f "$CONFIG" ] || die "config file not found: $CONFIG (paths are relative to the repository root)"
 

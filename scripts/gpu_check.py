@@ -14,6 +14,8 @@ a call cut off by the device's limit keeps the rows it finished):
     python scripts/gpu_check.py --preset rft_plan       # 5: rft generate, random ~1B; plan vs 300 steps   ~8.5 min
     python scripts/gpu_check.py --preset qlora          # 6: QLoRA: regional, eager, micro-batch 16, profile ~7.8 min
     python scripts/gpu_check.py --preset rft_engine     # issue 39: rft generate continuous vs static, bench ~8.2 min
+    python scripts/gpu_check.py --preset long_context   # issue 40: longest max_len on one GPU, SP off     ~6 min
+    python scripts/gpu_check.py --preset long_sp2       # issue 40: SP 2 tokens/s per GPU (2 GPUs needed)   ~3 min
 
     python scripts/gpu_check.py --list                   # presets and variants, with estimates
     python scripts/gpu_check.py --variants zero2_bf16w --ds-patch '{"zero_optimization": {"reduce_scatter": false}}'
@@ -97,6 +99,14 @@ LORA_8B = ("model.config.hidden_size=4096", "model.config.intermediate_size=1433
 LOSS_STEPS = (20, 40, 100)  # loss_at: the logged interval means at these steps
 TOKENS_PER_ROW = 2048  # configs/gpu-1b.yaml data.max_len (packed rows)
 # DeepSpeed knobs for the bisection of the ZeRO loss gap: each a patch of the shipped ds_configs/zero2.json
+LONG_LENGTHS = (8192, 16384, 32768, 65536)
+
+
+def long_rows(n: int) -> tuple:
+    return (f"data.max_len={n}", "train.micro_batch_size=1", f"model.config.max_position_embeddings={n}",
+            "model.attn_implementation=sdpa")
+
+
 DS_KNOBS = {
     "nooverlap": {"zero_optimization": {"overlap_comm": False}},
     "nocontig": {"zero_optimization": {"contiguous_gradients": False}},
@@ -115,6 +125,8 @@ class Variant:
     loss_ref: Optional[str] = None  # the loss gap at step 100 is against this variant's row
     speed_ref: Optional[str] = None  # tokens/s ratio against this variant's row
     note: str = ""
+    processes: int = 1  # GPUs (accelerate --num_processes): 2 for the sequence-parallel variants
+    tokens_per_row: int = 2048  # data.max_len of the variant (packed rows), for the estimate
 
 
 def _train(accel: str, overrides: tuple, **kw) -> Variant:
@@ -178,6 +190,15 @@ VARIANTS: dict[str, Variant] = {
                      note="8B Llama shape, random init, LoRA r16, checkpointing"),
     "lora8b_fp8": _train("single_gpu", REGIONAL + LORA_8B + FP8, tok_s=11000, startup_s=150, loss_ref="lora8b",
                          speed_ref="lora8b"),
+    # issue 40: long rows (micro-batch 1, ZeRO-3, eager: one compile per length is not the question). SP off on one
+    # GPU: the longest data.max_len that trains (a variant that runs out of memory is a row with its error); SP on:
+    # tokens/s per GPU (report.json tokens_per_s / processes) against the same length with SP off
+    **{f"long_{n // 1024}k": _train("zero3", EAGER + long_rows(n), tok_s=20000, tokens_per_row=n,
+                                   note=f"packed {n}-token rows, SP off, one GPU") for n in LONG_LENGTHS},
+    **{f"long_{n // 1024}k_sp2": _train("zero3", EAGER + long_rows(n) + ("train.sequence_parallel=2",), tok_s=15000,
+                                       tokens_per_row=n, processes=2, speed_ref=f"long_{n // 1024}k",
+                                       note=f"packed {n}-token rows, sequence parallel 2 on 2 GPUs")
+       for n in (16384, 32768)},
     # point 5 (not training variants: see run_rft_generate, run_rft_bench, run_plan)
     "rft_generate": Variant("rft", startup_s=100, note="harness rft generate on a random-init ~1B model "
                                                      "(rft.engine=continuous, the default)"),
@@ -205,6 +226,8 @@ PRESETS = {  # name: (variants, steps)
     "qlora": (["qlora", "qlora_eager", "qlora_mb16", "qlora_profile"], 40),
     "fp8": (["plain", "fp8", "plain_eager", "fp8_eager"], 100),
     "fp8_large": (["lora8b", "lora8b_fp8"], 40),
+    "long_context": ([f"long_{n // 1024}k" for n in LONG_LENGTHS], 10),
+    "long_sp2": (["long_16k_sp2", "long_32k_sp2"], 10),
 }
 DEFAULT = "plain,plain_eager,zero2,zero3"
 SMOKE_DEFAULT = "plain,zero2_nooverlap"
@@ -225,7 +248,7 @@ def estimate_s(name: str, steps: int) -> float:
     v = VARIANTS[name]
     if v.accel == "rft" or v.accel == "plan":
         return v.startup_s  # their own fixed work (plan_300: calibration 55 steps + 300 steps, each with start-up)
-    return v.startup_s + steps * micro_batch(v.overrides) * TOKENS_PER_ROW / v.tok_s
+    return v.startup_s + steps * micro_batch(v.overrides) * v.tokens_per_row / v.tok_s
 
 
 def fmt_min(s: float) -> str:
@@ -397,7 +420,7 @@ def train_command(name: str, v: Variant, steps: int, out_root: Path, extra: list
     args = [f"train.output_dir={out_root / name}", f"train.max_steps={steps}", "train.resume=null",
             "train.monitor_interval_s=1", *overrides, *extra]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accel_yaml), "--num_processes",
-           "1", str(ROOT / "harness" / "train.py"), "--config", str(ROOT / "configs" / recipe), *args]
+           str(v.processes), str(ROOT / "harness" / "train.py"), "--config", str(ROOT / "configs" / recipe), *args]
     return cmd, accel_yaml, {"json": ds, "patch": patch} if ds else None, args
 
 

@@ -31,7 +31,8 @@ from harness.errors import ConfigError
 @dataclass(frozen=True)
 class Layout:
     """How a run divides its global batch: micro-batch sizes (generative rows, embedding queries) x accumulation x
-    processes, and the ZeRO stage (None: DDP or one plain process)."""
+    data-parallel processes, and the ZeRO stage (None: DDP or one plain process). `processes` counts data-parallel
+    ranks: under sequence parallelism (train.sequence_parallel) the launch has processes x sequence_parallel."""
 
     processes: int
     micro_batch_size: int
@@ -39,6 +40,12 @@ class Layout:
     grad_accum: int
     zero_stage: Optional[int] = None
     weights: Optional[str] = None  # the trained parameters' dtype (train.weights): fp32, bf16, fp16; None: unrecorded
+    sequence_parallel: int = 1  # processes per sequence-parallel group (checkpoints before it: 1)
+
+    @property
+    def world(self) -> int:
+        """The launch's processes (ZeRO partitions its state over all of them)."""
+        return self.processes * self.sequence_parallel
 
     def micro(self, stream: str) -> int:
         return self.emb_micro_batch_size if stream == "emb" else self.micro_batch_size
@@ -49,16 +56,19 @@ class Layout:
     def as_dict(self) -> dict:
         return {"processes": self.processes, "micro_batch_size": self.micro_batch_size,
                 "emb_micro_batch_size": self.emb_micro_batch_size, "grad_accum": self.grad_accum,
-                "zero_stage": self.zero_stage, "weights": self.weights}
+                "zero_stage": self.zero_stage, "weights": self.weights, "sequence_parallel": self.sequence_parallel}
 
 
 def streams_of(loss_mode: str) -> tuple[str, ...]:
     return {"generative": ("gen",), "embedding": ("emb",), "preference": ("gen",)}.get(loss_mode, ("emb", "gen"))
 
 
-def layout_of(cfg, processes: int, zero_stage: Optional[int] = None, weights: Optional[str] = None) -> Layout:
+def layout_of(cfg, world: int, zero_stage: Optional[int] = None, weights: Optional[str] = None) -> Layout:
+    """The layout of `world` launched processes (data-parallel ranks: world / train.sequence_parallel)."""
     t = cfg.train
-    return Layout(processes, t.micro_batch_size, t.emb_micro_batch_size, t.grad_accum, zero_stage, weights)
+    sp = t.sequence_parallel
+    return Layout(max(1, world // sp), t.micro_batch_size, t.emb_micro_batch_size, t.grad_accum, zero_stage, weights,
+                  sp)
 
 
 def saved_layout(saved: Optional[dict]) -> Optional[Layout]:
@@ -78,7 +88,9 @@ class Resize:
     def describe(self) -> str:
         b, a = self.before, self.after
         parts = [f"{b.processes} -> {a.processes} process(es)" if b.processes != a.processes else
-                 f"{a.processes} process(es)"]
+                 f"{a.processes} process(es)"]  # (data-parallel ones)
+        if b.sequence_parallel != a.sequence_parallel:
+            parts.append(f"train.sequence_parallel {b.sequence_parallel} -> {a.sequence_parallel}")
         if b.grad_accum != a.grad_accum:
             parts.append(f"train.grad_accum {b.grad_accum} -> {a.grad_accum}")
         for s in self.streams:
@@ -101,9 +113,10 @@ class Resize:
 
 def fit(cfg, path: Path, before: Optional[Layout], world: int):
     """(cfg, Resize or None) for an attempt of `world` processes resuming checkpoint `path` written in the layout
-    `before`: under another number of processes, a config whose train.grad_accum (and where it must, micro-batch
-    sizes) keep the checkpoint's global batch (train.global_batch_size, when set, is the batch asked for instead).
+    `before`: under another number of data-parallel processes (world / train.sequence_parallel), a config whose
+    train.grad_accum (and where it must, micro-batch sizes) keep the checkpoint's global batch (train.global_batch_size, when set, is the batch asked for instead).
     train.micro_batch_size=auto chooses its own split of train.global_batch_size."""
+    launched, world = world, max(1, world // cfg.train.sequence_parallel)  # from here: data-parallel ranks
     if before is None or before.processes == world or cfg.train.micro_batch_size == "auto":
         return cfg, None
     streams = streams_of(cfg.loss.mode)
@@ -119,7 +132,7 @@ def fit(cfg, path: Path, before: Optional[Layout], world: int):
     train = replace(t, grad_accum=accum, micro_batch_size=micro.get("gen", t.micro_batch_size),
                     emb_micro_batch_size=micro.get("emb", t.emb_micro_batch_size))
     cfg = replace(cfg, train=train)
-    return cfg, Resize(path, before, layout_of(cfg, world), streams)
+    return cfg, Resize(path, before, layout_of(cfg, launched), streams)
 
 
 def choose_accum(targets: dict, caps: dict, world: int) -> Optional[int]:
@@ -182,7 +195,8 @@ def carry_over(path: Path, saved: dict, after: Layout, streams: tuple, sizes: di
     `after`, the Resize when the layout changed (else None), what the resume line adds)."""
     before = saved_layout(saved)
     moved, notes = positions(saved["streams"], before, after, sizes)
-    if before is None or (before.processes, before.grad_accum) == (after.processes, after.grad_accum) and all(
+    if before is None or (before.processes, before.grad_accum, before.sequence_parallel) == (
+            after.processes, after.grad_accum, after.sequence_parallel) and all(
             before.micro(s) == after.micro(s) for s in streams):
         return moved, None, ""
     resize = Resize(path, before, after, streams)
@@ -210,9 +224,9 @@ def samples_read(streams: dict, layout: Layout, sizes: dict) -> dict:
 
 
 def needs_universal(before: Optional[Layout], processes: int, zero_stage: Optional[int]) -> bool:
-    """A DeepSpeed checkpoint loaded by another number of processes: its partitioned optimizer state goes through a
-    universal checkpoint."""
-    return zero_stage is not None and before is not None and before.processes != processes
+    """A DeepSpeed checkpoint loaded by another number of (launched) processes: its partitioned optimizer state goes
+    through a universal checkpoint."""
+    return zero_stage is not None and before is not None and before.world != processes
 
 
 def check_same_engine(path: Path, before: Optional[Layout], zero_stage: Optional[int]) -> None:

@@ -71,6 +71,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'train.overwrite': starts the run over, so it cannot resume from "
                           f"train.resume={t.resume}")
     check_data_sources(cfg)
+    check_sequence_parallel(cfg)
     for key, v in {"data.train_group_size": d.train_group_size, "data.query_max_len": d.query_max_len,
                    "data.passage_max_len": d.passage_max_len, "train.emb_micro_batch_size": t.emb_micro_batch_size,
                    "loss.grad_cache_chunks": cfg.loss.grad_cache_chunks,
@@ -224,3 +225,29 @@ def deepspeed_stage(value: Optional[str]) -> Optional[int]:
         return json.loads(path.read_text()).get("zero_optimization", {}).get("stage", 0)
     except (OSError, ValueError, AttributeError):
         return None  # reported with its own message when the run starts (distributed.resolve_ds_config)
+
+
+def check_sequence_parallel(cfg: Config) -> None:
+    """train.sequence_parallel against the other keys (the process count and the model's heads: at the launch)."""
+    n, m = cfg.train.sequence_parallel, cfg.model
+    if n < 1:
+        raise ConfigError(f"config key 'train.sequence_parallel': must be >= 1, got {n}")
+    if n == 1:
+        return
+    if cfg.loss.mode != "generative":
+        raise ConfigError(f"config key 'train.sequence_parallel': {n} trains the generative loss only; loss.mode="
+                          f"{cfg.loss.mode}'s embedding passes pool over the whole sequence, which would split over "
+                          f"the processes; use loss.mode=generative or train.sequence_parallel=1")
+    if cfg.loss.gen_averaging != "token":
+        raise ConfigError("config key 'loss.gen_averaging': mixed averages each row's loss, whose tokens sequence "
+                          "parallelism splits over processes; use token (train.sequence_parallel > 1)")
+    if m.attn_implementation not in ("auto", "sdpa") and not m.attn_implementation.startswith("flash_attention"):
+        raise ConfigError(f"config key 'model.attn_implementation': sequence parallelism needs sdpa or flash "
+                          f"attention, got {m.attn_implementation}; set model.attn_implementation=sdpa")
+    if cfg.train.micro_batch_size == "auto":
+        raise ConfigError("config key 'train.micro_batch_size': auto is not supported with train.sequence_parallel "
+                          "> 1; give a number")
+    heads = (m.config or {}).get("num_attention_heads") if m.name_or_path is None else None
+    if heads and heads % n:
+        raise ConfigError(f"config key 'train.sequence_parallel': {n} does not divide the model's {heads} "
+                          f"attention heads; use a divisor of {heads}")

@@ -190,6 +190,11 @@ class TrainConfig:
                                    "with micro_batch_size=auto. 0: micro_batch_size x grad_accum x processes.")
     emb_micro_batch_size: int = _f(8, "Embedding queries per process per micro-step (each with train_group_size passages).")
     grad_accum: int = _f(1, "Micro-batches accumulated per optimizer step.")
+    sequence_parallel: int = _f(
+        1, "Sequence parallelism (docs/long-context.md): N processes train the same rows, each 1/N of every row's "
+        "positions (DeepSpeed's Ulysses attention), so activations per process are divided by N. N divides the "
+        "processes and the model's attention heads; DeepSpeed ZeRO 1-3, generative loss, sdpa or flash attention. "
+        "Batches count data-parallel ranks (processes / N).")
     precision: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = _f(
         "auto", "auto: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU. fp8: bf16, with the Linear "
         "layers of the repeated blocks in float8 through torchao (a GPU of compute capability 8.9+: H100, H200, L40S, "

@@ -109,7 +109,8 @@ def final_report(job, state: LoopState, log: StepLog, stopped_by: Optional[str],
     """report.json, section by section: the run's set-up, its progress, losses and evaluations, the batch, where the
     time went, utilisation and cost. `sections`: compile, eval, eval_at_start, final_dir, micro_batch_auto."""
     cfg, timings, last = job.cfg, job.timings, log.last
-    setup = {"world_size": job.world, "distributed_type": job.accelerator.distributed_type.value, **job.zero,
+    setup = {"world_size": job.world, "sequence_parallel": cfg.train.sequence_parallel,
+             "data_parallel_size": job.dp_world, "distributed_type": job.accelerator.distributed_type.value, **job.zero,
              "loss_mode": cfg.loss.mode, "parameters": job.record.parameters,
              "parameters_per_rank": list(job.record.held),
              "precision": job.precision, "weights": job.weights, "tf32": job.record.tf32,
@@ -129,7 +130,7 @@ def final_report(job, state: LoopState, log: StepLog, stopped_by: Optional[str],
                "eval": sections["eval"], "data": job.data.stats, "final_dir": sections["final_dir"],
                "hardware": job.record.env}
     batch = {"flop_dims": list(job.objective.flop_dims), "micro_batch_size": cfg.train.micro_batch_size,
-             "grad_accum": job.accum, "micro_batch_auto": sections["micro_batch_auto"]}
+             "grad_accum": job.accum, "global_batch_size": cfg.train.micro_batch_size * job.accum * job.dp_world, "micro_batch_auto": sections["micro_batch_auto"]}
     time_used = {"timings": timings.as_dict(),
                  "time_budget": log.budget.summary(timings.process_wall_s, stopped_by == TIME_BUDGET)
                  if log.budget else None,

@@ -153,7 +153,9 @@ def write_summary(run_dir: str | Path) -> tuple[str, list[Path]]:
         lines += ["No report.json: the run has not finished (figures from metrics.jsonl so far).", ""]
     else:
         dist = {"NO": "single process"}.get(rep.get("distributed_type"), rep.get("distributed_type"))
-        lines += [f"{rep.get('world_size')} process(es), {dist}, ZeRO stage "
+        sp = rep.get("sequence_parallel") or 1
+        ranks = f" ({rep.get('data_parallel_size')} data-parallel x sequence parallel {sp})" if sp > 1 else ""
+        lines += [f"{rep.get('world_size')} process(es){ranks}, {dist}, ZeRO stage "
                   f"{rep.get('zero_stage')}, precision {rep.get('precision')}, loss mode {rep.get('loss_mode')}, "
                   f"{_fmt(rep.get('parameters'))} parameters; stopped by: {rep.get('stopped_by') or 'end of plan'}.",
                   ""]

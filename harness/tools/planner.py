@@ -159,7 +159,8 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
               flop_dims: Optional[tuple[int, int, int]]) -> dict:
     """The estimate for `cfg`, whether it fits `hours` minus the margin, and adjustments when it does not.
     Pure given its inputs (tested on fixed ones)."""
-    t, world = cfg.train, cal.world_size
+    t = cfg.train
+    world = max(1, cal.world_size // t.sequence_parallel)  # data-parallel ranks: what the schedule divides by
     primary = data[data["primary"]]
     sched = schedule_steps(primary["items"], t.micro_batch_size if data["primary"] == "generative"
                            else t.emb_micro_batch_size, world, t.grad_accum, t.max_steps, t.epochs)
@@ -181,7 +182,9 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
     if "embedding" in data:
         lines.append(f"data: {data['embedding']['samples']} embedding queries (primary stream: it defines epochs)")
     mb = t.micro_batch_size if data["primary"] == "generative" else t.emb_micro_batch_size
-    lines.append(f"schedule: ceil(ceil({primary['items']} / micro-batch {mb}) / {world} process(es)) = "
+    ranks = (f"{world} data-parallel process(es): {cal.world_size} / train.sequence_parallel "
+             f"{t.sequence_parallel}" if t.sequence_parallel > 1 else f"{world} process(es)")
+    lines.append(f"schedule: ceil(ceil({primary['items']} / micro-batch {mb}) / {ranks}) = "
                  f"{sched['micro_per_epoch']} micro-batches per epoch per process; / accumulation {t.grad_accum} = "
                  f"{sched['steps_per_epoch']} steps per epoch; "
                  + (f"train.max_steps = {t.max_steps} steps" if t.max_steps > 0 else
@@ -200,11 +203,11 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
                     f"does NOT fit: {fmt_s(base['total_s'] - window)} too long"))
     from harness.observe.cost import format_cost, plan_cost
 
-    price = lambda est: plan_cost(est["total_s"] / 3600, cfg, n_gpus=world)  # noqa: E731 - None without a price
+    price = lambda est: plan_cost(est["total_s"] / 3600, cfg, n_gpus=cal.world_size)  # noqa: E731 - None without a price
     base["cost"] = price(base)
     if base["cost"] is not None:
         lines.append(f"cost: {base['total_s'] / 3600:.3f} h x {cfg.train.price_per_hour:g} per {cfg.train.price_unit} per "
-                     f"hour" + (f" x {world} GPUs" if cfg.train.price_unit == "gpu" else "")
+                     f"hour" + (f" x {cal.world_size} GPUs" if cfg.train.price_unit == "gpu" else "")
                      + f" = {format_cost(base['cost'])}")
     adjustments = [] if ok else propose(cfg, data, sched, base, run_estimate, window, flop_dims, world)
     for i, a in enumerate(adjustments, 1):
@@ -213,7 +216,7 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
         lines.append(f"adjustment {chr(96 + i)}: {' '.join(f'{k}={v}' for k, v in a['overrides'].items())} -> "
                      f"{fmt_s(a['estimate']['total_s'])}{paid} ({'fits' if a['fits'] else 'still too long'}): "
                      f"{a['reason']}")
-    return {"hours": hours, "margin_minutes": margin_min, "window_s": window, "world_size": world,
+    return {"hours": hours, "margin_minutes": margin_min, "window_s": window, "world_size": cal.world_size,
             "schedule": sched, "calibration": asdict(cal), "estimate": base, "estimated_s": base["total_s"],
             "fits": ok, "adjustments": adjustments, "derivations": lines,
             "data": {k: {kk: vv for kk, vv in v.items() if kk != "full_lengths"} if isinstance(v, dict) else v

@@ -128,7 +128,11 @@ def activation_terms(cfg: Config, shape: ModelShape, act_bytes: int) -> tuple[li
         lines.append(f"data.max_len=auto: taking {seq} tokens (the model's maximum) as the upper bound")
     passes = []  # (name, tokens, sequence length, with logits)
     if cfg.loss.mode in ("generative", "unified"):
-        passes.append(("generative", t.micro_batch_size * seq, seq, True))
+        sp = max(1, t.sequence_parallel)  # each process holds 1/N of every row's positions
+        passes.append(("generative", t.micro_batch_size * seq // sp, seq, True))
+        if sp > 1:
+            lines.append(f"train.sequence_parallel={sp}: each GPU holds {seq} / {sp} = {seq // sp} positions of every "
+                         f"row (activations per GPU divided by {sp})")
     if cfg.loss.mode in ("embedding", "unified"):
         texts = t.emb_micro_batch_size // cfg.loss.grad_cache_chunks
         tokens = texts * (d.query_max_len + d.train_group_size * d.passage_max_len)

@@ -238,8 +238,8 @@ def _table(cfg: Config, shape: ModelShape, hw: Hardware, w: int, usable: float, 
                 note += " too big"
         out.append(f"{r.option:<10}" + "".join(f"{x / GIB:>9.1f}" for x in
                    (r.weights, r.grads, r.optim, r.extra, r.activations, r.overhead, r.total)) + f"  {note}")
-        if fits and choice is None:
-            choice = r.option
+        if fits and choice is None and not (r.option == "0" and cfg.train.sequence_parallel > 1):
+            choice = r.option  # (sequence parallelism runs under ZeRO 1-3)
     return out, rows, choice
 
 
@@ -273,7 +273,9 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
     size = f"{shape.params / 1e9:.2f}B" if shape.params >= 1e9 else f"{shape.params / 1e6:.1f}M"
     out = [
         f"zero-plan: {source or 'recipe'} on {hw.nodes} node(s) x {hw.gpus_per_node} GPU(s) of {hw.gpu_mem_gb:g} GiB "
-        f"= {hw.world} data-parallel processes; usable per GPU {usable:.1f} GiB ({margin:.0%} margin)",
+        + (f"= {hw.world} processes ({hw.world // cfg.train.sequence_parallel} data-parallel x sequence parallel "
+           f"{cfg.train.sequence_parallel})" if cfg.train.sequence_parallel > 1 else
+           f"= {hw.world} data-parallel processes") + f"; usable per GPU {usable:.1f} GiB ({margin:.0%} margin)",
     ]
     if shape.note:
         out.append(shape.note)
