@@ -257,7 +257,7 @@ BAD = [
     ("bad-choice", None, [*VALID, "optim.scheduler=step"],
      "config key 'optim.scheduler': expected one of 'cosine', 'linear', 'constant', got 'step'"),
     ("bad-choice-precision", None, [*VALID, "train.precision=bf32"],
-     "config key 'train.precision': expected one of 'auto', 'fp32', 'bf16', 'fp16', got 'bf32'"),
+     "config key 'train.precision': expected one of 'auto', 'fp32', 'bf16', 'fp16', 'fp8', got 'bf32'"),
     ("max-steps-0", None, [*VALID, "train.max_steps=0"],
      "config key 'train.max_steps': must be -1 (use epochs) or >= 1, got 0"),
     ("max-steps-negative", None, [*VALID, "train.max_steps=-2"],
