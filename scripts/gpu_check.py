@@ -89,6 +89,10 @@ GRITLM = ("loss.mode=unified", "data.emb_train_files=[data/sample/emb.jsonl]", "
           "data.train_group_size=2", "data.query_max_len=256", "data.passage_max_len=512")
 LORA = ("model.name_or_path={base}", "model.lora.enabled=true", "model.lora.r=16", "model.lora.alpha=32")
 QLORA = (*LORA, "model.quantization=4bit")
+# issue 38: preference training (DPO's reference log-probs computed before the first step) on the shipped pairs,
+# unpacked rows of up to 256 tokens, 16 pairs (32 sequences) per micro-batch; tokens/s counts both sequences of a pair
+PREF = ("loss.mode=preference", "data.train_files=[data/sample/pref.jsonl]", "data.eval_files=[]", "data.packing=false",
+        "data.max_len=256", "train.micro_batch_size=16")
 FP8 = ("train.precision=fp8",)  # the blocks' Linear layers in float8 through torchao (harness/float8.py)
 # the largest model that fits one 80 GB H100 with LoRA: an 8B Llama 3 shape on gpu-1b's data, random init (no
 # download), activation checkpointing
@@ -199,6 +203,11 @@ VARIANTS: dict[str, Variant] = {
                                        tokens_per_row=n, processes=2, speed_ref=f"long_{n // 1024}k",
                                        note=f"packed {n}-token rows, sequence parallel 2 on 2 GPUs")
        for n in (16384, 32768)},
+    "dpo": _train("single_gpu", REGIONAL + PREF, tok_s=40000, tokens_per_row=200,
+                  note="loss.mode=preference, DPO: tokens/s of chosen + rejected, regional compile"),
+    "dpo_eager": _train("single_gpu", EAGER + PREF, tok_s=30000, tokens_per_row=200, speed_ref="dpo"),
+    "simpo": _train("single_gpu", REGIONAL + PREF + ("loss.preference=simpo",), tok_s=40000, tokens_per_row=200,
+                    speed_ref="dpo", note="SimPO: no reference pass"),
     # point 5 (not training variants: see run_rft_generate, run_rft_bench, run_plan)
     "rft_generate": Variant("rft", startup_s=100, note="harness rft generate on a random-init ~1B model "
                                                      "(rft.engine=continuous, the default)"),
@@ -226,6 +235,7 @@ PRESETS = {  # name: (variants, steps)
     "qlora": (["qlora", "qlora_eager", "qlora_mb16", "qlora_profile"], 40),
     "fp8": (["plain", "fp8", "plain_eager", "fp8_eager"], 100),
     "fp8_large": (["lora8b", "lora8b_fp8"], 40),
+    "preference": (["dpo", "dpo_eager", "simpo"], 100),
     "long_context": ([f"long_{n // 1024}k" for n in LONG_LENGTHS], 10),
     "long_sp2": (["long_16k_sp2", "long_32k_sp2"], 10),
 }
