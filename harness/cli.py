@@ -85,11 +85,18 @@ def _data_check(args: argparse.Namespace) -> int:
     gen, tok = [], None
     for src in _cli_sources(args.paths):
         fmts = sources.unit_formats(src, "paths")
-        kind = "embedding" if set(fmts.values()) == {"embedding"} else "generative"
+        kind = next((k for k in ("embedding", "preference") if set(fmts.values()) == {k}), "generative")
         rows = sources.load_source_rows(src, kind, need_negatives=0, what="paths")
         line = _source_line(src, fmts, kind, rows)
-        if kind == "generative":
+        if kind != "embedding":
             tok = tok or load_tokenizer(ModelConfig(tokenizer=args.tokenizer), args.chat_template, markers=None)
+        if kind == "preference":  # the longer side of each pair, as the run tokenizes it
+            from harness.data import chat, pairs
+
+            _, st = pairs.tokenize_pair_dataset(rows, tok, args.max_len, chat.resolve_template(tok, args.chat_template))
+            line += (f", pair length mean {st['mean_len']:.1f}, max {st['max_len']}, prompt mean "
+                     f"{st['mean_prompt_len']:.1f}, {st['truncated']} truncated")
+        if kind == "generative":
             _, st = data.tokenize_dataset(rows, tok, max_len=args.max_len)
             gen.append(rows)
             line += (f", {st['tokens']} tokens, mean {st['mean_len']:.1f}, p95 {st['p95_len']}, max {st['max_len']}, "

@@ -385,6 +385,20 @@ def test_cli_data_check_bad_file(tmp_path, capsys, monkeypatch, content, suffix)
     assert _stderr_lines(err) == [f"harness: error: {f}{suffix}"]
 
 
+def test_cli_data_check_reads_preference_pairs_in_a_folder(tmp_path, capsys, monkeypatch):
+    """A folder holding preference pairs beside generative data: each file gets its line (the pairs: their lengths
+    as the run tokenizes them), not an error for the pairs."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    write_jsonl(tmp_path / "a.jsonl", [TEXT])
+    write_jsonl(tmp_path / "b.jsonl", [{"prompt": "2+2?", "chosen": "4", "rejected": "5"},
+                                       {"prompt": "3+3?", "chosen": "6", "rejected": "seven"}])
+    assert cli.main(["data-check", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{tmp_path / 'a.jsonl'}: format text, generative, 1 records, ")
+    assert lines[1].startswith(f"{tmp_path / 'b.jsonl'}: format preference, preference, 2 records, pair length mean ")
+    assert lines[1].endswith(", 0 truncated")
+
+
 def test_cli_data_check_missing_path(tmp_path, capsys):
     missing = tmp_path / "missing.jsonl"
     assert cli.main(["data-check", str(missing)]) == 1
