@@ -19,7 +19,7 @@ import torch
 
 from harness import distributed, hardware, optim, rundir
 from harness.checkpoint import resume
-from harness.compiling import CompileWatch
+from harness.speed.compiling import CompileWatch
 from harness.config import Config
 from harness.config.checks import quantization_zero3_error
 from harness.data import loaders
@@ -170,7 +170,7 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
     out = Path(cfg.train.output_dir)
     precision = hardware.resolve_precision(cfg.train.precision)
     if precision == "fp8":
-        from harness.float8 import check_fp8
+        from harness.speed.float8 import check_fp8
 
         check_fp8(cfg.model.quantization)
     compute = hardware.compute_precision(precision)  # fp8: bf16 outside the float8 Linear layers
@@ -253,7 +253,7 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
         model = model_lib.build_model(cfg.model, tokenizer, precision=hardware.compute_precision(started.precision),
                                        packed_causal=cfg.loss.mode == "generative" and cfg.data.packing and sp is None)
     if started.precision == "fp8":  # the blocks' Linear layers in float8 (LoRA's frozen base layers too)
-        from harness import float8
+        from harness.speed import float8
 
         say(float8.describe(*float8.convert_blocks(model)))
     if cfg.loss.mode in ("embedding", "unified"):

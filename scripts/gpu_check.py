@@ -93,7 +93,7 @@ QLORA = (*LORA, "model.quantization=4bit")
 # unpacked rows of up to 256 tokens, 16 pairs (32 sequences) per micro-batch; tokens/s counts both sequences of a pair
 PREF = ("loss.mode=preference", "data.train_files=[data/sample/pref.jsonl]", "data.eval_files=[]", "data.packing=false",
         "data.max_len=256", "train.micro_batch_size=16")
-FP8 = ("train.precision=fp8",)  # the blocks' Linear layers in float8 through torchao (harness/float8.py)
+FP8 = ("train.precision=fp8",)  # the blocks' Linear layers in float8 through torchao (harness/speed/float8.py)
 # the largest model that fits one 80 GB H100 with LoRA: an 8B Llama 3 shape on gpu-1b's data, random init (no
 # download), activation checkpointing
 LORA_8B = ("model.config.hidden_size=4096", "model.config.intermediate_size=14336", "model.config.num_hidden_layers=32",
@@ -146,7 +146,7 @@ VARIANTS: dict[str, Variant] = {
     "zero1": _train("zero1", REGIONAL, tok_s=30000, loss_ref="plain", speed_ref="plain"),
     "zero2": _train("zero2", REGIONAL, tok_s=30000, loss_ref="plain", speed_ref="plain"),
     "zero3": _train("zero3", REGIONAL, tok_s=17000, loss_ref="plain", speed_ref="zero3_eager",
-                    note="block forwards compiled, ZeRO-3 hooks eager (harness.compiling)"),
+                    note="block forwards compiled, ZeRO-3 hooks eager (harness.speed.compiling)"),
     "plain_eager": _train("single_gpu", EAGER, tok_s=31700),
     "zero1_eager": _train("zero1", EAGER, tok_s=25000, loss_ref="plain_eager", speed_ref="plain_eager"),
     "zero2_eager": _train("zero2", EAGER, tok_s=25000, loss_ref="plain_eager", speed_ref="plain_eager"),

@@ -1,6 +1,6 @@
 """torch.compile through accelerate's TorchDynamoPlugin: the compiled code really runs, in every launch path.
 
-The probe (harness.compiling.CompileProbe) counts decoder-block calls made inside compiled code vs eagerly; a
+The probe (harness.speed.compiling.CompileProbe) counts decoder-block calls made inside compiled code vs eagerly; a
 compiled copy that is never called (accelerate's known case with bf16 autocast) would show 0 compiled calls.
 """
 
@@ -49,7 +49,7 @@ def test_compiler_warmup_failure_is_reported_not_raised(monkeypatch):
     """A warm-up that fails leaves the work to inductor's first compile; the run goes on and the report says why."""
     import torch._inductor.async_compile
 
-    from harness.compiling import CompilerStartup
+    from harness.speed.compiling import CompilerStartup
 
     def broken():
         raise OSError("no compiler")
@@ -66,7 +66,7 @@ def test_probe_counts_without_recompiling_the_graph_it_sits_in():
     import torch
     from torch._dynamo.utils import counters
 
-    from harness.compiling import CompileProbe, dynamo_counters
+    from harness.speed.compiling import CompileProbe, dynamo_counters
 
     torch._dynamo.reset()
     counters.clear()
@@ -101,7 +101,7 @@ def test_recompile_limit_hit_is_counted_and_said():
     import torch
     import torch._dynamo
 
-    from harness.compiling import CompileWatch
+    from harness.speed.compiling import CompileWatch
 
     torch._dynamo.reset()
     watch = CompileWatch("regional", torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""train.precision=fp8 (harness/float8.py): the blocks' Linear layers in float8 through torchao, run here with torchao's
+"""train.precision=fp8 (harness/speed/float8.py): the blocks' Linear layers in float8 through torchao, run here with torchao's
 emulation (HARNESS_FP8_EMULATE=1: the same casts and per-tensor scales, the matmul in high precision). Speed is
 measured on a GPU (scripts/gpu_check.py --preset fp8), never here.
 
@@ -32,7 +32,7 @@ def tiny(hidden: int = 64, intermediate: int = 128) -> LlamaForCausalLM:
 def test_the_blocks_linear_layers_are_converted_the_head_and_embeddings_are_not():
     from torchao.float8.float8_linear import Float8Linear
 
-    from harness.float8 import convert_blocks
+    from harness.speed.float8 import convert_blocks
 
     model = tiny()
     assert convert_blocks(model, emulate=True) == (14, 0)  # q, k, v, o, gate, up, down x 2 blocks
@@ -48,7 +48,7 @@ def test_lora_on_fp8_trains_the_adapters_over_float8_base_layers():
     from peft import LoraConfig, get_peft_model
     from torchao.float8.float8_linear import Float8Linear
 
-    from harness.float8 import convert_blocks
+    from harness.speed.float8 import convert_blocks
 
     model = get_peft_model(tiny(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     assert convert_blocks(model, emulate=True) == (14, 0)
@@ -67,7 +67,7 @@ def test_lora_on_fp8_trains_the_adapters_over_float8_base_layers():
 
 
 def test_without_float8_hardware_one_line_says_so(monkeypatch):
-    from harness.float8 import check_fp8
+    from harness.speed.float8 import check_fp8
 
     monkeypatch.delenv("HARNESS_FP8_EMULATE", raising=False)
     with pytest.raises(ConfigError, match="fp8 needs a GPU with float8 tensor cores .*HARNESS_FP8_EMULATE=1"):

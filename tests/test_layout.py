@@ -56,10 +56,11 @@ LAYERS = [
     # 1: the config and what it checks values against (reading rows, chat templates), plain facts and records
     ["harness.config", "harness.data", "harness.data.formats", "harness.data.sources", "harness.data.readers",
      "harness.data.chat",
-     "harness.data.mixing", "harness.hardware", "harness.state", "harness.stopping", "harness.compiling",
+     "harness.data.mixing", "harness.hardware", "harness.state", "harness.stopping", "harness.speed",
+     "harness.speed.compiling",
      "harness.observe"],
     # 2: the run's parts: processes, model, samples and loaders, losses, the objective, checkpoints, the output folder
-    ["harness.distributed", "harness.model", "harness.float8", "harness.losses", "harness.chunked_loss", "harness.optim",
+    ["harness.distributed", "harness.model", "harness.speed.float8", "harness.losses", "harness.chunked_loss", "harness.optim",
      "harness.objective",
      "harness.evaluation", "harness.encode", "harness.auto_batch", "harness.data.samples", "harness.data.loaders",
      "harness.checkpoint", "harness.rundir", "harness.observe.reporting", "harness.data.pairs",

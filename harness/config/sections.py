@@ -198,7 +198,7 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = _f(
         "auto", "auto: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU. fp8: bf16, with the Linear "
         "layers of the repeated blocks in float8 through torchao (a GPU of compute capability 8.9+: H100, H200, L40S, "
-        "RTX 4090; harness/float8.py)."
+        "RTX 4090; harness/speed/float8.py)."
     )
     weights: Literal["fp32", "bf16"] = _f(
         "fp32", "The parameters' dtype when train.precision is bf16. fp32: fp32 weights with the forward under bf16 "

@@ -99,7 +99,7 @@ def tokenize_dataset(rows, tokenizer, max_len: int):
 class Widths:
     """The padded width of a micro-batch from its longest row: the longest row itself rounded up to `multiple`, or,
     with `buckets` > 0, the smallest of `buckets` evenly spaced widths up to `cap` that holds it (a bounded set of
-    shapes for torch.compile: see harness/compiling.py). Rows longer than `cap` keep their own width."""
+    shapes for torch.compile: see harness/speed/compiling.py). Rows longer than `cap` keep their own width."""
     multiple: int = 1
     buckets: int = 0
     cap: int = 0

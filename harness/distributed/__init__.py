@@ -181,7 +181,7 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
         # evaluation); past dynamo's default of 8 versions per code object it silently falls back to eager.
         _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
         # accelerate applies it in prepare(): compile_regions (DDP / single), compile_regions_deepspeed (ZeRO; for
-        # ZeRO-3 harness.compiling compiles the block forwards instead). Changing shapes: dynamic from the start.
+        # ZeRO-3 harness.speed.compiling compiles the block forwards instead). Changing shapes: dynamic from the start.
         dynamic = cfg.train.compile_dynamic
         dynamic = True if dynamic or (dynamic is None and shapes_vary(cfg.loss.mode, cfg.data.packing)) else None
         dynamo = TorchDynamoPlugin(backend="inductor", use_regional_compilation=compile_mode == "regional",
