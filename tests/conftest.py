@@ -65,3 +65,51 @@ def stage_run(tmp_path_factory):
             run_train([f"train.output_dir={out}", *STAGE_STEPS], nproc=2, accel=STAGES[name])
         return out
     return run
+
+
+# ----------------------------------------------------------------------------------------------- the extended tier
+
+# Variants left out of the default run (pyproject's addopts: -m "not extended") to keep CI under its time: each is
+# another ZeRO stage, model family, recipe or file of a check whose other cases run every time. A launched run costs
+# about 13 s before its first step on the 2-core CI machine (imports of torch, transformers, DeepSpeed in the
+# launcher and both ranks), so the suite's time is mostly the number of launches (docs/bench/ci-durations.json).
+# Run them with `python -m pytest -m extended`, everything with `python -m pytest -m "extended or not extended"`.
+EXTENDED = {
+    "test_zero::test_deepspeed_bf16_on_cpu_and_zero2_optimizer_offload",  # bf16 on ZeRO: test_weights; CPU Adam build
+    "test_multinode::test_two_launchers_equal_one_node_and_resume[zero3]",  # zero3 across nodes: the train.sh test
+    "test_elastic::test_resume_on_another_process_count[zero2]",
+    "test_zero::test_stopped_and_resumed_run_ends_with_the_same_weights[ddp]",  # zero3's, preemption's, elastic's
+    "test_compile::test_compiled_blocks_run[single-full-1-None-extra0]",  # train.compile=full; regional runs
+    *(f"test_families::test_generative_zero3_packing[{f}]" for f in
+      ("qwen3", "mistral", "gemma3_text", "qwen2", "gemma", "gpt_neox", "starcoder2", "phi3", "olmo2")),
+    *(f"test_families::test_unified_bidirectional[{f}]" for f in ("qwen2", "qwen3", "mistral")),
+    *(f"test_gritlm::test_cached_representations_match_the_full_batch[{p}]" for p in
+      ("2-zero2-2", "2-zero1-2", "2-ddp-2")),
+    "test_gritlm::test_two_processes_equal_one_process_with_twice_the_batch[embedding]",
+    "test_compile::test_compiled_blocks_run[zero2-regional-2-zero2-extra2]",
+    *(f"test_untied::test_untied_head_two_processes_equal_one_process[{p}]" for p in
+      ("unified-ddp-2", "embedding-zero3-2", "unified-zero1-1")),
+    *(f"test_weights::test_every_zero_stage_trains_the_plain_paths_model_in_bf16[{s}]" for s in ("zero1", "zero2")),
+    *(f"test_chunked_objective::test_two_processes_chunked_equal_one_process_full_logits[{s}]" for s in
+      ("ddp", "zero1", "zero2")),
+    "test_nonfinite::test_poisoned_step_is_skipped_exactly[zero2-fp32]",
+    *(f"test_metrics::test_disk_full_at_the_end_of_a_run_is_one_line_and_nothing_is_lost[{p}]" for p in
+      ("events.out.tfevents.*", "summary*.md")),
+    *(f"test_recipes::test_recipe_loads_and_dry_runs[configs/{r}.yaml]" for r in
+      ("bench-vocab128k", "qwen2.5-1.5b-instruct-chat", "dpo-tiny", "rft-tiny-warmup", "gpu-1b", "gritlm-7b-mistral",
+       "qwen2.5-0.5b-sft", "llama-70b", "llama-7b", "gritlm-tiny")),  # every recipe loads: test_every_recipe_loads
+    *(f"test_recipes::test_real_model_recipe_zero_plan[configs/{r}.yaml]" for r in
+      ("qwen2.5-1.5b-instruct-chat", "gritlm-7b-mistral", "qwen2.5-0.5b-sft")),
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the marker
+def pytest_collection_modifyitems(config, items):
+    names = set()
+    for item in items:
+        names.add(name := f"{item.path.stem}::{item.name}")
+        if name in EXTENDED:
+            item.add_marker(pytest.mark.extended)
+    files = {item.path for item in items}
+    if files == set(Path(__file__).parent.glob("test_*.py")) and EXTENDED - names:  # a stale name would run nowhere
+        raise pytest.UsageError(f"tests/conftest.py EXTENDED names no test: {sorted(EXTENDED - names)}")
