@@ -219,3 +219,25 @@ def test_a_run_with_an_adjustment_is_compared_with_that_adjustment(tmp_path):
     acc = timing.plan_vs_actual(tmp_path / "plan.json", cfg, 105.0)
     assert acc["estimated_s"] == 100.0 and acc["estimate_of"] == "adjustment train.epochs=2" and acc["same_config"]
     assert acc["error_pct"] == pytest.approx(-100 * 5 / 105)
+
+
+def test_preference_data_counts_both_sequences_of_a_pair(tmp_path):
+    """loss.mode=preference: the plan's data are pairs (the schedule's items, micro_batch_size pairs per micro-batch)
+    and its tokens are those of both sequences, chosen and rejected, as the run tokenizes them."""
+    from harness.data import chat, pairs
+    from harness.model import load_run_tokenizer
+
+    cfg = load_config("configs/dpo-tiny.yaml", [f"train.output_dir={tmp_path}", "train.max_steps=-1",
+                                                "train.epochs=2"])
+    data = planner.analyse_data(cfg)
+    pref = data["preference"]
+    assert data["primary"] == "preference" and pref["pairs"] == pref["items"] == 192 and pref["sequences"] == 384
+    tok = load_run_tokenizer(cfg)
+    rows, _ = loaders.training_rows(cfg, "preference")
+    ds, _ = pairs.tokenize_pair_dataset(rows, tok, 96, chat.resolve_template(tok, cfg.data.chat_template))
+    both = sum(len(c) for c in ds["chosen_ids"]) + sum(len(r) for r in ds["rejected_ids"])
+    assert pref["tokens"] == both > sum(ds["length"])  # more than the longer side of each pair
+    plan = planner.make_plan(cfg, data, CAL, hours=1.0, margin_min=30, flop_dims=None)
+    # 192 pairs / 8 per micro-batch = 24 micro-batches an epoch, 2 epochs: 48 steps
+    assert plan["schedule"]["steps_per_epoch"] == 24 and plan["estimate"]["steps"] == 48
+    assert any(line.startswith("data: 192 preference pairs = 384 sequences") for line in plan["derivations"])

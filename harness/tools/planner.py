@@ -132,10 +132,19 @@ def analyse_data(cfg: Config) -> dict:
     from harness.model import load_run_tokenizer
 
     d, mode, out = cfg.data, cfg.loss.mode, {}
-    if mode == "preference":  # a pair is two sequences: not yet in the plan's arithmetic
-        raise ConfigError("config key 'loss.mode': harness plan does not plan loss.mode=preference yet (a pair is "
-                          "two sequences); time a few steps with train.max_steps instead")
     tok = load_run_tokenizer(cfg)
+    if mode == "preference":  # a pair is two sequences (chosen, rejected) in one forward pass: both are counted
+        from harness.data import chat, pairs
+
+        rows, _ = training_rows(cfg, "preference")
+        max_len = d.max_len if d.max_len != "auto" else 1 << 20  # as the run's loader
+        ds, st = pairs.tokenize_pair_dataset(rows, tok, max_len, chat.resolve_template(tok, d.chat_template))
+        tokens = sum(len(c) + len(r) for c, r in zip(ds["chosen_ids"], ds["rejected_ids"]))
+        out["preference"] = {"pairs": st["pairs"], "sequences": 2 * st["pairs"], "tokens": tokens,
+                             "mean_pair_len": st["mean_len"], "longest": st["max_len"],
+                             "truncated_pairs": st["truncated"], "items": st["pairs"]}
+        out["primary"] = "preference"
+        return out
     if mode in ("generative", "unified"):
         rows, _ = training_rows(cfg, "generative")
         full_ds, _ = data_lib.tokenize_dataset(rows, tok, 1 << 30)
@@ -162,8 +171,8 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
     t = cfg.train
     world = max(1, cal.world_size // t.sequence_parallel)  # data-parallel ranks: what the schedule divides by
     primary = data[data["primary"]]
-    sched = schedule_steps(primary["items"], t.micro_batch_size if data["primary"] == "generative"
-                           else t.emb_micro_batch_size, world, t.grad_accum, t.max_steps, t.epochs)
+    mb = t.emb_micro_batch_size if data["primary"] == "embedding" else t.micro_batch_size  # pairs: micro_batch_size
+    sched = schedule_steps(primary["items"], mb, world, t.grad_accum, t.max_steps, t.epochs)
     has_eval = bool(cfg.data.eval_files or cfg.data.emb_eval_files)
     window = hours * 3600 - margin_min * 60
 
@@ -181,7 +190,12 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
                      + (f"; packed into {gen['items']} rows of {gen['max_len']}" if gen["packing"] else ""))
     if "embedding" in data:
         lines.append(f"data: {data['embedding']['samples']} embedding queries (primary stream: it defines epochs)")
-    mb = t.micro_batch_size if data["primary"] == "generative" else t.emb_micro_batch_size
+    pref = data.get("preference")
+    if pref:
+        lines.append(f"data: {pref['pairs']} preference pairs = {pref['sequences']} sequences (chosen and rejected "
+                     f"in one forward pass), {pref['tokens']} tokens of both sides (mean pair length "
+                     f"{pref['mean_pair_len']:.1f}, longest {pref['longest']}, {pref['truncated_pairs']} pairs "
+                     f"truncated); micro-batch {t.micro_batch_size} pairs = {2 * t.micro_batch_size} rows")
     ranks = (f"{world} data-parallel process(es): {cal.world_size} / train.sequence_parallel "
              f"{t.sequence_parallel}" if t.sequence_parallel > 1 else f"{world} process(es)")
     lines.append(f"schedule: ceil(ceil({primary['items']} / micro-batch {mb}) / {ranks}) = "
