@@ -344,24 +344,27 @@ def launch(cmd: list[str], log: Path, cpu: bool, timeout_s: float, env: Optional
     t0 = time.time()
     # its own process group: at the time limit the launcher AND its training process are stopped (a training
     # process left behind would hold the GPU for the next variant)
-    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=max(timeout_s, 1))
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
+    # the output goes to the log as it comes: a call cut off from outside (the device's limit, a timeout around the
+    # script) still leaves what the launch printed, the step it reached and its compile lines
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=sink, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
         try:
-            out, _ = proc.communicate(timeout=30)
+            proc.wait(timeout=max(timeout_s, 1))
+            rc = proc.returncode
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-        rc = None
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            rc = None
     seconds = time.time() - t0
     whole = sampler.stop()
     whole_samples = list(sampler.samples)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(out)
+    out = log.read_text(errors="replace")
     res = {"rc": rc, "output": out, "whole": whole, "samples": whole_samples, "seconds": seconds}
     if rc is None:
         res["error"] = f"timed out after {timeout_s:.0f} s (the call's --budget-min); log {log}"

@@ -141,6 +141,34 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     assert unknown.returncode == 2 and "unknown variant(s) eagre" in unknown.stderr
 
 
+def test_gpu_check_launch_writes_its_log_while_the_launch_runs(tmp_path, monkeypatch):
+    """A gpu_check call cut off from outside (the device's time limit, a `timeout` around the script) must leave each
+    launch's output so far: on the lent H100 (2026-11-26) two variants stopped that way left no log at all, since
+    the output was held in memory until the launch ended. The log now fills as the launch prints; the script's own
+    time limit still stops the launch and says so."""
+    import sys
+    import threading
+
+    from harness_launch import ROOT
+
+    spec = importlib.util.spec_from_file_location("gpu_check_launch", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, gpu_check)  # its dataclasses look their module up there
+    spec.loader.exec_module(gpu_check)
+    log = tmp_path / "variant.log"
+    cmd = [sys.executable, "-c", "import time; print('step 5 loss 7.1', flush=True); time.sleep(60)"]
+    done = {}
+    worker = threading.Thread(target=lambda: done.update(gpu_check.launch(cmd, log, True, 8.0)))
+    worker.start()
+    deadline = time.time() + 6
+    while time.time() < deadline and not (log.is_file() and "step 5" in log.read_text()):
+        time.sleep(0.2)
+    seen_while_running = log.is_file() and "step 5 loss 7.1" in log.read_text()
+    worker.join(60)
+    assert seen_while_running, "the log is written only when the launch ends"
+    assert done["rc"] is None and "timed out after 8 s" in done["error"] and "step 5 loss 7.1" in done["output"]
+
+
 # ---------------------------------------------------------------------------------------------- cost
 
 
