@@ -87,6 +87,21 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+def settled_update_diff(a: dict, b: dict, start: dict, share: float = 0.9) -> tuple[float, float]:
+    """(largest |a - b|, fraction of weights compared) over the weights whose update in `b` is at least `share` of
+    the largest: after Adam's first step those had a gradient well above eps, so two equal computations must give
+    them the same value. The others (a gradient within a few eps of 0) move by lr * g / (|g| + eps), which turns
+    ulp-level differences of a ~1e-9 gradient into 1e-5 of weight: update_rel_diff judges them as a whole."""
+    step = max((b[k].double() - start[k].double()).abs().max().item() for k in b)
+    worst, kept, total = 0.0, 0, 0
+    for k in b:
+        moved = (b[k].double() - start[k].double()).abs() >= share * step
+        kept, total = kept + int(moved.sum()), total + moved.numel()
+        if moved.any():
+            worst = max(worst, (a[k].double() - b[k].double()).abs()[moved].max().item())
+    return worst, kept / total
+
+
 def rel_close(a: float, b: float, rel: float) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b))
 
