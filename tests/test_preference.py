@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import types
 from collections import defaultdict
 
@@ -254,3 +255,37 @@ def test_two_processes_under_zero_equal_one(dpo_run, stage, tmp_path):
     assert not bad, bad
     ref_one, ref_two = (torch.load(d / "reference_logps.pt") for d in (dpo_run, out))
     assert torch.allclose(ref_one["train"]["logps"], ref_two["train"]["logps"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_stopped_dpo_run_resumes_on_another_process_count_as_if_uninterrupted(dpo_run, tmp_path):
+    """Exact and elastic resume of a preference run: two processes (4 pairs each) stop at step 3 with a checkpoint;
+    one process (4 pairs, accumulation 2) goes on from it. The reference log-probs are read back, not computed from
+    the resumed model, and steps 4-6 (loss, rewards, the eval at step 6) equal the uninterrupted one-process run's."""
+    from harness_launch import rel_close, report, run_train
+
+    out = tmp_path / "run"
+    first = run_train([f"train.output_dir={out}", *RUN, "train.micro_batch_size=4", "train.stop_at_step=3"], nproc=2,
+                      accel="ddp", config="configs/dpo-tiny.yaml")
+    assert "stopped (stop_at_step) at step 3/6" in first.stdout, first.stdout[-3000:]
+    second = run_train([f"train.output_dir={out}", *RUN, "train.micro_batch_size=4", "train.grad_accum=2",
+                        "train.resume=auto"], config="configs/dpo-tiny.yaml")
+    said = second.stdout
+    assert "resumed from" in said and "step-3" in said and "layout changed: 2 -> 1 process(es)" in said, said[-3000:]
+    assert re.search(r"reference log-probs of \d+ train pairs read from", said) and "computed" not in said, said[-3000:]
+    rep = report(out)
+    assert rep["world_size"] == 1 and rep["grad_accum"] == 2 and rep["steps"] == 6
+
+    def figures(folder, after=0):  # {(step, key): value} of the loss, reward and eval figures past `after`
+        keys = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "eval_loss",
+                "eval_rewards/margins", "eval_rewards/accuracies")
+        return {(r["step"], k): r[k] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
+                if r.get("step", 0) > after for k in keys if k in r}
+
+    resumed, uninterrupted = figures(out, after=3), figures(dpo_run, after=3)
+    assert resumed.keys() == uninterrupted.keys() and {s for s, _ in resumed} == {4, 5, 6}
+    assert ("eval_rewards/margins", 6) in {(k, s) for s, k in resumed}
+    bad = [(sk, uninterrupted[sk], v) for sk, v in resumed.items()
+           if not (rel_close(uninterrupted[sk], v, 1e-5) or abs(uninterrupted[sk] - v) < 1e-6)]
+    assert not bad, bad
+

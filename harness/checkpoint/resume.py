@@ -110,6 +110,10 @@ def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: 
                                  cfg.model.quantization != "none", universal=start.universal,
                                  known={start.path: start.saved})
     state = LoopState.from_saved(saved)
+    # accelerate's micro-step counter (load_state restores the saved attempt's) decides which micro-step ends an
+    # accumulation (step % train.grad_accum == 0): count it in this attempt's layout, or a resume with another
+    # accumulation (1 -> 2 at step 3: counter 3) steps the optimizer after the first micro-batch of each step
+    accelerator.step = state.step * cfg.train.grad_accum
     # another number of processes (or split of the batch): the data position in rows, the batch's new split
     state.streams, resize, moved = carry_over(path, saved, layout, streams, epoch_rows, start.universal)
     state.layout = layout.as_dict()
