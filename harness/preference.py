@@ -194,6 +194,23 @@ def reference_logps(accelerator, model, loader, chunk_size: int) -> torch.Tensor
     return out
 
 
+def stored_reference(path: Path, say=print) -> dict:
+    """What <output_dir>/reference_logps.pt holds ({} where there is none). A file that cannot be read (cut short by a
+    full disk, damaged) is said in one line and computed again, never a traceback: the values are the starting
+    model's, which a run computes before loading its checkpoint."""
+    if not path.is_file():
+        return {}
+    try:
+        held = torch.load(path, weights_only=True)
+        if not isinstance(held, dict):
+            raise ValueError(f"holds a {type(held).__name__}, not a dict")
+        return held
+    except Exception as e:  # noqa: BLE001 - any unreadable file is recomputed
+        say(f"[harness] {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
+            "the reference log-probs are computed again")
+        return {}
+
+
 def attach_reference(cfg, accelerator, model, loaders: dict, chunk_size: int, say=print) -> None:
     """For dpo / ipo: the reference log-probs of the training and eval pairs, read from <output_dir>/
     reference_logps.pt when it holds this data and model's, else computed now (before any update) and saved;
@@ -201,7 +218,7 @@ def attach_reference(cfg, accelerator, model, loaders: dict, chunk_size: int, sa
     if cfg.loss.preference not in ("dpo", "ipo"):
         return
     path = Path(cfg.train.output_dir) / REFERENCE_FILE
-    stored = torch.load(path, weights_only=True) if path.is_file() else {}
+    stored = stored_reference(path, say)
     fresh, changed = {}, False
     for name, loader in loaders.items():
         if loader is None:

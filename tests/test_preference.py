@@ -289,3 +289,19 @@ def test_a_stopped_dpo_run_resumes_on_another_process_count_as_if_uninterrupted(
            if not (rel_close(uninterrupted[sk], v, 1e-5) or abs(uninterrupted[sk] - v) < 1e-6)]
     assert not bad, bad
 
+
+def test_a_damaged_reference_file_is_computed_again_in_one_line(tmp_path):
+    """reference_logps.pt cut short (a full disk) or overwritten: one line, and the values are computed again (a
+    traceback before: torch.load's own error stopped the run)."""
+    from harness.preference import stored_reference
+
+    path, said = tmp_path / "reference_logps.pt", []
+    torch.save({"train": {"fingerprint": "x", "logps": torch.zeros(4, 2)}}, path)
+    assert stored_reference(path, said.append)["train"]["fingerprint"] == "x" and not said
+    path.write_bytes(path.read_bytes()[:40])
+    assert stored_reference(path, said.append) == {}
+    assert len(said) == 1 and str(path) in said[0] and "computed again" in said[0]
+    torch.save([1, 2], path)
+    assert stored_reference(path, said.append) == {} and "not a dict" in said[1]
+    assert stored_reference(tmp_path / "none.pt", said.append) == {} and len(said) == 2
+
