@@ -20,6 +20,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+import yaml
 
 from harness.config import load_config
 from harness.data import IGNORE_INDEX, pairs
@@ -305,3 +306,46 @@ def test_a_damaged_reference_file_is_computed_again_in_one_line(tmp_path):
     assert stored_reference(path, said.append) == {} and "not a dict" in said[1]
     assert stored_reference(tmp_path / "none.pt", said.append) == {} and len(said) == 2
 
+
+def save_pref_base(folder) -> None:
+    """dpo-tiny's model saved as a pretrained base with its tokenizer (the chat markers already in the vocabulary, as
+    in an instruct model's: nothing is added, so the tied head stays a plain Linear; a base that lacks them is
+    refused under LoRA, see docs/preference.md)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from harness.model import load_tokenizer
+    from harness_launch import ROOT
+
+    cfg = load_config(ROOT / "configs" / "dpo-tiny.yaml")
+    tok = load_tokenizer(cfg.model, cfg.data.chat_template)
+    conf = dict(cfg.model.config)
+    config = AutoConfig.for_model(conf.pop("model_type"), **{**conf, "vocab_size": len(tok)},
+                                  pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+@pytest.mark.slow
+def test_qlora_dpo_takes_the_4bit_base_as_its_reference_and_learns(tmp_path):
+    """DPO with LoRA on a 4-bit base (real bitsandbytes on the CPU): the reference is the quantized base itself (the
+    starting adapter is zero, so the step-0 eval margin is exactly 0 and no second model is loaded), the adapter
+    learns the preference (eval margin and accuracy up by the end), and final/ holds only the adapter."""
+    pytest.importorskip("bitsandbytes")
+    from harness_launch import report, run_train
+
+    base, out = tmp_path / "base", tmp_path / "run"
+    save_pref_base(base)
+    run_train([f"train.output_dir={out}", f"model.name_or_path={base}", "model.config={}", "model.tokenizer=null",
+               "model.quantization=4bit", "model.lora.enabled=true", "model.lora.r=8", "model.lora.alpha=16",
+               "train.max_steps=8", "train.eval_every=8", "train.log_every=2", "train.progress_bar=false",
+               "train.report_to=[]", "optim.lr=2e-2"], config="configs/dpo-tiny.yaml")
+    evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+             if "eval_rewards/margins" in r]
+    assert [e["step"] for e in evals] == [0, 8]
+    assert evals[0]["eval_rewards/margins"] == 0 and evals[0]["eval_rewards/chosen"] == 0
+    assert evals[-1]["eval_rewards/margins"] > 0.01 and evals[-1]["eval_rewards/accuracies"] > 0.5, evals
+    assert report(out)["loss_mode"] == "preference"
+    assert yaml.safe_load((out / "config.yaml").read_text())["model"]["quantization"] == "4bit"
+    assert (out / "final" / "adapter_model.safetensors").is_file()
