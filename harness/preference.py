@@ -33,6 +33,7 @@ from harness import losses
 from harness.chunked_loss import ChunkedHeadLoss
 from harness.data import IGNORE_INDEX
 from harness.data.samples import model_inputs, real_tokens
+from harness.errors import one_line
 from harness.state import StepSums, preference_figures
 
 REFERENCE_FILE = "reference_logps.pt"
@@ -206,8 +207,7 @@ def stored_reference(path: Path, say=print) -> dict:
             raise ValueError(f"holds a {type(held).__name__}, not a dict")
         return held
     except Exception as e:  # noqa: BLE001 - any unreadable file is recomputed
-        say(f"[harness] {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
-            "the reference log-probs are computed again")
+        say(f"[harness] {path} cannot be read ({one_line(e, 200)}); the reference log-probs are computed again")
         return {}
 
 

@@ -285,7 +285,7 @@ def test_a_stopped_dpo_run_resumes_on_another_process_count_as_if_uninterrupted(
 
     resumed, uninterrupted = figures(out, after=3), figures(dpo_run, after=3)
     assert resumed.keys() == uninterrupted.keys() and {s for s, _ in resumed} == {4, 5, 6}
-    assert ("eval_rewards/margins", 6) in {(k, s) for s, k in resumed}
+    assert (6, "eval_rewards/margins") in resumed
     bad = [(sk, uninterrupted[sk], v) for sk, v in resumed.items()
            if not (rel_close(uninterrupted[sk], v, 1e-5) or abs(uninterrupted[sk] - v) < 1e-6)]
     assert not bad, bad
@@ -311,19 +311,13 @@ def save_pref_base(folder) -> None:
     """dpo-tiny's model saved as a pretrained base with its tokenizer (the chat markers already in the vocabulary, as
     in an instruct model's: nothing is added, so the tied head stays a plain Linear; a base that lacks them is
     refused under LoRA, see docs/preference.md)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from harness.model import load_tokenizer
+    from harness.model import build_model, load_tokenizer
     from harness_launch import ROOT
 
     cfg = load_config(ROOT / "configs" / "dpo-tiny.yaml")
     tok = load_tokenizer(cfg.model, cfg.data.chat_template)
-    conf = dict(cfg.model.config)
-    config = AutoConfig.for_model(conf.pop("model_type"), **{**conf, "vocab_size": len(tok)},
-                                  pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                                  eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    build_model(cfg.model, tok).save_pretrained(folder)
     tok.save_pretrained(folder)
 
 
