@@ -234,3 +234,25 @@ def test_the_resume_line_names_what_changed_the_batch():
                                 "train.global_batch_size)")
     kept = elastic.Resize(Path("ck"), elastic.Layout(2, 8, 8, 1), elastic.Layout(1, 8, 8, 2), ("gen",))
     assert kept.describe().endswith("global batch 16 sequences kept")
+
+
+def test_the_resume_line_says_when_the_contrastive_batch_changes():
+    """With loss.gather_negatives the contrastive batch is the embedding micro-batch x the data-parallel processes:
+    a unified run resumed from 2 processes on 1 (accumulation 1 -> 2, the global batch kept) compares each query with
+    half the queries. The resume line says so and by how much, and report.json's resumed_layout records it."""
+    before, after = elastic.Layout(2, 4, 32, 1), elastic.Layout(1, 4, 32, 2)
+    resize = elastic.Resize(Path("ck"), before, after, ("emb", "gen"), gather_negatives=True)
+    assert resize.describe() == (
+        "2 -> 1 process(es), train.grad_accum 1 -> 2, global batch 64 queries + 8 sequences kept, contrastive batch "
+        "64 -> 32 queries (0.5x the in-batch negatives: train.emb_micro_batch_size x data-parallel processes with "
+        "loss.gather_negatives)")
+    assert resize.as_dict()["contrastive_batch"] == [64, 32]
+    alone = elastic.Resize(Path("ck"), before, after, ("emb", "gen"), gather_negatives=False)
+    assert "contrastive" not in alone.describe() and alone.as_dict()["contrastive_batch"] == [32, 32]
+    assert "contrastive" not in elastic.Resize(Path("ck"), before, after, ("gen",), True).describe()
+    # what the resume prints (checkpoint.resume.restore passes loss.gather_negatives through)
+    saved = {"layout": before.as_dict(), "streams": {"emb": {"epoch": 0, "batches": 2, "samples": 128},
+                                                     "gen": {"epoch": 0, "batches": 2, "samples": 16}}}
+    _, got, line = elastic.carry_over(Path("ck"), saved, after, ("emb", "gen"), {"emb": 1000, "gen": 1000},
+                                      universal=False, gather_negatives=True)
+    assert got.gather_negatives and "contrastive batch 64 -> 32 queries" in line, line

@@ -84,6 +84,12 @@ class Resize:
     before: Layout
     after: Layout
     streams: tuple
+    gather_negatives: bool = False  # loss.gather_negatives: the contrastive batch spans the data-parallel processes
+
+    def contrastive_batch(self, layout: Layout) -> int:
+        """Queries a contrastive loss compares (each query's in-batch negatives are the other queries' passages): the
+        embedding micro-batch, times the data-parallel processes when their passages are gathered."""
+        return layout.emb_micro_batch_size * (layout.processes if self.gather_negatives else 1)
 
     def describe(self) -> str:
         b, a = self.before, self.after
@@ -104,11 +110,18 @@ class Resize:
         why = ", train.global_batch_size" if b.processes != a.processes else ""
         parts.append(f"global batch {' + '.join(kept)} " + ("kept" if same else
                      "(was " + " + ".join(str(b.global_batch(s)) for s in self.streams) + f"{why})"))
+        if "emb" in self.streams and self.contrastive_batch(b) != self.contrastive_batch(a):
+            was, now = self.contrastive_batch(b), self.contrastive_batch(a)
+            parts.append(f"contrastive batch {was} -> {now} queries ({now / was:.2g}x the in-batch negatives: "
+                         f"train.emb_micro_batch_size x data-parallel processes"
+                         f"{' with loss.gather_negatives' if self.gather_negatives else ''})")
         return ", ".join(parts)
 
     def as_dict(self) -> dict:
         return {"checkpoint": str(self.checkpoint), "before": self.before.as_dict(), "after": self.after.as_dict(),
-                "global_batch": {s: [self.before.global_batch(s), self.after.global_batch(s)] for s in self.streams}}
+                "global_batch": {s: [self.before.global_batch(s), self.after.global_batch(s)] for s in self.streams},
+                **({"contrastive_batch": [self.contrastive_batch(self.before), self.contrastive_batch(self.after)]}
+                   if "emb" in self.streams else {})}
 
 
 def fit(cfg, path: Path, before: Optional[Layout], world: int):
@@ -132,7 +145,7 @@ def fit(cfg, path: Path, before: Optional[Layout], world: int):
     train = replace(t, grad_accum=accum, micro_batch_size=micro.get("gen", t.micro_batch_size),
                     emb_micro_batch_size=micro.get("emb", t.emb_micro_batch_size))
     cfg = replace(cfg, train=train)
-    return cfg, Resize(path, before, layout_of(cfg, launched), streams)
+    return cfg, Resize(path, before, layout_of(cfg, launched), streams, cfg.loss.gather_negatives)
 
 
 def choose_accum(targets: dict, caps: dict, world: int) -> Optional[int]:
@@ -189,8 +202,8 @@ def positions(saved_streams: dict, before: Optional[Layout], after: Layout, size
     return out, notes
 
 
-def carry_over(path: Path, saved: dict, after: Layout, streams: tuple, sizes: dict,
-               universal: bool) -> tuple[dict, Optional[Resize], str]:
+def carry_over(path: Path, saved: dict, after: Layout, streams: tuple, sizes: dict, universal: bool,
+               gather_negatives: bool = False) -> tuple[dict, Optional[Resize], str]:
     """After loading checkpoint `path` (loop state `saved`) into the layout `after`: (each stream's position in
     `after`, the Resize when the layout changed (else None), what the resume line adds)."""
     before = saved_layout(saved)
@@ -199,7 +212,7 @@ def carry_over(path: Path, saved: dict, after: Layout, streams: tuple, sizes: di
             after.processes, after.grad_accum, after.sequence_parallel) and all(
             before.micro(s) == after.micro(s) for s in streams):
         return moved, None, ""
-    resize = Resize(path, before, after, streams)
+    resize = Resize(path, before, after, streams, gather_negatives)
     rows = ", ".join(f"{n} {rows_read(saved['streams'][n], before, n, sizes[n])} rows of epoch "
                      f"{saved['streams'][n]['epoch']}" for n in streams)
     optimizer = ("ZeRO optimizer state repartitioned through a universal checkpoint (deepspeed ds_to_universal)"

@@ -115,7 +115,8 @@ def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: 
     # accumulation (1 -> 2 at step 3: counter 3) steps the optimizer after the first micro-batch of each step
     accelerator.step = state.step * cfg.train.grad_accum
     # another number of processes (or split of the batch): the data position in rows, the batch's new split
-    state.streams, resize, moved = carry_over(path, saved, layout, streams, epoch_rows, start.universal)
+    state.streams, resize, moved = carry_over(path, saved, layout, streams, epoch_rows, start.universal,
+                                             cfg.loss.gather_negatives)
     state.layout = layout.as_dict()
     say(f"[harness] resumed from {path}: step {state.step}, data position {state.streams}{moved}")
     return Resumed(state, path, resize)
