@@ -291,6 +291,27 @@ def test_a_stopped_dpo_run_resumes_on_another_process_count_as_if_uninterrupted(
     assert not bad, bad
 
 
+@pytest.mark.slow
+def test_dpo_compiled_regionally_equals_eager(dpo_run, tmp_path):
+    """train.compile=regional with the preference objective (one process): the reference pass, the pair forwards
+    (chosen and rejected in one batch) and the evaluations all run the compiled decoder blocks, nothing recompiles
+    after the first step, and the loss, rewards and eval figures equal the eager run's step by step."""
+    from harness_launch import rel_close, report, run_train
+
+    out = tmp_path / "regional"
+    run_train([f"train.output_dir={out}", *RUN, "train.compile=regional", "train.summary=false"],
+              config="configs/dpo-tiny.yaml", timeout=900)
+    c = report(out)["compile"]
+    assert c["mode"] == "regional" and c["ran_compiled"] and c["block_calls_eager"] == 0, c
+    assert c["recompiles_after_first_step"] == 0 and c["recompile_limit_hit"] == [], c
+    compiled, eager = ([json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (out, dpo_run))
+    assert [r["step"] for r in compiled] == [r["step"] for r in eager]
+    keys = [k for k in eager[-1] if k.startswith(("loss", "rewards/", "eval_"))]
+    bad = [(a["step"], k, a[k], b[k]) for a, b in zip(compiled, eager) for k in keys + ["eval_rewards/margins"]
+           if k in b and not (rel_close(a[k], b[k], 1e-4) or abs(a[k] - b[k]) < 1e-6)]
+    assert not bad, bad
+
+
 def test_a_damaged_reference_file_is_computed_again_in_one_line(tmp_path):
     """reference_logps.pt cut short (a full disk) or overwritten: one line, and the values are computed again (a
     traceback before: torch.load's own error stopped the run)."""
