@@ -5,10 +5,10 @@
 # accelerate config for the ZeRO stage: 0 = DDP (accelerate_configs/multi_gpu.yaml, single_gpu.yaml for one GPU),
 # 1/2/3 = zero1/2/3.yaml, 3-offload = zero3_offload.yaml. `--zero auto` (the default) estimates the memory per GPU
 # for each stage (harness/tools/zero_plan.py: parameters, 16 bytes/param partitioned by stage, activations), prints the
-# arithmetic and takes the lowest stage that fits; when only CPU offload (or nothing) fits but activation
-# checkpointing makes a stage fit, it takes that stage and adds model.gradient_checkpointing=true (the plan's
-# `proposed:` line; not when the command sets model.gradient_checkpointing). Other overrides go to the run
-# unchanged. Paths are relative to the repository root (the script runs there).
+# arithmetic and takes the lowest stage that fits; when only CPU offload (or nothing) fits but sequence parallelism
+# (a row of data.max_len tokens too long for one GPU) or activation checkpointing makes a stage fit, it takes that
+# stage and adds train.sequence_parallel=N and/or model.gradient_checkpointing=true (the plan's `proposed:` line; not
+# when the command sets one of those keys). Other overrides go to the run unchanged. Paths are relative to the repository root (the script runs there).
 #
 # Output goes to the terminal and to <train.output_dir>/train.log (train-node<R>.log on several nodes).
 # Restarting the same command resumes from the newest complete checkpoint (train.resume=auto is the default), also on a
@@ -101,17 +101,22 @@ else
     PLAN=$("${PLAN_CMD[@]}") || PLAN_RC=$?
     printf '%s\n' "$PLAN"
     CHOICE=${PLAN##*choice: }
-    # `proposed: zeroN model.gradient_checkpointing=true ...`: activation checkpointing makes a stage fit without
-    # CPU offload; taken unless the command sets model.gradient_checkpointing itself
-    PROPOSED=$(printf '%s\n' "$PLAN" | sed -n 's/^proposed: \(zero[0-3]\) \(model\.gradient_checkpointing=true\) .*/\1 \2/p' | tail -n 1)
-    for a in "${ARGS[@]}"; do case $a in model.gradient_checkpointing=*) PROPOSED= ;; esac; done
+    # `proposed: zeroN train.sequence_parallel=N model.gradient_checkpointing=true -> ...` (either or both):
+    # sequence parallelism or activation checkpointing makes a stage fit without CPU offload; taken unless the
+    # command sets one of those keys itself
+    PROPOSED=$(printf '%s\n' "$PLAN" | sed -n 's/^proposed: \(zero[0-3]\) \(.*\) -> accelerate_configs\/.*/\1 \2/p' | tail -n 1)
+    EXTRA=()
+    if [ -n "$PROPOSED" ]; then read -r -a EXTRA <<< "${PROPOSED#* }"; fi
+    for p in "${EXTRA[@]}"; do
+      for a in "${ARGS[@]}"; do case $a in "${p%%=*}"=*) PROPOSED= ;; esac; done
+    done
     if [ "$PLAN_RC" -ne 0 ] || { [ "$CHOICE" = none ] && [ -z "$PROPOSED" ]; }; then
       die "--zero auto: no ZeRO stage fits (see above)" 3
     fi
     if [ -n "$PROPOSED" ]; then
       CHOICE=${PROPOSED%% *}
-      ARGS+=("${PROPOSED#* }")
-      say "--zero auto: activation checkpointing makes stage ${CHOICE#zero} fit; adding ${PROPOSED#* }"
+      ARGS+=("${EXTRA[@]}")
+      say "--zero auto: stage ${CHOICE#zero} fits with the plan's proposal; adding ${EXTRA[*]}"
     fi
     ZERO=${CHOICE#zero}
     ZERO=${ZERO/_/-}

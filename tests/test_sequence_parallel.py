@@ -253,6 +253,54 @@ def test_zero_plan_divides_the_activations_by_n_and_skips_stage_0():
     assert "train.sequence_parallel=2: each GPU holds 8192 / 2 = 4096 positions" in got.text
 
 
+def test_zero_plan_proposes_the_sequence_parallel_size_a_long_row_needs():
+    """A row of data.max_len tokens that no GPU holds, even one to a micro-batch: the plan proposes the smallest
+    train.sequence_parallel that makes a ZeRO stage fit, with the arithmetic, before activation checkpointing (no
+    recomputation); checkpointing is added only where sequence parallelism alone is not enough; one GPU, another
+    objective or eager attention get no sequence parallelism; a recipe that sets it gets no other size."""
+    from harness.tools.sizing import GIB
+    from harness.tools.zero_plan import Hardware, plan
+
+    def planned(*overrides, gpus=8):
+        cfg = load_config(str(ROOT / "configs/gpu-1b.yaml"), ["train.micro_batch_size=1", *overrides])
+        return plan(cfg, Hardware(gpus_per_node=gpus, nodes=1, gpu_mem_gb=80.0, host_mem_gb=1000))
+
+    p = planned("data.max_len=131072")  # 1.1B, 22 layers: 224 GiB of activations for one row
+    assert p.choice is None and p.proposal == "1" and p.proposal_args == ("train.sequence_parallel=4",), p.text
+    line = next(x for x in p.text.splitlines() if x.startswith("with sequence parallelism"))
+    assert line.startswith("with sequence parallelism (train.sequence_parallel=4: each GPU holds 131072 / 4 = 32768 "
+                           "positions of every row): activations "), line
+    row = p.rows[0]  # (a shorter N does not fit: SP 2 holds 65536 positions, 112 GiB)
+    assert "proposed: zero1 train.sequence_parallel=4 -> accelerate_configs/zero1.yaml" in p.text
+    assert row.activations / GIB > 200
+    huge = planned("data.max_len=1048576")
+    assert huge.proposal_args == ("train.sequence_parallel=4", "model.gradient_checkpointing=true"), huge.text
+    # a micro-batch that is too large is not a long row: checkpointing as before (or a smaller micro-batch)
+    batch = planned("data.max_len=8192", "train.micro_batch_size=16")
+    assert batch.proposal_args == ("model.gradient_checkpointing=true",), batch.text
+    assert planned("data.max_len=8192", "train.micro_batch_size=64").proposal is None  # nor with sequence parallelism
+    for no_sp in (planned("data.max_len=131072", gpus=1), planned("data.max_len=131072", "model.attn_implementation=eager"),
+                  planned("data.max_len=131072", "train.sequence_parallel=2")):
+        assert not any(a.startswith("train.sequence_parallel") for a in no_sp.proposal_args), no_sp.text
+
+
+def test_train_sh_zero_auto_takes_the_proposed_sequence_parallel_size():
+    from test_launch import launch_cmd, sh
+
+    args = ("--dry-run", "configs/gpu-1b.yaml", "data.max_len=131072", "train.micro_batch_size=1")
+    r = sh("train.sh", *args, NUM_GPUS=8, GPU_MEM_GB=80, HOST_MEM_GB=1000)
+    assert r.returncode == 0, r.stderr
+    assert "--zero auto: stage 1 fits with the plan's proposal; adding train.sequence_parallel=4" in r.stdout, r.stdout
+    cmd = launch_cmd(r.stdout)
+    assert "--config_file accelerate_configs/zero1.yaml --num_processes 8 " in cmd
+    assert cmd.endswith("train.micro_batch_size=1 train.sequence_parallel=4"), cmd
+    # the command's own size wins (--sp 2 is not enough alone: checkpointing is proposed with it)
+    r = sh("train.sh", "--sp", "2", *args, NUM_GPUS=8, GPU_MEM_GB=80, HOST_MEM_GB=1000)
+    assert r.returncode == 0, r.stderr
+    cmd = launch_cmd(r.stdout)
+    assert "train.sequence_parallel=2" in cmd and "train.sequence_parallel=4" not in cmd, cmd
+
+
 def test_the_gritlm_unified_recipe_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="trains the generative loss only; loss.mode=unified's embedding passes") as e:
         load_config(str(ROOT / "configs" / "gritlm-tiny.yaml"), ["train.sequence_parallel=2"])

@@ -41,10 +41,19 @@ A recipe with a hub model.name_or_path and the architecture in model.config (wit
 model.config.
 
 It prints the table and ends with one line `choice: zero0|zero1|zero2|zero3|zero3_offload|none`; exit status 0
-when a stage fits, 3 when none does (the table says how many GPUs would be needed). When the recipe has no
-activation checkpointing and needs CPU offload (or fits nowhere) but model.gradient_checkpointing=true makes stage
-0-3 fit, a line `proposed: zeroN model.gradient_checkpointing=true` before the choice says so (exit 0);
-launch/train.sh --zero auto takes the proposal and adds the override.
+when a stage fits, 3 when none does (the table says how many GPUs would be needed).
+
+Proposals. When the recipe needs CPU offload (or fits nowhere) but overrides make stage 0-3 fit, a line
+`proposed: zeroN <overrides> -> accelerate_configs/...` before the choice says so (exit 0), after a line with the
+arithmetic; launch/train.sh --zero auto takes the proposal and adds the overrides. Tried cheapest first:
+- when one row of data.max_len tokens does not fit even one to a micro-batch (a long-sequence problem):
+  train.sequence_parallel=N, the smallest N that fits (N divides the GPUs of a node and the attention heads; the
+  generative objective; activations per GPU divided by N; stages 1-3: sequence parallelism runs under DeepSpeed).
+  No recomputation, an all-to-all inside the node per layer;
+- model.gradient_checkpointing=true (the forward computed twice: about a third more compute);
+- both, the smallest N.
+Where one row fits and the micro-batch is what is too large, only checkpointing is proposed.
+Nothing is proposed for a key the recipe already sets (sequence parallelism > 1, checkpointing on).
 """
 
 from __future__ import annotations
@@ -250,9 +259,11 @@ class Plan:
     rows: list[Row]
     shape: ModelShape
     usable_gb: float
-    # a stage 0-3 that fits with model.gradient_checkpointing=true when the recipe as given needs CPU offload or
-    # fits nowhere (printed as `proposed: zeroN model.gradient_checkpointing=true`)
+    # a stage 0-3 that fits with the overrides `proposal_args` (train.sequence_parallel=N and/or
+    # model.gradient_checkpointing=true) when the recipe as given needs CPU offload or fits nowhere (printed as
+    # `proposed: zeroN <overrides> -> ...`)
     proposal: Optional[str] = None
+    proposal_args: tuple = ()
 
 
 CHECKPOINTING = "model.gradient_checkpointing=true"
@@ -288,17 +299,26 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
     table, rows, choice = _table(cfg, shape, hw, w, usable, overhead_gb, weights)
     out += table
     proposal: Optional[str] = None
-    if choice not in OPTIONS[:4] and not cfg.model.gradient_checkpointing:
-        # activation checkpointing costs a recomputation of the forward (about a third more compute); CPU offload
-        # costs far more: propose it first when it makes a stage fit without offload
-        ckpt = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gradient_checkpointing=True))
-        _, ck_rows, ck_choice = _table(ckpt, shape, hw, w, usable, overhead_gb, weights)
-        if ck_choice in OPTIONS[:4]:
-            r = ck_rows[OPTIONS.index(ck_choice)]
-            proposal = ck_choice
-            out.append(f"with activation checkpointing ({CHECKPOINTING}): activations {r.activations / GIB:.1f} GiB, "
-                       f"stage {ck_choice} fits at {r.total / GIB:.1f} GiB per GPU (of {usable:.1f}), before "
+    proposal_args: tuple = ()
+    if choice not in OPTIONS[:4]:
+        # what makes a stage 0-3 fit without CPU offload, cheapest first (docstring: "Proposals")
+        for sp, ckpt in _proposals(cfg, shape, hw, w, usable, overhead_gb, weights):
+            trial = with_overrides(cfg, sp, ckpt)
+            _, t_rows, t_choice = _table(trial, shape, hw, w, usable, overhead_gb, weights)
+            if t_choice not in OPTIONS[:4]:
+                continue
+            r = t_rows[OPTIONS.index(t_choice)]
+            proposal = t_choice
+            proposal_args = ((f"train.sequence_parallel={sp}",) if sp > 1 else ()) + ((CHECKPOINTING,) if ckpt else ())
+            seq = cfg.data.max_len
+            how = " and ".join(
+                ([f"sequence parallelism (train.sequence_parallel={sp}: each GPU holds {seq} / {sp} = {seq // sp} "
+                  f"positions of every row)"] if sp > 1 else [])
+                + ([f"activation checkpointing ({CHECKPOINTING})"] if ckpt else []))
+            out.append(f"with {how}: activations {r.activations / GIB:.1f} GiB, stage {t_choice} fits at "
+                       f"{r.total / GIB:.1f} GiB per GPU (of {usable:.1f}), before "
                        + ("CPU offload" if choice == "3-offload" else "any stage fits without it"))
+            break
     if choice not in OPTIONS[:4]:
         room = usable - (rows[3].total - rows[3].weights - rows[3].grads - rows[3].optim) / GIB
         wd = weight_bytes("3", weights)[0]
@@ -309,8 +329,9 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
             f"it needs at least {need} GPUs of {hw.gpu_mem_gb:g} GiB ({math.ceil(need / hw.gpus_per_node)} nodes of "
             f"{hw.gpus_per_node}): " + ("16 x P" if shape.trainable is None else f"16 x T + {wd} x F")
             + f" = {states / GIB:.1f} GiB over {room:.1f} GiB left per GPU"
-            if need else "the activations alone exceed a GPU: lower train.micro_batch_size or data.max_len, or set "
-            "model.gradient_checkpointing=true" if rows[3].supported else
+            if need else "the activations alone exceed a GPU: lower train.micro_batch_size or data.max_len, set "
+            "model.gradient_checkpointing=true, or share each row over GPUs (train.sequence_parallel)"
+            if rows[3].supported else
             "quantized weights are not partitioned (no ZeRO-3): lower train.micro_batch_size or data.max_len, or use "
             "a larger GPU"))
     if choice is not None:
@@ -318,10 +339,47 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
         out.append(f"lowest stage that fits: {choice} -> accelerate_configs/{name}.yaml")
     if proposal is not None:
         name = "single_gpu" if proposal == "0" and hw.world == 1 else ACCELERATE_CONFIG[proposal]
-        out.append(f"proposed: zero{proposal} {CHECKPOINTING} -> accelerate_configs/{name}.yaml (launch/train.sh "
-                   f"--zero auto takes it unless model.gradient_checkpointing is given)")
+        keys = " or ".join(a.split("=")[0] for a in proposal_args)
+        out.append(f"proposed: zero{proposal} {' '.join(proposal_args)} -> accelerate_configs/{name}.yaml "
+                   f"(launch/train.sh --zero auto takes it unless {keys} is given)")
     out.append(f"choice: {'zero' + choice.replace('-', '_') if choice else 'none'}")
-    return Plan("\n".join(out), choice, rows, shape, usable, proposal)
+    return Plan("\n".join(out), choice, rows, shape, usable, proposal, proposal_args)
+
+
+def with_overrides(cfg: Config, sequence_parallel: int, checkpointing: bool) -> Config:
+    train = dataclasses.replace(cfg.train, sequence_parallel=sequence_parallel)
+    model = dataclasses.replace(cfg.model, gradient_checkpointing=cfg.model.gradient_checkpointing or checkpointing)
+    return dataclasses.replace(cfg, train=train, model=model)
+
+
+def sp_sizes(cfg: Config, shape: ModelShape, hw: Hardware) -> list[int]:
+    """The sequence-parallel sizes a run of this recipe could take on this hardware (smallest first), or none: the
+    recipe already sets one, its objective or attention kernel cannot take one (harness.config's and
+    harness.distributed.sequence's refusals), or a row fits anyway as far as sequence parallelism can tell."""
+    t = cfg.train
+    if (t.sequence_parallel > 1 or cfg.loss.mode != "generative" or cfg.loss.gen_averaging != "token"
+            or cfg.model.attn_implementation == "eager" or not isinstance(t.micro_batch_size, int)
+            or cfg.data.max_len == "auto"):
+        return []
+    heads, kv = shape.heads, shape.kv_heads or shape.heads
+    # a group stays on one node (the all-to-all inside attention); N divides the heads, N and the kv heads divide
+    # one another (harness.distributed.sequence.check_heads)
+    return [n for n in range(2, hw.gpus_per_node + 1)
+            if hw.gpus_per_node % n == 0 and heads % n == 0 and (kv % n == 0 or n % kv == 0)]
+
+
+def _proposals(cfg: Config, shape: ModelShape, hw: Hardware, w: int, usable: float, overhead_gb: float,
+               weights: str) -> list[tuple[int, bool]]:
+    """(sequence_parallel, checkpointing) to try, cheapest first. A row of data.max_len tokens that does not fit a
+    GPU even one to a micro-batch is a long-sequence problem: sequence parallelism (no recomputation, an all-to-all
+    inside each node) comes before activation checkpointing (the forward computed twice: about a third more
+    compute), and both last. Where one row fits (the micro-batch is what is too large), checkpointing alone: a
+    smaller train.micro_batch_size is the other way, and the "no stage fits" line says so."""
+    ckpt = not cfg.model.gradient_checkpointing  # (already on: nothing to add)
+    one_row = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1))
+    row_fits = _table(one_row, shape, hw, w, usable, overhead_gb, weights)[2] in OPTIONS[:4]
+    sizes = [] if row_fits else sp_sizes(cfg, shape, hw)
+    return [(n, False) for n in sizes] + ([(1, True)] if ckpt else []) + ([(n, True) for n in sizes] if ckpt else [])
 
 
 def _host_mem_gb() -> Optional[float]:
