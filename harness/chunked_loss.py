@@ -77,6 +77,9 @@ def output_head(model) -> tuple[torch.nn.Linear, float | None, object]:
     """(output head, final-logit softcap or None, HF config) of a causal LM, through DDP/DeepSpeed/compile wrappers
     and peft (the head of the base model; tied to the input embedding or not, the same Parameter either way).
 
+    peft's trainable tokens on the head (the rows of tokens added to the vocabulary, trained apart under LoRA:
+    harness.model.apply_lora's trainable_token_indices, tied head or not) are taken: the returned module is the
+    TrainableTokensLayer, and `head_weight` gives the weight with its rows merged in, as peft's own forward does.
     Refused with a ConfigError: a head that is not a plain nn.Linear (peft LoRA or modules_to_save on lm_head) and a
     config that scales the logits after the head (LOGIT_TRANSFORMS). Gemma-2-style final_logit_softcapping is
     handled (returned, and applied inside the chunked loss)."""
@@ -85,7 +88,13 @@ def output_head(model) -> tuple[torch.nn.Linear, float | None, object]:
     head = base.get_output_embeddings()
     if head is None:
         raise ConfigError(f"chunked loss: {type(base).__name__} has no output embeddings (not a causal LM?)")
-    if not isinstance(head, torch.nn.Linear):
+    layer = _token_layer(head)
+    if layer is not None:
+        if not isinstance(layer.base_layer, torch.nn.Linear) or layer.base_layer.bias is not None:
+            raise ConfigError(f"chunked loss: peft's trainable tokens wrap a {type(layer.base_layer).__name__} head"
+                              f"{' with a bias' if isinstance(layer.base_layer, torch.nn.Linear) else ''}; the "
+                              f"chunked loss takes them on a plain Linear without bias")
+    elif not isinstance(head, torch.nn.Linear):
         raise ConfigError(f"chunked loss: the output head is a {type(head).__name__}, not a plain Linear (a LoRA "
                           f"adapter or modules_to_save on lm_head?); the chunked loss needs its weight as is")
     config = base.config
@@ -102,6 +111,30 @@ def output_head(model) -> tuple[torch.nn.Linear, float | None, object]:
     if text is not config and getattr(text, "final_logit_softcapping", None) is not None:
         raise ConfigError("chunked loss: final_logit_softcapping in a nested text config is not supported")
     return head, getattr(config, "final_logit_softcapping", None), config
+
+
+def _token_layer(head):
+    """peft's TrainableTokensLayer behind the output head (inside the TrainableTokensWrapper peft puts in place of
+    lm_head, or the head itself), else None."""
+    layer = getattr(head, "token_adapter", head)
+    return layer if type(layer).__name__ == "TrainableTokensLayer" and hasattr(layer, "get_merged_weights") else None
+
+
+def head_weight(head) -> torch.Tensor:
+    """The weight the output head multiplies by: a plain Linear's own, or under peft's trainable tokens the base
+    weight with the trained rows of the active adapter put in (peft's get_merged_weights: a differentiable copy, as
+    in its forward); the base weight where the adapter is off (disable_adapter: a DPO reference pass) or merged."""
+    layer = _token_layer(head)
+    if layer is None:
+        return head.weight
+    active = [a for a in layer.active_adapters if a in layer.token_indices]
+    if layer.disable_adapters or layer.merged or not active:
+        return layer.base_layer.weight
+    return layer.get_merged_weights(active)
+
+
+def head_bias(head) -> torch.Tensor | None:
+    return None if _token_layer(head) is not None else head.bias  # (output_head refuses a biased one under them)
 
 
 class ChunkedHeadLoss:
@@ -146,7 +179,8 @@ class ChunkedHeadLoss:
         if hidden.shape[:2] != self.labels.shape:
             raise RuntimeError(f"ChunkedHeadLoss: the head got hidden states {tuple(hidden.shape)} for labels "
                                f"{tuple(self.labels.shape)}; call the model with logits_to_keep=0")
-        total, self.count = chunked_token_loss_sum(hidden, self.head.weight, self.labels, self.head.bias,
+        weight, bias = head_weight(self.head), head_bias(self.head)
+        total, self.count = chunked_token_loss_sum(hidden, weight, self.labels, bias,
                                                    self.chunk_size, softcap=self.softcap,
                                                    skip_ignored=self.skip_ignored, shifted=self.shifted)
         return total

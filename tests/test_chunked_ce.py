@@ -390,6 +390,52 @@ def test_head_loss_through_peft_and_torch_compile_wrappers():
         _close(got[2][name], ref[2][name], 1e-5)
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_head_loss_with_peft_trainable_tokens_on_the_head_matches_full_logits(tied):
+    """LoRA on a base whose vocabulary was extended (the chat markers added to its tokenizer): peft trains the new
+    rows apart (trainable_token_indices, harness.model.apply_lora), and wraps the head in a TrainableTokensLayer,
+    tied head or not. The chunked loss takes the head with those rows merged in: the loss and the gradients of the
+    adapters and of the trained rows equal the full logits'; with the adapter off (a DPO reference pass) it is the
+    base's. Before: refused ("not a plain Linear"), so chunked_ce=auto fell back to full logits and DPO refused LoRA
+    on such a base."""
+    from peft import LoraConfig, get_peft_model
+
+    from harness.chunked_loss import _token_layer, head_weight
+    from harness.model import _token_targets
+    from harness.preference import sequence_logps
+
+    base = _tiny("llama", tie_word_embeddings=tied)
+    added = list(range(90, 96))  # the last rows stand for the added tokens
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            task_type="CAUSAL_LM", trainable_token_indices=_token_targets(base, added)))
+    head = output_head(model)[0]
+    layer = _token_layer(head)  # peft 0.21: a TrainableTokensWrapper in place of lm_head, the layer inside
+    assert layer is not None
+    with torch.no_grad():  # trained rows that differ from the base's, and adapters that are not zero
+        for name, p in model.named_parameters():
+            if "trainable_tokens_delta" in name or "lora_B" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    assert not torch.equal(head_weight(head)[added], layer.base_layer.weight[added])
+    inputs, labels = _batch(torch.Generator().manual_seed(17))
+    inputs["input_ids"][:, 3] = 92  # an added token as input and as target
+    labels[:, 4] = 93
+    got = _model_grads(model, inputs, labels, chunked=True)
+    ref = _model_grads(model, inputs, labels, chunked=False)
+    _close(got[0], ref[0], 1e-5)
+    assert got[2].keys() == ref[2].keys() and any("trainable_tokens_delta" in n for n in ref[2])
+    for name in ref[2]:
+        _close(got[2][name], ref[2][name], 1e-5)
+    assert "forward" not in vars(head)  # restored
+    # the DPO reference pass: the adapter off, the base's rows
+    batch = {**inputs, "labels": labels, "attention_mask": torch.ones_like(labels)}
+    with torch.no_grad(), model.disable_adapter():
+        off, _ = sequence_logps(model, batch, chunk_size=5)
+        full = torch.log_softmax(model(**inputs, use_cache=False).logits.float(), -1)
+    want = torch.where(labels[:, 1:] != IGNORE_INDEX, full[:, :-1].gather(
+        -1, labels[:, 1:].clamp(min=0).unsqueeze(-1)).squeeze(-1), torch.zeros(())).sum(1)
+    _close(off, want, 1e-5)
+
+
 def test_head_loss_refusals():
     from peft import LoraConfig, get_peft_model
 

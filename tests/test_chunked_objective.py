@@ -160,7 +160,7 @@ def test_qlora_micro_step_chunked_equals_full_logits(tmp_path):
                                 "model.quantization=4bit", "model.lora.enabled=true", "model.lora.r=8",
                                 "train.grad_accum=2"])
     # No added tokens (as with an instruct tokenizer and its own template): the head stays a plain Linear. With added
-    # tokens peft wraps the head (trainable_token_indices) and the chunked loss refuses it (tests/test_chunked_ce.py).
+    # tokens peft wraps the head (trainable_token_indices), which the chunked loss takes too (tests/test_chunked_ce.py).
     tok = load_tokenizer(cfg.model, markers=False)
     torch.manual_seed(0)
     model = build_model(cfg.model, tok, precision="fp32")

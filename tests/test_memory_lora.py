@@ -59,7 +59,7 @@ def test_70b_qlora_is_not_partitioned_and_fits_stage0():
     T, linear = lora_params(8, L, h, hkv, i), L * (2 * h * h + 2 * h * hkv + 3 * h * i)
     rest = P_70B - linear
     s0 = linear * QUANT_BYTES["4bit"] + rest * 4 + 4 * T + 4 * T + 8 * T + 4 * T \
-        + checkpointed_activations(L, 4096, h, hkv, i, 32000) + 2 * GIB
+        + checkpointed_activations(L, 4096, h, hkv, i, 32000, logit_positions=1024) + 2 * GIB  # the chunked loss
     assert p.choice == "0" and p.rows[0].total == pytest.approx(s0)
     assert [r.supported for r in p.rows] == [True, True, True, False, False]
     assert p.text.count("not supported (model.quantization=4bit") == 2
@@ -75,9 +75,10 @@ def test_8b_qlora_on_one_24gb_gpu_fits_stage0():
     assert (p.shape.trainable, p.shape.linear_params, p.shape.frozen - linear) == (T, linear, rest)
     assert QUANT_BYTES["4bit"] == pytest.approx(0.5159, abs=1e-4)
     # stage 0, one process: quantized Linears + fp32 rest + trainable fp32 weights, grads, Adam; no DDP buckets
-    s0 = linear * QUANT_BYTES["4bit"] + rest * 4 + 16 * T + checkpointed_activations(L, 2 * 2048, h, hkv, i, V) \
-        + 2 * GIB
-    assert p.choice == "0" and p.rows[0].total == pytest.approx(s0) and s0 / GIB < 21.6
+    # the chunked loss, also through LoRA's trainable tokens on the head (the hub tokenizer gets the chat markers)
+    s0 = linear * QUANT_BYTES["4bit"] + rest * 4 + 16 * T \
+        + checkpointed_activations(L, 2 * 2048, h, hkv, i, V, logit_positions=1024) + 2 * GIB
+    assert p.choice == "0" and p.rows[0].total == pytest.approx(s0) and s0 / GIB < 17.2
     assert "sizing offline from model.config" in p.text
     assert p.text.endswith("lowest stage that fits: 0 -> accelerate_configs/single_gpu.yaml\nchoice: zero0")
 

@@ -330,8 +330,8 @@ def test_a_damaged_reference_file_is_computed_again_in_one_line(tmp_path):
 
 def save_pref_base(folder) -> None:
     """dpo-tiny's model saved as a pretrained base with its tokenizer (the chat markers already in the vocabulary, as
-    in an instruct model's: nothing is added, so the tied head stays a plain Linear; a base that lacks them is
-    refused under LoRA, see docs/preference.md)."""
+    in an instruct model's: nothing is added, so the tied head stays a plain Linear; a base that lacks them:
+    test_lora_dpo_on_a_base_whose_tokenizer_lacks_the_chat_markers)."""
     from harness.model import build_model, load_tokenizer
     from harness_launch import ROOT
 
@@ -364,3 +364,29 @@ def test_qlora_dpo_takes_the_4bit_base_as_its_reference_and_learns(tmp_path):
     assert report(out)["loss_mode"] == "preference"
     assert yaml.safe_load((out / "config.yaml").read_text())["model"]["quantization"] == "4bit"
     assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_lora_dpo_on_a_base_whose_tokenizer_lacks_the_chat_markers(tmp_path):
+    """A pretrained base whose tokenizer has no chat markers (a base model's): they are added, and under LoRA peft
+    trains their rows apart (trainable tokens), wrapping the tied head. The sequence log-probs take that head in
+    chunks (before: refused in one line, "not a plain Linear"): the reference is the base (step-0 eval margin
+    exactly 0), the adapter learns the preference, and final/ holds the adapter with the markers' rows."""
+    from safetensors.torch import load_file
+
+    from harness_launch import run_train
+    from tests.test_lora import save_base
+
+    base, out = tmp_path / "base", tmp_path / "run"
+    save_base(base)
+    run_train([f"train.output_dir={out}", f"model.name_or_path={base}", "model.config={}", "model.tokenizer=null",
+               "model.lora.enabled=true", "model.lora.r=8", "model.lora.alpha=16", "train.max_steps=8",
+               "train.eval_every=8", "train.log_every=2", "train.progress_bar=false", "train.report_to=[]",
+               "optim.lr=2e-2"], config="configs/dpo-tiny.yaml")
+    evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+             if "eval_rewards/margins" in r]
+    assert [e["step"] for e in evals] == [0, 8]
+    assert evals[0]["eval_rewards/margins"] == 0 and evals[0]["eval_rewards/chosen"] == 0
+    assert evals[-1]["eval_rewards/margins"] > 0.01 and evals[-1]["eval_rewards/accuracies"] > 0.5, evals
+    adapter = load_file(str(out / "final" / "adapter_model.safetensors"))
+    assert any("trainable_tokens_delta" in k for k in adapter), sorted(adapter)

@@ -60,6 +60,7 @@ def model_shape(cfg: Config) -> ModelShape:
         model = build_model(mc, tok)
     lora = lora_config(m).enabled
     head = model.get_output_embeddings()
+    head = getattr(getattr(head, "token_adapter", None), "base_layer", head)  # (under peft's trainable tokens)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if lora else None
     linear_params = sum(mod.weight.numel() for name, mod in model.named_modules()
                         if isinstance(mod, torch.nn.Linear) and mod is not head and not mod.weight.requires_grad
@@ -85,19 +86,16 @@ def model_shape(cfg: Config) -> ModelShape:
         trainable=trainable,
         linear_params=linear_params,
         note=note,
-        chunkable_head=_chunkable_head(model, lora and mc.name_or_path is None and m.name_or_path is not None),
+        chunkable_head=_chunkable_head(model),
     )
 
 
-def _chunkable_head(model, lora_offline: bool) -> bool:
-    """Whether the chunked loss can use this model's head. Sized offline with LoRA, no: the hub tokenizer may add the
-    chat markers, and LoRA then wraps the head's added rows (trainable_token_indices), which the chunked loss refuses
-    (auto: full logits); the plan counts the full logits rather than promise memory the run may not get."""
+def _chunkable_head(model) -> bool:
+    """Whether the chunked loss can use this model's head (chunked_loss.output_head; LoRA's trainable tokens on the
+    head of a base whose tokenizer gets the chat markers included)."""
     from harness.errors import ConfigError
     from harness.chunked_loss import output_head
 
-    if lora_offline:
-        return False
     try:
         output_head(model)
     except ConfigError:
