@@ -407,6 +407,21 @@ def test_every_profile_loads(name):
     assert cfg.train.profile == name
 
 
+@pytest.mark.parametrize("name", ["balanced", "aggressive", "memory_efficient"])
+def test_a_packing_profile_leaves_preference_pairs_unpacked(name):
+    """Regression: train.profile=balanced with loss.mode=preference was refused ("set data.packing=false"): the
+    profile's packing is for the modes that pack; its other keys apply, and packing asked for by the user is still
+    refused in one line."""
+    from harness.config.profiles import PROFILES
+
+    cfg = load_config("configs/dpo-tiny.yaml", ["train.output_dir=/tmp/unused", f"train.profile={name}"])
+    assert cfg.data.packing is False and cfg.train.profile == name
+    assert cfg.data.num_workers == PROFILES[name]["data.num_workers"]
+    with pytest.raises(ConfigError, match="data.packing"):
+        load_config("configs/dpo-tiny.yaml", ["train.output_dir=/tmp/unused", f"train.profile={name}",
+                                               "data.packing=true"])
+
+
 def test_unknown_profile():
     with pytest.raises(ConfigError) as e:
         load_config(None, [*VALID, "train.profile=turbo"])

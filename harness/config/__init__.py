@@ -119,7 +119,10 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
     if profile is not None:
         from harness.config.profiles import profile_overrides
 
+        mode = next((v for k, v in reversed(pairs) if k == "loss.mode"), None)
         for key, value in profile_overrides(str(profile)).items():
+            if key == "data.packing" and mode == "preference":
+                continue  # pairs are scored one sequence a row: a profile's packing is for the modes that pack
             _apply(raw, key, value)
     for key, value in pairs:
         _apply(raw, key, value)
