@@ -165,11 +165,33 @@ def activation_terms(cfg: Config, shape: ModelShape, act_bytes: int) -> tuple[li
             total += lg
             pl.append(f"  logits: {tokens:,} x {shape.vocab} x (2 + 4 + 4) B = {lg / GIB:.2f} GiB")
             if not shape.chunkable_head and chunked_ce_positions(cfg, tokens, shape.vocab):
-                pl.append("  (full logits counted: the chunked loss may not take this head; sized offline with LoRA, "
-                          "the hub tokenizer may add chat markers whose rows LoRA trains through the head)")
+                pl.append("  (full logits counted: the chunked loss cannot take this head: LoRA on lm_head, or logits "
+                          "transformed after it)")
         pl.append(f"  activations: {total / GIB:.2f} GiB")
         if total >= best:
             best, best_lines = total, pl
     if len(passes) > 1:
         lines.append("unified mode: the passes back-propagate one after the other; the larger counts")
     return lines + best_lines, best
+
+
+def with_overrides(cfg: Config, sequence_parallel: int, checkpointing: bool) -> Config:
+    train = dataclasses.replace(cfg.train, sequence_parallel=sequence_parallel)
+    model = dataclasses.replace(cfg.model, gradient_checkpointing=cfg.model.gradient_checkpointing or checkpointing)
+    return dataclasses.replace(cfg, train=train, model=model)
+
+
+def sp_sizes(cfg: Config, shape: ModelShape, gpus_per_node: int) -> list[int]:
+    """The train.sequence_parallel sizes a run of this recipe could take on nodes of `gpus_per_node` GPUs, smallest
+    first (harness zero-plan's proposals); none where the recipe sets one already, or its objective, attention kernel
+    or micro-batch cannot take one (the refusals of harness.config and harness.distributed.sequence)."""
+    t = cfg.train
+    if (t.sequence_parallel > 1 or cfg.loss.mode != "generative" or cfg.loss.gen_averaging != "token"
+            or cfg.model.attn_implementation == "eager" or not isinstance(t.micro_batch_size, int)
+            or cfg.data.max_len == "auto"):
+        return []
+    heads, kv = shape.heads, shape.kv_heads or shape.heads
+    # a group stays on one node (the all-to-all inside attention); N divides the heads, N and the kv heads divide
+    # one another (harness.distributed.sequence.check_heads)
+    return [n for n in range(2, gpus_per_node + 1)
+            if gpus_per_node % n == 0 and heads % n == 0 and (kv % n == 0 or n % kv == 0)]

@@ -43,17 +43,12 @@ model.config.
 It prints the table and ends with one line `choice: zero0|zero1|zero2|zero3|zero3_offload|none`; exit status 0
 when a stage fits, 3 when none does (the table says how many GPUs would be needed).
 
-Proposals. When the recipe needs CPU offload (or fits nowhere) but overrides make stage 0-3 fit, a line
-`proposed: zeroN <overrides> -> accelerate_configs/...` before the choice says so (exit 0), after a line with the
-arithmetic; launch/train.sh --zero auto takes the proposal and adds the overrides. Tried cheapest first:
-- when one row of data.max_len tokens does not fit even one to a micro-batch (a long-sequence problem):
-  train.sequence_parallel=N, the smallest N that fits (N divides the GPUs of a node and the attention heads; the
-  generative objective; activations per GPU divided by N; stages 1-3: sequence parallelism runs under DeepSpeed).
-  No recomputation, an all-to-all inside the node per layer;
-- model.gradient_checkpointing=true (the forward computed twice: about a third more compute);
-- both, the smallest N.
-Where one row fits and the micro-batch is what is too large, only checkpointing is proposed.
-Nothing is proposed for a key the recipe already sets (sequence parallelism > 1, checkpointing on).
+Proposals. When the recipe needs CPU offload (or fits nowhere) but overrides make stage 0-3 fit, a line with the
+arithmetic and `proposed: zeroN <overrides> -> accelerate_configs/...` before the choice say so (exit 0);
+launch/train.sh --zero auto adds the overrides. Cheapest first: where one row of data.max_len tokens does not fit
+even one to a micro-batch, train.sequence_parallel=N, the smallest N that fits (activations per GPU / N, stages 1-3;
+no recomputation, an all-to-all inside the node); model.gradient_checkpointing=true (the forward computed twice);
+both. Where one row fits (the micro-batch is too large), checkpointing only. None for a key the recipe sets.
 """
 
 from __future__ import annotations
@@ -68,7 +63,7 @@ from typing import Optional
 
 from harness.config import Config, load_config, lora_config
 from harness.errors import HarnessError
-from harness.tools.sizing import GIB, ModelShape, activation_terms, model_shape
+from harness.tools.sizing import GIB, ModelShape, activation_terms, model_shape, sp_sizes, with_overrides
 OPTIONS = ["0", "1", "2", "3", "3-offload"]
 ACCELERATE_CONFIG = {"0": "multi_gpu", "1": "zero1", "2": "zero2", "3": "zero3", "3-offload": "zero3_offload"}
 
@@ -346,28 +341,6 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
     return Plan("\n".join(out), choice, rows, shape, usable, proposal, proposal_args)
 
 
-def with_overrides(cfg: Config, sequence_parallel: int, checkpointing: bool) -> Config:
-    train = dataclasses.replace(cfg.train, sequence_parallel=sequence_parallel)
-    model = dataclasses.replace(cfg.model, gradient_checkpointing=cfg.model.gradient_checkpointing or checkpointing)
-    return dataclasses.replace(cfg, train=train, model=model)
-
-
-def sp_sizes(cfg: Config, shape: ModelShape, hw: Hardware) -> list[int]:
-    """The sequence-parallel sizes a run of this recipe could take on this hardware (smallest first), or none: the
-    recipe already sets one, its objective or attention kernel cannot take one (harness.config's and
-    harness.distributed.sequence's refusals), or a row fits anyway as far as sequence parallelism can tell."""
-    t = cfg.train
-    if (t.sequence_parallel > 1 or cfg.loss.mode != "generative" or cfg.loss.gen_averaging != "token"
-            or cfg.model.attn_implementation == "eager" or not isinstance(t.micro_batch_size, int)
-            or cfg.data.max_len == "auto"):
-        return []
-    heads, kv = shape.heads, shape.kv_heads or shape.heads
-    # a group stays on one node (the all-to-all inside attention); N divides the heads, N and the kv heads divide
-    # one another (harness.distributed.sequence.check_heads)
-    return [n for n in range(2, hw.gpus_per_node + 1)
-            if hw.gpus_per_node % n == 0 and heads % n == 0 and (kv % n == 0 or n % kv == 0)]
-
-
 def _proposals(cfg: Config, shape: ModelShape, hw: Hardware, w: int, usable: float, overhead_gb: float,
                weights: str) -> list[tuple[int, bool]]:
     """(sequence_parallel, checkpointing) to try, cheapest first. A row of data.max_len tokens that does not fit a
@@ -378,7 +351,7 @@ def _proposals(cfg: Config, shape: ModelShape, hw: Hardware, w: int, usable: flo
     ckpt = not cfg.model.gradient_checkpointing  # (already on: nothing to add)
     one_row = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1))
     row_fits = _table(one_row, shape, hw, w, usable, overhead_gb, weights)[2] in OPTIONS[:4]
-    sizes = [] if row_fits else sp_sizes(cfg, shape, hw)
+    sizes = [] if row_fits else sp_sizes(cfg, shape, hw.gpus_per_node)
     return [(n, False) for n in sizes] + ([(1, True)] if ckpt else []) + ([(n, True) for n in sizes] if ckpt else [])
 
 
