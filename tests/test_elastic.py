@@ -216,7 +216,8 @@ def test_plan_fits_the_layout_splitting_both_streams_of_a_unified_run(tmp_path):
     fitted, resize = planned.cfg, planned.resize  # 8 sequences + 16 queries a step on one process
     assert (fitted.train.micro_batch_size, fitted.train.emb_micro_batch_size, fitted.train.grad_accum) == (4, 8, 2)
     assert resize.describe() == ("2 -> 1 process(es), train.grad_accum 1 -> 2, global batch 16 queries + 8 sequences "
-                                 "kept")
+                                 "kept, contrastive batch 16 -> 8 queries (0.5x the in-batch negatives: "
+                                 "train.emb_micro_batch_size x data-parallel processes with loss.gather_negatives)")
     fitted = resume.plan(cfg, 4).cfg  # 2 sequences + 4 queries a process: smaller micro-batches
     assert (fitted.train.micro_batch_size, fitted.train.emb_micro_batch_size, fitted.train.grad_accum) == (2, 4, 1)
     assert (resume.plan(cfg, 2).cfg, resume.plan(cfg, 2).resize) == (cfg, None)  # the same count: the config as it is
