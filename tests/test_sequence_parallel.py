@@ -296,6 +296,7 @@ def test_zero_plan_proposes_the_sequence_parallel_size_a_long_row_needs():
     assert batch.proposal_args == ("model.gradient_checkpointing=true",), batch.text
     assert planned("data.max_len=8192", "train.micro_batch_size=64").proposal is None  # nor with sequence parallelism
     for no_sp in (planned("data.max_len=131072", gpus=1), planned("data.max_len=131072", "model.attn_implementation=eager"),
+                  planned("data.max_len=131072", "model.attn_implementation=flex_attention"),  # refused under SP
                   planned("data.max_len=131072", "train.sequence_parallel=2")):
         assert not any(a.startswith("train.sequence_parallel") for a in no_sp.proposal_args), no_sp.text
 

@@ -183,15 +183,24 @@ def with_overrides(cfg: Config, sequence_parallel: int, checkpointing: bool) -> 
 
 def sp_sizes(cfg: Config, shape: ModelShape, gpus_per_node: int) -> list[int]:
     """The train.sequence_parallel sizes a run of this recipe could take on nodes of `gpus_per_node` GPUs, smallest
-    first (harness zero-plan's proposals); none where the recipe sets one already, or its objective, attention kernel
-    or micro-batch cannot take one (the refusals of harness.config and harness.distributed.sequence)."""
-    t = cfg.train
-    if (t.sequence_parallel > 1 or cfg.loss.mode != "generative" or cfg.loss.gen_averaging != "token"
-            or cfg.model.attn_implementation == "eager" or not isinstance(t.micro_batch_size, int)
-            or cfg.data.max_len == "auto"):
+    first (harness zero-plan's proposals): a group stays on one node (the all-to-all inside attention), and the run's
+    own refusals pass (harness.config.checks.check_sequence_parallel: objective, attention kernel, micro-batch;
+    harness.distributed.sequence.check_heads: the heads). None where the recipe sets a size already."""
+    from types import SimpleNamespace
+
+    from harness.config.checks import check_sequence_parallel
+    from harness.distributed.sequence import check_heads
+    from harness.errors import ConfigError
+
+    if cfg.train.sequence_parallel > 1 or cfg.data.max_len == "auto":
         return []
-    heads, kv = shape.heads, shape.kv_heads or shape.heads
-    # a group stays on one node (the all-to-all inside attention); N divides the heads, N and the kv heads divide
-    # one another (harness.distributed.sequence.check_heads)
-    return [n for n in range(2, gpus_per_node + 1)
-            if gpus_per_node % n == 0 and heads % n == 0 and (kv % n == 0 or n % kv == 0)]
+    heads = SimpleNamespace(num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads)
+    sizes = []
+    for n in (n for n in range(2, gpus_per_node + 1) if gpus_per_node % n == 0):
+        try:
+            check_sequence_parallel(with_overrides(cfg, n, False))
+            check_heads(n, heads)
+        except ConfigError:
+            continue
+        sizes.append(n)
+    return sizes
