@@ -78,8 +78,9 @@ def output_head(model) -> tuple[torch.nn.Linear, float | None, object]:
     and peft (the head of the base model; tied to the input embedding or not, the same Parameter either way).
 
     peft's trainable tokens on the head (the rows of tokens added to the vocabulary, trained apart under LoRA:
-    harness.model.apply_lora's trainable_token_indices, tied head or not) are taken: the returned module is the
-    TrainableTokensLayer, and `head_weight` gives the weight with its rows merged in, as peft's own forward does.
+    harness.model.apply_lora's trainable_token_indices, tied head or not) are taken: the returned module is then
+    the one peft put in lm_head's place, and `head_params` gives its weight with those rows merged in, as peft's own
+    forward does.
     Refused with a ConfigError: a head that is not a plain nn.Linear (peft LoRA or modules_to_save on lm_head) and a
     config that scales the logits after the head (LOGIT_TRANSFORMS). Gemma-2-style final_logit_softcapping is
     handled (returned, and applied inside the chunked loss)."""
@@ -120,21 +121,18 @@ def _token_layer(head):
     return layer if type(layer).__name__ == "TrainableTokensLayer" and hasattr(layer, "get_merged_weights") else None
 
 
-def head_weight(head) -> torch.Tensor:
-    """The weight the output head multiplies by: a plain Linear's own, or under peft's trainable tokens the base
+def head_params(head) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) the output head multiplies by: a plain Linear's own, or under peft's trainable tokens the base
     weight with the trained rows of the active adapter put in (peft's get_merged_weights: a differentiable copy, as
-    in its forward); the base weight where the adapter is off (disable_adapter: a DPO reference pass) or merged."""
+    in its forward), the base weight where the adapter is off (disable_adapter: a DPO reference pass) or merged;
+    no bias there (output_head refuses a biased head under trainable tokens)."""
     layer = _token_layer(head)
     if layer is None:
-        return head.weight
+        return head.weight, head.bias
     active = [a for a in layer.active_adapters if a in layer.token_indices]
     if layer.disable_adapters or layer.merged or not active:
-        return layer.base_layer.weight
-    return layer.get_merged_weights(active)
-
-
-def head_bias(head) -> torch.Tensor | None:
-    return None if _token_layer(head) is not None else head.bias  # (output_head refuses a biased one under them)
+        return layer.base_layer.weight, None
+    return layer.get_merged_weights(active), None
 
 
 class ChunkedHeadLoss:
@@ -179,7 +177,7 @@ class ChunkedHeadLoss:
         if hidden.shape[:2] != self.labels.shape:
             raise RuntimeError(f"ChunkedHeadLoss: the head got hidden states {tuple(hidden.shape)} for labels "
                                f"{tuple(self.labels.shape)}; call the model with logits_to_keep=0")
-        weight, bias = head_weight(self.head), head_bias(self.head)
+        weight, bias = head_params(self.head)
         total, self.count = chunked_token_loss_sum(hidden, weight, self.labels, bias,
                                                    self.chunk_size, softcap=self.softcap,
                                                    skip_ignored=self.skip_ignored, shifted=self.shifted)

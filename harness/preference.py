@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from harness import losses
-from harness.chunked_loss import ChunkedHeadLoss, head_bias, head_weight
+from harness.chunked_loss import ChunkedHeadLoss, head_params
 from harness.data import IGNORE_INDEX
 from harness.data.samples import model_inputs, real_tokens
 from harness.errors import one_line
@@ -75,8 +75,8 @@ class SequenceLogps(ChunkedHeadLoss):
         self.calls += 1
         if self.calls > 1 or hidden.shape[:2] != self.labels.shape:
             raise RuntimeError("SequenceLogps: the output head must run once, on every position")
-        return token_logps(hidden, head_weight(self.head), self.labels, head_bias(self.head), self.chunk_size,
-                           self.softcap)
+        weight, bias = head_params(self.head)
+        return token_logps(hidden, weight, self.labels, bias, self.chunk_size, self.softcap)
 
     def result(self, out) -> tuple[torch.Tensor, torch.Tensor]:
         per_token, _ = super().result(out)

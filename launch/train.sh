@@ -8,7 +8,8 @@
 # arithmetic and takes the lowest stage that fits; when only CPU offload (or nothing) fits but sequence parallelism
 # (a row of data.max_len tokens too long for one GPU) or activation checkpointing makes a stage fit, it takes that
 # stage and adds train.sequence_parallel=N and/or model.gradient_checkpointing=true (the plan's `proposed:` line; not
-# when the command sets one of those keys). Other overrides go to the run unchanged. Paths are relative to the repository root (the script runs there).
+# when the command sets one of those keys). Other overrides go to the run unchanged. Paths are relative to the
+# repository root (the script runs there).
 #
 # Output goes to the terminal and to <train.output_dir>/train.log (train-node<R>.log on several nodes).
 # Restarting the same command resumes from the newest complete checkpoint (train.resume=auto is the default), also on a

@@ -400,7 +400,7 @@ def test_head_loss_with_peft_trainable_tokens_on_the_head_matches_full_logits(ti
     on such a base."""
     from peft import LoraConfig, get_peft_model
 
-    from harness.chunked_loss import _token_layer, head_weight
+    from harness.chunked_loss import _token_layer, head_params
     from harness.model import _token_targets
     from harness.preference import sequence_logps
 
@@ -415,7 +415,7 @@ def test_head_loss_with_peft_trainable_tokens_on_the_head_matches_full_logits(ti
         for name, p in model.named_parameters():
             if "trainable_tokens_delta" in name or "lora_B" in name:
                 p.add_(torch.randn_like(p) * 0.5)
-    assert not torch.equal(head_weight(head)[added], layer.base_layer.weight[added])
+    assert not torch.equal(head_params(head)[0][added], layer.base_layer.weight[added])
     inputs, labels = _batch(torch.Generator().manual_seed(17))
     inputs["input_ids"][:, 3] = 92  # an added token as input and as target
     labels[:, 4] = 93

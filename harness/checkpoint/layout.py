@@ -110,8 +110,8 @@ class Resize:
         why = ", train.global_batch_size" if b.processes != a.processes else ""
         parts.append(f"global batch {' + '.join(kept)} " + ("kept" if same else
                      "(was " + " + ".join(str(b.global_batch(s)) for s in self.streams) + f"{why})"))
-        if "emb" in self.streams and self.contrastive_batch(b) != self.contrastive_batch(a):
-            was, now = self.contrastive_batch(b), self.contrastive_batch(a)
+        was, now = self.contrastive_batch(b), self.contrastive_batch(a)
+        if "emb" in self.streams and was != now:
             parts.append(f"contrastive batch {was} -> {now} queries ({now / was:.2g}x the in-batch negatives: "
                          f"train.emb_micro_batch_size x data-parallel processes"
                          f"{' with loss.gather_negatives' if self.gather_negatives else ''})")

@@ -349,9 +349,11 @@ def _proposals(cfg: Config, shape: ModelShape, hw: Hardware, w: int, usable: flo
     compute), and both last. Where one row fits (the micro-batch is what is too large), checkpointing alone: a
     smaller train.micro_batch_size is the other way, and the "no stage fits" line says so."""
     ckpt = not cfg.model.gradient_checkpointing  # (already on: nothing to add)
-    one_row = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1))
-    row_fits = _table(one_row, shape, hw, w, usable, overhead_gb, weights)[2] in OPTIONS[:4]
-    sizes = [] if row_fits else sp_sizes(cfg, shape, hw.gpus_per_node)
+    sizes = sp_sizes(cfg, shape, hw.gpus_per_node)
+    if sizes:
+        one_row = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1))
+        if _table(one_row, shape, hw, w, usable, overhead_gb, weights)[2] in OPTIONS[:4]:
+            sizes = []  # one row fits: the micro-batch is too large, not the row
     return [(n, False) for n in sizes] + ([(1, True)] if ckpt else []) + ([(n, True) for n in sizes] if ckpt else [])
 
 
