@@ -15,7 +15,8 @@ import torch
 from harness.config import Config
 from harness.data import IGNORE_INDEX
 from harness.errors import ConfigError
-from harness.model import is_peft, unwrap
+from harness.lora import is_peft
+from harness.model import unwrap
 
 # loss.chunked_ce=auto turns the chunked loss on from this size of a micro-batch's fp32 logits (see resolve_chunked_ce)
 AUTO_MIN_LOGITS_BYTES = 256 * 2**20
@@ -78,7 +79,7 @@ def output_head(model) -> tuple[torch.nn.Linear, float | None, object]:
     and peft (the head of the base model; tied to the input embedding or not, the same Parameter either way).
 
     peft's trainable tokens on the head (the rows of tokens added to the vocabulary, trained apart under LoRA:
-    harness.model.apply_lora's trainable_token_indices, tied head or not) are taken: the returned module is then
+    harness.lora.apply_lora's trainable_token_indices, tied head or not) are taken: the returned module is then
     the one peft put in lm_head's place, and `head_params` gives its weight with those rows merged in, as peft's own
     forward does.
     Refused with a ConfigError: a head that is not a plain nn.Linear (peft LoRA or modules_to_save on lm_head) and a

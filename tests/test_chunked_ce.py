@@ -393,7 +393,7 @@ def test_head_loss_through_peft_and_torch_compile_wrappers():
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_head_loss_with_peft_trainable_tokens_on_the_head_matches_full_logits(tied):
     """LoRA on a base whose vocabulary was extended (the chat markers added to its tokenizer): peft trains the new
-    rows apart (trainable_token_indices, harness.model.apply_lora), and wraps the head in a TrainableTokensLayer,
+    rows apart (trainable_token_indices, harness.lora.apply_lora), and wraps the head in a TrainableTokensLayer,
     tied head or not. The chunked loss takes the head with those rows merged in: the loss and the gradients of the
     adapters and of the trained rows equal the full logits'; with the adapter off (a DPO reference pass) it is the
     base's. Before: refused ("not a plain Linear"), so chunked_ce=auto fell back to full logits and DPO refused LoRA
@@ -401,7 +401,7 @@ def test_head_loss_with_peft_trainable_tokens_on_the_head_matches_full_logits(ti
     from peft import LoraConfig, get_peft_model
 
     from harness.chunked_loss import _token_layer, head_params
-    from harness.model import _token_targets
+    from harness.lora import _token_targets
     from harness.preference import sequence_logps
 
     base = _tiny("llama", tie_word_embeddings=tied)

@@ -152,7 +152,7 @@ def test_qlora_micro_step_chunked_equals_full_logits(tmp_path):
     """QLoRA (a 4-bit nf4 base by bitsandbytes, LoRA on top, real kernels on the CPU): the chunked loss through the
     (unquantized) output head gives the full-logit path's losses and adapter gradients, untied head."""
     pytest.importorskip("bitsandbytes")
-    from harness.model import is_quantized
+    from harness.lora import is_quantized
     from tests.test_lora import save_base
 
     save_base(tmp_path / "base", tied=False)

@@ -1,4 +1,4 @@
-"""LoRA through peft (harness/model.py apply_lora, merged_copy; final/ export in harness/checkpoint/export.py).
+"""LoRA through peft (harness/lora.py apply_lora, merged_copy; final/ export in harness/checkpoint/export.py).
 
     .venv/bin/python -m pytest tests/test_lora.py            # -m "not slow" for the unit tests only
 """
@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from harness.config import ModelConfig, load_config
 from harness.errors import ConfigError
-from harness.model import apply_lora, build_model, is_peft, load_tokenizer, merged_copy
+from harness.lora import apply_lora, is_peft, merged_copy
+from harness.model import build_model, load_tokenizer
 from tests.harness_launch import DEFAULT, FAST, initial_weights, run_train
 
 TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

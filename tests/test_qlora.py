@@ -1,5 +1,6 @@
-"""QLoRA: model.quantization=4bit|8bit through bitsandbytes (harness/model.py quantization_kwargs, build_model,
-merged_copy; config checks in harness/config/checks.py check_quantization). Real bitsandbytes on the CPU, no mocks.
+"""QLoRA: model.quantization=4bit|8bit through bitsandbytes (harness/lora.py quantization_kwargs and merged_copy,
+harness/model.py build_model; config checks in harness/config/checks.py check_quantization). Real bitsandbytes on the
+CPU, no mocks.
 
     .venv/bin/python -m pytest tests/test_qlora.py            # -m "not slow" for the config checks only
 """
@@ -42,17 +43,17 @@ def test_quantization_config_checks(tmp_path):
 
 
 def test_missing_bitsandbytes_is_one_line(monkeypatch):
-    from harness import model as model_lib
+    from harness import lora
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(ConfigError, match=r"pip install 'harness\[qlora\]'") as e:
-        model_lib.quantization_kwargs("4bit", "fp32")
+        lora.quantization_kwargs("4bit", "fp32")
     assert "\n" not in str(e.value)
 
 
 def test_compute_dtype_follows_precision():
-    from harness.model import quantization_kwargs
+    from harness.lora import quantization_kwargs
 
     assert quantization_kwargs("4bit", "bf16")["quantization_config"].bnb_4bit_compute_dtype == torch.bfloat16
     qc = quantization_kwargs("4bit", "fp32")["quantization_config"]
@@ -64,7 +65,8 @@ def test_compute_dtype_follows_precision():
 @pytest.mark.slow
 def test_qlora_4bit_trains_on_cpu(tmp_path):
     """build_model + the harness's optimizer on a 4-bit base: adapters change, the loss on one fixed batch falls."""
-    from harness.model import build_model, is_quantized, load_tokenizer
+    from harness.lora import is_quantized
+    from harness.model import build_model, load_tokenizer
     from harness.optim import build_optimizer
 
     save_base(tmp_path / "base")

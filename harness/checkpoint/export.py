@@ -69,7 +69,7 @@ def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optiona
 
 def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, extra: Optional[dict],
                   random_base_dest: Optional[Path] = None) -> None:
-    from harness.model import is_peft, merged_copy, uses_trainable_tokens
+    from harness.lora import is_peft, merged_copy, uses_trainable_tokens
 
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     kwargs = {}

@@ -97,7 +97,7 @@ class Row:
         return self.weights + self.grads + self.optim + self.extra + self.activations + self.overhead
 
 
-# bytes per parameter of a frozen base Linear weight quantized by bitsandbytes (harness.model.quantization_kwargs):
+# bytes per parameter of a frozen base Linear weight quantized by bitsandbytes (harness.lora.quantization_kwargs):
 # nf4 with double quantisation: 4 bits + an 8-bit absmax per block of 64 + an fp32 constant per 256 blocks;
 # LLM.int8: 1 byte (its fp32 scale per output row is left out)
 QUANT_BYTES = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
