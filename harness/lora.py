@@ -56,6 +56,7 @@ def apply_lora(model, cfg: ModelConfig, added_tokens: list[int] | None = None):
         return model
     from peft import LoraConfig, get_peft_model
 
+    refuse_trainable_tokens_without_cuda(added_tokens)
     targets = lc.target_modules
     try:
         peft_cfg = LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets,
@@ -63,6 +64,21 @@ def apply_lora(model, cfg: ModelConfig, added_tokens: list[int] | None = None):
         return get_peft_model(model, peft_cfg)
     except ValueError as e:
         raise ConfigError(f"config key 'model.lora.target_modules': {str(e).splitlines()[0]}")
+
+
+def refuse_trainable_tokens_without_cuda(added: list[int] | None) -> None:
+    """peft (0.21) gathers the added rows of a ZeRO-3 partitioned embedding onto a CUDA device whatever the run's
+    device (TrainableTokensLayer._collect_token_weights: "only CUDA is implemented"), so LoRA with added tokens under
+    ZeRO-3 on a machine without CUDA would stop in a raw "Torch not compiled with CUDA enabled" traceback on every
+    rank: one line instead, with what does run."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if added and is_deepspeed_zero3_enabled() and not torch.cuda.is_available():
+        raise ConfigError(
+            f"config key 'model.lora.enabled': LoRA on a base whose tokenizer lacks the run's chat markers "
+            f"({len(added)} new embedding rows, trained through peft's trainable tokens) under ZeRO-3 needs a CUDA "
+            f"GPU: peft initialises those rows on CUDA only; without one use ZeRO-2 (train.deepspeed=zero2 or "
+            f"accelerate_configs/zero2.yaml) or a base whose tokenizer has the markers")
 
 
 def _token_targets(model, added: list[int] | None):

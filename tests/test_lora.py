@@ -195,6 +195,25 @@ def test_added_token_rows_are_trained_and_saved_with_the_adapter(tmp_path, tied)
     assert out.shape[1] == ids.shape[1] + 5
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_added_token_rows_under_zero3_without_cuda_are_one_line(tmp_path):
+    """Regression: LoRA on a base whose tokenizer lacks the chat markers, under ZeRO-3 without CUDA, stopped in peft's
+    raw "Torch not compiled with CUDA enabled" traceback (peft gathers ZeRO-3's added rows onto CUDA only); now one
+    line naming the key and what runs instead, before any step."""
+    base = tmp_path / "base"
+    save_base(base)
+    proc = run_train([*FAST, f"model.name_or_path={base}", "model.config={}", "model.tokenizer=null",
+                      "model.lora.enabled=true", "model.lora.r=4", "train.max_steps=2", "train.deepspeed=zero3",
+                      f"train.output_dir={tmp_path / 'run'}"], check=False)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr and "CUDA enabled" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("harness: error:")]
+    assert len(errors) == 1 and "'model.lora.enabled'" in errors[0] and "ZeRO-3 needs a CUDA GPU" in errors[0], errors
+    assert "train.deepspeed=zero2" in errors[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").is_file() or not (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
 def added_tokens_run(request, tmp_path_factory):
     """A LoRA run on a local pretrained base whose tokenizer gets the chat markers (vocabulary resized, padded to 64),
