@@ -172,7 +172,8 @@ def test_plan_then_train_records_accuracy(tmp_path, repo_root):
     rep = json.loads((out / "report.json").read_text())
     assert rep["plan"]["estimated_s"] == pytest.approx(est["estimated_s"]) and rep["plan"]["same_config"]
     assert rep["plan"]["actual_s"] == pytest.approx(rep["timings"]["process_wall_s"])
-    assert abs(rep["plan"]["error_pct"]) < 50  # the figure itself is reported (docs/benchmarks.md), not timed here
+    actual = rep["plan"]["actual_s"]  # the accuracy itself is a timing (docs/benchmarks.md), not asserted here
+    assert rep["plan"]["error_pct"] == pytest.approx(100 * (est["estimated_s"] - actual) / actual)
 
     # a window with room for half of the training steps: told so; the first fitting adjustment (fewer epochs) fits
     # again when re-planned from the same measurements
