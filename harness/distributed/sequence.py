@@ -68,11 +68,20 @@ def check_stage(size: int, zero_stage: int) -> None:
                           f"ZeRO stage {zero_stage}; launch with --zero 1, 2 or 3")
 
 
-def check_heads(size: int, config) -> None:
-    """N divides the model's attention heads (Ulysses gives each process 1/N of them)."""
+def attention_heads(config) -> tuple:
+    """(query heads, key/value heads, head size) of a transformers config; a family without grouped key/value heads
+    (gpt_neox, gpt2: no num_key_value_heads) has as many as query heads, one without head_dim hidden_size / heads."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_attention_heads", None)
     kv = getattr(text, "num_key_value_heads", None) or heads
+    hidden = getattr(text, "hidden_size", None)
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    return heads, kv, head_dim
+
+
+def check_heads(size: int, config) -> None:
+    """N divides the model's attention heads (Ulysses gives each process 1/N of them)."""
+    heads, kv, _ = attention_heads(config)
     if size > 1 and heads and heads % size:
         raise ConfigError(f"config key 'train.sequence_parallel': {size} does not divide the model's {heads} "
                           f"attention heads; use a divisor of {heads}")
@@ -180,8 +189,7 @@ def install_attention(sp: SequenceParallel, model, micro_batch: int) -> str:
     check_heads(sp.size, config)
     text = config.get_text_config()
     core = ALL_ATTENTION_FUNCTIONS[impl]
-    heads, kv = text.num_attention_heads, text.num_key_value_heads or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    heads, kv, head_dim = attention_heads(config)
     ulysses = UlyssesSPAttentionHF(attn=_documents_sdpa(core) if impl == "sdpa" else core, batch_size=micro_batch,
                                    attn_head_count=heads, attn_head_size=head_dim, kv_head_count=kv,
                                    num_hidden_layers=text.num_hidden_layers, process_group=sp.group,
