@@ -204,6 +204,10 @@ def install_attention(sp: SequenceParallel, model, micro_batch: int) -> str:
             ulysses.required_key_value_shape = torch.Size([1, n, kv, head_dim])
             ulysses.required_context_shape = torch.Size([1, n, head_dim * heads // sp.size])
             attention_mask = None  # built by transformers for the local shard: the documents' mask is rebuilt
+            out, weights = ulysses(module, query, key, value, attention_mask, *args, **kwargs)
+            # Ulysses returns [batch, positions, heads x size]; the kernels' contract is [batch, positions, heads,
+            # size], which families that merge the last two dimensions themselves (gpt2) need
+            return out.view(*out.shape[:2], heads, head_dim), weights
         return ulysses(module, query, key, value, attention_mask, *args, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS[impl] = attention
