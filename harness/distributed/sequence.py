@@ -146,30 +146,37 @@ def shard(batch: dict, rank: int, size: int) -> dict:
             "shift_labels": shifted[:, part].contiguous(), "token_mask": real[:, part].contiguous(), "rows": n}
 
 
-def block_causal_mask(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
-    """[B, 1, T, T] boolean mask: causal within each document (a document starts where the position id is 0), or
-    None where every row is one document counted from 0 (plain causal attention needs no mask)."""
+def block_causal_mask(position_ids: torch.Tensor, window: Optional[int] = None) -> Optional[torch.Tensor]:
+    """[B, 1, T, T] boolean mask: causal within each document (a document starts where the position id is 0) and,
+    with a sliding `window`, over the last `window` positions only (a query sees key k when q - k < window, as
+    transformers' sliding_window_overlay); None where every row is one document counted from 0 and no window cuts it
+    (plain causal attention needs no mask)."""
     n, t = position_ids.shape
     plain = torch.arange(t, device=position_ids.device).expand(n, t)
-    if torch.equal(position_ids, plain):
+    if torch.equal(position_ids, plain) and not (window and window < t):
         return None
     doc = (position_ids == 0).cumsum(1)
     causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    if window and window < t:
+        causal &= ~torch.ones_like(causal).tril(-window)
     return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
 
 def _documents_sdpa(core):
     """sdpa with the documents' mask from the (gathered, whole-row) position ids; is_causal when there is none. One
-    mask serves every layer of a pass (as transformers' own does). It is L x L: under sdpa, packed rows keep an
-    attention term that does not shrink with N (docs/long-context.md); flash attention needs no mask."""
-    cached: list = [None, None]  # (position ids, mask) of the last pass
+    mask serves every layer of a pass with the same sliding window (as transformers' own do). It is L x L: under
+    sdpa, packed rows keep an attention term that does not shrink with N (docs/long-context.md); flash attention needs
+    no mask."""
+    cached: list = [None, {}]  # position ids of the last pass, its mask per sliding window (None: full attention)
 
     def attend(module, query, key, value, attention_mask, *args, **kwargs):
-        positions = kwargs.get("position_ids")
+        positions, window = kwargs.get("position_ids"), kwargs.get("sliding_window")
         if attention_mask is None and positions is not None:  # (evaluation keeps its own mask)
             if cached[0] is None or cached[0].shape != positions.shape or not torch.equal(cached[0], positions):
-                cached[:] = [positions, block_causal_mask(positions)]
-            attention_mask = cached[1]
+                cached[:] = [positions, {}]
+            if window not in cached[1]:  # a layer's window (mistral, gemma3's sliding layers, qwen2's) or None
+                cached[1][window] = block_causal_mask(positions, window)
+            attention_mask = cached[1][window]
         return core(module, query, key, value, attention_mask, *args, **kwargs)
 
     return attend
