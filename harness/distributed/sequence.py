@@ -70,7 +70,8 @@ def check_stage(size: int, zero_stage: int) -> None:
 
 def attention_heads(config) -> tuple:
     """(query heads, key/value heads, head size) of a transformers config; a family without grouped key/value heads
-    (gpt_neox, gpt2: no num_key_value_heads) has as many as query heads, one without head_dim hidden_size / heads."""
+    (gpt_neox, gpt2: no num_key_value_heads) has as many as query heads, one without head_dim hidden_size / heads.
+    Also the RFT engine's key/value cache shape (harness.rft.engine)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_attention_heads", None)
     kv = getattr(text, "num_key_value_heads", None) or heads

@@ -28,6 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
+from harness.distributed.sequence import attention_heads
 from harness.errors import HarnessError
 
 
@@ -137,8 +138,7 @@ class ContinuousEngine:
         self.keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # the last position's logits only
         c = model.config.get_text_config()
         self.layers = c.num_hidden_layers
-        self.heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        _, self.heads, self.head_dim = attention_heads(c)  # the cache holds key/value heads
         self.vocab = c.vocab_size
 
     # ------------------------------------------------------------------------------------------- sizing
