@@ -3,8 +3,10 @@
     python scripts/goldens.py record docs/bench/goldens.json     # before moving code
     python scripts/goldens.py compare docs/bench/goldens.json    # after: exit 1 on any difference
 
-Four runs through the real entry point (one process, fp32 CPU): the default job (40 steps), the unified GritLM
-recipe (40 steps), the default job stopped at step 20 and resumed, and the default job under DeepSpeed ZeRO-2 (one
+Six runs through the real entry point (one process, fp32 CPU): the default job (40 steps), the unified GritLM
+recipe (40 steps), the default job stopped at step 20 and resumed, LoRA on the default job (8 steps; its adapter
+tensors are kept too), DPO on configs/dpo-tiny.yaml (8 steps; its reference log-probs are kept too), and the
+default job under DeepSpeed ZeRO-2 (one
 process through `accelerate launch` with accelerate_configs/zero2.yaml; launched without ACCELERATE_USE_CPU, which
 would quietly turn DeepSpeed off; report.json's zero_stage is kept and must be 2). What is kept of each:
 metrics.jsonl without its timing and system fields (loss, lr, grad norm, tokens, epoch, padding, evaluations), the key set of its records, and
@@ -34,6 +36,9 @@ RUNS = {
     "resume": ("configs/default.yaml", ["train.max_steps=40", "train.log_every=5", "train.eval_every=10"]),
     "zero2": ("configs/default.yaml", ["train.max_steps=20", "train.log_every=5", "train.eval_every=10",
                                        "train.save_every_steps=10"]),
+    "lora": ("configs/default.yaml", ["train.max_steps=8", "train.log_every=2", "train.eval_every=4",
+                                      "model.lora.enabled=true"]),
+    "dpo": ("configs/dpo-tiny.yaml", ["train.max_steps=8", "train.log_every=2", "train.eval_every=4"]),
 }
 LAUNCHED = {"zero2": "zero2"}  # run name -> accelerate_configs/<name>.yaml, one process through accelerate launch
 
@@ -75,6 +80,22 @@ def kept(run_dir: Path) -> dict:
             "report_keys": keys(report), "zero_stage": report.get("zero_stage")}
 
 
+def tensors(run_dir: Path) -> dict:
+    """A LoRA run's adapter tensors (final/adapter_model.safetensors) and a DPO run's reference log-probs
+    (reference_logps.pt), as lists of floats."""
+    import torch
+    from safetensors.torch import load_file
+    out = {}
+    adapter = run_dir / "final" / "adapter_model.safetensors"
+    if adapter.is_file():
+        out["adapter"] = {k: v.float().flatten().tolist() for k, v in sorted(load_file(adapter).items())}
+    reference = run_dir / "reference_logps.pt"
+    if reference.is_file():
+        held = torch.load(reference, weights_only=True)
+        out["reference_logps"] = {k: v["logps"].float().flatten().tolist() for k, v in sorted(held.items())}
+    return out
+
+
 def record_all() -> dict:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,7 +105,7 @@ def record_all() -> dict:
                 train(config, overrides + [f"train.output_dir={run_dir}", "train.stop_at_step=20"])
                 overrides = overrides + ["train.resume=auto"]
             train(config, overrides + [f"train.output_dir={run_dir}"], LAUNCHED.get(name))
-            out[name] = kept(run_dir)
+            out[name] = {**kept(run_dir), **tensors(run_dir)}
             if name == "zero2" and out[name]["zero_stage"] != 2:
                 sys.exit(f"[goldens] zero2 ran without DeepSpeed ZeRO-2 (zero_stage {out[name]['zero_stage']!r})")
             print(f"[goldens] {name}: {len(out[name]['records'])} records", flush=True)
