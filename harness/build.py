@@ -17,13 +17,15 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from harness import distributed, hardware, optim, rundir
+from harness import hardware, optim, rundir
 from harness.checkpoint import resume
 from harness.speed.compiling import CompileWatch
 from harness.config import Config
 from harness.config.checks import quantization_zero3_error
 from harness.data import loaders
-from harness.distributed import sequence
+from harness.distributed import collectives, processes, sequence
+from harness.distributed.zero import (model_init_context, parameters_held, planned_weights, repair_stage0_optimizer,
+                                      zero_info)
 from harness.errors import ConfigError, HarnessError
 from harness.observe import metrics, monitor
 from harness.observe.record import RunRecord
@@ -70,7 +72,7 @@ class Job:
 
     @property
     def is_deepspeed(self) -> bool:
-        return distributed.is_deepspeed(self.accelerator)
+        return processes.is_deepspeed(self.accelerator)
 
     @property
     def accum(self) -> int:
@@ -132,7 +134,7 @@ def build_run(cfg: Config, opened: contextlib.ExitStack) -> tuple[Job, LoopState
     describe_batch(cfg, sequence.dp_world(cfg.train.sequence_parallel, accelerator.num_processes), built,
                    data.streams, say)
     # only now: a data or model error leaves the folder's config.yaml (which describes its checkpoints) as it was
-    distributed.on_main(accelerator, lambda: rundir.write_run_files(cfg, started.out, started.record.env))
+    collectives.on_main(accelerator, lambda: rundir.write_run_files(cfg, started.out, started.record.env))
     resumed = resume.restore(started.resume, accelerator, cfg, started.zero["zero_stage"], built.weights, data.streams,
                              epoch_rows(data, data.streams), built.schedule["total_steps"], say)
     record = replace(started.record, parameters=built.parameters, held=built.held, peak_flops=built.peak_flops,
@@ -165,7 +167,7 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
     t_start, t_process = time.time(), hardware.process_start_time()
     # resumed under another number of processes: the checkpoint's global batch, split for this one (before the
     # Accelerator, whose accumulation and DeepSpeed batch settings follow the config)
-    plan = resume.plan(cfg, distributed.launched_world())
+    plan = resume.plan(cfg, processes.launched_world())
     cfg = plan.cfg
     out = Path(cfg.train.output_dir)
     precision = hardware.resolve_precision(cfg.train.precision)
@@ -174,26 +176,26 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
 
         check_fp8(cfg.model.quantization)
     compute = hardware.compute_precision(precision)  # fp8: bf16 outside the float8 Linear layers
-    cfg, weights_note = distributed.route_weights(cfg, compute)  # bf16 weights: DeepSpeed's fp32 master copies
+    cfg, weights_note = processes.route_weights(cfg, compute)  # bf16 weights: DeepSpeed's fp32 master copies
     hardware.check_attention(cfg.model.attn_implementation)
-    sequence.check_launch(cfg.train.sequence_parallel, distributed.launched_world(), distributed.deepspeed_wanted(cfg),
-                          distributed.cpu_forced())
+    sequence.check_launch(cfg.train.sequence_parallel, processes.launched_world(), processes.deepspeed_wanted(cfg),
+                          processes.cpu_forced())
     compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
     compile_mode, compile_note = sequence.compile_mode(cfg.train.sequence_parallel, cfg.train.compile, compile_mode)
     trackers = monitor.tracker_list(cfg.train.report_to, cfg.train.output_dir)  # tensorboard: <output_dir>/tensorboard
-    accelerator = distributed.make_accelerator(cfg, hardware.accelerate_mixed_precision(compute), compile_mode,
-                                               trackers)
-    opened.push(distributed.end_training(accelerator))
+    accelerator = processes.make_accelerator(cfg, hardware.accelerate_mixed_precision(compute), compile_mode,
+                                             trackers)
+    opened.push(processes.end_training(accelerator))
     for note in (weights_note, compile_note):
         if note:
             accelerator.print(note)
     rundir.hold(out, accelerator, opened)  # one run per output folder
     if cfg.train.overwrite:
-        distributed.on_main(accelerator, lambda: rundir.start_over(out, accelerator.print))
-    zero = distributed.zero_info(accelerator)
+        collectives.on_main(accelerator, lambda: rundir.start_over(out, accelerator.print))
+    zero = zero_info(accelerator)
     sequence.check_stage(cfg.train.sequence_parallel, zero["zero_stage"])
     sp = sequence.start(cfg.train.sequence_parallel, accelerator)  # the groups of N consecutive ranks
-    weights = distributed.planned_weights(compute, cfg.train.weights, distributed.is_deepspeed(accelerator))
+    weights = planned_weights(compute, cfg.train.weights, processes.is_deepspeed(accelerator))
     # the checkpoint to resume from: verified, agreed, checked against the schedule, the engine and the weights
     start = resume.choose(replace(plan, cfg=cfg), accelerator, out, zero["zero_stage"], weights)
     # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
@@ -249,7 +251,7 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     if cfg.model.quantization != "none" and zero["zero_stage"] == 3:  # a launcher's ZeRO-3; checks.py: the rest
         raise ConfigError(quantization_zero3_error(cfg.model.quantization, "the accelerate config's DeepSpeed"))
     set_seed(cfg.train.seed)
-    with distributed.model_init_context(accelerator, cfg.model.name_or_path is None or cfg.model.random_init):
+    with model_init_context(accelerator, cfg.model.name_or_path is None or cfg.model.random_init):
         model = model_lib.build_model(cfg.model, tokenizer, precision=hardware.compute_precision(started.precision),
                                        packed_causal=cfg.loss.mode == "generative" and cfg.data.packing and sp is None)
     if started.precision == "fp8":  # the blocks' Linear layers in float8 (LoRA's frozen base layers too)
@@ -284,7 +286,7 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     if started.compile is not None:
         started.compile.model_prepared(model, say, accelerator.state.dynamo_plugin.to_kwargs())
     weights = weights_dtype(model)
-    distributed.repair_stage0_optimizer(optimizer)  # DeepSpeed without ZeRO: its start-up step undone
+    repair_stage0_optimizer(optimizer)  # DeepSpeed without ZeRO: its start-up step undone
     chunk_size = resolve_chunked_ce(cfg, model, longest_micro_batch(data), say)
     if cfg.loss.mode == "preference":  # sequence log-probs: always through the output head, in chunks
         from harness import preference
@@ -299,7 +301,7 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     mconf = accelerator.unwrap_model(model, keep_torch_compile=False).config
     flop_dims = (matmul_params, getattr(mconf, "num_hidden_layers", 0), getattr(mconf, "hidden_size", 0))
     objective = Objective(cfg, accelerator, model, chunk_size=chunk_size, flop_dims=flop_dims, sp=sp)
-    held = accelerator.gather(torch.tensor([distributed.parameters_held(model)], device=accelerator.device)).tolist()
+    held = accelerator.gather(torch.tensor([parameters_held(model)], device=accelerator.device)).tolist()
     peak_flops = None  # all processes together; None where unknown (CPU)
     if torch.cuda.is_available():
         peak_one, _ = hardware.peak_flops(torch.cuda.get_device_name())

@@ -107,7 +107,7 @@ def merged_copy(peft_model, state_dict: dict, merge: bool = True):
     the base alone, the adapters left out (the base a random-init run's adapter applies to)."""
     from peft import get_peft_model
 
-    from harness.distributed import without_zero3_init
+    from harness.distributed.zero import without_zero3_init
 
     base_cfg = peft_model.get_base_model().config
     peft_cfg = peft_model.peft_config["default"]

@@ -20,7 +20,7 @@ import contextlib
 import torch
 
 from harness import faults, losses
-from harness.distributed import is_deepspeed
+from harness.distributed.processes import is_deepspeed
 from harness.config import Config
 from harness.data import IGNORE_INDEX
 from harness.data.samples import model_inputs, real_tokens

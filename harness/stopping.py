@@ -116,7 +116,7 @@ class NonfiniteGuard:
 
 
 _launcher_pid: Optional[int] = None  # the parent process that started this worker (watch_launcher)
-# read at import, before harness.distributed fills in LOCAL_RANK for a single-process DeepSpeed run
+# read at import, before harness.distributed.processes fills in LOCAL_RANK for a single-process DeepSpeed run
 _UNDER_LAUNCHER = "LOCAL_RANK" in os.environ
 
 PR_SET_PDEATHSIG = 1

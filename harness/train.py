@@ -29,7 +29,8 @@ import time
 import warnings
 from typing import Optional
 
-from harness import distributed, faults
+from harness import faults
+from harness.distributed import collectives
 from harness.auto_batch import memory_trial, run_auto_batch
 from harness.build import Job, build_run
 from harness.checkpoint.export import export_final
@@ -151,7 +152,7 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
     if stopped_by == NONFINITE:
         raise nonfinite_error(job, state, side)
     if stopped_by == WRITE_FAILED:  # the checkpoint of this step is written (a full disk: its save said so)
-        why = distributed.on_main(job.accelerator, lambda: side.log.logger.failed)
+        why = collectives.on_main(job.accelerator, lambda: side.log.logger.failed)
         raise HarnessError(f"{why}: stopped at step {state.step} with checkpoint "
                            f"{side.checkpointer.folder(state.step)}; free some space, then "
                            f"continue with train.resume=auto")
@@ -182,7 +183,7 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
         "final_dir": str(final_dir) if final_dir else None, "micro_batch_auto": auto_batch})
     # report.json (the run is finished), the model card, summary.md; a full disk: one line saying what is intact
     failed = side.log.logger.failed
-    distributed.on_main(job.accelerator, lambda: reporting.write_run_end(job, report, final_dir, failed))
+    collectives.on_main(job.accelerator, lambda: reporting.write_run_end(job, report, final_dir, failed))
     if report["plan"]:
         job.say(f"[harness] plan: estimated {report['plan']['estimated_s']:.1f}s, actual "
                 f"{report['plan']['actual_s']:.1f}s ({report['plan']['error_pct']:+.1f}%)")
@@ -274,7 +275,7 @@ class SideWork:
             kept = f" (the checkpoint {job.resume_from} is intact)" if job.resume_from else ""
             failure = (f"could not start {where} ({one_line(e)}): nothing is lost, no step of this attempt ran{kept}; "
                        f"free some space, then run the same command again")
-        failed = [f for f in distributed.all_gather(job.accelerator, failure) if f]
+        failed = [f for f in collectives.all_gather(job.accelerator, failure) if f]
         if failed:
             raise HarnessError(failed[0])
 

@@ -15,7 +15,7 @@ import pytest
 from harness.checkpoint import manifest, resume, store
 from harness.checkpoint.export import export_final
 from harness.checkpoint.manifest import ALGORITHM, checkpoint_size, file_checksum, MARKER, read_manifest, verify_checkpoint
-from harness.distributed import share_by_size
+from harness.distributed.collectives import share_by_size
 from harness.errors import ConfigError, HarnessError
 from harness.files import human_bytes
 from harness_launch import FAST, ROOT, final_weights, max_abs_diff, metrics, run_train

@@ -52,7 +52,7 @@ def test_package_shape():
 LAYERS = [
     # 0: what everything may use: errors, atomic files, the tests' fault hooks, the report's record
     ["harness", "harness.errors", "harness.files", "harness.faults", "harness.observe.record",
-     "harness.config.yaml_loader"],
+     "harness.config.yaml_loader", "harness.distributed.collectives"],
     # 1: the config and what it checks values against (reading rows, chat templates), plain facts and records
     ["harness.config", "harness.data", "harness.data.formats", "harness.data.sources", "harness.data.readers",
      "harness.data.chat",
@@ -103,6 +103,14 @@ def layer_of(name: str) -> int:
                 if name == prefix or (prefix != "harness" and name.startswith(prefix + "."))), default=None)
     assert best is not None, f"{name} has no layer in tests/test_layout.py LAYERS"
     return best[1]
+
+
+def test_collectives_know_nothing_of_the_run_config():
+    """harness/distributed/ holds process setup (processes.py) and the collectives every part calls (collectives.py);
+    the collectives import no harness module but errors, and nothing of the run's config."""
+    assert imports_of("harness.distributed.collectives") <= {"harness", "harness.errors"}
+    assert "Config" not in MODULES["harness.distributed.collectives"].read_text()
+    assert "def " not in MODULES["harness.distributed"].read_text()  # the package's __init__ is only its map
 
 
 def test_no_import_cycle():

@@ -17,7 +17,8 @@ import dataclasses
 import pytest
 
 from harness.config import load_config
-from harness.distributed import apply_weights, route_weights
+from harness.distributed.processes import route_weights
+from harness.distributed.zero import apply_weights
 from harness.errors import ConfigError
 from harness_launch import DEFAULT, FAST, metrics, report, run_train
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from harness.checkpoint.manifest import folder_size
-from harness.distributed import on_main
+from harness.distributed.collectives import on_main
 from harness.errors import HarnessError, one_line
 from harness.files import disk_full, free_bytes, human_bytes, replace_dir
 

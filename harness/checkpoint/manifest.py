@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from harness.distributed import broadcast, is_main, spread
+from harness.distributed.collectives import broadcast, is_main, spread
 
 try:
     import xxhash

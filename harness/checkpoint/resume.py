@@ -26,7 +26,7 @@ from harness.checkpoint.manifest import MARKER, STATE_FILE, Verification, verify
 from harness.checkpoint.store import checkpoints_root, is_complete, list_checkpoints, step_of
 from harness.checkpoint.universal import load_universal, repair_universal_load, universal_view
 from harness.config import NO_RESUME
-from harness.distributed import all_gather, on_main
+from harness.distributed.collectives import all_gather, on_main
 from harness.errors import ConfigError, HarnessError, one_line
 from harness.files import human_bytes
 from harness.state import LoopState

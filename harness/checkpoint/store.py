@@ -24,7 +24,7 @@ from typing import Callable, Optional
 from harness.checkpoint.layout import Layout, samples_read
 from harness.checkpoint.manifest import (MARKER, STATE_FILE, build_manifest, checkpoint_size,
                                         has_manifest, verify_checkpoint, write_marker)
-from harness.distributed import all_gather, is_main, num_processes, on_main
+from harness.distributed.collectives import all_gather, is_main, num_processes, on_main
 from harness.errors import HarnessError, one_line
 from harness.files import disk_full, free_bytes, human_bytes, write_json
 from harness.rundir import checkpoints_root

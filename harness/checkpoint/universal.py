@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from harness.checkpoint.manifest import checkpoint_size
-from harness.distributed import all_gather, deepspeed_config, is_main
+from harness.distributed.collectives import all_gather, is_main
+from harness.distributed.zero import deepspeed_config
 from harness.errors import HarnessError, one_line
 from harness.files import free_bytes, human_bytes
 

@@ -224,7 +224,7 @@ def deepspeed_stage(value: Optional[str]) -> Optional[int]:
     try:
         return json.loads(path.read_text()).get("zero_optimization", {}).get("stage", 0)
     except (OSError, ValueError, AttributeError):
-        return None  # reported with its own message when the run starts (distributed.resolve_ds_config)
+        return None  # reported with its own message when the run starts (distributed.processes.resolve_ds_config)
 
 
 def check_sequence_parallel(cfg: Config) -> None:

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO facts and fixes: the live DeepSpeed config, the ZeRO stage and offload targets, the parameters a
 rank holds, train.weights in DeepSpeed's config, the stage-0 optimizer repair, and building a model outside
-ZeRO-3's zero.Init. (The Accelerator and how DeepSpeed is chosen: harness/distributed/__init__.py.)
+ZeRO-3's zero.Init. (The Accelerator and how DeepSpeed is chosen: harness/distributed/processes.py.)
 """
 
 from __future__ import annotations

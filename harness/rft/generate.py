@@ -32,7 +32,7 @@ def make_accelerator():
     """A plain Accelerator (no model is prepared: each process samples on its own); gloo when launched on CPU."""
     from accelerate import Accelerator
 
-    from harness.distributed import process_group_kwargs
+    from harness.distributed.processes import process_group_kwargs
 
     return Accelerator(kwargs_handlers=process_group_kwargs())
 

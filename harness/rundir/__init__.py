@@ -18,7 +18,7 @@ import signal
 from pathlib import Path
 from typing import Callable
 
-from harness import distributed
+from harness.distributed import collectives
 from harness.config import Config, save_config
 from harness.errors import ConfigError, HarnessError
 from harness.files import write_json
@@ -56,7 +56,7 @@ def hold(out: Path, accelerator, opened: contextlib.ExitStack) -> None:
             held = lock.acquire(out, accelerator.print)
             opened.callback(lock.release, held)
 
-    distributed.on_main(accelerator, take)
+    collectives.on_main(accelerator, take)
 
 
 @contextlib.contextmanager

@@ -112,7 +112,7 @@ def frozen_bytes(shape: ModelShape, quantization: str, w: float) -> float:
 
 def weight_bytes(option: str, weights: str) -> tuple[int, int, int]:
     """(weights, gradients, optimizer states) bytes per trained parameter for one option. `weights` is what the run's
-    parameters are stored in (harness.distributed.planned_weights under DeepSpeed): fp32 (autocast over fp32 weights;
+    parameters are stored in (harness.distributed.zero.planned_weights under DeepSpeed): fp32 (autocast over fp32 weights;
     DeepSpeed's torch_autocast) 4 + 4 + Adam 8; 16-bit (DeepSpeed's bf16 / fp16 modes) 2 + 2 + fp32 master 4 + Adam 8.
     Stage 0 is plain DDP, except with bf16 weights (train.weights=bf16 runs DeepSpeed without ZeRO)."""
     half = weights == "bf16" if option == "0" else weights in ("bf16", "fp16")
@@ -128,7 +128,7 @@ def host_bytes(w: int) -> int:
 def state_row(option: str, shape: ModelShape, hw: Hardware, activations: float, overhead: float,
               quantization: str = "none", weights: str = "fp32") -> Row:
     """Model-state bytes per GPU for one option (see the module docstring for the byte counts). `weights`: the
-    parameters' dtype under DeepSpeed (fp32, bf16, fp16: harness.distributed.planned_weights)."""
+    parameters' dtype under DeepSpeed (fp32, bf16, fp16: harness.distributed.zero.planned_weights)."""
     if shape.trainable is not None:
         return lora_row(option, shape, hw, activations, overhead, quantization, weights)
     P, N = shape.params, hw.world
@@ -266,7 +266,7 @@ CHECKPOINTING = "model.gradient_checkpointing=true"
 
 def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2.0, source: str = "",
          shape: Optional[ModelShape] = None) -> Plan:
-    from harness.distributed import planned_weights
+    from harness.distributed.zero import planned_weights
 
     shape = shape or model_shape(cfg)
     # auto: a GPU's bf16; fp8: bf16 bytes (torchao's Float8Linear keeps its inputs in bf16 for the backward and
