@@ -5,7 +5,8 @@
     embedding / unified:  data.emb_train_files -> query / positive / negatives groups (`emb`, optionally grouped by
                           length), data.emb_eval_files -> the held-out retrieval set (`emb_eval`)
 
-Rank 0 validates and tokenizes first; the other processes read its cache (`main_process_first`).
+Rank 0 validates and tokenizes first; the other processes read its cache (`distributed.main_first`: a data error
+found by rank 0 stops every process, printed once).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from harness.config import Config
 from harness.data import mixing, sources
 from harness.data import samples as data_lib
+from harness.distributed import main_first
 
 STREAMS = {"generative": ("train_files", "eval_files"), "embedding": ("emb_train_files", "emb_eval_files"),
            "preference": ("train_files", "eval_files")}
@@ -89,7 +91,7 @@ def build_loaders(cfg: Config, accelerator, tokenizer) -> RunData:
     common = dict(num_workers=d.num_workers, pin_memory=resolve_pin_memory(d.pin_memory, cuda))
     if d.num_workers > 0:
         common.update(prefetch_factor=d.prefetch_factor, persistent_workers=d.persistent_workers)
-    with accelerator.main_process_first():  # rank 0 validates and tokenizes; the others read its cache
+    with main_first(accelerator):  # rank 0 validates and tokenizes; the others read its cache (or get its error)
         if mode in ("generative", "unified"):
             rows, held = training_rows(cfg, "generative", accelerator.print)
             max_len = resolve_max_len(cfg, rows, tokenizer, accelerator.print)
