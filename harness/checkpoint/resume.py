@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -68,6 +68,7 @@ class Resumed:
     state: LoopState
     path: Optional[Path]
     resize: Optional[Resize]
+    changes: dict = field(default_factory=dict)  # settings the resume took from this config: {key: {from, to, ...}}
 
 
 def plan(cfg, world: int) -> Plan:
@@ -97,9 +98,10 @@ def choose(p: Plan, accelerator, out: Path, zero_stage: Optional[int], weights: 
 
 
 def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: str, streams: tuple, epoch_rows: dict,
-            total_steps: int, say: Callable[[str], None]) -> Resumed:
+            total_steps: int, say: Callable[[str], None], scheduler=None) -> Resumed:
     """After prepare(): the loop state to train from, a checkpoint's (its weights, optimizer, schedule and RNG
-    loaded on every process, its data position in this attempt's layout) or step 0's."""
+    loaded on every process, its data position in this attempt's layout, this config's optim.lr: `new_peak_lr`) or
+    step 0's."""
     layout = layout_of(cfg, accelerator.num_processes, zero_stage, weights)
     if start.path is None:
         return Resumed(LoopState(streams={n: {"epoch": 0, "batches": 0} for n in streams}, layout=layout.as_dict()),
@@ -119,7 +121,29 @@ def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: 
                                              cfg.loss.gather_negatives)
     state.layout = layout.as_dict()
     say(f"[harness] resumed from {path}: step {state.step}, data position {state.streams}{moved}")
-    return Resumed(state, path, resize)
+    changes = {}
+    lr = new_peak_lr(scheduler, cfg.optim.lr) if scheduler is not None else None
+    if lr is not None:
+        changes["optim.lr"] = {"from": lr[0], "to": lr[1], "from_step": state.step + 1}
+        say(f"[harness] optim.lr changed since {path}: {lr[0]:g} -> {lr[1]:g}, applied from step {state.step + 1} "
+            f"(the schedule's warm-up and decay act on the new peak)")
+    return Resumed(state, path, resize, changes)
+
+
+def new_peak_lr(scheduler, lr: float) -> Optional[tuple[float, float]]:
+    """A resumed schedule takes this config's optim.lr as its peak: the checkpoint's scheduler and optimizer state
+    (loaded) carry the old one, which would go on without a word while config.yaml records the new value. Returns
+    (old, new) when it changed, else None. The param groups' current lr becomes new peak x the schedule's multiplier
+    at the resumed step (the one the next update uses); the next schedule steps follow from the new peak."""
+    old = list(scheduler.base_lrs)
+    if all(abs(b - lr) <= 1e-12 * max(abs(b), abs(lr)) for b in old):
+        return None
+    scheduler.base_lrs = [lr] * len(old)
+    for group, multiplier in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * multiplier(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
+    return old[0], lr
 
 
 def past_the_schedule(path: Path, saved: Optional[dict], total_steps: int) -> None:
