@@ -5,7 +5,8 @@
   the newest complete one), its harness_state.json read once, and the config fitted to this attempt's number of
   processes (harness/checkpoint/layout.py's `fit`: the accumulation and DeepSpeed's batch settings follow it);
 - `choose(plan, accelerator, ...)`: the checkpoint verified and agreed by every process (`resolve_resume`), refused
-  when it lies past the schedule or was written under another engine or weights dtype; a ZeRO checkpoint of another
+  when it lies past the schedule, was written under another engine or weights dtype, or on other training data
+  (harness/checkpoint/datafiles.py; train.resume_changed_data=true: the new data from a new epoch); a ZeRO checkpoint of another
   process count is set up to load through its universal view (harness/checkpoint/universal.py);
 - `restore(start, ...)`: the accelerate state loaded (`load_resumable`: with train.resume=auto a checkpoint that
   fails to load is passed over for an older one) and the loop state, its data position carried over to this layout;
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from harness.checkpoint import datafiles
 from harness.checkpoint.layout import (Resize, carry_over, check_same_engine, check_same_weights, fit,
                                        layout_of, needs_universal, saved_layout)
 from harness.checkpoint.manifest import MARKER, STATE_FILE, Verification, verify_checkpoint
@@ -27,7 +29,7 @@ from harness.checkpoint.store import checkpoints_root, is_complete, list_checkpo
 from harness.checkpoint.universal import load_universal, repair_universal_load, universal_view
 from harness.config import NO_RESUME
 from harness.distributed import all_gather, on_main
-from harness.errors import ConfigError, HarnessError, one_line
+from harness.errors import ConfigError, DataError, HarnessError, one_line
 from harness.files import human_bytes
 from harness.state import LoopState
 
@@ -53,6 +55,8 @@ class Start:
     saved: Optional[dict]
     universal: bool  # a ZeRO checkpoint of another process count: loaded through its universal view
     incomplete: list  # incomplete checkpoint folders passed over
+    data_files: dict = field(default_factory=dict)  # this run's training files' fingerprints (datafiles.py)
+    data_changes: list = field(default_factory=list)  # how they differ from the checkpoint's (resume_changed_data)
 
     @property
     def notes(self) -> list[str]:
@@ -94,7 +98,15 @@ def choose(p: Plan, accelerator, out: Path, zero_stage: Optional[int], weights: 
         universal = needs_universal(before, accelerator.num_processes, zero_stage)
     if universal:
         load_universal(accelerator)
-    return Start(p, path, saved, universal, incomplete)
+    files = datafiles.fingerprints(cfg)
+    changes = datafiles.compare(saved["data_files"], files) if path is not None and saved and \
+        saved.get("data_files") else []
+    if changes and not cfg.train.resume_changed_data:
+        raise DataError(f"the training data changed since {path} was written ({'; '.join(changes)}): its data "
+                        f"position counts rows of the old data; put the old data back, set "
+                        f"train.resume_changed_data=true to train the new data from the start of a new epoch, or "
+                        f"train it in another train.output_dir")
+    return Start(p, path, saved, universal, incomplete, files, changes)
 
 
 def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: str, streams: tuple, epoch_rows: dict,
@@ -104,14 +116,18 @@ def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: 
     step 0's."""
     layout = layout_of(cfg, accelerator.num_processes, zero_stage, weights)
     if start.path is None:
-        return Resumed(LoopState(streams={n: {"epoch": 0, "batches": 0} for n in streams}, layout=layout.as_dict()),
-                       None, None)
+        return Resumed(LoopState(streams={n: {"epoch": 0, "batches": 0} for n in streams}, layout=layout.as_dict(),
+                                 data_files=start.data_files), None, None)
     if cfg.train.max_steps <= 0:
         past_the_schedule(start.path, start.saved, total_steps)
     path, saved = load_resumable(accelerator, Path(cfg.train.output_dir), start.path, cfg.train.resume == "auto",
                                  cfg.model.quantization != "none", universal=start.universal,
                                  known={start.path: start.saved})
+    if start.data_changes:  # train.resume_changed_data=true: the new data from the start of a new epoch
+        saved = {**saved, "streams": {n: {"epoch": int(p["epoch"]) + bool(p.get("samples") or p["batches"]),
+                                          "batches": 0, "samples": 0} for n, p in saved["streams"].items()}}
     state = LoopState.from_saved(saved)
+    state.data_files = start.data_files
     # accelerate's micro-step counter (load_state restores the saved attempt's) decides which micro-step ends an
     # accumulation (step % train.grad_accum == 0): count it in this attempt's layout, or a resume with another
     # accumulation (1 -> 2 at step 3: counter 3) steps the optimizer after the first micro-batch of each step
@@ -122,6 +138,12 @@ def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: 
     state.layout = layout.as_dict()
     say(f"[harness] resumed from {path}: step {state.step}, data position {state.streams}{moved}")
     changes = {}
+    if start.data_changes:
+        epoch = state.streams[streams[0]]["epoch"]
+        changes["data"] = {"changed": start.data_changes, "from_epoch": epoch, "from_step": state.step + 1}
+        say(f"[harness] the training data changed since {path} ({'; '.join(start.data_changes)}); "
+            f"train.resume_changed_data=true: the new data from the start of epoch {epoch}, from step "
+            f"{state.step + 1} (weights, optimizer and schedule continue)")
     lr = new_peak_lr(scheduler, cfg.optim.lr) if scheduler is not None else None
     if lr is not None:
         changes["optim.lr"] = {"from": lr[0], "to": lr[1], "from_step": state.step + 1}
