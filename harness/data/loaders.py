@@ -215,11 +215,16 @@ def without_padding(batch: dict, k: int) -> dict:
     if k >= n:
         return batch
     keep = max(k, 1)
-    if pairs is None:
-        out = {key: v[:keep] for key, v in batch.items()}
-    else:  # rows (chosen, then rejected) are 2n long, per-pair tensors (pair_index) n
-        rows = torch.cat([torch.arange(keep), torch.arange(n, n + keep)])
-        out = {key: v[rows] if v.shape[0] == 2 * n else v[:keep] for key, v in batch.items()}
+    rows = torch.cat([torch.arange(keep), torch.arange(n, n + keep)]) if pairs is not None else None
+
+    def cut(v):  # rows (a pair batch's: chosen, then rejected) are 2n long, per-pair tensors (pair_index) n
+        if not torch.is_tensor(v) or v.dim() == 0:
+            return v
+        if rows is not None and v.shape[0] == 2 * n:
+            return v[rows]
+        return v[:keep] if v.shape[0] == n else v
+
+    out = {key: cut(v) for key, v in batch.items()}
     if k == 0:
         out["labels"] = torch.full_like(out["labels"], IGNORE_INDEX)
         out["token_mask"] = torch.zeros_like(out["input_ids"])
