@@ -1,5 +1,5 @@
 """Writing files safely: JSON written atomically, a finished folder renamed into place, a failed write told apart as
-a full disk, byte counts for messages; a file's fingerprint (size and its first and last blocks). Imports no torch.
+a full disk, byte counts for messages; a file's fingerprint (size and its first and last 64 KiB). Imports no torch.
 """
 
 from __future__ import annotations
@@ -84,12 +84,12 @@ def json_beyond_limits(exc: BaseException) -> str:
     return f"unreadable JSON ({' '.join(str(exc).split())[:200]})"
 
 
-FINGERPRINT_BLOCK = 1 << 20  # bytes hashed at each end of a file by `fingerprint`
+FINGERPRINT_BLOCK = 64 << 10  # bytes hashed at each end of a file by `fingerprint`
 
 
 def fingerprint(path: str | Path, block: int = FINGERPRINT_BLOCK) -> dict:
     """{"size", "ends"}: the file's size and a hash of its first and last `block` bytes: what tells a data file that
-    changed (rows appended, edited at either end, replaced) without reading it all (2 MiB a file)."""
+    changed (rows appended, edited at either end, replaced) without reading it all (128 KiB a file)."""
     size = os.path.getsize(path)
     digest = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:

@@ -1,5 +1,5 @@
 """The training data a checkpoint was written with: each training file's fingerprint (size and a hash of its first
-and last MiB: harness/files.py), saved in harness_state.json (`data_files`) and compared on resume. A checkpoint's
+and last 64 KiB: harness/files.py), saved in harness_state.json (`data_files`) and compared on resume. A checkpoint's
 data position counts rows of its data: resumed on changed files (pairs appended, the file regenerated) it would
 continue at the old row count in the new data's order, silently. So a change is refused in one line naming the file,
 unless train.resume_changed_data=true, which trains the new data from the start of a new epoch
@@ -58,4 +58,4 @@ def compare(saved: dict, now: dict) -> list[str]:
 def describe(old: dict, new: dict) -> str:
     if old["size"] != new["size"]:
         return f"{old['size']} -> {new['size']} bytes"
-    return f"same size, {old['ends'][:8]} -> {new['ends'][:8]} at its first or last MiB"
+    return f"same size, {old['ends'][:8]} -> {new['ends'][:8]} at its first or last 64 KiB"

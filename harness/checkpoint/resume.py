@@ -6,8 +6,8 @@
   processes (harness/checkpoint/layout.py's `fit`: the accumulation and DeepSpeed's batch settings follow it);
 - `choose(plan, accelerator, ...)`: the checkpoint verified and agreed by every process (`resolve_resume`), refused
   when it lies past the schedule, was written under another engine or weights dtype, or on other training data
-  (harness/checkpoint/datafiles.py; train.resume_changed_data=true: the new data from a new epoch); a ZeRO checkpoint of another
-  process count is set up to load through its universal view (harness/checkpoint/universal.py);
+  (harness/checkpoint/datafiles.py; train.resume_changed_data=true: the new data from a new epoch); a ZeRO
+  checkpoint of another process count is set up to load through its universal view (harness/checkpoint/universal.py);
 - `restore(start, ...)`: the accelerate state loaded (`load_resumable`: with train.resume=auto a checkpoint that
   fails to load is passed over for an older one) and the loop state, its data position carried over to this layout;
   a fresh start's loop state at step 0.
@@ -98,7 +98,7 @@ def choose(p: Plan, accelerator, out: Path, zero_stage: Optional[int], weights: 
         universal = needs_universal(before, accelerator.num_processes, zero_stage)
     if universal:
         load_universal(accelerator)
-    files = datafiles.fingerprints(cfg)
+    files = on_main(accelerator, lambda: datafiles.fingerprints(cfg))  # (read once: 128 KiB a file)
     changes = datafiles.compare(saved["data_files"], files) if path is not None and saved and \
         saved.get("data_files") else []
     if changes and not cfg.train.resume_changed_data:

@@ -262,7 +262,7 @@ class TrainConfig:
         "whose report.json says it finished is not run again: the rerun prints where its outputs are and exits 0."
     )
     resume_changed_data: bool = _f(
-        False, "A resume whose training data files changed since the checkpoint (size, first or last MiB): false "
+        False, "A resume whose training data files changed since the checkpoint (size, first or last 64 KiB): false "
         "refuses it in one line naming the file; true trains the new data from the start of a new epoch (weights, "
         "optimizer and schedule continue), said in one line and in report.json's resumed_changes.")
     overwrite: bool = _f(False, "Start over in an output_dir that holds a finished or interrupted run: its "
