@@ -136,9 +136,10 @@ def build_run(cfg: Config, opened: contextlib.ExitStack) -> tuple[Job, LoopState
     # only now: a data or model error leaves the folder's config.yaml (which describes its checkpoints) as it was
     collectives.on_main(accelerator, lambda: rundir.write_run_files(cfg, started.out, started.record.env))
     resumed = resume.restore(started.resume, accelerator, cfg, started.zero["zero_stage"], built.weights, data.streams,
-                             epoch_rows(data, data.streams), built.schedule["total_steps"], say)
+                             epoch_rows(data, data.streams), built.schedule["total_steps"], say,
+                             scheduler=built.scheduler)
     record = replace(started.record, parameters=built.parameters, held=built.held, peak_flops=built.peak_flops,
-                     resize=resumed.resize)
+                     resize=resumed.resize, resume_changes=resumed.changes)
     job = Job(cfg=cfg, accelerator=accelerator, say=say, out=started.out, t_process=started.t_process,
               timings=Timings(), precision=started.precision, zero=started.zero, compile=started.compile,
               tokenizer=tokenizer, data=data, model=built.model, optimizer=built.optimizer, scheduler=built.scheduler,

@@ -70,8 +70,9 @@ def trace_rows(step: int, rank: int, batches: dict) -> None:
 
     def digests(batch) -> list[str]:
         part = batch["query"] if "query" in batch else batch
-        mask = part.get("attention_mask", part.get("token_mask"))
-        rows = part["input_ids"] if mask is None else [ids[m.bool()] for ids, m in zip(part["input_ids"], mask)]
+        mask = part.get("token_mask", part.get("attention_mask"))  # (token_mask: a stand-in has none, loaders.py)
+        rows = part["input_ids"] if mask is None else [ids[m.bool()] for ids, m in zip(part["input_ids"], mask)
+                                                       if m.any()]
         return [hashlib.sha1(ids.cpu().numpy().tobytes()).hexdigest()[:16] for ids in rows]
 
     line = {"step": step, **{n: [d for b in bs if b is not None for d in digests(b)] for n, bs in batches.items()}}

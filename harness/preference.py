@@ -91,8 +91,13 @@ def sequence_logps(model, batch: dict, chunk_size: int) -> tuple[torch.Tensor, t
 
 
 def pair_terms(cfg_loss, logps: torch.Tensor, counts: torch.Tensor, batch: dict):
-    """(per-pair losses, chosen rewards, rejected rewards, chosen NLL sum, chosen tokens) of one pair batch."""
+    """(per-pair losses, chosen rewards, rejected rewards, chosen NLL sum, chosen tokens) of one pair batch. A
+    stand-in (no pair_index: the filling of an epoch's last round, harness/data/loaders.without_padding) gives no
+    pair and zeros that keep the backward pass connected to the model (no loss of its ignored labels: 0 / 0)."""
     n = logps.shape[0] // 2
+    if "pair_index" in batch and batch["pair_index"].shape[0] == 0:
+        none = logps[:0]
+        return none, none.detach(), none.detach(), -none.sum(), counts[:0].sum()
     ref = batch.get("ref_logps")
     needs_ref = cfg_loss.preference in ("dpo", "ipo")
     if needs_ref and ref is None:

@@ -881,3 +881,41 @@ def test_pad_buckets_widths_by_hand():
     assert batch["input_ids"].shape == (2, 4) and batch["attention_mask"].sum().item() == 5
     gen = GenerativeCollator(0, widths=Widths(1, 2, 10))([{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}])
     assert gen["input_ids"].shape == (1, 5) and gen["labels"][0, 3:].eq(-100).all()
+
+
+# ----------------------------------------------------------------------------------------------- an epoch's filling
+
+
+@pytest.mark.parametrize("rows,batch,world", [(23, 4, 2), (20, 4, 2), (24, 4, 2), (9, 4, 3), (5, 2, 1)])
+def test_an_epochs_filling_is_left_out_of_every_processs_batches(rows, batch, world):
+    """accelerate (even_batches) fills an epoch's last round with rows from its start; micro_batches drops them:
+    over the processes every row of the epoch is trained exactly once, a partial batch keeps its real rows only,
+    and a batch of filling only is a one-row stand-in with nothing to train or count (20 rows of 4 on 2 processes:
+    5 batches, the sixth is filling)."""
+    import itertools
+
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+
+    from harness.data.loaders import micro_batches, schedule_steps
+
+    def collate(ids):
+        t = torch.tensor(ids).unsqueeze(1).repeat(1, 3)
+        return {"input_ids": t, "labels": t.clone(), "attention_mask": torch.ones_like(t)}
+
+    per_process = schedule_steps(rows, batch, world, 1, -1, 1)["micro_per_epoch"]
+    trained, stand_ins = [], 0
+    for rank in range(world):
+        loader = prepare_data_loader(DataLoader(list(range(rows)), batch_size=batch, shuffle=True, collate_fn=collate),
+                                     "cpu", num_processes=world, process_index=rank, put_on_device=False,
+                                     use_seedable_sampler=True)
+        pos = {"epoch": 0, "batches": 0}
+        for b in itertools.islice(micro_batches(None, loader, pos), per_process):
+            real = b["labels"][:, 0] != IGNORE_INDEX
+            trained += b["input_ids"][real, 0].tolist()
+            if not real.any():
+                stand_ins += 1
+                assert b["input_ids"].shape[0] == 1 and int(b["token_mask"].sum()) == 0
+        assert pos == {"epoch": 0, "batches": per_process}
+    assert sorted(trained) == list(range(rows))
+    assert stand_ins == per_process * world - -(-rows // batch)

@@ -71,14 +71,28 @@ def test_a_config_error_from_python_dash_m_and_train_sh(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_data_error_under_two_processes_is_printed_once(tmp_path):
-    """Found after the heavy imports, by both processes: the second waits for the launcher to end it."""
+@pytest.mark.parametrize("mode", ["generative", "preference"])
+def test_a_data_error_under_two_processes_is_printed_once(mode, tmp_path):
+    """Found by the main process while it reads the data first (the others wait for it, harness/data/loaders.py):
+    every process stops with it, the main process prints it once, no process prints a traceback (rank 1 died at
+    accelerate's main_process_first barrier with gloo's `Connection closed by peer` before)."""
     out, bad = tmp_path / "run", tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "fine"}\n[1]\n')
-    proc = accelerate("--multi_gpu", "--num_processes", "2", "harness/train.py", "--config", "configs/default.yaml",
+    if mode == "generative":
+        bad.write_text('{"text": "fine"}\n[1]\n')
+        config, line = "configs/default.yaml", f"harness: error: {bad}:2: expected a JSON object, got list"
+    else:
+        bad.write_text('{"prompt": "q", "chosen": "yes", "rejected": "no"}\n{"prompt": "q", "rejected": "a"}\n')
+        config, line = "configs/dpo-tiny.yaml", f"harness: error: {bad}:2: missing field 'chosen'"
+    proc = accelerate("--multi_gpu", "--num_processes", "2", "harness/train.py", "--config", config,
                       f"train.output_dir={out}", f"data.train_files=[{bad}]", "data.eval_files=[]")
     assert proc.returncode != 0
-    assert error_lines(proc) == [f"harness: error: {bad}:2: expected a JSON object, got list"], proc.stderr[-3000:]
+    lines = error_lines(proc)
+    assert len(lines) == 1 and lines[0].startswith(line), proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    # the launcher's own ChildFailedError traceback (accelerate launch exits 1 that way) names no harness file
+    assert not [ln for ln in said.splitlines() if 'File "' in ln and "/harness/" in ln], said[-3000:]
+    assert "RuntimeError" not in said and "Connection closed" not in said, said[-3000:]
+    assert "exitcode  : 1" in proc.stderr  # the launcher's report names the harness's status for a data error
     no_workers_left(proc, out)
 
 

@@ -183,6 +183,31 @@ def test_layouts_and_labels(setup):
     assert (batch["labels"][trained] == batch["input_ids"][trained]).all() and n == 3
 
 
+@pytest.mark.parametrize("kind", ["dpo", "simpo", "orpo"])
+def test_an_epochs_filling_trains_no_pair(setup, kind):
+    """A pair batch cut to its real pairs keeps their chosen and rejected rows and reference log-probs; a stand-in
+    (a batch of an epoch's filling only, harness/data/loaders.without_padding) counts no pair and back-propagates
+    zeros, finite even where a loss divides by the completion length (simpo: the stand-in's labels are ignored)."""
+    from harness.data.loaders import without_padding
+
+    cfg, model, batch = setup
+    cut = without_padding(batch, 2)
+    assert cut["pair_index"].tolist() == [0, 1] and cut["input_ids"].shape[0] == 4
+    assert torch.equal(cut["input_ids"], batch["input_ids"][[0, 1, 3, 4]])
+    assert torch.equal(cut["ref_logps"], batch["ref_logps"][[0, 1, 3, 4]])
+    stand_in = without_padding(batch, 0)
+    assert stand_in["pair_index"].numel() == 0 and stand_in["input_ids"].shape[0] == 2
+    loss_cfg = copy.copy(cfg.loss)
+    loss_cfg.preference = kind
+    model.zero_grad()
+    logps, counts = sequence_logps(model, stand_in, chunk_size=5)
+    per_pair, rc, rr, nll, tokens = pair_terms(loss_cfg, logps, counts, stand_in)
+    assert per_pair.numel() == rc.numel() == rr.numel() == 0 and int(tokens) == 0
+    (per_pair.sum() + nll).backward()
+    grads = _grads(model)
+    assert grads and all(torch.equal(g, torch.zeros_like(g)) for g in grads.values())
+
+
 @pytest.mark.parametrize("record,message", [
     ({"prompt": "q", "rejected": "a"}, "f.jsonl:7: missing field 'chosen'"),
     ({"prompt": "q", "chosen": "a", "rejected": "a"}, "f.jsonl:7: fields 'chosen' and 'rejected' are equal"),

@@ -124,6 +124,7 @@ def test_more_steps_on_a_finished_run_continue_from_its_final_step(tmp_path):
         f"from its last checkpoint {out}/checkpoints/step-5 (step 5) with the new schedule; final/ and report.json are "
         "replaced at the end")
     assert f"resumed from {out}/checkpoints/step-5: step 5" in more.stdout
+    assert "optim.lr changed" not in more.stdout and report(out)["resumed_changes"] is None  # the same lr
     trained = [int(line.split()[2].split("/")[0]) for line in more.stdout.splitlines()
                if line.startswith("[harness] step ")]
     assert trained == [6, 7], more.stdout[-3000:]
@@ -132,3 +133,22 @@ def test_more_steps_on_a_finished_run_continue_from_its_final_step(tmp_path):
     diff = max_abs_diff(final_weights(out), final_weights(full))
     print(f"continued 5 -> 7 vs uninterrupted 7 steps: final weights max abs diff {diff:.3g}")
     assert diff <= 1e-6, diff
+
+
+def test_a_changed_learning_rate_is_applied_on_resume_and_said(tmp_path):
+    """optim.lr changed between attempts takes effect from the resumed step, in one line and in report.json's
+    resumed_changes: an interrupted run (3e-3, stopped at step 2) resumed with 1e-3, then, finished, extended to 6
+    steps with 5e-4 (the checkpoint's scheduler and optimizer state carried the old peak, which went on silently
+    while config.yaml recorded the new one). A constant schedule, so the logged lr is the peak itself."""
+    out = tmp_path / "run"
+    args = [f"train.output_dir={out}", "optim.scheduler=constant", "optim.warmup_steps=0", *FAST]
+    run_train([*args, "train.max_steps=4", "train.stop_at_step=2", "optim.lr=3e-3"])
+    second = run_train([*args, "train.max_steps=4", "optim.lr=1e-3"])
+    assert (f"[harness] optim.lr changed since {out}/checkpoints/step-2: 0.003 -> 0.001, applied from step 3 (the "
+            f"schedule's warm-up and decay act on the new peak)") in second.stdout, second.stdout[-3000:]
+    assert report(out)["resumed_changes"] == {"optim.lr": {"from": 3e-3, "to": 1e-3, "from_step": 3}}
+    third = run_train([*args, "train.max_steps=6", "optim.lr=5e-4"])
+    assert f"optim.lr changed since {out}/checkpoints/step-4: 0.001 -> 0.0005, applied from step 5" in third.stdout
+    assert report(out)["resumed_changes"] == {"optim.lr": {"from": 1e-3, "to": 5e-4, "from_step": 5}}
+    lrs = [r["lr"] for r in metrics(out)]
+    assert lrs == pytest.approx([3e-3, 3e-3, 1e-3, 1e-3, 5e-4, 5e-4], rel=1e-12), lrs  # (float32 not involved)

@@ -5,8 +5,9 @@
   the newest complete one), its harness_state.json read once, and the config fitted to this attempt's number of
   processes (harness/checkpoint/layout.py's `fit`: the accumulation and DeepSpeed's batch settings follow it);
 - `choose(plan, accelerator, ...)`: the checkpoint verified and agreed by every process (`resolve_resume`), refused
-  when it lies past the schedule or was written under another engine or weights dtype; a ZeRO checkpoint of another
-  process count is set up to load through its universal view (harness/checkpoint/universal.py);
+  when it lies past the schedule, was written under another engine or weights dtype, or on other training data
+  (harness/checkpoint/datafiles.py; train.resume_changed_data=true: the new data from a new epoch); a ZeRO
+  checkpoint of another process count is set up to load through its universal view (harness/checkpoint/universal.py);
 - `restore(start, ...)`: the accelerate state loaded (`load_resumable`: with train.resume=auto a checkpoint that
   fails to load is passed over for an older one) and the loop state, its data position carried over to this layout;
   a fresh start's loop state at step 0.
@@ -16,10 +17,11 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from harness.checkpoint import datafiles
 from harness.checkpoint.layout import (Resize, carry_over, check_same_engine, check_same_weights, fit,
                                        layout_of, needs_universal, saved_layout)
 from harness.checkpoint.manifest import MARKER, STATE_FILE, Verification, verify_checkpoint
@@ -27,7 +29,7 @@ from harness.checkpoint.store import checkpoints_root, is_complete, list_checkpo
 from harness.checkpoint.universal import load_universal, repair_universal_load, universal_view
 from harness.config import NO_RESUME
 from harness.distributed.collectives import all_gather, on_main
-from harness.errors import ConfigError, HarnessError, one_line
+from harness.errors import ConfigError, DataError, HarnessError, one_line
 from harness.files import human_bytes
 from harness.state import LoopState
 
@@ -53,6 +55,8 @@ class Start:
     saved: Optional[dict]
     universal: bool  # a ZeRO checkpoint of another process count: loaded through its universal view
     incomplete: list  # incomplete checkpoint folders passed over
+    data_files: dict = field(default_factory=dict)  # this run's training files' fingerprints (datafiles.py)
+    data_changes: list = field(default_factory=list)  # how they differ from the checkpoint's (resume_changed_data)
 
     @property
     def notes(self) -> list[str]:
@@ -68,6 +72,7 @@ class Resumed:
     state: LoopState
     path: Optional[Path]
     resize: Optional[Resize]
+    changes: dict = field(default_factory=dict)  # settings the resume took from this config: {key: {from, to, ...}}
 
 
 def plan(cfg, world: int) -> Plan:
@@ -93,23 +98,36 @@ def choose(p: Plan, accelerator, out: Path, zero_stage: Optional[int], weights: 
         universal = needs_universal(before, accelerator.num_processes, zero_stage)
     if universal:
         load_universal(accelerator)
-    return Start(p, path, saved, universal, incomplete)
+    files = on_main(accelerator, lambda: datafiles.fingerprints(cfg))  # (read once: 128 KiB a file)
+    changes = datafiles.compare(saved["data_files"], files) if path is not None and saved and \
+        saved.get("data_files") else []
+    if changes and not cfg.train.resume_changed_data:
+        raise DataError(f"the training data changed since {path} was written ({'; '.join(changes)}): its data "
+                        f"position counts rows of the old data; put the old data back, set "
+                        f"train.resume_changed_data=true to train the new data from the start of a new epoch, or "
+                        f"train it in another train.output_dir")
+    return Start(p, path, saved, universal, incomplete, files, changes)
 
 
 def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: str, streams: tuple, epoch_rows: dict,
-            total_steps: int, say: Callable[[str], None]) -> Resumed:
+            total_steps: int, say: Callable[[str], None], scheduler=None) -> Resumed:
     """After prepare(): the loop state to train from, a checkpoint's (its weights, optimizer, schedule and RNG
-    loaded on every process, its data position in this attempt's layout) or step 0's."""
+    loaded on every process, its data position in this attempt's layout, this config's optim.lr: `new_peak_lr`) or
+    step 0's."""
     layout = layout_of(cfg, accelerator.num_processes, zero_stage, weights)
     if start.path is None:
-        return Resumed(LoopState(streams={n: {"epoch": 0, "batches": 0} for n in streams}, layout=layout.as_dict()),
-                       None, None)
+        return Resumed(LoopState(streams={n: {"epoch": 0, "batches": 0} for n in streams}, layout=layout.as_dict(),
+                                 data_files=start.data_files), None, None)
     if cfg.train.max_steps <= 0:
         past_the_schedule(start.path, start.saved, total_steps)
     path, saved = load_resumable(accelerator, Path(cfg.train.output_dir), start.path, cfg.train.resume == "auto",
                                  cfg.model.quantization != "none", universal=start.universal,
                                  known={start.path: start.saved})
+    if start.data_changes:  # train.resume_changed_data=true: the new data from the start of a new epoch
+        saved = {**saved, "streams": {n: {"epoch": int(p["epoch"]) + bool(p.get("samples") or p["batches"]),
+                                          "batches": 0, "samples": 0} for n, p in saved["streams"].items()}}
     state = LoopState.from_saved(saved)
+    state.data_files = start.data_files
     # accelerate's micro-step counter (load_state restores the saved attempt's) decides which micro-step ends an
     # accumulation (step % train.grad_accum == 0): count it in this attempt's layout, or a resume with another
     # accumulation (1 -> 2 at step 3: counter 3) steps the optimizer after the first micro-batch of each step
@@ -119,7 +137,35 @@ def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: 
                                              cfg.loss.gather_negatives)
     state.layout = layout.as_dict()
     say(f"[harness] resumed from {path}: step {state.step}, data position {state.streams}{moved}")
-    return Resumed(state, path, resize)
+    changes = {}
+    if start.data_changes:
+        epoch = state.streams[streams[0]]["epoch"]
+        changes["data"] = {"changed": start.data_changes, "from_epoch": epoch, "from_step": state.step + 1}
+        say(f"[harness] the training data changed since {path} ({'; '.join(start.data_changes)}); "
+            f"train.resume_changed_data=true: the new data from the start of epoch {epoch}, from step "
+            f"{state.step + 1} (weights, optimizer and schedule continue)")
+    lr = new_peak_lr(scheduler, cfg.optim.lr) if scheduler is not None else None
+    if lr is not None:
+        changes["optim.lr"] = {"from": lr[0], "to": lr[1], "from_step": state.step + 1}
+        say(f"[harness] optim.lr changed since {path}: {lr[0]:g} -> {lr[1]:g}, applied from step {state.step + 1} "
+            f"(the schedule's warm-up and decay act on the new peak)")
+    return Resumed(state, path, resize, changes)
+
+
+def new_peak_lr(scheduler, lr: float) -> Optional[tuple[float, float]]:
+    """A resumed schedule takes this config's optim.lr as its peak: the checkpoint's scheduler and optimizer state
+    (loaded) carry the old one, which would go on without a word while config.yaml records the new value. Returns
+    (old, new) when it changed, else None. The param groups' current lr becomes new peak x the schedule's multiplier
+    at the resumed step (the one the next update uses); the next schedule steps follow from the new peak."""
+    old = list(scheduler.base_lrs)
+    if all(abs(b - lr) <= 1e-12 * max(abs(b), abs(lr)) for b in old):
+        return None
+    scheduler.base_lrs = [lr] * len(old)
+    for group, multiplier in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * multiplier(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
+    return old[0], lr
 
 
 def past_the_schedule(path: Path, saved: Optional[dict], total_steps: int) -> None:

@@ -261,6 +261,10 @@ class TrainConfig:
         "a checkpoint folder; or null to start fresh (refused when output_dir already holds checkpoints). A run "
         "whose report.json says it finished is not run again: the rerun prints where its outputs are and exits 0."
     )
+    resume_changed_data: bool = _f(
+        False, "A resume whose training data files changed since the checkpoint (size, first or last 64 KiB): false "
+        "refuses it in one line naming the file; true trains the new data from the start of a new epoch (weights, "
+        "optimizer and schedule continue), said in one line and in report.json's resumed_changes.")
     overwrite: bool = _f(False, "Start over in an output_dir that holds a finished or interrupted run: its "
                                 "checkpoints/, final/, metrics.jsonl, report.json, summary.md, plots/ and "
                                 "tensorboard/ are deleted first (not kept aside); only in a folder that holds a harness run "

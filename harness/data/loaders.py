@@ -5,7 +5,8 @@
     embedding / unified:  data.emb_train_files -> query / positive / negatives groups (`emb`, optionally grouped by
                           length), data.emb_eval_files -> the held-out retrieval set (`emb_eval`)
 
-Rank 0 validates and tokenizes first; the other processes read its cache (`main_process_first`).
+Rank 0 validates and tokenizes first; the other processes read its cache (`distributed.main_first`: a data error
+found by rank 0 stops every process, printed once).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import Any, Optional
 import torch
 
 from harness.config import Config
-from harness.data import mixing, sources
+from harness.data import IGNORE_INDEX, mixing, sources
 from harness.data import samples as data_lib
+from harness.distributed.collectives import main_first
 
 STREAMS = {"generative": ("train_files", "eval_files"), "embedding": ("emb_train_files", "emb_eval_files"),
            "preference": ("train_files", "eval_files")}
@@ -89,7 +91,7 @@ def build_loaders(cfg: Config, accelerator, tokenizer) -> RunData:
     common = dict(num_workers=d.num_workers, pin_memory=resolve_pin_memory(d.pin_memory, cuda))
     if d.num_workers > 0:
         common.update(prefetch_factor=d.prefetch_factor, persistent_workers=d.persistent_workers)
-    with accelerator.main_process_first():  # rank 0 validates and tokenizes; the others read its cache
+    with main_first(accelerator):  # rank 0 validates and tokenizes; the others read its cache (or get its error)
         if mode in ("generative", "unified"):
             rows, held = training_rows(cfg, "generative", accelerator.print)
             max_len = resolve_max_len(cfg, rows, tokenizer, accelerator.print)
@@ -169,17 +171,66 @@ def length_group(cfg: Config, world: int) -> int:
 
 def micro_batches(accelerator, loader, pos: dict):
     """Endless stream of micro-batches across epochs; pos = {"epoch", "batches"} is kept current. A resumed epoch
-    skips the micro-batches it has already seen (same seeded order and groups: exactly the same data)."""
+    skips the micro-batches it has already seen (same seeded order and groups: exactly the same data). Generative
+    and pair batches come without the rows accelerate pads an epoch's last round with (`real_rows`)."""
+    real = real_rows(loader)
     while True:
         loader.set_epoch(pos["epoch"])
         if hasattr(loader.dataset, "set_epoch"):  # accelerate does not forward it when the sampler has one
             loader.dataset.set_epoch(pos["epoch"])
         skip = pos["batches"]
         for batch in (accelerator.skip_first_batches(loader, skip) if skip else loader):
+            if real is not None and "labels" in batch:
+                batch = without_padding(batch, real(pos["batches"]))
             pos["batches"] += 1
             yield batch
         pos["epoch"] += 1
         pos["batches"] = 0
+
+
+def real_rows(loader):
+    """i -> how many rows of this process's i-th batch of an epoch are the data's, or None when every row is.
+
+    Under several processes accelerate (even_batches) gives every process as many full batches: the epoch's last
+    round is filled up with rows from the epoch's start, which the epoch has already trained on. Process r's i-th
+    batch is the epoch's batch i * W + r (BatchSamplerShard deals them in turn); its real rows are the data's left
+    from row (i * W + r) * b on, at most b (the first ones: the filling is appended)."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    shard = getattr(loader, "batch_sampler", None)
+    if not isinstance(shard, BatchSamplerShard) or shard.num_processes == 1 or shard.split_batches \
+            or not shard.even_batches or shard.drop_last or shard.batch_size is None:
+        return None
+    n, b, world, rank = len(loader.dataset), shard.batch_size, shard.num_processes, shard.process_index
+    return lambda i: max(0, min(b, n - (i * world + rank) * b))
+
+
+def without_padding(batch: dict, k: int) -> dict:
+    """A generative or pair batch without its rows past the first `k` (a pair batch: its first k pairs, chosen and
+    rejected). k = 0 (a batch of filling only): a stand-in that takes part in the step's forward and backward
+    passes (every process runs as many: DDP, ZeRO) and adds nothing: one row (pair) whose labels are ignored, its
+    token_mask zero (no token counted) and, for pairs, no pair_index (no pair counted: preference.pair_terms)."""
+    pairs = batch.get("pair_index")
+    n = batch["input_ids"].shape[0] // 2 if pairs is not None else batch["input_ids"].shape[0]
+    if k >= n:
+        return batch
+    keep = max(k, 1)
+    rows = torch.cat([torch.arange(keep), torch.arange(n, n + keep)]) if pairs is not None else None
+
+    def cut(v):  # rows (a pair batch's: chosen, then rejected) are 2n long, per-pair tensors (pair_index) n
+        if not torch.is_tensor(v) or v.dim() == 0:
+            return v
+        if rows is not None and v.shape[0] == 2 * n:
+            return v[rows]
+        return v[:keep] if v.shape[0] == n else v
+
+    out = {key: cut(v) for key, v in batch.items()}
+    if k == 0:
+        out["labels"] = torch.full_like(out["labels"], IGNORE_INDEX)
+        out["token_mask"] = torch.zeros_like(out["input_ids"])
+        if pairs is not None:
+            out["pair_index"] = out["pair_index"][:0]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- the schedule

@@ -1,5 +1,6 @@
 """The collectives every part of the run calls, with or without an Accelerator (accelerator=None: tests, tools, one
 process): `on_main` (a function run on the main process, its result or its one-line error on every process),
+`main_first` (a block run by the main process first, then by the others, its error raised on every process),
 `broadcast`, `all_gather`, `spread` (work divided by size). They know nothing of the run's config.
 
 Under several processes the main process reads the folders and decides, and the others receive what it found (a shared
@@ -8,6 +9,7 @@ filesystem is assumed, as for accelerate's own checkpoints).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 from harness.errors import HarnessError, one_line
@@ -56,6 +58,36 @@ def on_main(accelerator, fn: Callable):
     if outcome[0] == "bug":
         raise HarnessError(f"the main process failed ({outcome[1]}); see its traceback")
     return outcome[1]
+
+
+@contextlib.contextmanager
+def main_first(accelerator):
+    """The block runs on the main process first (it validates the data and writes the caches), then on the others
+    (which read them): accelerate's `main_process_first`, except that an error in the main process's block is raised
+    on every process (one broadcast) instead of leaving the others waiting at a barrier the main process never
+    reaches (they died there with gloo's `Connection closed by peer` traceback). The others do not run the block
+    then: a HarnessError is printed once, by the main process (config/preflight.py's `report`); any other exception
+    keeps its traceback on the main process, the others stop with a one-line error."""
+    if num_processes(accelerator) == 1:
+        yield
+        return
+    if is_main(accelerator):
+        try:
+            yield
+        except HarnessError as e:
+            broadcast(accelerator, ("error", type(e), str(e)))
+            raise
+        except Exception as e:
+            broadcast(accelerator, ("bug", one_line(e)))
+            raise
+        broadcast(accelerator, ("ok",))
+        return
+    outcome = broadcast(accelerator, None)
+    if outcome[0] == "error":
+        raise outcome[1](outcome[2])
+    if outcome[0] == "bug":
+        raise HarnessError(f"the main process failed ({outcome[1]}); see its traceback")
+    yield
 
 
 def share_by_size(items: list[tuple[str, int]], world: int) -> list[list[str]]:

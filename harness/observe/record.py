@@ -18,3 +18,4 @@ class RunRecord:
     held: tuple = ()  # parameter elements held by each rank
     peak_flops: Optional[float] = None  # all processes together; None where unknown (CPU)
     resize: Optional[Any] = None  # checkpoint.layout.Resize: resumed under another layout (None: the same)
+    resume_changes: Optional[dict] = None  # settings a resume took from the new config: {key: {from, to, ...}}

@@ -122,6 +122,7 @@ def final_report(job, state: LoopState, log: StepLog, stopped_by: Optional[str],
     progress = {"steps": state.step, "planned_steps": job.total_steps, "stopped_by": stopped_by,
                 "resumed_from": str(job.resume_from) if job.resume_from else None,
                 "resumed_layout": job.record.resize.as_dict() if job.record.resize else None,
+                "resumed_changes": job.record.resume_changes or None,
                 "epochs": epoch_of(job, state),
                 "tokens": state.tokens, "train_time_s": trained_s, "wall_time_s": time.time() - job.record.t_start,
                 "tokens_per_s": state.tokens / max(trained_s, 1e-9)}

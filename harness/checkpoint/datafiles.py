@@ -1,0 +1,61 @@
+"""The training data a checkpoint was written with: each training file's fingerprint (size and a hash of its first
+and last 64 KiB: harness/files.py), saved in harness_state.json (`data_files`) and compared on resume. A checkpoint's
+data position counts rows of its data: resumed on changed files (pairs appended, the file regenerated) it would
+continue at the old row count in the new data's order, silently. So a change is refused in one line naming the file,
+unless train.resume_changed_data=true, which trains the new data from the start of a new epoch
+(docs/preemption-and-resume.md). Hub datasets have no local file and are not compared.
+
+    fingerprints(cfg) -> {"data.train_files": [[path, {size, ends}], ...], ...}
+    compare(saved, now) -> what changed, one phrase per file (empty: the same data)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.data import sources
+from harness.files import fingerprint
+
+KEYS = {"embedding": ("emb_train_files",), "unified": ("train_files", "emb_train_files")}  # other modes: train_files
+
+
+def fingerprints(cfg) -> dict:
+    """Every local training data file of the run's streams with its fingerprint, by config key (files of a folder
+    and of a save_to_disk dataset, sorted; a hub id has none). A missing file is the data's own one-line error."""
+    out = {}
+    for key in KEYS.get(cfg.loss.mode, ("train_files",)):
+        what = f"data.{key}"
+        files = []
+        for source in sources.parse_sources(getattr(cfg.data, key), what):
+            kind, where = sources.locate(source, what)
+            if kind == "files":
+                files += where
+            elif kind == "saved":
+                files += sorted(str(f) for f in Path(where).rglob("*") if f.is_file())
+        out[what] = [[f, fingerprint(f)] for f in files]
+    return out
+
+
+def compare(saved: dict, now: dict) -> list[str]:
+    """What changed between the checkpoint's training files (`saved`) and this run's (`now`), one phrase per file:
+    a file whose content changed, one added, one gone, or the same files in another order or number. Files
+    are matched by content, so the same data under another path (moved, copied) is no change."""
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        before, after = saved.get(key, []), now.get(key, [])
+        if [fp for _, fp in before] == [fp for _, fp in after]:
+            continue
+        old, new = dict((p, fp) for p, fp in before), dict((p, fp) for p, fp in after)
+        kept, contents = [fp for _, fp in before], [fp for _, fp in after]
+        found = [f"{key}: {p} changed ({describe(old[p], fp)})" if p in old else
+                 f"{key}: {p} is not among the files the checkpoint's run trained on"
+                 for p, fp in after if fp not in kept]
+        found += [f"{key}: {p} is gone" for p, fp in before if fp not in contents and p not in new]
+        out += found or [f"{key}: the same files in another order or number"]
+    return out
+
+
+def describe(old: dict, new: dict) -> str:
+    if old["size"] != new["size"]:
+        return f"{old['size']} -> {new['size']} bytes"
+    return f"same size, {old['ends'][:8]} -> {new['ends'][:8]} at its first or last 64 KiB"
