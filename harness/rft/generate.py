@@ -88,10 +88,12 @@ def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[
         bar.set_postfix(success=f"{tally['correct'] / max(tally['samples'], 1):.1%}",
                         seq_s=f"{tally['samples'] / max(time.perf_counter() - tally['t0'], 1e-9):.1f}")
 
-    if todo:  # each batch (static) or the whole run (continuous) seeded from rft.seed and its first question
-        engine.generate([prompt_text(task, q, tok) for q in todo], r.oversample, r.temperature, r.top_p,
-                        seed=lambda i: r.seed + zlib.crc32(todo[i].qid.encode()), on_done=on_done)
-    bar.close()
+    try:  # (an error ends the bar's line first: its one line is not printed after the bar)
+        if todo:  # each batch (static) or the whole run (continuous) seeded from rft.seed and its first question
+            engine.generate([prompt_text(task, q, tok) for q in todo], r.oversample, r.temperature, r.top_p,
+                            seed=lambda i: r.seed + zlib.crc32(todo[i].qid.encode()), on_done=on_done)
+    finally:
+        bar.close()
     from accelerate.utils import gather_object
 
     st = engine.stats
