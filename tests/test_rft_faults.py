@@ -6,14 +6,26 @@ is one `harness: error:` line, nothing half-written is left, and the questions a
 
 from __future__ import annotations
 
+import json
+import os
+import resource
+import subprocess
+import sys
+
 import pytest
 
+from harness.errors import DataError, HarnessError
+from harness.rft import generate as gen
 from harness.rft import main as rft_main
+from harness.rft.tasks import JsonlTask
+from harness.rundir import lock
 from tests.harness_launch import ROOT
 
 RECIPE = str(ROOT / "configs" / "rft-tiny.yaml")
 TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 128}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "PYTHONPATH": str(ROOT)}
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +50,73 @@ def overrides(model_dir, out) -> list[str]:
     return [f"model.name_or_path={model_dir}", f"rft.output_dir={out}", "rft.max_operand=4",
             "rft.num_train_questions=8", "rft.num_test_questions=4", "rft.num_sft_questions=4", "rft.oversample=2",
             "rft.max_new_tokens=4", "rft.questions_per_batch=4"]
+
+
+def one_error_line(err: str) -> str:
+    lines = [x for x in err.replace("\r", "\n").splitlines() if x.strip()]
+    assert "Traceback" not in err and lines and lines[-1].startswith("harness: error: "), err[-3000:]
+    return lines[-1]
+
+
+def test_a_question_file_with_a_byte_that_is_not_utf8_is_one_line(tmp_path):
+    f = tmp_path / "q.jsonl"
+    f.write_bytes(b'{"question": "ok", "answer": 1}\n{"question": "\xff?", "answer": 2}\n')
+    with pytest.raises(DataError) as e:  # what every data reader says (harness/data/readers.py)
+        JsonlTask(str(f)).split("train")
+    assert str(e.value).startswith(f"{f}:2: not UTF-8 text (byte 0xff at column 15)"), e.value
+
+
+def test_a_damaged_settings_file_is_one_line(model_dir, tmp_path, capsys):
+    out = tmp_path / "gen"
+    (out / gen.SHARDS).mkdir(parents=True)
+    for damaged in (b'{"model": "x", "task', b"[1, 2]", b"\xff\xfe"):
+        (out / gen.SHARDS / gen.SETTINGS).write_bytes(damaged)
+        assert rft_main(["generate", RECIPE, *overrides(model_dir, out)]) == 1
+        line = one_error_line(capsys.readouterr().err)
+        assert f"{out / gen.SHARDS / gen.SETTINGS} cannot be read (" in line and "remove it" in line, line
+
+
+def test_generation_past_a_file_size_limit_is_one_line_and_keeps_what_is_done(model_dir, tmp_path):
+    """RLIMIT_FSIZE (a quota; a full disk fails the same write with ENOSPC) reached in the middle of the shard: one
+    line, no cut line left in the shard, and the same command continues once there is room. (Before: three chained
+    OSErrors from rft/shards.py.)"""
+    out = tmp_path / "gen"
+    shard = out / gen.SHARDS / "rank-0.jsonl"
+    shard.parent.mkdir(parents=True)
+    done = [{"qid": f"old-{i}", "question": "q", "answer": 1.0, "samples": 2, "correct": 0, "answered": 0,
+             "duplicates": 0, "kept": [], "rejected": []} for i in range(16)]
+    gen.append_records(shard, done)
+    before = shard.read_bytes()
+    limit = len(before) + 100  # room for the lock and settings.json, not for one more question's line
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    cmd = [sys.executable, "-m", "harness.rft", "generate", RECIPE, *overrides(model_dir, out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600, preexec_fn=small_files)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    line = one_error_line(proc.stderr)
+    assert line.startswith(f"harness: error: could not write {shard} (OSError: [Errno 27] File too large)"), line
+    assert "the questions already in the shards stay done" in line
+    assert shard.read_bytes() == before  # whole lines only
+    assert not (out / gen.OUTPUT).exists() and not (out / gen.SHARDS / lock.LOCK_NAME).exists()
+    assert rft_main(["generate", RECIPE, *overrides(model_dir, out)]) == 0  # room again: it goes on
+    assert len(gen.read_shards(out / gen.SHARDS)) == 16 + 8 and json.loads((out / gen.STATS).read_text())[
+        "questions_covered"] == 8
+
+
+def test_a_merge_that_the_disk_keeps_out_is_one_line_and_leaves_no_temporary(tmp_path):
+    from harness.rft.tasks import ArithmeticTask
+
+    task = ArithmeticTask(n_train=2, n_test=0, n_sft=0, max_operand=4)
+    (tmp_path / gen.SHARDS).mkdir()
+    qs = task.split("train")
+    gen.append_records(tmp_path / gen.SHARDS / "rank-0.jsonl",
+                       [gen.judge(task, q, [f"The answer is {q.answer:g}."] * 2, 2) for q in qs])
+    (tmp_path / gen.OUTPUT).mkdir()  # a folder where rft.jsonl goes: the rename fails (as a full disk's write)
+    with pytest.raises(HarnessError, match=f"could not write {tmp_path / gen.OUTPUT} .*run the same command to merge"):
+        gen.merge(task, qs, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [gen.OUTPUT, gen.SHARDS]
 
 
 def test_an_error_while_sampling_is_printed_on_its_own_line(model_dir, tmp_path, capsys):

@@ -25,7 +25,7 @@ from harness.errors import HarnessError  # noqa: F401
 from harness.rft.sampling import (Sampler, StaticEngine, load_engine, load_for_generation,  # noqa: F401
                                   make_engine, prompt_text, resolve_model_path)
 from harness.rft.shards import (OUTPUT, PAIRS, SETTINGS, SHARDS, STATS, append_records, check_settings,  # noqa: F401
-                                generation_settings, judge, merge, read_shards, repair_shard)
+                                generation_settings, judge, merge, read_shards, repair_shard, write_lines)
 
 
 def make_accelerator():
@@ -109,9 +109,7 @@ def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[
         stats.update(engine=engine.name, sequences_this_run=seqs, sequences_per_s=seqs / max(secs, 1e-9),
                      new_tokens_per_s=sum(x[2] for x in speed) / max(secs, 1e-9), processes=acc.num_processes,
                      slot_waste=round(st.waste(), 4) if st.slot_steps else None)
-        from harness.files import write_json
-
-        write_json(out / STATS, stats)
+        write_lines(out / STATS, stats)
         pairs = f", {stats['preference_pairs']} preference pairs" if r.pairs_per_question else ""
         say(f"[rft] done: {stats['questions_covered']}/{stats['questions']} questions covered, "
             f"{stats['kept_examples']} examples kept ({stats['questions_with_kept']} questions with at least one)"

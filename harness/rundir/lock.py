@@ -176,10 +176,16 @@ def _beat(path: Path, stop: threading.Event) -> None:
 
 def acquire(output_dir: str | Path, say: Callable[[str], None] = print) -> Path:
     """Take `<output_dir>/.lock` for this process (the folder is created) and keep its heartbeat; returns its path.
-    Raises a one-line HarnessError while the lock can be a live run's, or when it cannot be written (a full disk:
-    nothing is left behind); takes over a stale lock with a warning."""
+    Raises a one-line HarnessError while the lock can be a live run's, when the folder cannot be created (a
+    read-only parent) or the lock cannot be written (a full disk: nothing is left behind); takes over a stale lock
+    with a warning."""
     folder = Path(output_dir)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise HarnessError(f"could not create the output folder {folder} ({type(e).__name__}: {e.strerror or e}); "
+                           f"nothing was started: fix the permissions of the folder above it, or use another "
+                           f"train.output_dir") from None
     path = folder / LOCK_NAME
     host = socket.gethostname()
     me = identity(os.getpid())
