@@ -58,6 +58,36 @@ def one_error_line(err: str) -> str:
     return lines[-1]
 
 
+def test_a_negative_stop_after_is_refused(model_dir, tmp_path, capsys):
+    """--stop-after -1 was accepted and sampled nothing (exit 0)."""
+    assert rft_main(["generate", RECIPE, "--stop-after", "-1", *overrides(model_dir, tmp_path / "gen")]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "--stop-after: must be >= 0" in line and "got -1" in line
+    assert not (tmp_path / "gen").exists()
+
+
+def test_a_second_generation_into_one_folder_is_refused(model_dir, tmp_path, capsys):
+    """Two `rft generate` runs into one folder both sampled every question (no lock); the second is now refused
+    while the first holds <output_dir>/shards/.lock (a live process of this host: what a running generation is)."""
+    out = tmp_path / "gen"
+    (out / gen.SHARDS).mkdir(parents=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (out / gen.SHARDS / lock.LOCK_NAME).write_text(json.dumps(lock.identity(other.pid)))
+        assert rft_main(["generate", RECIPE, *overrides(model_dir, out)]) == 1
+        line = one_error_line(capsys.readouterr().err)
+        assert f"is in use by another run (host" in line and f"pid {other.pid}" in line, line
+        assert "use another rft.output_dir" in line
+        assert not list((out / gen.SHARDS).glob("rank-*.jsonl"))  # nothing sampled
+    finally:
+        other.kill()
+        other.wait()
+    # once that run is gone its lock is stale: taken over, and the generation runs and releases the lock
+    assert rft_main(["generate", RECIPE, *overrides(model_dir, out)]) == 0
+    assert len(gen.read_shards(out / gen.SHARDS)) == 8 and not (out / gen.SHARDS / lock.LOCK_NAME).exists()
+    assert "taking the folder over" in capsys.readouterr().out
+
+
 def test_a_question_file_with_a_byte_that_is_not_utf8_is_one_line(tmp_path):
     f = tmp_path / "q.jsonl"
     f.write_bytes(b'{"question": "ok", "answer": 1}\n{"question": "\xff?", "answer": 2}\n')

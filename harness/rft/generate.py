@@ -21,7 +21,7 @@ import zlib
 from pathlib import Path
 from typing import Optional
 
-from harness.errors import HarnessError  # noqa: F401
+from harness.errors import ConfigError, HarnessError  # noqa: F401
 from harness.rft.sampling import (Sampler, StaticEngine, load_engine, load_for_generation,  # noqa: F401
                                   make_engine, prompt_text, resolve_model_path)
 from harness.rft.shards import (OUTPUT, PAIRS, SETTINGS, SHARDS, STATS, append_records, check_settings,  # noqa: F401
@@ -48,7 +48,25 @@ def describe(engine) -> str:
 
 def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[dict]:
     """Generate for every question of the train split not yet done; returns the merged stats on rank 0 (None when
-    stopped early by `stop_after`: that many x rft.questions_per_batch questions per process)."""
+    stopped early by `stop_after`: that many x rft.questions_per_batch questions per process). The main process
+    holds `<rft.output_dir>/shards/.lock` meanwhile (harness/rundir/lock.py): one generation per folder, or two
+    would both sample every question."""
+    if stop_after < 0:
+        raise ConfigError(f"--stop-after: must be >= 0 (0: sample every question left; N: stop after N batches of "
+                          f"rft.questions_per_batch questions per process), got {stop_after}")
+    from harness.distributed import on_main
+    from harness.rundir import lock
+
+    acc = make_accelerator()
+    held = on_main(acc, lambda: lock.acquire(Path(cfg.rft.output_dir) / SHARDS, acc.print, key="rft.output_dir"))
+    try:
+        return _run(cfg, acc, model_path, stop_after)
+    finally:
+        if acc.is_main_process:
+            lock.release(held)
+
+
+def _run(cfg, acc, model_path: Optional[str], stop_after: int) -> Optional[dict]:
     from tqdm.auto import tqdm
 
     from harness.rft.tasks import build_task
@@ -56,12 +74,9 @@ def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[
     r = cfg.rft
     task = build_task(r)
     questions = task.split("train")
-    acc = make_accelerator()
     say = acc.print
     out = Path(r.output_dir)
     shard = out / SHARDS / f"rank-{acc.process_index}.jsonl"
-    if acc.is_main_process:
-        (out / SHARDS).mkdir(parents=True, exist_ok=True)
     check_settings(out / SHARDS / SETTINGS, generation_settings(cfg, model_path), write=acc.is_main_process)
     acc.wait_for_everyone()
     repair_shard(shard)
