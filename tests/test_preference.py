@@ -328,6 +328,52 @@ def test_a_damaged_reference_file_is_computed_again_in_one_line(tmp_path):
     assert stored_reference(tmp_path / "none.pt", said.append) == {} and len(said) == 2
 
 
+def test_a_reference_file_of_another_layout_or_a_folder_in_its_place_is_one_line(tmp_path):
+    """A dict of another layout, or a folder where reference_logps.pt goes: every rerun stopped with a traceback
+    (KeyError / IsADirectoryError) until it was deleted; now one line, the values computed again and, for a folder
+    (left alone), not stored."""
+    from harness.preference import stored_reference, write_reference
+
+    path, said = tmp_path / "reference_logps.pt", []
+    good = {"train": {"fingerprint": "x", "logps": torch.zeros(4, 2, dtype=torch.float64)}}
+    for other in ({"train": torch.zeros(4, 2)}, {"train": {"fingerprint": "x", "values": torch.zeros(4, 2)}},
+                  {"train": {"fingerprint": "x", "logps": torch.zeros(4)}}):
+        torch.save(other, path)
+        assert stored_reference(path, said.append) == {} and "another layout" in said[-1], said[-1:]
+        write_reference(path, good, said.append)  # what the run then stores in its place
+        assert stored_reference(path, said.append)["train"]["fingerprint"] == "x"
+    path.unlink()
+    path.mkdir()
+    assert stored_reference(path, said.append) == {} and "a folder" in said[-1]
+    write_reference(path, good, said.append)
+    assert path.is_dir() and "not stored" in said[-1] and "\n" not in said[-1]
+
+
+def test_a_full_disk_while_writing_the_reference_file_is_one_line_and_leaves_nothing_cut(tmp_path):
+    """A write past a file-size limit (RLIMIT_FSIZE: the same failure as a full disk's ENOSPC, without root tricks)
+    left a cut reference_logps.tmp and a traceback; now one line, no temporary, the previous file intact."""
+    import resource
+
+    from harness.errors import HarnessError
+    from harness.preference import write_reference
+
+    path = tmp_path / "reference_logps.pt"
+    small = {"train": {"fingerprint": "x", "logps": torch.zeros(4, 2, dtype=torch.float64)}}
+    write_reference(path, small)
+    before = path.read_bytes()
+    big = {"train": {"fingerprint": "y", "logps": torch.zeros(100_000, 2, dtype=torch.float64)}}  # 1.6 MB
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))  # (Python ignores SIGXFSZ: the write fails, EFBIG)
+    try:
+        with pytest.raises(HarnessError) as e:
+            write_reference(path, big)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(e.value).startswith(f"could not write {path} (") and "nothing was trained" in str(e.value), e.value
+    assert "\n" not in str(e.value) and path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reference_logps.pt"]
+
+
 def save_pref_base(folder) -> None:
     """dpo-tiny's model saved as a pretrained base with its tokenizer (the chat markers already in the vocabulary, as
     in an instruct model's: nothing is added, so the tied head stays a plain Linear; a base that lacks them:
