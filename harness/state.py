@@ -84,6 +84,7 @@ class LoopState:
     first_loss: Optional[float] = None
     unwritten: list = field(default_factory=list)  # metrics.jsonl lines a full disk kept out (written on resume)
     layout: dict = field(default_factory=dict)  # how the global batch was split (checkpoint.layout.Layout)
+    seed: Optional[int] = None  # the train.seed the run started with (None: a checkpoint before it was recorded)
 
     @classmethod
     def from_saved(cls, saved: dict) -> "LoopState":

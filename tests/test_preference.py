@@ -292,6 +292,32 @@ def test_a_stopped_dpo_run_resumes_on_another_process_count_as_if_uninterrupted(
 
 
 @pytest.mark.slow
+def test_a_dpo_resume_with_another_seed_on_a_random_init_model_is_refused(tmp_path):
+    """The reference of a random-init model is the model its seed made: a resume with another train.seed computed it
+    from the new seed's model (up to 1.89 nats off) while the weights went on from the checkpoint. Refused in one
+    line before anything is computed."""
+    from harness_launch import run_train
+
+    out = tmp_path / "run"
+    args = [f"train.output_dir={out}", "train.max_steps=2", "train.stop_at_step=1", "train.eval_every=0",
+            "train.eval_at_start=false", "train.progress_bar=false", "train.report_to=[]", "train.save_final=false",
+            "train.summary=false"]
+    run_train(args, config="configs/dpo-tiny.yaml")
+    ref = (out / "reference_logps.pt").read_bytes()
+    other = run_train([*args[:2], *args[3:], "train.seed=7"], config="configs/dpo-tiny.yaml", check=False)
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
+    assert other.stderr.strip().splitlines()[-1] == (
+        f"harness: error: config key 'train.seed': the run to resume ({out}/checkpoints/step-1) started from the "
+        f"random model of train.seed=42, which is its loss.preference=dpo reference; with 7 the reference would be "
+        f"another model's while the weights continue the run: rerun with train.seed=42, or start over with "
+        f"train.overwrite=true")
+    assert (out / "reference_logps.pt").read_bytes() == ref and not (out / "checkpoints" / "step-2").exists()
+    state = json.loads((out / "checkpoints" / "step-1" / "harness_state.json").read_text())
+    assert state["seed"] == 42  # dpo-tiny's train.seed, recorded with the loop state
+    # (the same seed resumes and reads the reference back: test_a_stopped_dpo_run_resumes_on_another_process_count)
+
+
+@pytest.mark.slow
 def test_dpo_compiled_regionally_equals_eager(dpo_run, tmp_path):
     """train.compile=regional with the preference objective (one process): the reference pass, the pair forwards
     (chosen and rejected in one batch) and the evaluations all run the compiled decoder blocks, nothing recompiles
