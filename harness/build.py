@@ -233,7 +233,8 @@ def build_data(cfg: Config, accelerator, say: Callable[[str], None]) -> tuple[An
     data = loaders.build_loaders(cfg, accelerator, tokenizer)
     for kind, st in data.stats.items():
         say(f"[harness] {kind} data: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
-                                                    for k, v in st.items() if k != "dropped_examples"))
+                                                    for k, v in st.items()
+                                                    if k not in ("dropped_examples", "instructions")))
         if st.get("dropped_no_labels"):
             say(f"[harness] warning: dropped samples with no trained token, e.g. {', '.join(st['dropped_examples'])}")
     return tokenizer, data

@@ -28,8 +28,10 @@ DEFAULTS = {"pooling": "mean", "embed_attention": "bidirectional", "instruction_
             "append_eos": False}
 
 
-def embedding_settings(cfg) -> dict:
-    """What `GritModel` needs to embed like training did (from the run's Config), saved as final/harness.json at export."""
+def embedding_settings(cfg, instructions: list[str] | None = None) -> dict:
+    """What `GritModel` needs to embed like training did (from the run's Config), saved as final/harness.json at export;
+    `instructions`: the embedding training data's most frequent ones (data.sources.embedding_instructions), which the
+    sentence-transformers export names as prompts."""
     return {
         "loss_mode": cfg.loss.mode,
         "pooling": cfg.model.pooling,
@@ -39,6 +41,7 @@ def embedding_settings(cfg) -> dict:
         "query_max_len": cfg.data.query_max_len,
         "passage_max_len": cfg.data.passage_max_len,
         "append_eos": cfg.model.pooling == "lasttoken",
+        "instructions": list(instructions or []),
     }
 
 

@@ -33,7 +33,9 @@ from harness import losses
 from harness.chunked_loss import ChunkedHeadLoss, head_params
 from harness.data import IGNORE_INDEX
 from harness.data.samples import model_inputs, real_tokens
-from harness.errors import one_line
+from harness.distributed import on_main
+from harness.errors import HarnessError, one_line
+from harness.files import disk_full
 from harness.state import StepSums, preference_figures
 
 REFERENCE_FILE = "reference_logps.pt"
@@ -205,16 +207,44 @@ def stored_reference(path: Path, say=print) -> dict:
     """What <output_dir>/reference_logps.pt holds ({} where there is none). A file that cannot be read (cut short by a
     full disk, damaged) is said in one line and computed again, never a traceback: the values are the starting
     model's, which a run computes before loading its checkpoint."""
-    if not path.is_file():
+    if not path.exists():
         return {}
     try:
+        if not path.is_file():
+            raise ValueError("a folder or other non-file is in its place")
         held = torch.load(path, weights_only=True)
         if not isinstance(held, dict):
             raise ValueError(f"holds a {type(held).__name__}, not a dict")
+        for name, entry in held.items():  # {split: {"fingerprint": str, "logps": [pairs, 2]}}
+            if not (isinstance(entry, dict) and isinstance(entry.get("fingerprint"), str)
+                    and isinstance(entry.get("logps"), torch.Tensor) and entry["logps"].dim() == 2
+                    and entry["logps"].shape[1] == 2):
+                raise ValueError(f"another layout: its {name!r} entry is not {{'fingerprint': str, 'logps': "
+                                 f"[pairs, 2] tensor}}")
         return held
     except Exception as e:  # noqa: BLE001 - any unreadable file is recomputed
         say(f"[harness] {path} cannot be read ({one_line(e, 200)}); the reference log-probs are computed again")
         return {}
+
+
+def write_reference(path: Path, values: dict, say=print) -> None:
+    """Save the reference log-probs whole or not at all (a temporary file renamed into place; none is left behind).
+    A folder in the file's place is left alone with one line (a resume computes them again, from the starting
+    model); a write that fails (a full disk) is a one-line HarnessError before anything is trained."""
+    if path.exists() and not path.is_file():
+        say(f"[harness] warning: {path} is not a file: the reference log-probs are not stored (a resume computes "
+            f"them again); move it away to store them")
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(values, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # (torch.save reports ENOSPC as a RuntimeError 'unexpected pos ...')
+        tmp.unlink(missing_ok=True)
+        full = ": the disk is full" if disk_full(e, path.parent) else ""
+        raise HarnessError(f"could not write {path} ({one_line(e, 200)}){full}; nothing was trained: free some "
+                           f"space, then rerun") from None
 
 
 def attach_reference(cfg, accelerator, model, loaders: dict, chunk_size: int, say=print) -> None:
@@ -239,8 +269,5 @@ def attach_reference(cfg, accelerator, model, loaders: dict, chunk_size: int, sa
             say(f"[harness] reference log-probs of {len(values)} {name} pairs computed (the model before training)")
         fresh[name] = {"fingerprint": key, "logps": values}
         loader.collate_fn.reference = values.float()
-    if accelerator.is_main_process and (changed or set(fresh) != set(stored)):
-        tmp = path.with_suffix(".tmp")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(fresh, tmp)
-        os.replace(tmp, path)
+    if changed or set(fresh) != set(stored):  # (every process read the same file: the same decision)
+        on_main(accelerator, lambda: write_reference(path, fresh, say))

@@ -85,6 +85,7 @@ class LoopState:
     unwritten: list = field(default_factory=list)  # metrics.jsonl lines a full disk kept out (written on resume)
     layout: dict = field(default_factory=dict)  # how the global batch was split (checkpoint.layout.Layout)
     data_files: dict = field(default_factory=dict)  # the training files' fingerprints (checkpoint/datafiles.py)
+    seed: Optional[int] = None  # the train.seed the run started with (None: a checkpoint before it was recorded)
 
     @classmethod
     def from_saved(cls, saved: dict) -> "LoopState":

@@ -237,6 +237,18 @@ def test_the_resume_line_names_what_changed_the_batch():
     assert kept.describe().endswith("global batch 16 sequences kept")
 
 
+def test_the_resume_line_counts_the_launched_processes_under_sequence_parallelism():
+    """SP 2 -> SP 1 on 2 processes both times said "1 -> 2 process(es)" (the data-parallel ranks); the line now gives
+    the launched processes and the data-parallel ones apart."""
+    sp2, sp1 = elastic.Layout(1, 8, 8, 2, 3, sequence_parallel=2), elastic.Layout(2, 8, 8, 1, 3)
+    assert elastic.Resize(Path("ck"), sp2, sp1, ("gen",)).describe() == (
+        "2 process(es) (data-parallel 1 -> 2), train.sequence_parallel 2 -> 1, train.grad_accum 2 -> 1, global batch "
+        "16 sequences kept")
+    four = elastic.Layout(2, 8, 8, 1, 3, sequence_parallel=2)  # 4 processes in groups of 2 -> 2 processes, SP 2
+    assert elastic.Resize(Path("ck"), four, sp2, ("gen",)).describe() == (
+        "4 -> 2 process(es) (data-parallel 2 -> 1), train.grad_accum 1 -> 2, global batch 16 sequences kept")
+
+
 def test_the_resume_line_says_when_the_contrastive_batch_changes():
     """With loss.gather_negatives the contrastive batch is the embedding micro-batch x the data-parallel processes:
     a unified run resumed from 2 processes on 1 (accumulation 1 -> 2, the global batch kept) compares each query with

@@ -133,6 +133,11 @@ def test_fp8_under_zero3_equals_the_plain_fp8_run(runs):
     assert len(zero3) == 8
     worst = max(abs(a - b) / b for a, b in zip(zero3, plain))
     print(f"fp8 ZeRO-3 vs plain fp8, 8 steps: worst relative loss gap {worst:.2e}")
-    # the first steps agree exactly; afterwards ZeRO-3's reduction order moves a gradient's last bits, which a
-    # float8 cast can round the other way (measured: 2.7e-4 at most; bf16 runs agree closer)
-    assert zero3[:2] == plain[:2] and worst < 1e-3, (zero3, plain)
+    # Not bit for bit: ZeRO-3 reduces and applies the gradients in its own order (flat fp32 buffers), so from the first
+    # update on a weight's last bits can differ, and a float8 cast of a value next to a rounding boundary then lands one
+    # e4m3 step apart; a loss feels one such weight as ~1e-6. The first two steps (before / after one update) agree
+    # within 1e-4 (measured: bit-equal on one 2-core machine, 3.1e-6 at step 2 on another), 1e-3 over 8 steps as the
+    # differences accumulate (measured 2.7e-4 and 4.8e-4 on two machines; 4.84e-4 on the 2-core test VM on
+    # 2026-11-27; bf16 runs agree closer)
+    early = [abs(a - b) / b for a, b in zip(zero3[:2], plain[:2])]
+    assert max(early) < 1e-4 and worst < 1e-3, (early, zero3, plain)

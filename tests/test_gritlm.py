@@ -131,3 +131,7 @@ def test_gritlm_tiny_recipe_runs_and_the_model_embeds_and_generates(tmp_path):
     print("sentence-transformers vs GritModel max abs:", (q - torch.from_numpy(q_st)).abs().max().item(),
           (d - torch.from_numpy(d_st)).abs().max().item())
     assert (q - torch.from_numpy(q_st)).abs().max() <= 1e-5 and (d - torch.from_numpy(d_st)).abs().max() <= 1e-5
+    trained = "Given a question, retrieve the sentence that answers it."  # an instruction of data/sample/emb.jsonl
+    assert trained in m.settings["instructions"]  # final/harness.json
+    named = st.encode(["Which town has 4 bridges?"], prompt_name=trained)  # the export names it (issue 48)
+    assert (m.encode(["Which town has 4 bridges?"], instruction=trained) - torch.from_numpy(named)).abs().max() <= 1e-5

@@ -317,6 +317,32 @@ def test_a_stopped_dpo_run_resumes_on_another_process_count_as_if_uninterrupted(
 
 
 @pytest.mark.slow
+def test_a_dpo_resume_with_another_seed_on_a_random_init_model_is_refused(tmp_path):
+    """The reference of a random-init model is the model its seed made: a resume with another train.seed computed it
+    from the new seed's model (up to 1.89 nats off) while the weights went on from the checkpoint. Refused in one
+    line before anything is computed."""
+    from harness_launch import run_train
+
+    out = tmp_path / "run"
+    args = [f"train.output_dir={out}", "train.max_steps=2", "train.stop_at_step=1", "train.eval_every=0",
+            "train.eval_at_start=false", "train.progress_bar=false", "train.report_to=[]", "train.save_final=false",
+            "train.summary=false"]
+    run_train(args, config="configs/dpo-tiny.yaml")
+    ref = (out / "reference_logps.pt").read_bytes()
+    other = run_train([*args[:2], *args[3:], "train.seed=7"], config="configs/dpo-tiny.yaml", check=False)
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
+    assert other.stderr.strip().splitlines()[-1] == (
+        f"harness: error: config key 'train.seed': the run to resume ({out}/checkpoints/step-1) started from the "
+        f"random model of train.seed=42, which is its loss.preference=dpo reference; with 7 the reference would be "
+        f"another model's while the weights continue the run: rerun with train.seed=42, or start over with "
+        f"train.overwrite=true")
+    assert (out / "reference_logps.pt").read_bytes() == ref and not (out / "checkpoints" / "step-2").exists()
+    state = json.loads((out / "checkpoints" / "step-1" / "harness_state.json").read_text())
+    assert state["seed"] == 42  # dpo-tiny's train.seed, recorded with the loop state
+    # (the same seed resumes and reads the reference back: test_a_stopped_dpo_run_resumes_on_another_process_count)
+
+
+@pytest.mark.slow
 def test_dpo_compiled_regionally_equals_eager(dpo_run, tmp_path):
     """train.compile=regional with the preference objective (one process): the reference pass, the pair forwards
     (chosen and rejected in one batch) and the evaluations all run the compiled decoder blocks, nothing recompiles
@@ -351,6 +377,52 @@ def test_a_damaged_reference_file_is_computed_again_in_one_line(tmp_path):
     torch.save([1, 2], path)
     assert stored_reference(path, said.append) == {} and "not a dict" in said[1]
     assert stored_reference(tmp_path / "none.pt", said.append) == {} and len(said) == 2
+
+
+def test_a_reference_file_of_another_layout_or_a_folder_in_its_place_is_one_line(tmp_path):
+    """A dict of another layout, or a folder where reference_logps.pt goes: every rerun stopped with a traceback
+    (KeyError / IsADirectoryError) until it was deleted; now one line, the values computed again and, for a folder
+    (left alone), not stored."""
+    from harness.preference import stored_reference, write_reference
+
+    path, said = tmp_path / "reference_logps.pt", []
+    good = {"train": {"fingerprint": "x", "logps": torch.zeros(4, 2, dtype=torch.float64)}}
+    for other in ({"train": torch.zeros(4, 2)}, {"train": {"fingerprint": "x", "values": torch.zeros(4, 2)}},
+                  {"train": {"fingerprint": "x", "logps": torch.zeros(4)}}):
+        torch.save(other, path)
+        assert stored_reference(path, said.append) == {} and "another layout" in said[-1], said[-1:]
+        write_reference(path, good, said.append)  # what the run then stores in its place
+        assert stored_reference(path, said.append)["train"]["fingerprint"] == "x"
+    path.unlink()
+    path.mkdir()
+    assert stored_reference(path, said.append) == {} and "a folder" in said[-1]
+    write_reference(path, good, said.append)
+    assert path.is_dir() and "not stored" in said[-1] and "\n" not in said[-1]
+
+
+def test_a_full_disk_while_writing_the_reference_file_is_one_line_and_leaves_nothing_cut(tmp_path):
+    """A write past a file-size limit (RLIMIT_FSIZE: the same failure as a full disk's ENOSPC, without root tricks)
+    left a cut reference_logps.tmp and a traceback; now one line, no temporary, the previous file intact."""
+    import resource
+
+    from harness.errors import HarnessError
+    from harness.preference import write_reference
+
+    path = tmp_path / "reference_logps.pt"
+    small = {"train": {"fingerprint": "x", "logps": torch.zeros(4, 2, dtype=torch.float64)}}
+    write_reference(path, small)
+    before = path.read_bytes()
+    big = {"train": {"fingerprint": "y", "logps": torch.zeros(100_000, 2, dtype=torch.float64)}}  # 1.6 MB
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))  # (Python ignores SIGXFSZ: the write fails, EFBIG)
+    try:
+        with pytest.raises(HarnessError) as e:
+            write_reference(path, big)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(e.value).startswith(f"could not write {path} (") and "nothing was trained" in str(e.value), e.value
+    assert "\n" not in str(e.value) and path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reference_logps.pt"]
 
 
 def save_pref_base(folder) -> None:

@@ -80,9 +80,11 @@ def test_jsonl_task_reads_questions_and_names_bad_lines(tmp_path):
 def test_rft_config_keys_are_checked():
     cfg = load_config(RECIPE, ["rft.oversample=4"])
     assert cfg.rft.oversample == 4 and cfg.rft.task == "arithmetic"
-    for bad, key in [("rft.oversample=0", "rft.oversample"), ("rft.temperature=0", "rft.temperature"),
-                     ("rft.samples=3", "rft.samples"), ("rft.top_p=1.5", "rft.top_p")]:
-        with pytest.raises(ConfigError, match=key):
+    for bad, says in [("rft.oversample=0", "rft.oversample"), ("rft.samples=3", "rft.samples"),
+                      ("rft.temperature=0", r"'rft.temperature': out of range: must be > 0, got 0"),
+                      ("rft.top_p=1.5", r"'rft.top_p': out of range: must be in \(0, 1\], got 1.5"),
+                      ("rft.kv_cache_gb=-1", r"'rft.kv_cache_gb': out of range: must be > 0 \(or null")]:
+        with pytest.raises(ConfigError, match=says):
             load_config(RECIPE, [bad])
 
 

@@ -262,3 +262,18 @@ def test_sigterm_during_the_step_0_evaluation_stops_at_once(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
     assert time.time() - t0 < 1.5 and not (out / "checkpoints").exists() and not (out / ".lock").exists()
+
+
+def test_an_output_folder_that_cannot_be_created_is_one_line(tmp_path):
+    """A new output_dir under a parent that cannot hold it (a file here; a read-only folder fails the same mkdir
+    with EACCES/EROFS) was a traceback from rundir/lock.py."""
+    parent = tmp_path / "a-file"
+    parent.write_text("")
+    with pytest.raises(HarnessError, match=f"could not create the output folder {parent}/run .*NotADirectoryError.*"
+                                           f"use another train.output_dir"):
+        runlock.acquire(parent / "run")
+    if os.geteuid() != 0:  # (root writes into read-only folders)
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o555)
+        with pytest.raises(HarnessError, match="PermissionError"):
+            runlock.acquire(ro / "run")

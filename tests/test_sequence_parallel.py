@@ -94,6 +94,8 @@ def test_documents_mask_with_a_sliding_window_is_transformers_own():
     (["train.sequence_parallel=3"], "3 does not divide the model's 4 attention heads"),
     (["train.sequence_parallel=2", "loss.mode=unified", "data.emb_train_files=[data/sample/emb.jsonl]"],
      "embedding passes pool over the whole sequence"),
+    (["train.sequence_parallel=2", "loss.mode=preference", "data.train_files=[data/sample/pref.jsonl]"],
+     "preference training sums each sequence's log-probs over all its completion tokens"),
     (["train.sequence_parallel=2", "model.attn_implementation=eager"], "needs sdpa or flash attention"),
     (["train.sequence_parallel=2", "loss.gen_averaging=mixed"], "use token"),
     (["train.sequence_parallel=0"], "must be >= 1"),

@@ -137,3 +137,48 @@ def test_mteb_command_bad_input_is_one_line(final, tmp_path, capsys):
         assert main(argv) != 0
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("harness: error: ") and expect in err[0], err
+
+
+def test_each_training_instruction_is_a_named_prompt_equal_to_grit_model(tmp_path):
+    """The export named only the plain prompt: `st.encode(q, prompt_name=instruction)` failed for the instructions a
+    run trained with. Each of harness.json's "instructions" (the training data's, data.sources.embedding_instructions)
+    is now a prompt named by the instruction, and embeds as GritModel.encode(q, instruction=...) does."""
+    from sentence_transformers import SentenceTransformer
+
+    trained = [INSTRUCTION, "Given a question, retrieve the sentence that answers it.", "plain"]
+    *_, folder = save_final(tmp_path, instructions=trained)
+    st = SentenceTransformer(str(folder), device="cpu")
+    grit = GritModel.load(folder, device="cpu")
+    assert st.default_prompt_name == "plain" and st.prompts["plain"] == DEFAULTS["plain_template"]  # kept plain
+    exported = json.loads((folder / "config_sentence_transformers.json").read_text())["prompts"]
+    assert set(exported) == {"plain", *trained[:2]} <= set(st.prompts)  # (ST adds empty "query" / "document")
+    for instruction in trained[:2]:
+        gap = (grit.encode(TEXTS, instruction=instruction)
+               - torch.from_numpy(st.encode(TEXTS, prompt_name=instruction))).abs().max().item()
+        assert gap <= 1e-5, (instruction, gap)  # the same tokens pooled: fp32 rounding only
+    # the MTEB wrapper takes a task's prompts from the named ones (else it formats the instruction template)
+    named = {"plain": "P", INSTRUCTION: "Q"}
+    data = tmp_path / "eval.jsonl"
+    data.write_text(json.dumps({"query": [INSTRUCTION, "q"], "pos": ["p"]}) + "\n"
+                    + json.dumps({"query": ["Other.", "q"], "pos": [["Doc.", "p"]]}) + "\n")
+    from harness.tools import mteb_eval
+
+    got = [p for _, p in mteb_eval.retrieval_tasks(data, DEFAULTS["instruction_template"], "<plain>", named)]
+    assert got == [{"query": DEFAULTS["instruction_template"].format(instruction="Other."),  # (tasks by instruction)
+                    "document": DEFAULTS["instruction_template"].format(instruction="Doc.")},
+                   {"query": "Q", "document": "P"}], got
+
+
+def test_the_training_instructions_are_counted_and_capped(tmp_path):
+    from harness.data import sources
+
+    f = tmp_path / "emb.jsonl"
+    rows = [{"query": ["Find the answer.", "q1"], "pos": [["Doc.", "p1"]], "neg": ["n"]},
+            {"query": ["Find the answer.", "q2"], "pos": ["p2"], "neg": [["Doc.", "n2"], ["Rare.", "n3"]]},
+            {"query": "q3", "pos": ["p3"], "neg": [["Doc.", "n4"]]}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = sources.load_rows([str(f)], "embedding", None, "data.emb_train_files", 0)
+    assert sources.embedding_instructions(ds) == {"instructions": ["Doc.", "Find the answer.", "Rare."],
+                                                  "distinct_instructions": 3}
+    assert sources.embedding_instructions(ds, most=2)["instructions"] == ["Doc.", "Find the answer."]
+    assert sources.MAX_NAMED_PROMPTS == 64

@@ -93,8 +93,14 @@ class Resize:
 
     def describe(self) -> str:
         b, a = self.before, self.after
-        parts = [f"{b.processes} -> {a.processes} process(es)" if b.processes != a.processes else
-                 f"{a.processes} process(es)"]  # (data-parallel ones)
+        # the launched processes first; under sequence parallelism the data-parallel ones (which divide the batch)
+        # apart: SP 2 -> SP 1 on 2 processes is "2 process(es), data-parallel 1 -> 2", not "1 -> 2 process(es)"
+        parts = [f"{b.world} -> {a.world} process(es)" if b.world != a.world else f"{a.world} process(es)"]
+        if b.sequence_parallel != a.sequence_parallel or a.sequence_parallel > 1:
+            if b.processes != a.processes:
+                parts[0] += f" (data-parallel {b.processes} -> {a.processes})"
+            else:
+                parts[0] += f" ({a.processes} data-parallel)"
         if b.sequence_parallel != a.sequence_parallel:
             parts.append(f"train.sequence_parallel {b.sequence_parallel} -> {a.sequence_parallel}")
         if b.grad_accum != a.grad_accum:

@@ -92,6 +92,7 @@ def choose(p: Plan, accelerator, out: Path, zero_stage: Optional[int], weights: 
         past_the_schedule(path, saved, cfg.train.max_steps)
     universal = False
     if path is not None:
+        check_same_start(path, saved, cfg)
         before = saved_layout(saved)
         check_same_weights(path, before, weights)
         check_same_engine(path, before, zero_stage)
@@ -117,7 +118,7 @@ def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: 
     layout = layout_of(cfg, accelerator.num_processes, zero_stage, weights)
     if start.path is None:
         return Resumed(LoopState(streams={n: {"epoch": 0, "batches": 0} for n in streams}, layout=layout.as_dict(),
-                                 data_files=start.data_files), None, None)
+                                 data_files=start.data_files, seed=cfg.train.seed), None, None)
     if cfg.train.max_steps <= 0:
         past_the_schedule(start.path, start.saved, total_steps)
     path, saved = load_resumable(accelerator, Path(cfg.train.output_dir), start.path, cfg.train.resume == "auto",
@@ -166,6 +167,22 @@ def new_peak_lr(scheduler, lr: float) -> Optional[tuple[float, float]]:
         group["lr"] = lr * multiplier(scheduler.last_epoch)
     scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
     return old[0], lr
+
+
+def check_same_start(path: Path, saved: Optional[dict], cfg) -> None:
+    """A dpo / ipo run on a random-init model is refused another train.seed on resume: its reference log-probs are
+    those of the model it started from, which the seed made (harness/preference.py computes them before the
+    checkpoint is loaded, or reads them back), while the weights continue the checkpoint's run. Elsewhere the seed
+    does not choose the model: a pretrained start is the same whatever the seed."""
+    was = (saved or {}).get("seed")
+    random_start = cfg.model.name_or_path is None or cfg.model.random_init
+    if (was is None or was == cfg.train.seed or not random_start or cfg.loss.mode != "preference"
+            or cfg.loss.preference not in ("dpo", "ipo")):
+        return
+    raise ConfigError(f"config key 'train.seed': the run to resume ({path}) started from the random model of "
+                      f"train.seed={was}, which is its loss.preference={cfg.loss.preference} reference; with "
+                      f"{cfg.train.seed} the reference would be another model's while the weights continue the run: "
+                      f"rerun with train.seed={was}, or start over with train.overwrite=true")
 
 
 def past_the_schedule(path: Path, saved: Optional[dict], total_steps: int) -> None:

@@ -4,13 +4,17 @@
     modules.json                       Transformer (this folder) -> Pooling (1_Pooling/) -> Normalize (2_Normalize/)
     sentence_bert_config.json          max_seq_length; config_kwargs {"is_causal": false} with bidirectional attention
     1_Pooling/config.json              the run's pooling, include_prompt false (the instruction tokens are not pooled)
-    config_sentence_transformers.json  prompts: the plain embed template as the default prompt; cosine similarity
+    config_sentence_transformers.json  prompts: the plain embed template as the default prompt, each training
+                                       instruction by name; cosine similarity
 
 The attention the run embedded with: config.json says `"is_causal": true` (what it is without the key: generation with
 plain transformers is unchanged), and sentence_bert_config.json's config_kwargs turn it off for the encoder only
 (transformers keeps a from_pretrained config kwarg only when the config already has the attribute).
 
-An instruction is passed as the prompt, formatted with the run's instruction template (harness.json):
+The instructions of the embedding training data (the most frequent, at most data.sources.MAX_NAMED_PROMPTS = 64:
+harness.json "instructions") are named prompts, each named by the instruction itself:
+    SentenceTransformer(final).encode(texts, prompt_name="Given a question, retrieve the sentence that answers it.")
+Any other instruction is passed as the prompt, formatted with the run's instruction template (harness.json):
     SentenceTransformer(final).encode(texts, prompt="<|user|>\\n{instruction}\\n<|embed|>\\n".format(instruction=...))
 
 With LoRA, final/ is the adapter: the files go to final/merged/, the sentence-transformers model. Only mean pooling is
@@ -62,9 +66,13 @@ def write_sentence_transformers(final: Path, settings: Optional[dict]) -> Option
     pooling = {"embedding_dimension": hidden, "pooling_mode": "mean", "include_prompt": False}
     _dump(folder / "1_Pooling" / "config.json", pooling)
     (folder / "2_Normalize").mkdir(exist_ok=True)
+    template = settings.get("instruction_template", "<|user|>\n{instruction}\n<|embed|>\n")
+    prompts = {"plain": settings.get("plain_template", "<|embed|>\n")}
+    for instruction in settings.get("instructions", []):  # named by the instruction itself ("plain" stays plain)
+        prompts.setdefault(instruction, template.format(instruction=instruction))
     _dump(folder / "config_sentence_transformers.json", {
         "model_type": "SentenceTransformer",
-        "prompts": {"plain": settings.get("plain_template", "<|embed|>\n")},
+        "prompts": prompts,
         "default_prompt_name": "plain",
         "similarity_fn_name": "cosine",
     })

@@ -182,12 +182,14 @@ def check_rft(r) -> None:
                    "rft.micro_batch_sequences": r.micro_batch_sequences}.items():
         if v < 1:
             raise ConfigError(f"config key '{key}': must be >= 1, got {v}")
-    if r.temperature <= 0 or not 0 < r.top_p <= 1 or r.tolerance < 0:
-        bad = "rft.temperature" if r.temperature <= 0 else "rft.top_p" if not 0 < r.top_p <= 1 else "rft.tolerance"
-        raise ConfigError(f"config key '{bad}': out of range")
-    if r.pairs_per_question < 0 or (r.kv_cache_gb is not None and r.kv_cache_gb <= 0):
-        bad = "rft.pairs_per_question" if r.pairs_per_question < 0 else "rft.kv_cache_gb"
-        raise ConfigError(f"config key '{bad}': out of range")
+    for key, v, ok, allowed in (("rft.temperature", r.temperature, r.temperature > 0, "> 0"),
+                                ("rft.top_p", r.top_p, 0 < r.top_p <= 1, "in (0, 1]"),
+                                ("rft.tolerance", r.tolerance, r.tolerance >= 0, ">= 0"),
+                                ("rft.pairs_per_question", r.pairs_per_question, r.pairs_per_question >= 0, ">= 0"),
+                                ("rft.kv_cache_gb", r.kv_cache_gb, r.kv_cache_gb is None or r.kv_cache_gb > 0,
+                                 "> 0 (or null: sized from free memory)")):
+        if not ok:
+            raise ConfigError(f"config key '{key}': out of range: must be {allowed}, got {v}")
     if any(not isinstance(s, str) or not s for s in r.stop_strings):
         raise ConfigError("config key 'rft.stop_strings': non-empty strings needed (an empty one would stop every answer at once)")
 
@@ -235,9 +237,13 @@ def check_sequence_parallel(cfg: Config) -> None:
     if n == 1:
         return
     if cfg.loss.mode != "generative":
-        raise ConfigError(f"config key 'train.sequence_parallel': {n} trains the generative loss only; loss.mode="
-                          f"{cfg.loss.mode}'s embedding passes pool over the whole sequence, which would split over "
-                          f"the processes; use loss.mode=generative or train.sequence_parallel=1")
+        why = ("preference training sums each sequence's log-probs over all its completion tokens (and its pair "
+               "batches and reference pass take whole rows), which would split over the processes" if
+               cfg.loss.mode == "preference" else
+               f"loss.mode={cfg.loss.mode}'s embedding passes pool over the whole sequence, which would split over "
+               f"the processes")
+        raise ConfigError(f"config key 'train.sequence_parallel': {n} trains the generative loss only; {why}; use "
+                          f"loss.mode=generative or train.sequence_parallel=1")
     if cfg.loss.gen_averaging != "token":
         raise ConfigError("config key 'loss.gen_averaging': mixed averages each row's loss, whose tokens sequence "
                           "parallelism splits over processes; use token (train.sequence_parallel > 1)")

@@ -5,7 +5,7 @@
     embedding / unified:  data.emb_train_files -> query / positive / negatives groups (`emb`, optionally grouped by
                           length), data.emb_eval_files -> the held-out retrieval set (`emb_eval`)
 
-Rank 0 validates and tokenizes first; the other processes read its cache (`distributed.main_first`: a data error
+Rank 0 validates and tokenizes first; the other processes read its cache (`collectives.main_first`: a data error
 found by rank 0 stops every process, printed once).
 """
 

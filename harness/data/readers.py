@@ -60,6 +60,13 @@ def _decode(raw: bytes, where: str) -> str:
                         f"file, e.g. iconv -f latin1 -t utf-8") from None
 
 
+def text_lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a UTF-8 file (plain or gzip); a byte that is not UTF-8 is a DataError naming the line and
+    column, as every data reader says it."""
+    for lineno, raw in _raw_lines(path):
+        yield lineno, _decode(raw, f"{path}:{lineno}")
+
+
 def _first_char(path: str) -> str:
     for _, raw in _raw_lines(path):
         if raw.strip():

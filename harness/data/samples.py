@@ -307,7 +307,7 @@ def tokenize_embedding_dataset(rows, tokenizer, query_max_len: int, passage_max_
     stats = {"samples": len(ds), "mean_query_len": sum(q_len) / len(q_len),
              "mean_passage_len": sum(p_len) / max(1, len(p_len)),
              "query_at_max_len": sum(n >= query_max_len for n in q_len),
-             "passage_at_max_len": sum(n >= passage_max_len for n in p_len)}
+             "passage_at_max_len": sum(n >= passage_max_len for n in p_len), **sources.embedding_instructions(rows)}
     return ds.remove_columns(["origin"]), stats
 
 

@@ -277,3 +277,25 @@ def load_rows(entries: list, kind: str, cache_dir: Optional[str] = None, what: s
     if not parts:
         raise DataError(f"{what}: no data given")
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+# the most frequent instructions of the embedding training data a run exports as named prompts (harness.json
+# "instructions"; final/'s config_sentence_transformers.json: `st.encode(texts, prompt_name=instruction)`)
+MAX_NAMED_PROMPTS = 64
+
+
+def embedding_instructions(rows, most: int = MAX_NAMED_PROMPTS) -> dict:
+    """{"instructions": the `most` most frequent instructions of the queries and passages of embedding rows (most
+    frequent first, then by text), "distinct_instructions": how many there are}, counted on the Arrow columns
+    without building the rows in Python: over the table the rows select from (a source's rows once, before the
+    mixing weights repeat some and before data.eval_split holds some out)."""
+    import pyarrow.compute as pc
+
+    counts: dict[str, int] = {}
+    for column in ("query", "pos", "neg"):
+        for chunk in rows.data.column(column).chunks:
+            texts = chunk if column == "query" else pc.list_flatten(chunk)
+            for item in pc.value_counts(pc.struct_field(texts, "instruction")).to_pylist():
+                if item["values"]:
+                    counts[item["values"]] = counts.get(item["values"], 0) + item["counts"]
+    return {"instructions": sorted(counts, key=lambda k: (-counts[k], k))[:most], "distinct_instructions": len(counts)}

@@ -21,11 +21,11 @@ import zlib
 from pathlib import Path
 from typing import Optional
 
-from harness.errors import HarnessError  # noqa: F401
+from harness.errors import ConfigError, HarnessError  # noqa: F401
 from harness.rft.sampling import (Sampler, StaticEngine, load_engine, load_for_generation,  # noqa: F401
                                   make_engine, prompt_text, resolve_model_path)
 from harness.rft.shards import (OUTPUT, PAIRS, SETTINGS, SHARDS, STATS, append_records, check_settings,  # noqa: F401
-                                generation_settings, judge, merge, read_shards, repair_shard)
+                                generation_settings, judge, merge, read_shards, repair_shard, write_lines)
 
 
 def make_accelerator():
@@ -48,7 +48,25 @@ def describe(engine) -> str:
 
 def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[dict]:
     """Generate for every question of the train split not yet done; returns the merged stats on rank 0 (None when
-    stopped early by `stop_after`: that many x rft.questions_per_batch questions per process)."""
+    stopped early by `stop_after`: that many x rft.questions_per_batch questions per process). The main process
+    holds `<rft.output_dir>/shards/.lock` meanwhile (harness/rundir/lock.py): one generation per folder, or two
+    would both sample every question."""
+    if stop_after < 0:
+        raise ConfigError(f"--stop-after: must be >= 0 (0: sample every question left; N: stop after N batches of "
+                          f"rft.questions_per_batch questions per process), got {stop_after}")
+    from harness.distributed import on_main
+    from harness.rundir import lock
+
+    acc = make_accelerator()
+    held = on_main(acc, lambda: lock.acquire(Path(cfg.rft.output_dir) / SHARDS, acc.print, key="rft.output_dir"))
+    try:
+        return _run(cfg, acc, model_path, stop_after)
+    finally:
+        if acc.is_main_process:
+            lock.release(held)
+
+
+def _run(cfg, acc, model_path: Optional[str], stop_after: int) -> Optional[dict]:
     from tqdm.auto import tqdm
 
     from harness.rft.tasks import build_task
@@ -56,12 +74,9 @@ def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[
     r = cfg.rft
     task = build_task(r)
     questions = task.split("train")
-    acc = make_accelerator()
     say = acc.print
     out = Path(r.output_dir)
     shard = out / SHARDS / f"rank-{acc.process_index}.jsonl"
-    if acc.is_main_process:
-        (out / SHARDS).mkdir(parents=True, exist_ok=True)
     check_settings(out / SHARDS / SETTINGS, generation_settings(cfg, model_path), write=acc.is_main_process)
     acc.wait_for_everyone()
     repair_shard(shard)
@@ -88,10 +103,12 @@ def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[
         bar.set_postfix(success=f"{tally['correct'] / max(tally['samples'], 1):.1%}",
                         seq_s=f"{tally['samples'] / max(time.perf_counter() - tally['t0'], 1e-9):.1f}")
 
-    if todo:  # each batch (static) or the whole run (continuous) seeded from rft.seed and its first question
-        engine.generate([prompt_text(task, q, tok) for q in todo], r.oversample, r.temperature, r.top_p,
-                        seed=lambda i: r.seed + zlib.crc32(todo[i].qid.encode()), on_done=on_done)
-    bar.close()
+    try:  # (an error ends the bar's line first: its one line is not printed after the bar)
+        if todo:  # each batch (static) or the whole run (continuous) seeded from rft.seed and its first question
+            engine.generate([prompt_text(task, q, tok) for q in todo], r.oversample, r.temperature, r.top_p,
+                            seed=lambda i: r.seed + zlib.crc32(todo[i].qid.encode()), on_done=on_done)
+    finally:
+        bar.close()
     from accelerate.utils import gather_object
 
     st = engine.stats
@@ -107,9 +124,7 @@ def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[
         stats.update(engine=engine.name, sequences_this_run=seqs, sequences_per_s=seqs / max(secs, 1e-9),
                      new_tokens_per_s=sum(x[2] for x in speed) / max(secs, 1e-9), processes=acc.num_processes,
                      slot_waste=round(st.waste(), 4) if st.slot_steps else None)
-        from harness.files import write_json
-
-        write_json(out / STATS, stats)
+        write_lines(out / STATS, stats)
         pairs = f", {stats['preference_pairs']} preference pairs" if r.pairs_per_question else ""
         say(f"[rft] done: {stats['questions_covered']}/{stats['questions']} questions covered, "
             f"{stats['kept_examples']} examples kept ({stats['questions_with_kept']} questions with at least one)"

@@ -9,12 +9,14 @@ half-written last line (a kill during the write) is cut before appending; the me
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 from typing import Optional
 
-from harness.errors import ConfigError
+from harness.errors import ConfigError, HarnessError, one_line
+from harness.files import disk_full, write_json, write_text
 from harness.rft.tasks import Question, Task
 
 SHARDS = "shards"
@@ -74,10 +76,32 @@ def read_shards(folder: Path) -> list[dict]:
 
 
 def append_records(path: Path, records: list[dict]) -> None:
-    with path.open("a", encoding="utf-8") as fh:
-        fh.write("".join(json.dumps(r) + "\n" for r in records))
-        fh.flush()
-        os.fsync(fh.fileno())
+    """Append whole lines (flush + fsync). A write that fails (a full disk, a file-size limit) is cut back to the last
+    whole line and is one HarnessError: the questions done so far stay done."""
+    data = memoryview("".join(json.dumps(r) + "\n" for r in records).encode("utf-8"))
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                while data:
+                    data = data[os.write(fd, data):]
+                os.fsync(fd)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, size)  # no cut line left behind
+                raise
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise not_written(path, e, "the questions already in the shards stay done; free some space (or raise the "
+                                   "file-size limit), then run the same command to continue") from None
+
+
+def not_written(path: Path, e: OSError, then: str) -> HarnessError:
+    """The one-line error of a file of the generation that could not be written."""
+    full = ": the disk is full" if disk_full(e, path.parent) else ""
+    return HarnessError(f"could not write {path} ({one_line(e, 200)}){full}; {then}")
 
 
 def preference_pairs(task: Task, q: Question, record: dict, most: int) -> list[dict]:
@@ -92,8 +116,6 @@ def preference_pairs(task: Task, q: Question, record: dict, most: int) -> list[d
 def merge(task: Task, questions: list[Question], folder: Path, pairs: int = 0) -> dict:
     """shards/ -> rft.jsonl (chat records in question order), pairs.jsonl when `pairs` > 0 (at most that many
     preference pairs per question), stats.json; returns the stats."""
-    from harness.files import write_json
-
     by_qid: dict[str, dict] = {}
     repeats = 0
     for r in read_shards(folder / SHARDS):
@@ -104,11 +126,9 @@ def merge(task: Task, questions: list[Question], folder: Path, pairs: int = 0) -
         r = by_qid.get(q.qid)
         for answer in (r or {}).get("kept", []):
             rows.append({"messages": task.messages(q) + [{"role": "assistant", "content": answer}]})
-    write_lines(folder / OUTPUT, rows)
     done = [by_qid[q.qid] for q in questions if q.qid in by_qid]
     pair_rows = [x for q in questions if q.qid in by_qid for x in preference_pairs(task, q, by_qid[q.qid], pairs)]
-    if pairs:
-        write_lines(folder / PAIRS, pair_rows)
+    outputs = [(folder / OUTPUT, rows)] + ([(folder / PAIRS, pair_rows)] if pairs else [])
     samples = sum(r["samples"] for r in done)
     stats = {
         "questions": len(questions),
@@ -124,14 +144,23 @@ def merge(task: Task, questions: list[Question], folder: Path, pairs: int = 0) -
         "preference_pairs": len(pair_rows) if pairs else None,
         "output": str(folder / OUTPUT),
     }
-    write_json(folder / STATS, stats)
+    for path, lines in outputs:
+        write_lines(path, lines)
+    write_lines(folder / STATS, stats)
     return stats
 
 
-def write_lines(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(x) + "\n" for x in rows), encoding="utf-8")
-    os.replace(tmp, path)
+def write_lines(path: Path, rows) -> None:
+    """JSON lines (or, for a dict, a JSON file) written whole or not at all; a failed write is one HarnessError (the
+    shards are whole: the merge runs again with the same command)."""
+    try:
+        if isinstance(rows, dict):
+            write_json(path, rows)
+        else:
+            write_text(path, "".join(json.dumps(x) + "\n" for x in rows))
+    except OSError as e:
+        raise not_written(path, e, "every sampled question is kept in the shards; free some space, then run the "
+                                   "same command to merge them") from None
 
 
 def generation_settings(cfg, model_path: Optional[str]) -> dict:
@@ -147,8 +176,15 @@ def generation_settings(cfg, model_path: Optional[str]) -> dict:
 
 def check_settings(path: Path, settings: dict, write: bool = True) -> None:
     """Record the settings of a new run; refuse to continue one that was started with other settings."""
-    if path.is_file():
-        old = json.loads(path.read_text())
+    if path.exists():
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(old, dict):
+                raise ValueError(f"holds a JSON {type(old).__name__}, not an object")
+        except (OSError, ValueError) as e:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+            raise HarnessError(f"{path} cannot be read ({one_line(e, 200)}): it records the settings the shards in "
+                               f"{path.parent} were sampled with; restore it, or remove it to continue them with this "
+                               f"config's settings, or use another rft.output_dir") from None
         diff = [k for k in [*settings, *(k for k in old if k not in settings)] if old.get(k) != settings.get(k)]
         if diff:
             key = "model.name_or_path (or --model)" if diff[0] == "model" else f"rft.{diff[0]}"
@@ -157,8 +193,6 @@ def check_settings(path: Path, settings: dict, write: bool = True) -> None:
                               f"or the same settings to continue")
         return
     if write:
-        from harness.files import write_json
-
-        write_json(path, settings)
+        write_lines(path, settings)
 
 

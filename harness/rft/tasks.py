@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from harness.data.readers import text_lines
 from harness.errors import ConfigError, DataError
 
 ANSWER_RE = re.compile(r"answer is\s*:?\s*(-?\d[\d,]*(?:\.\d+)?)", re.IGNORECASE)
@@ -170,28 +171,27 @@ def read_questions(path: str, prefix: str) -> list[Question]:
     if not p.is_file():
         raise DataError(f"{path}: no such file")
     out = []
-    with p.open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
+    for n, line in text_lines(str(p)):  # (a byte that is not UTF-8: named by line and column, as every reader)
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: invalid JSON ({e.msg}, column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{where}: expected an object with 'question' and 'answer'")
+        q, a = obj.get("question"), obj.get("answer")
+        if not isinstance(q, str) or not q.strip():
+            raise DataError(f"{where}: field 'question' must be a non-empty string")
+        if isinstance(a, str):
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg}, column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected an object with 'question' and 'answer'")
-            q, a = obj.get("question"), obj.get("answer")
-            if not isinstance(q, str) or not q.strip():
-                raise DataError(f"{where}: field 'question' must be a non-empty string")
-            if isinstance(a, str):
-                try:
-                    a = float(a.replace(",", ""))
-                except ValueError:
-                    raise DataError(f"{where}: field 'answer' must be a number, got {obj.get('answer')!r}") from None
-            if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a):
-                raise DataError(f"{where}: field 'answer' must be a number, got {obj.get('answer')!r}")
-            out.append(Question(str(obj.get("id", f"{prefix}-{n}")), q, float(a)))
+                a = float(a.replace(",", ""))
+            except ValueError:
+                raise DataError(f"{where}: field 'answer' must be a number, got {obj.get('answer')!r}") from None
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a):
+            raise DataError(f"{where}: field 'answer' must be a number, got {obj.get('answer')!r}")
+        out.append(Question(str(obj.get("id", f"{prefix}-{n}")), q, float(a)))
     if not out:
         raise DataError(f"{path}: no questions")
     if len({q.qid for q in out}) != len(out):

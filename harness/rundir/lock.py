@@ -1,6 +1,6 @@
 """One run per output folder: `<output_dir>/.lock`, created atomically (O_CREAT|O_EXCL) by the main process at the
 start of a run and removed when the run ends, however it ends (harness/rundir/__init__.py's `hold` registers the release with the
-run's ExitStack).
+run's ExitStack). `harness rft generate` holds `<rft.output_dir>/shards/.lock` the same way (harness/rft/generate.py).
 
 The lock names its holder: `{"host", "pid", "started", "proc_start", "boot_id"}` (proc_start: the process's start
 time in clock ticks since boot, from /proc/<pid>/stat; boot_id: /proc/sys/kernel/random/boot_id), and its
@@ -149,18 +149,17 @@ def _create(path: Path, me: dict) -> bool:
     return True
 
 
-def _refusal(path: Path, holder: Optional[dict], host: str) -> HarnessError:
+def _refusal(path: Path, holder: Optional[dict], host: str, key: str = "train.output_dir") -> HarnessError:
     folder = path.parent
     if holder is None:
         return HarnessError(f"{folder} is locked by {path}, which does not name its holder: remove it if no run "
-                            f"uses the folder, or use another train.output_dir")
+                            f"uses the folder, or use another {key}")
     who = f"host {holder['host']}, pid {holder['pid']}"
     if holder["host"] != host:
         return HarnessError(f"{folder} is in use by a run on another machine ({who}): if that machine is gone, "
                             f"remove {path} (it is taken over {STALE_S / 60:.0f} minutes after its run last touched "
-                            f"it); else use another train.output_dir")
-    return HarnessError(f"{folder} is in use by another run ({who}): wait for it to end or use another "
-                        f"train.output_dir")
+                            f"it); else use another {key}")
+    return HarnessError(f"{folder} is in use by another run ({who}): wait for it to end or use another {key}")
 
 
 _heartbeats: dict[Path, threading.Event] = {}  # lock path -> the event that stops its heartbeat
@@ -174,12 +173,19 @@ def _beat(path: Path, stop: threading.Event) -> None:
             pass
 
 
-def acquire(output_dir: str | Path, say: Callable[[str], None] = print) -> Path:
+def acquire(output_dir: str | Path, say: Callable[[str], None] = print, key: str = "train.output_dir") -> Path:
     """Take `<output_dir>/.lock` for this process (the folder is created) and keep its heartbeat; returns its path.
-    Raises a one-line HarnessError while the lock can be a live run's, or when it cannot be written (a full disk:
-    nothing is left behind); takes over a stale lock with a warning."""
+    Raises a one-line HarnessError while the lock can be a live run's, when the folder cannot be created (a
+    read-only parent) or the lock cannot be written (a full disk: nothing is left behind); takes over a stale lock
+    with a warning. `key`: the config key that names the folder, for the messages (`harness rft generate`'s lock is
+    its shards folder's)."""
     folder = Path(output_dir)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise HarnessError(f"could not create the output folder {folder} ({type(e).__name__}: {e.strerror or e}); "
+                           f"nothing was started: fix the permissions of the folder above it, or use another "
+                           f"{key}") from None
     path = folder / LOCK_NAME
     host = socket.gethostname()
     me = identity(os.getpid())
@@ -196,11 +202,11 @@ def acquire(output_dir: str | Path, say: Callable[[str], None] = print) -> Path:
         holder = read_holder(path)
         why = stale_reason(path, holder, host)
         if why is None:
-            raise _refusal(path, holder, host)
+            raise _refusal(path, holder, host, key)
         say(f"[harness] warning: {path} {why}: taking the folder over")
         path.unlink(missing_ok=True)
         if not create():
-            raise _refusal(path, read_holder(path), host)  # another run took it over first
+            raise _refusal(path, read_holder(path), host, key)  # another run took it over first
     stop = threading.Event()
     _heartbeats[path] = stop
     threading.Thread(target=_beat, args=(path, stop), name="harness-lock-heartbeat", daemon=True).start()

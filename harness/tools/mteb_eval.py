@@ -7,7 +7,8 @@ final/ (or final/merged/ for LoRA) is loaded as a sentence-transformers model (h
 embedding file (the training format: {"query", "pos", "neg"}; a query or passage is a text or [instruction, text])
 becomes one MTEB retrieval task per query instruction: its queries, a corpus of every positive and negative text of
 those rows, the positives as the relevant documents. Queries are embedded with the instruction in the run's instruction
-template (harness.json), passages with theirs or the plain template. Prints the main score (nDCG@10) and a few more
+template (harness.json), passages with theirs or the plain template: the model's named prompt where the export
+named the instruction (each instruction of the training data is one), else formatted from the template. Prints the main score (nDCG@10) and a few more
 per task; nothing is downloaded, nothing is cached (mteb's result cache is off).
 """
 
@@ -27,9 +28,19 @@ def _split(item) -> tuple[str, str]:
     return (item[0], item[1]) if isinstance(item, list) else ("", item)
 
 
-def retrieval_tasks(data_file: str | Path, instruction_template: str, plain_template: str) -> list[tuple]:
+def retrieval_tasks(data_file: str | Path, instruction_template: str, plain_template: str,
+                    named: dict | None = None) -> list[tuple]:
     """[(MTEB retrieval task, its prompts {"query": text, "document": text})], one per query instruction of data_file
-    (mteb takes prompts keyed by task name only for the tasks it registers: one evaluation per task)."""
+    (mteb takes prompts keyed by task name only for the tasks it registers: one evaluation per task). `named`: the
+    model's exported prompts (config_sentence_transformers.json: "plain" and each training instruction by name),
+    used for the instructions they name; any other is formatted with instruction_template."""
+    named = named or {}
+
+    def prompt(instruction: str) -> str:
+        if not instruction:
+            return named.get("plain", plain_template)
+        return named.get(instruction) or instruction_template.format(instruction=instruction)
+
     from datasets import Dataset
     from mteb.abstasks.retrieval import AbsTaskRetrieval
     from mteb.abstasks.retrieval_dataset_loaders import RetrievalSplitData
@@ -77,9 +88,7 @@ def retrieval_tasks(data_file: str | Path, instruction_template: str, plain_temp
             self.data_loaded = True
 
         task_class = type(name, (AbsTaskRetrieval,), {"metadata": metadata, "load_data": load_data})
-        prompts = {"query": instruction_template.format(instruction=instruction) if instruction else plain_template,
-                   "document": (instruction_template.format(instruction=doc_instruction) if doc_instruction
-                                else plain_template)}
+        prompts = {"query": prompt(instruction), "document": prompt(doc_instruction)}
         tasks.append((task_class(), prompts))
     return tasks
 
@@ -98,7 +107,10 @@ def evaluate(final: str | Path, data_file: str | Path, batch_size: int = 32) -> 
                            f"embedding or unified run with model.pooling=mean is (docs/gritlm.md)")
     settings_file = folder / "harness.json"
     settings = {**DEFAULTS, **(json.loads(settings_file.read_text()) if settings_file.is_file() else {})}
-    tasks = retrieval_tasks(data_file, settings["instruction_template"], settings["plain_template"])
+    # the prompts the export named (the training instructions), else the instruction template of harness.json
+    st_config = folder / "config_sentence_transformers.json"
+    named = json.loads(st_config.read_text()).get("prompts", {}) if st_config.is_file() else {}
+    tasks = retrieval_tasks(data_file, settings["instruction_template"], settings["plain_template"], named)
     model = SentenceTransformer(str(folder), device="cpu" if not _cuda() else "cuda")
     out = {}
     for task, prompts in tasks:
