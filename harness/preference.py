@@ -33,7 +33,7 @@ from harness import losses
 from harness.chunked_loss import ChunkedHeadLoss, head_params
 from harness.data import IGNORE_INDEX
 from harness.data.samples import model_inputs, real_tokens
-from harness.distributed import on_main
+from harness.distributed.collectives import on_main
 from harness.errors import HarnessError, one_line
 from harness.files import disk_full
 from harness.state import StepSums, preference_figures

@@ -54,7 +54,7 @@ def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[
     if stop_after < 0:
         raise ConfigError(f"--stop-after: must be >= 0 (0: sample every question left; N: stop after N batches of "
                           f"rft.questions_per_batch questions per process), got {stop_after}")
-    from harness.distributed import on_main
+    from harness.distributed.collectives import on_main
     from harness.rundir import lock
 
     acc = make_accelerator()
