@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -132,3 +133,111 @@ def test_advantages_by_hand():
     batch_std = float(r.std())
     _close(rl_loss.advantages(r, 3, "batch")[0], (r - torch.tensor([1 / 3] * 3 + [1.0] * 3)) / (batch_std + 1e-4))
     _close(rl_loss.advantages(r, 3, "none")[0], r - torch.tensor([1 / 3] * 3 + [1.0] * 3))
+
+
+# ----------------------------------------------------------------------------------------------- bad settings
+
+TINY = ["model.name_or_path=null", "model.tokenizer=bundled",
+        "model.config={model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+        "num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 128}"]
+
+
+def test_num_generations_1_is_refused():
+    from harness.config import load_config
+    from harness.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"config key 'rl.num_generations': must be >= 2"):
+        load_config("configs/grpo-tiny.yaml", ["rl.num_generations=1"])
+    load_config("configs/grpo-tiny.yaml", ["rl.num_generations=1", "loss.mode=generative",
+                                           "data.train_files=[x.jsonl]"])  # other modes do not read it
+
+
+def test_reward_that_raises_is_one_line(monkeypatch):
+    from harness.config import load_config
+    from harness.errors import HarnessError
+    from harness.rft.tasks import build_task
+    from harness.rl.rollout import load_reward
+
+    monkeypatch.syspath_prepend("tests")
+    cfg = load_config("configs/grpo-tiny.yaml", ["rl.reward=rl_rewards:raises"])
+    with pytest.raises(HarnessError) as e:
+        load_reward(cfg, build_task(cfg.rft))
+    assert str(e.value) == ("config key 'rl.reward': rl_rewards:raises raised ValueError: no score for this answer "
+                            "(question train-0)")
+    cfg = load_config("configs/grpo-tiny.yaml", ["rl.reward=rl_rewards:nothing"])
+    with pytest.raises(HarnessError, match=r"config key 'rl.reward': cannot load 'rl_rewards:nothing'"):
+        load_reward(cfg, build_task(cfg.rft))
+    assert load_reward(load_config("configs/grpo-tiny.yaml", []), build_task(cfg.rft)) is not None
+
+
+def test_task_file_without_verifiable_answers(tmp_path):
+    from harness.config import load_config
+    from harness.errors import DataError
+    from harness.rl.rollout import question_loader
+
+    bad = tmp_path / "q.jsonl"
+    bad.write_text('{"question": "What is 2 + 2?", "answer": 4}\n{"question": "Who wrote Hamlet?", '
+                   '"answer": "Shakespeare"}\n')
+    cfg = load_config("configs/grpo-tiny.yaml", [f"rft.task={bad}"])
+    with pytest.raises(DataError) as e:
+        question_loader(cfg, world=1)
+    assert str(e.value) == f"{bad}:2: field 'answer' must be a number, got 'Shakespeare'"
+    cfg = load_config("configs/grpo-tiny.yaml", ["rl.questions_per_step=6", "train.grad_accum=4"])
+    with pytest.raises(Exception, match=r"'rl.questions_per_step': 6 questions do not divide into 1 process"):
+        question_loader(cfg, world=1)
+
+
+# ----------------------------------------------------------------------------------------------- runs
+
+from harness_launch import ROOT, metrics, run_train  # noqa: E402
+
+# 4 steps of 4 questions x 4 answers, two steps on each generation batch (the second with old log-probs), a reward
+# that varies among a random model's answers; every process count and ZeRO stage runs the same questions
+RUN = [*TINY, "rl.reward=rl_rewards:digits", "train.max_steps=4", "rl.questions_per_step=4", "rl.num_generations=4",
+       "rl.iterations=2", "rft.max_new_tokens=8", "rft.num_test_questions=6", "train.eval_every=2",
+       "train.eval_at_start=false", "optim.lr=3e-3", "optim.warmup_steps=0", "train.progress_bar=false",
+       "train.summary=false", "train.log_every=1"]
+ENV = {"PYTHONPATH": f"{ROOT / 'tests'}:{ROOT}"}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rl1")
+    proc = run_train([*RUN, f"train.output_dir={out}"], config=str(ROOT / "configs/grpo-tiny.yaml"), extra_env=ENV)
+    return out, proc
+
+
+def test_run_logs_the_rl_figures(one_process):
+    out, proc = one_process
+    steps = [m for m in metrics(out) if "reward" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    for m in steps:
+        assert 0 < m["reward"] < 1 and m["reward_std"] > 0 and 0 <= m["flat_group_share"] < 1
+        assert 0 < m["completion_length"] <= 8 and m["gen_s_per_step"] >= 0 and m["train_s_per_step"] > 0
+        assert 0 <= m["clip_fraction"] <= 1 and torch.isfinite(torch.tensor(m["loss"]))
+    # the second step on a generation batch reuses its answers (same rewards) with the old log-probs kept: after
+    # one update at lr 3e-3 the ratios move off 1
+    assert steps[0]["reward"] == steps[1]["reward"] and steps[2]["reward"] == steps[3]["reward"]
+    assert steps[1]["loss"] != steps[0]["loss"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in records if "eval_accuracy" in m]  # step 2's in its log line, the final one on its own
+    assert [m["step"] for m in evals] == [2, 4] and all(0 <= m["eval_answer_rate"] <= 1 for m in evals)
+    assert "rl: grpo, 4 questions x 4 answers per generation batch" in proc.stdout
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_two_processes_equal_one(one_process, tmp_path, stage):
+    """2 processes (2 questions each) under ZeRO-2 / ZeRO-3 = 1 process: the same questions and answers (seeded by
+    step and question), so the same rewards, and losses within 1e-5 relative (fp32: the sums over the step's answers
+    and the gradient's reduction run in another order, ~1e-7; a sampled answer that changed would move the reward)."""
+    out, _ = one_process
+    run_train([*RUN, f"train.output_dir={tmp_path}"], nproc=2, accel=stage,
+              config=str(ROOT / "configs/grpo-tiny.yaml"), extra_env=ENV, timeout=900)
+    ref = [m for m in metrics(out) if "reward" in m]
+    got = [m for m in metrics(tmp_path) if "reward" in m]
+    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    scale = max(abs(m["loss"]) for m in ref)
+    for a, b in zip(got, ref):
+        assert a["reward"] == pytest.approx(b["reward"], rel=1e-6)
+        assert a["completion_length"] == b["completion_length"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * scale, (a["loss"], b["loss"])

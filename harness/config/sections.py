@@ -127,10 +127,11 @@ class DataConfig:
 
 @dataclass
 class LossConfig:
-    mode: Literal["generative", "embedding", "unified", "preference"] = _f(
+    mode: Literal["generative", "embedding", "unified", "preference", "rl"] = _f(
         "generative", "generative: next-token loss; embedding: contrastive loss; unified: their weighted sum "
         "(GritLM), one generative and one embedding micro-batch per micro-step; preference: pairs {prompt?, chosen, "
-        "rejected} in data.train_files, the loss loss.preference (docs/preference.md).")
+        "rejected} in data.train_files, the loss loss.preference (docs/preference.md); rl: online RL on the rft "
+        "task's questions, answers sampled from the model being trained (the rl section, docs/rl.md).")
     preference: Literal["dpo", "ipo", "simpo", "orpo"] = _f(
         "dpo", "loss.mode=preference: dpo (sigmoid loss on the log-ratios to the reference model), ipo, simpo "
         "(length-normalised, no reference, margin loss.simpo_gamma), orpo (NLL on the chosen completion + odds "
@@ -310,6 +311,31 @@ class RftConfig:
 
 
 @dataclass
+class RlConfig:
+    """Online RL with verifiable rewards (loss.mode=rl; harness/rl, docs/rl.md) on the rft section's task: its
+    questions, prompt, sampling settings (rft.temperature, top_p, max_new_tokens, engine budget) and verifier."""
+
+    algorithm: Literal["grpo"] = _f("grpo", "The algorithm: grpo (group-relative advantages, TRL's GRPOTrainer).")
+    questions_per_step: int = _f(16, "Questions per generation batch over all processes (divided between processes "
+                                     "and train.grad_accum micro-batches).")
+    num_generations: int = _f(8, "Answers sampled per question (the group its advantages are relative to); >= 2.")
+    scale_rewards: Literal["group", "batch", "none"] = _f(
+        "group", "Advantage = reward - its group's mean, divided by the group's std (group), the whole batch's "
+                 "(batch), or not (none, Dr. GRPO); TRL's scale_rewards.")
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = _f(
+        "dapo", "Reduction of the per-token loss (TRL's loss_type): grpo (mean of each answer's token mean), bnpo "
+                "and dapo (token mean over the step), dr_grpo (sum / (answers x rft.max_new_tokens)).")
+    epsilon: float = _f(0.2, "Lower clip of the ratio: 1 - epsilon.")
+    epsilon_high: Optional[float] = _f(None, "Upper clip of the ratio: 1 + epsilon_high (null: epsilon; DAPO: 0.28).")
+    beta: float = _f(0.0, "Weight of the KL to the reference model (the model as it starts; k3 estimator). 0: no "
+                          "reference model is kept or run.")
+    iterations: int = _f(1, "Optimizer steps on each generation batch (TRL's num_iterations); the old log-probs are "
+                            "kept for the ratio.")
+    reward: str = _f("verifier", "verifier (the task's: 1 for a verified answer, 0 otherwise) or module:function, "
+                                 "called as fn(question, answer_text) -> float (question: harness.rft.tasks.Question).")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -317,6 +343,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     rft: RftConfig = field(default_factory=RftConfig)
+    rl: RlConfig = field(default_factory=RlConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
