@@ -130,8 +130,7 @@ class LossConfig:
     mode: Literal["generative", "embedding", "unified", "preference", "rl"] = _f(
         "generative", "generative: next-token loss; embedding: contrastive loss; unified: their weighted sum "
         "(GritLM), one generative and one embedding micro-batch per micro-step; preference: pairs {prompt?, chosen, "
-        "rejected} in data.train_files, the loss loss.preference (docs/preference.md); rl: online RL on the rft "
-        "task's questions, answers sampled from the model being trained (the rl section, docs/rl.md).")
+        "rejected} in data.train_files, the loss loss.preference (docs/preference.md); rl: GRPO on rft.task (docs/rl.md).")
     preference: Literal["dpo", "ipo", "simpo", "orpo"] = _f(
         "dpo", "loss.mode=preference: dpo (sigmoid loss on the log-ratios to the reference model), ipo, simpo "
         "(length-normalised, no reference, margin loss.simpo_gamma), orpo (NLL on the chosen completion + odds "
@@ -312,27 +311,19 @@ class RftConfig:
 
 @dataclass
 class RlConfig:
-    """Online RL with verifiable rewards (loss.mode=rl; harness/rl, docs/rl.md) on the rft section's task: its
-    questions, prompt, sampling settings (rft.temperature, top_p, max_new_tokens, engine budget) and verifier."""
+    """loss.mode=rl (harness/rl, docs/rl.md) on the rft section's task, prompt, sampling settings and verifier."""
 
-    algorithm: Literal["grpo"] = _f("grpo", "The algorithm: grpo (group-relative advantages, TRL's GRPOTrainer).")
-    questions_per_step: int = _f(16, "Questions per generation batch over all processes (divided between processes "
-                                     "and train.grad_accum micro-batches).")
-    num_generations: int = _f(8, "Answers sampled per question (the group its advantages are relative to); >= 2.")
-    scale_rewards: Literal["group", "batch", "none"] = _f(
-        "group", "Advantage = reward - its group's mean, divided by the group's std (group), the whole batch's "
-                 "(batch), or not (none, Dr. GRPO); TRL's scale_rewards.")
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = _f(
-        "dapo", "Reduction of the per-token loss (TRL's loss_type): grpo (mean of each answer's token mean), bnpo "
-                "and dapo (token mean over the step), dr_grpo (sum / (answers x rft.max_new_tokens)).")
+    algorithm: Literal["grpo"] = _f("grpo", "grpo: group-relative advantages (TRL's GRPOTrainer).")
+    questions_per_step: int = _f(16, "Questions per generation batch, over all processes and grad_accum micro-batches.")
+    num_generations: int = _f(8, "Answers sampled per question (its group); >= 2.")
+    scale_rewards: Literal["group", "batch", "none"] = _f("group", "Advantage = reward - group mean, divided by the "
+                                                                   "group's std, the batch's, or not (TRL's).")
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = _f("dapo", "TRL's loss_type (docs/rl.md).")
     epsilon: float = _f(0.2, "Lower clip of the ratio: 1 - epsilon.")
-    epsilon_high: Optional[float] = _f(None, "Upper clip of the ratio: 1 + epsilon_high (null: epsilon; DAPO: 0.28).")
-    beta: float = _f(0.0, "Weight of the KL to the reference model (the model as it starts; k3 estimator). 0: no "
-                          "reference model is kept or run.")
-    iterations: int = _f(1, "Optimizer steps on each generation batch (TRL's num_iterations); the old log-probs are "
-                            "kept for the ratio.")
-    reward: str = _f("verifier", "verifier (the task's: 1 for a verified answer, 0 otherwise) or module:function, "
-                                 "called as fn(question, answer_text) -> float (question: harness.rft.tasks.Question).")
+    epsilon_high: Optional[float] = _f(None, "Upper clip of the ratio: 1 + epsilon_high (null: epsilon).")
+    beta: float = _f(0.0, "KL weight to the starting model (k3); 0: no reference model kept or run.")
+    iterations: int = _f(1, "Optimizer steps per generation batch (old log-probs kept for the ratio).")
+    reward: str = _f("verifier", "verifier (1 verified, 0 otherwise) or module:function, fn(question, text) -> float.")
 
 
 @dataclass

@@ -32,7 +32,8 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 def per_token_terms(logps: torch.Tensor, old_logps: Optional[torch.Tensor], advantages: torch.Tensor,
                     epsilon: float, epsilon_high: float, beta: float = 0.0,
                     ref_logps: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(per-token loss [B, T], clipped [B, T] bool: the ratio outside the clip range on the advantage's side, KL [B, T] (zeros at beta 0)).
+    """(per-token loss [B, T], clipped [B, T] bool: the ratio outside the clip range on the advantage's side, KL
+    [B, T] (zeros at beta 0)).
 
     logps, old_logps, ref_logps: [B, T] log-probs of the completion tokens under the policy (with gradient), the
     policy that sampled them (None: the policy itself, detached: the first update on fresh samples), the reference;

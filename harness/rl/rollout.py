@@ -201,7 +201,8 @@ class Rollouts:
             at += n
         self.scale(out)
         return out, StepSums(rl_reward_sum=rewards.sum(), rl_reward_sq_sum=(rewards ** 2).sum(),
-                             rl_answers=rewards.numel(), rl_flat_groups=flat_groups.sum(), rl_groups=flat_groups.numel(),
+                             rl_answers=rewards.numel(), rl_flat_groups=flat_groups.sum(),
+                             rl_groups=flat_groups.numel(),
                              rl_length_sum=sum(int(completion_mask(b).sum()) for b in out))
 
     def scale(self, batches: list[dict]) -> None:
