@@ -310,6 +310,7 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
 
         objective.rl = Rollouts(cfg, accelerator, model, tokenizer, build_task(cfg.rft), chunk_size,
                                 zero["zero_stage"], say)
+        accelerator.register_for_checkpointing(objective.rl)  # the half-used generation batch, with each checkpoint
         say(f"[harness] rl: {cfg.rl.algorithm}, {cfg.rl.questions_per_step} questions x {cfg.rl.num_generations} "
             f"answers per generation batch, {cfg.rl.iterations} step(s) on each, loss_type {cfg.rl.loss_type}, "
             f"{len(objective.rl.questions)} train questions")

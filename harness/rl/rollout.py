@@ -139,6 +139,7 @@ class Rollouts:
             self.reference = copy.deepcopy(unwrapped).eval().requires_grad_(False)  # the model as it starts
         self.current: list = []  # the generation batch's micro-batches (on the device)
         self.figures = StepSums()  # its rewards and lengths, logged with every step trained on it
+        self.items: list = []  # the same as questions: prompt, answers, rewards, advantages, old / reference log-probs
 
     def prompt_text(self, q: Question) -> str:
         """The question in the model's chat template, ending where the answer starts (as `rft generate` asks)."""
@@ -152,7 +153,10 @@ class Rollouts:
     def step_batches(self, questions, step: int, unlogged) -> list[dict]:
         """The micro-batches of optimizer step `step`: a new generation batch every rl.iterations steps (the next
         grad_accum question micro-batches of `questions`), else the current one again."""
-        if (step - 1) % self.rl.iterations == 0:
+        if (step - 1) % self.rl.iterations == 0 or not self.current:
+            if (step - 1) % self.rl.iterations:
+                self.say(f"[harness] rl: no generation batch to continue at step {step} (a checkpoint without "
+                         f"one): a new one starts here")
             picked = [next(questions) for _ in range(self.cfg.train.grad_accum)]
             t0 = time.perf_counter()
             self.current, self.figures = self.generate(picked, step)
@@ -183,27 +187,70 @@ class Rollouts:
         rewards = torch.tensor([[score(self.reward, self.rl.reward, q, t) for t in answers]
                                 for q, answers in zip(flat, texts)], dtype=torch.float32, device=dev).view(-1)
         every = accelerator.gather(rewards)  # the step's rewards on every process (batch scaling, the log)
-        adv, flat_groups = rl_loss.advantages(rewards, G, self.rl.scale_rewards)
+        adv, _ = rl_loss.advantages(rewards, G, self.rl.scale_rewards)
         if self.rl.scale_rewards == "batch":  # the whole step's std, as TRL's (its batch is every process's)
             adv = (rewards - rewards.view(-1, G).mean(1).repeat_interleave(G)) / (every.std() + 1e-4)
-        out, at = [], 0
-        for b in qs:
-            n = len(b) * G
-            ids = [self.completion_ids(t) for answers in texts[at // G:at // G + len(b)] for t in answers]
-            batch = {k: v.to(dev) for k, v in rows([p for p in prompts[at // G:at // G + len(b)] for _ in range(G)],
-                                                    ids, self.tok.pad_token_id).items()}
-            batch["advantages"] = adv[at:at + n]
-            if self.rl.iterations > 1:
-                batch["old_logps"] = completion_logps(self.model, batch, self.chunk_size, self.r.temperature)
-            if self.reference is not None:
-                batch["ref_logps"] = completion_logps(self.reference, batch, self.chunk_size, self.r.temperature)
-            out.append(batch)
-            at += n
+        items, at = [], 0
+        for q, p, answers in zip(flat, prompts, texts):
+            items.append({"prompt": p, "answers": [self.completion_ids(t) for t in answers],
+                          "rewards": rewards[at:at + G].tolist(), "advantages": adv[at:at + G].tolist()})
+            at += G
+        per = len(picked[0])
+        out = [self.batch(items[k:k + per]) for k in range(0, len(items), per)]
+        for k, batch in enumerate(out):  # the old (rl.iterations > 1) and reference log-probs, kept with the items
+            for name, model in (("old_logps", self.model if self.rl.iterations > 1 else None),
+                                ("ref_logps", self.reference)):
+                if model is not None:
+                    batch[name] = completion_logps(model, batch, self.chunk_size, self.r.temperature)
+                    on = completion_mask(batch).bool()
+                    for j, item in enumerate(items[k * per:(k + 1) * per]):
+                        item[name] = [batch[name][j * G + g][on[j * G + g]].cpu() for g in range(G)]
+        self.items = items
         self.scale(out)
-        return out, StepSums(rl_reward_sum=rewards.sum(), rl_reward_sq_sum=(rewards ** 2).sum(),
-                             rl_answers=rewards.numel(), rl_flat_groups=flat_groups.sum(),
-                             rl_groups=flat_groups.numel(),
-                             rl_length_sum=sum(int(completion_mask(b).sum()) for b in out))
+        return out, self.figures_of(items)
+
+    def batch(self, items: list[dict]) -> dict:
+        """A micro-batch of questions' answers (G rows each), with the log-probs the items carry."""
+        G, dev = self.rl.num_generations, self.accelerator.device
+        batch = {k: v.to(dev) for k, v in rows([it["prompt"] for it in items for _ in range(G)],
+                                               [a for it in items for a in it["answers"]],
+                                               self.tok.pad_token_id).items()}
+        batch["advantages"] = torch.tensor([a for it in items for a in it["advantages"]], dtype=torch.float32,
+                                           device=dev)
+        on = completion_mask(batch).bool()
+        for name in ("old_logps", "ref_logps"):
+            if name in items[0]:
+                t = torch.zeros(on.shape, dtype=torch.float32, device=dev)
+                t[on] = torch.cat([v.to(dev) for it in items for v in it[name]])
+                batch[name] = t
+        return batch
+
+    def figures_of(self, items: list[dict]) -> StepSums:
+        r = torch.tensor([it["rewards"] for it in items], dtype=torch.float64)
+        flat = torch.isclose(r.std(1), torch.zeros(len(items), dtype=torch.float64))
+        return StepSums(rl_reward_sum=float(r.sum()), rl_reward_sq_sum=float((r ** 2).sum()), rl_answers=r.numel(),
+                        rl_flat_groups=int(flat.sum()), rl_groups=len(items),
+                        rl_length_sum=sum(len(a) for it in items for a in it["answers"]))
+
+    # ---- saved with each checkpoint (accelerate's register_for_checkpointing): the half-used generation batch
+    def state_dict(self) -> dict:
+        """Every process's items of the current generation batch, in process order (collective)."""
+        from accelerate.utils import gather_object
+
+        return {"items": gather_object([self.items]) if self.accelerator.num_processes > 1 else [self.items]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """This process's share of the saved generation batch, in grad_accum micro-batches again."""
+        everything = [it for part in state["items"] for it in part]
+        if not everything:
+            return
+        world, rank, accum = self.accelerator.num_processes, self.accelerator.process_index, self.cfg.train.grad_accum
+        mine = everything[rank * len(everything) // world:(rank + 1) * len(everything) // world]
+        per = len(mine) // accum
+        self.items = mine
+        self.current = [self.batch(mine[k:k + per]) for k in range(0, len(mine), per)]
+        self.scale(self.current)
+        self.figures = self.figures_of(mine)
 
     def scale(self, batches: list[dict]) -> None:
         """Each micro-batch's factor W x A / the step's denominator (rl.loss_type; one all-reduce of the counts)."""
