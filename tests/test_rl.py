@@ -75,6 +75,7 @@ def trl_loss(path, tok, model, loss_type, beta, inputs, temperature):
                       max_completion_length=COMPLETION, report_to=[], use_cpu=True, bf16=False)
     trainer = GRPOTrainer(model=str(path), reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
                           train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}), processing_class=tok)
+    assert trainer.loss_type == loss_type and trainer.beta == beta
     trainer.model.load_state_dict(model.state_dict())
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # one micro-batch: the whole batch
