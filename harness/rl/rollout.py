@@ -237,14 +237,19 @@ class Rollouts:
         """Every process's items of the current generation batch, in process order (collective)."""
         from accelerate.utils import gather_object
 
-        return {"items": gather_object([self.items]) if self.accelerator.num_processes > 1 else [self.items]}
+        world = self.accelerator.num_processes
+        return {"items": gather_object([self.items]) if world > 1 else [self.items], "world": world}
 
     def load_state_dict(self, state: dict) -> None:
         """This process's share of the saved generation batch, in grad_accum micro-batches again."""
+        world, rank, accum = self.accelerator.num_processes, self.accelerator.process_index, self.cfg.train.grad_accum
+        if state.get("world", world) != world:  # the question stream's position would not carry over: refused
+            raise HarnessError(f"loss.mode=rl: the checkpoint was written by {state['world']} process(es), this run "
+                               f"has {world}; resuming on another process count is not supported yet for rl: "
+                               f"launch {state['world']} process(es)")
         everything = [it for part in state["items"] for it in part]
         if not everything:
             return
-        world, rank, accum = self.accelerator.num_processes, self.accelerator.process_index, self.cfg.train.grad_accum
         mine = everything[rank * len(everything) // world:(rank + 1) * len(everything) // world]
         per = len(mine) // accum
         self.items = mine
