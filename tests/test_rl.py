@@ -224,6 +224,10 @@ def test_run_logs_the_rl_figures(one_process):
     evals = [m for m in records if "eval_accuracy" in m]  # step 2's in its log line, the final one on its own
     assert [m["step"] for m in evals] == [2, 4] and all(0 <= m["eval_answer_rate"] <= 1 for m in evals)
     assert "rl: grpo, 4 questions x 4 answers per generation batch" in proc.stdout
+    import yaml
+
+    saved = yaml.safe_load((out / "config.yaml").read_text())  # an rl run reads both sections: both kept
+    assert saved["rl"]["iterations"] == 2 and saved["rft"]["max_new_tokens"] == 8
 
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])

@@ -186,9 +186,9 @@ class Rollouts:
             model.train(was)
         rewards = torch.tensor([[score(self.reward, self.rl.reward, q, t) for t in answers]
                                 for q, answers in zip(flat, texts)], dtype=torch.float32, device=dev).view(-1)
-        every = accelerator.gather(rewards)  # the step's rewards on every process (batch scaling, the log)
         adv, _ = rl_loss.advantages(rewards, G, self.rl.scale_rewards)
         if self.rl.scale_rewards == "batch":  # the whole step's std, as TRL's (its batch is every process's)
+            every = accelerator.gather(rewards)
             adv = (rewards - rewards.view(-1, G).mean(1).repeat_interleave(G)) / (every.std() + 1e-4)
         items, at = [], 0
         for q, p, answers in zip(flat, prompts, texts):
