@@ -4,7 +4,11 @@
   log-probs, masks), the loss and every parameter's gradient of each rl.loss_type, with beta 0 and beta > 0, equal
   TRL 1.16's GRPOTrainer._compute_loss (a real trainer, its fused LM head) within 1e-5 relative;
 - advantages as TRL's (group, batch, none) on hand-made rewards;
-- bad settings stop with one `harness: error:` line before any step.
+- bad settings stop with one `harness: error:` line before any step (num_generations 1, a reward function that raises,
+  a task file without numeric answers);
+- one shared 1-process run (4 steps, 2 on each generation batch) logs the rl figures and the rft-test evaluation;
+  2 processes under ZeRO-2 (extended tier) and ZeRO-3 equal it; kill -9 in the middle of a generation batch and the
+  same command again equal it.
 
     python -m pytest tests/test_rl.py
 """
