@@ -231,6 +231,10 @@ def build_data(cfg: Config, accelerator, say: Callable[[str], None]) -> tuple[An
 
     tokenizer = model_lib.load_run_tokenizer(cfg)
     data = loaders.build_loaders(cfg, accelerator, tokenizer)
+    if cfg.loss.mode == "rl":  # the stream is the rft task's train questions (indices), answered during the run
+        from harness.rl.rollout import question_loader
+
+        _, data.gen = question_loader(cfg, accelerator.num_processes)
     for kind, st in data.stats.items():
         say(f"[harness] {kind} data: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                                     for k, v in st.items()
@@ -289,7 +293,8 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
         started.compile.model_prepared(model, say, accelerator.state.dynamo_plugin.to_kwargs())
     weights = weights_dtype(model)
     repair_stage0_optimizer(optimizer)  # DeepSpeed without ZeRO: its start-up step undone
-    chunk_size = resolve_chunked_ce(cfg, model, longest_micro_batch(data), say)
+    chunk_size = resolve_chunked_ce(cfg, model, longest_micro_batch(data), say) if cfg.loss.mode != "rl" else \
+        cfg.loss.chunked_ce_size  # rl: log-probs always through the output head in chunks
     if cfg.loss.mode == "preference":  # sequence log-probs: always through the output head, in chunks
         from harness import preference
 
@@ -297,12 +302,22 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
         # the reference (dpo, ipo): the model as it starts, before a checkpoint is loaded; stored in output_dir
         preference.attach_reference(cfg, accelerator, model, {"train": data.gen, "eval": data.gen_eval}, chunk_size,
                                     say)
-    elif chunk_size is not None:
+    elif chunk_size is not None and cfg.loss.mode != "rl":
         say(f"[harness] generative loss: chunked through the output head, {chunk_size} positions per chunk "
             f"(loss.chunked_ce={cfg.loss.chunked_ce})")
     mconf = accelerator.unwrap_model(model, keep_torch_compile=False).config
     flop_dims = (matmul_params, getattr(mconf, "num_hidden_layers", 0), getattr(mconf, "hidden_size", 0))
     objective = Objective(cfg, accelerator, model, chunk_size=chunk_size, flop_dims=flop_dims, sp=sp)
+    if cfg.loss.mode == "rl":  # before a checkpoint is loaded: the reference (rl.beta > 0) is the starting model
+        from harness.rft.tasks import build_task
+        from harness.rl.rollout import Rollouts
+
+        objective.rl = Rollouts(cfg, accelerator, model, tokenizer, build_task(cfg.rft), chunk_size,
+                                zero["zero_stage"], say)
+        accelerator.register_for_checkpointing(objective.rl)  # the half-used generation batch, with each checkpoint
+        say(f"[harness] rl: {cfg.rl.algorithm}, {cfg.rl.questions_per_step} questions x {cfg.rl.num_generations} "
+            f"answers per generation batch, {cfg.rl.iterations} step(s) on each, loss_type {cfg.rl.loss_type}, "
+            f"{len(objective.rl.questions)} train questions")
     held = accelerator.gather(torch.tensor([parameters_held(model)], device=accelerator.device)).tolist()
     peak_flops = None  # all processes together; None where unknown (CPU)
     if torch.cuda.is_available():
@@ -333,7 +348,9 @@ def describe_batch(cfg: Config, world: int, built: Built, streams: tuple, say: C
                            f"{t.micro_batch_size} x grad_accum {accum} x {world} process(es); fix one of them, or "
                            f"use train.micro_batch_size=auto")
     parts = []
-    if "gen" in built.loaders:
+    if cfg.loss.mode == "rl":
+        parts.append(f"{cfg.rl.questions_per_step} questions x {cfg.rl.num_generations} answers")
+    elif "gen" in built.loaders:
         parts.append(f"{t.micro_batch_size * accum * world} sequences")
     if "emb" in built.loaders:
         contrastive = t.emb_micro_batch_size * (world if cfg.loss.gather_negatives else 1)

@@ -96,6 +96,8 @@ class Evaluator:
         elif job.data.gen_eval is not None:
             results["eval_loss"] = evaluate_generative(job.accelerator, job.model, job.data.gen_eval,
                                                        job.objective.chunk_size)
+        if job.objective.rl is not None:  # loss.mode=rl: `rft test` accuracy on the task's test split
+            results.update(job.objective.rl.evaluate())
         if job.data.emb_eval is not None:
             r = evaluate_retrieval(job.accelerator, job.model, job.objective, job.data.emb_eval, self.encode_batch,
                                    job.tokenizer.pad_token_id)

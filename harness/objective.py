@@ -157,6 +157,8 @@ class Objective:
         self.accum = cfg.train.grad_accum
         self.flop_dims = flop_dims  # (matmul parameters, layers, hidden), for MFU accounting
         self.check = LossCheck(accelerator, before_backward=is_deepspeed(accelerator))
+        self.rl = None  # loss.mode=rl: harness.rl.rollout.Rollouts (set by the build), the step's answers
+        self.rl_cfg, self.rl_temperature = cfg.rl, cfg.rft.temperature
 
     def flops(self, batch: dict, backward: bool) -> float:
         """Model FLOPs of one pass over `batch`'s real tokens (attention over the padded row width)."""
@@ -176,6 +178,8 @@ class Objective:
     def gen_scale(self, gen_batches: list[dict]) -> torch.Tensor | float:
         """Token averaging: W * A / N with N the step's trained tokens over every process (one all-reduce; the
         result stays a device tensor, so the host does not wait for the GPU here)."""
+        if self.mode == "rl":  # W A / the step's denominator (rl.loss_type), set when the answers were generated
+            return gen_batches[0]["scale"]
         if self.mode == "preference":  # [W A / pairs, W A / chosen tokens] of the step
             from harness import preference
 
@@ -216,6 +220,10 @@ class Objective:
             from harness import preference
 
             return preference.micro_step(self, gen, gen_scale)
+        if self.mode == "rl":  # sampled answers with their advantages (harness/rl/step.py)
+            from harness.rl import step
+
+            return step.micro_step(self, gen, gen_scale)
         if gen is not None:
             deferred = deferred_sync(accelerator, model) if emb is not None else contextlib.nullcontext()
             with deferred:

@@ -33,6 +33,19 @@ class StepSums:
     reward_chosen_sum: Number = 0  # rewards of the chosen completions, summed over pairs
     reward_rejected_sum: Number = 0  # rewards of the rejected completions, summed over pairs
     reward_correct: Number = 0  # pairs whose chosen reward is above the rejected one
+    rl_loss_sum: Number = 0  # loss.mode=rl: each step's loss (summed over its micro-steps and processes), summed
+    rl_steps: Number = 0  # optimizer steps (counted on one process)
+    rl_reward_sum: Number = 0  # rewards of the sampled answers, summed
+    rl_reward_sq_sum: Number = 0  # their squares (the spread)
+    rl_answers: Number = 0  # sampled answers scored
+    rl_flat_groups: Number = 0  # questions whose answers all got the same reward (no advantage, no gradient)
+    rl_groups: Number = 0  # questions sampled
+    rl_length_sum: Number = 0  # answer tokens (EOS included) of the sampled answers
+    rl_clipped: Number = 0  # answer tokens trained whose ratio was clipped
+    rl_tokens: Number = 0  # answer tokens trained
+    rl_kl_sum: Number = 0  # KL to the reference, summed over the answer tokens trained
+    rl_gen_s: Number = 0  # seconds generating (the main process's)
+    rl_train_s: Number = 0  # seconds in the training passes (the main process's)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -47,6 +60,23 @@ def preference_figures(sums: dict, orpo: bool, prefix: str = "") -> dict:
     chosen, rejected = sums["reward_chosen_sum"] / pairs, sums["reward_rejected_sum"] / pairs
     return {f"{prefix}loss": loss, f"{prefix}rewards/chosen": chosen, f"{prefix}rewards/rejected": rejected,
             f"{prefix}rewards/margins": chosen - rejected, f"{prefix}rewards/accuracies": sums["reward_correct"] / pairs}
+
+
+def rl_figures(sums: dict, beta: float) -> dict:
+    """The log line of loss.mode=rl from summed StepSums values: loss, reward mean and std, the share of questions
+    whose answers all scored alike, clip fraction, KL (beta > 0), mean answer length, seconds generating and
+    training per step (the main process's)."""
+    steps, n = max(sums["rl_steps"], 1), max(sums["rl_answers"], 1)
+    mean = sums["rl_reward_sum"] / n
+    out = {"loss": sums["rl_loss_sum"] / steps, "reward": mean,
+           "reward_std": max(sums["rl_reward_sq_sum"] / n - mean * mean, 0.0) ** 0.5,
+           "flat_group_share": sums["rl_flat_groups"] / max(sums["rl_groups"], 1),
+           "clip_fraction": sums["rl_clipped"] / max(sums["rl_tokens"], 1),
+           "completion_length": sums["rl_length_sum"] / n,
+           "gen_s_per_step": sums["rl_gen_s"] / steps, "train_s_per_step": sums["rl_train_s"] / steps}
+    if beta:
+        out["kl"] = sums["rl_kl_sum"] / max(sums["rl_tokens"], 1)
+    return out
 
 
 class UnloggedSums:

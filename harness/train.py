@@ -74,6 +74,7 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
 def train_loop(job: Job, state: LoopState, side: SideWork) -> Optional[str]:
     """Optimizer steps up to the last planned one; returns why the attempt stopped before it (None: it did not)."""
     streams = {n: loaders.micro_batches(job.accelerator, job.loaders[n], state.streams[n]) for n in job.streams}
+    questions = streams.pop("gen") if job.objective.rl is not None else None  # loss.mode=rl: question indices
     while state.step < side.stop.stop_at:
         # ---- one optimizer step: `grad_accum` micro-batches of each stream (the step's trained-token count is
         # needed before its first backward pass), then train_step
@@ -81,6 +82,8 @@ def train_loop(job: Job, state: LoopState, side: SideWork) -> Optional[str]:
         gen = [next(streams["gen"]) for _ in range(job.accum)] if "gen" in streams else [None] * job.accum
         emb = [next(streams["emb"]) for _ in range(job.accum)] if "emb" in streams else [None] * job.accum
         side.unlogged.add(StepSums(wait_s=time.perf_counter() - t_step))
+        if questions is not None:  # loss.mode=rl: every rl.iterations steps new questions, answered by these weights
+            gen = job.objective.rl.step_batches(questions, state.step + 1, side.unlogged)
         faults.trace_rows(state.step + 1, job.accelerator.process_index, {"gen": gen, "emb": emb})  # test hook
         if faults.dropped(state.step + 1):  # test hook: the reference run that never trains on these batches
             state.step += 1

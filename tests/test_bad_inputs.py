@@ -91,8 +91,8 @@ CASES = [
     ("wrong-type-key", {}, ["train", "configs/default.yaml", "optim.lr=fast"], 2,
      "harness: error: config key 'optim.lr': expected float, got 'fast'"),
     ("bad-choice", {}, ["train", "configs/default.yaml", "loss.mode=both"], 2,
-     "harness: error: config key 'loss.mode': expected one of 'generative', 'embedding', 'unified', 'preference', got "
-     "'both'"),
+     "harness: error: config key 'loss.mode': expected one of 'generative', 'embedding', 'unified', 'preference', "
+     "'rl', got 'both'"),
     ("negative-value", {}, ["train", "configs/default.yaml", "train.grad_accum=0"], 2,
      "harness: error: config key 'train.grad_accum': must be >= 1, got 0"),
     ("unknown-profile", {}, ["train", "configs/default.yaml", "train.profile=turbo"], 2,

@@ -64,7 +64,7 @@ LAYERS = [
      "harness.objective",
      "harness.evaluation", "harness.encode", "harness.auto_batch", "harness.data.samples", "harness.data.loaders",
      "harness.checkpoint", "harness.rundir", "harness.observe.reporting", "harness.data.pairs",
-     "harness.preference"],
+     "harness.preference", "harness.rl", "harness.rft.tasks", "harness.rft.engine"],
     # 3: the build; 4: the run
     ["harness.build"],
     ["harness.train"],

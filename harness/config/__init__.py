@@ -121,8 +121,8 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
 
         mode = next((v for k, v in reversed(pairs) if k == "loss.mode"), None)
         for key, value in profile_overrides(str(profile)).items():
-            if key == "data.packing" and mode == "preference":
-                continue  # pairs are scored one sequence a row: a profile's packing is for the modes that pack
+            if key == "data.packing" and mode in ("preference", "rl"):
+                continue  # pairs, answers are scored one sequence a row: a profile's packing is for the modes that pack
             _apply(raw, key, value)
     for key, value in pairs:
         _apply(raw, key, value)

@@ -92,6 +92,7 @@ def validate(cfg: Config) -> None:
     check_preference(cfg)
     check_quantization(cfg)
     check_rft(cfg.rft)
+    check_rl(cfg)
     check_model(cfg.model)
     check_data(d)
 
@@ -192,6 +193,29 @@ def check_rft(r) -> None:
             raise ConfigError(f"config key '{key}': out of range: must be {allowed}, got {v}")
     if any(not isinstance(s, str) or not s for s in r.stop_strings):
         raise ConfigError("config key 'rft.stop_strings': non-empty strings needed (an empty one would stop every answer at once)")
+
+
+def check_rl(cfg: Config) -> None:
+    """loss.mode=rl: groups of at least 2 answers, ranges, no packing (one answer a row)."""
+    rl = cfg.rl
+    if cfg.loss.mode != "rl":
+        return
+    if rl.num_generations < 2:
+        raise ConfigError(f"config key 'rl.num_generations': must be >= 2 (an answer's advantage is its reward against "
+                          f"the other answers to its question), got {rl.num_generations}")
+    for key, v in {"rl.questions_per_step": rl.questions_per_step, "rl.iterations": rl.iterations}.items():
+        if v < 1:
+            raise ConfigError(f"config key '{key}': must be >= 1, got {v}")
+    if rl.epsilon <= 0 or (rl.epsilon_high is not None and rl.epsilon_high <= 0) or rl.beta < 0:
+        bad = "rl.epsilon" if rl.epsilon <= 0 else "rl.beta" if rl.beta < 0 else "rl.epsilon_high"
+        raise ConfigError(f"config key '{bad}': out of range")
+    if cfg.data.packing:
+        raise ConfigError("config key 'data.packing': loss.mode=rl trains one answer a row; set data.packing=false")
+    if cfg.train.compile == "full":
+        raise ConfigError("config key 'train.compile': full is not supported with loss.mode=rl (the log-probs replace "
+                          "the output head's forward); use regional")
+    if cfg.train.sequence_parallel > 1:
+        raise ConfigError("config key 'train.sequence_parallel': not supported with loss.mode=rl")
 
 
 def check_quantization(cfg: Config) -> None:

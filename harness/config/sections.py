@@ -127,10 +127,10 @@ class DataConfig:
 
 @dataclass
 class LossConfig:
-    mode: Literal["generative", "embedding", "unified", "preference"] = _f(
+    mode: Literal["generative", "embedding", "unified", "preference", "rl"] = _f(
         "generative", "generative: next-token loss; embedding: contrastive loss; unified: their weighted sum "
         "(GritLM), one generative and one embedding micro-batch per micro-step; preference: pairs {prompt?, chosen, "
-        "rejected} in data.train_files, the loss loss.preference (docs/preference.md).")
+        "rejected} in data.train_files, the loss loss.preference (docs/preference.md); rl: GRPO on rft.task (docs/rl.md).")
     preference: Literal["dpo", "ipo", "simpo", "orpo"] = _f(
         "dpo", "loss.mode=preference: dpo (sigmoid loss on the log-ratios to the reference model), ipo, simpo "
         "(length-normalised, no reference, margin loss.simpo_gamma), orpo (NLL on the chosen completion + odds "
@@ -314,6 +314,23 @@ class RftConfig:
 
 
 @dataclass
+class RlConfig:
+    """loss.mode=rl (harness/rl, docs/rl.md) on the rft section's task, prompt, sampling settings and verifier."""
+
+    algorithm: Literal["grpo"] = _f("grpo", "grpo: group-relative advantages (TRL's GRPOTrainer).")
+    questions_per_step: int = _f(16, "Questions per generation batch, over all processes and grad_accum micro-batches.")
+    num_generations: int = _f(8, "Answers sampled per question (its group); >= 2.")
+    scale_rewards: Literal["group", "batch", "none"] = _f("group", "Advantage = reward - group mean, divided by the "
+                                                                   "group's std, the batch's, or not (TRL's).")
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = _f("dapo", "TRL's loss_type (docs/rl.md).")
+    epsilon: float = _f(0.2, "Lower clip of the ratio: 1 - epsilon.")
+    epsilon_high: Optional[float] = _f(None, "Upper clip of the ratio: 1 + epsilon_high (null: epsilon).")
+    beta: float = _f(0.0, "KL weight to the starting model (k3); 0: no reference model kept or run.")
+    iterations: int = _f(1, "Optimizer steps per generation batch (old log-probs kept for the ratio).")
+    reward: str = _f("verifier", "verifier (1 verified, 0 otherwise) or module:function, fn(question, text) -> float.")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -321,6 +338,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     rft: RftConfig = field(default_factory=RftConfig)
+    rl: RlConfig = field(default_factory=RlConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

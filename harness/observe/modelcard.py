@@ -22,11 +22,11 @@ from harness.files import write_text
 
 MODE_TAGS = {"generative": ["text-generation"], "embedding": ["sentence-similarity", "feature-extraction"],
              "unified": ["sentence-similarity", "feature-extraction", "text-generation"],
-             "preference": ["text-generation"]}
+             "preference": ["text-generation"], "rl": ["text-generation", "grpo"]}
 DATA_KEYS = [("train_files", "train"), ("eval_files", "eval"), ("emb_train_files", "embedding train"),
              ("emb_eval_files", "embedding eval")]
 PIPELINE = {"generative": "text-generation", "embedding": "feature-extraction", "unified": "text-generation",
-            "preference": "text-generation"}
+            "preference": "text-generation", "rl": "text-generation"}
 
 
 def _hub_id(name: Optional[str]) -> Optional[str]:
@@ -89,6 +89,11 @@ def settings(cfg: dict, report: dict) -> list[str]:
     if loss["mode"] == "preference":
         out.append(f"preference: {loss['preference']}, beta {loss['beta']:g}, label smoothing "
                    f"{loss['label_smoothing']:g}, micro-batch {t['micro_batch_size']} pairs, max_len {d['max_len']}")
+    if loss["mode"] == "rl" and "rl" in cfg:
+        rl = cfg["rl"]
+        out.append(f"rl: {rl['algorithm']}, {rl['questions_per_step']} questions x {rl['num_generations']} answers "
+                   f"per generation batch, loss_type {rl['loss_type']}, beta {rl['beta']:g}, task "
+                   f"{cfg['rft']['task']}")
     if loss["mode"] in ("embedding", "unified"):
         out.append(f"embedding: {t['emb_micro_batch_size']} queries per micro-batch (batch "
                    f"{_batch(t['emb_micro_batch_size'], accum, world)}), {d['train_group_size']} passages per query, "

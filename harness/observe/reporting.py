@@ -16,7 +16,7 @@ from harness.config import Config
 from harness.errors import HarnessError, one_line
 from harness.files import write_json
 from harness.observe import cost, metrics, monitor, timing
-from harness.state import LoopState, StepSums, UnloggedSums, preference_figures
+from harness.state import LoopState, StepSums, UnloggedSums, preference_figures, rl_figures
 from harness.stopping import TIME_BUDGET
 
 
@@ -24,6 +24,8 @@ def losses_of(sums: StepSums, cfg: Config) -> dict:
     """{"loss"} (and "loss_gen", "loss_emb" in unified mode) from summed step sums."""
     if cfg.loss.mode == "preference":
         return preference_figures(asdict(sums), cfg.loss.preference == "orpo")
+    if cfg.loss.mode == "rl":
+        return rl_figures(asdict(sums), cfg.rl.beta)
     parts = {}
     if sums.gen_micro:
         parts["loss_gen"] = (sums.gen_sum / max(sums.gen_count, 1) if cfg.loss.gen_averaging == "token"
@@ -90,7 +92,10 @@ class StepLog:
         budget, bar = self.budget, self.bar
         bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tok_s:,.0f}",
                         **({"window": budget.short(record)} if budget else {}))
-        parts = "".join(f" {k} {record[k]:.4f}" for k in ("loss_gen", "loss_emb") if k in record)
+        parts = "".join(f" {k} {record[k]:.4f}" for k in ("loss_gen", "loss_emb", "reward", "reward_std",
+                                                            "flat_group_share", "clip_fraction", "kl",
+                                                            "completion_length", "gen_s_per_step",
+                                                            "train_s_per_step") if k in record)
         line = (f"[harness] step {record['step']}/{self.job.total_steps} loss {record['loss']:.4f}{parts}"
                 f" lr {record['lr']:.2e} grad_norm {record['grad_norm'] or 0:.3f} tokens/s {tok_s:,.0f}")
         line += monitor.progress_text(record) + cost.progress_text(run_cost)

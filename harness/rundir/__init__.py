@@ -36,7 +36,8 @@ def checkpoints_root(output_dir: str | Path) -> Path:
 
 def write_run_files(cfg: Config, out: Path, env: dict) -> None:
     """config.yaml and environment.json (main process); a full disk is one line, with nothing cut left behind."""
-    for name, write in (("config.yaml", lambda p: save_config(cfg, p, omit=("rft",))),  # (rft: not trained)
+    omit = () if cfg.loss.mode == "rl" else ("rft", "rl")  # sections the run does not read (rl reads both)
+    for name, write in (("config.yaml", lambda p: save_config(cfg, p, omit=omit)),
                         ("environment.json", lambda p: write_json(p, env))):
         try:
             write(out / name)

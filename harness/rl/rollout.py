@@ -1,0 +1,289 @@
+"""Each generation batch of loss.mode=rl: questions, answers sampled from the current weights, rewards, advantages.
+
+Every rl.iterations optimizer steps, each process takes its next grad_accum micro-batches of question indices from
+its prepared loader (rl.questions_per_step over all processes; a seeded order that resume restores as any data
+position), samples rl.num_generations answers to each with the continuous engine (rft.temperature, rft.top_p,
+rft.max_new_tokens; under ZeRO-3 the weights gathered for the generation as TRL does), scores them with the reward
+(`rl.reward`: the task's verifier, 1 verified and 0 otherwise, or a function `module:name` called as
+fn(question, answer_text) -> float), and turns them into training rows with their group-normalised advantages. The
+generation is seeded from rft.seed, the generation's step and the question, so that the same weights give the same
+answers again (one engine call per question, seeded by the step and the question: the same answers on any
+process count). With rl.iterations > 1 the old log-probs are computed once here (no gradient) and kept for the ratio
+of the later updates; with beta > 0 the reference (the model as it started, a frozen copy) scores every batch.
+
+    python -c "from harness.rl.rollout import Rollouts; help(Rollouts)"
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import time
+from typing import Callable
+
+import torch
+
+from harness.errors import ConfigError, HarnessError, one_line
+from harness.rft.engine import ContinuousEngine, servable
+from harness.rft.tasks import Question, Task, build_task
+from harness.rl import loss as rl_loss
+from harness.rl.batch import completion_logps, completion_mask, rows
+from harness.state import StepSums
+
+
+def index_batch(indices: list) -> torch.Tensor:
+    """The question loader's collate: a micro-batch of question indices."""
+    return torch.tensor(indices, dtype=torch.long)
+
+
+def question_loader(cfg, world: int):
+    """(the task, a DataLoader of train question indices: rl.questions_per_step / (processes x grad_accum) a
+    micro-batch) of loss.mode=rl; not prepared."""
+    from torch.utils.data import DataLoader
+
+    task = build_task(cfg.rft)
+    questions = task.split("train")
+    per = cfg.rl.questions_per_step / (world * cfg.train.grad_accum)
+    if per != int(per):
+        raise ConfigError(f"config key 'rl.questions_per_step': {cfg.rl.questions_per_step} questions do not divide "
+                          f"into {world} process(es) x train.grad_accum {cfg.train.grad_accum} micro-batches")
+    if len(questions) < cfg.rl.questions_per_step:
+        raise ConfigError(f"config key 'rl.questions_per_step': {cfg.rl.questions_per_step} is more than the task's "
+                          f"{len(questions)} train questions")
+    return task, DataLoader(list(range(len(questions))), batch_size=int(per), shuffle=cfg.data.shuffle,
+                            collate_fn=index_batch)
+
+
+def verifier_reward(task: Task) -> Callable[[Question, str], float]:
+    return lambda q, text: 1.0 if task.verify(text, q) else 0.0
+
+
+def load_reward(cfg, task: Task) -> Callable[[Question, str], float]:
+    """rl.reward: 'verifier' (the task's: 1 for a verified answer, 0 otherwise) or 'module:function', called as
+    fn(question, answer_text) -> float; checked once on the first train question before any step."""
+    spec = cfg.rl.reward
+    if spec == "verifier":
+        fn = verifier_reward(task)
+    else:
+        module, _, name = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ConfigError(f"config key 'rl.reward': cannot load {spec!r} ({one_line(e, 200)}); give "
+                              f"'verifier' or 'module:function'") from None
+    q = task.split("train")[0]
+    score(fn, spec, q, "The answer is 0.")
+    return fn
+
+
+def score(fn, spec: str, q: Question, text: str) -> float:
+    """One reward as a float; a function that raises or returns no finite number stops the run in one line."""
+    try:
+        value = float(fn(q, text))
+    except Exception as e:  # noqa: BLE001 - any failure of a user's function is one line naming it
+        raise HarnessError(f"config key 'rl.reward': {spec} raised {one_line(e, 200)} "
+                           f"(question {q.qid})") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise HarnessError(f"config key 'rl.reward': {spec} returned {value} for question {q.qid}")
+    return value
+
+
+@contextlib.contextmanager
+def gathered_for_generation(accelerator, model, zero_stage: int):
+    """The plain module with all its weights: under ZeRO-3 the partitions gathered and DeepSpeed's forward hooks
+    off while generating (trl.models.utils.unwrap_model_for_generation does the same), else the unwrapped model."""
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if zero_stage != 3:
+        yield unwrapped
+        return
+    import deepspeed
+
+    offload = getattr(model.optimizer, "parameter_offload", model.optimizer)
+    with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
+        for p in unwrapped.parameters():
+            p.ds_active_sub_modules.clear()
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield unwrapped
+        finally:
+            coordinator = getattr(offload, "param_coordinator", None)
+            if coordinator is not None and not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()
+            offload._register_deepspeed_module(offload.module)
+
+
+class Rollouts:
+    """The generation batches of a run (see the module docstring): `step_batches(questions, step)` gives the step's
+    grad_accum training micro-batches; `evaluate()` the greedy accuracy on the task's test split."""
+
+    def __init__(self, cfg, accelerator, model, tokenizer, task: Task, chunk_size: int, zero_stage: int, say) -> None:
+        self.cfg, self.rl, self.r = cfg, cfg.rl, cfg.rft
+        self.accelerator, self.model, self.tok, self.task = accelerator, model, tokenizer, task
+        self.chunk_size, self.zero_stage, self.say = chunk_size, zero_stage, say
+        self.questions = task.split("train")
+        self.reward = load_reward(cfg, task)
+        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+        why = servable(unwrapped)
+        if why is not None:
+            raise HarnessError(f"loss.mode=rl generates with the continuous engine, which cannot serve {why}")
+        self.engine = ContinuousEngine(unwrapped, tokenizer, self.r.max_new_tokens, self.r.micro_batch_sequences,
+                                       self.r.kv_cache_gb, tuple(self.r.stop_strings), say)
+        self.reference = None
+        if self.rl.beta:
+            if zero_stage == 3:
+                raise ConfigError("config key 'rl.beta': a reference model under ZeRO-3 is not supported yet; use "
+                                  "rl.beta=0 or ZeRO 0-2")
+            self.reference = copy.deepcopy(unwrapped).eval().requires_grad_(False)  # the model as it starts
+        self.current: list = []  # the generation batch's micro-batches (on the device)
+        self.figures = StepSums()  # its rewards and lengths, logged with every step trained on it
+        self.items: list = []  # the same as questions: prompt, answers, rewards, advantages, old / reference log-probs
+
+    def prompt_text(self, q: Question) -> str:
+        """The question in the model's chat template, ending where the answer starts (as `rft generate` asks)."""
+        return self.tok.apply_chat_template(self.task.messages(q), add_generation_prompt=True, tokenize=False)
+
+    def completion_ids(self, text: str) -> list[int]:
+        """The answer's tokens (the engine returns text: re-tokenized) and EOS unless it reached rft.max_new_tokens."""
+        ids = self.tok(text, add_special_tokens=False)["input_ids"][:self.r.max_new_tokens]
+        return ids + [self.tok.eos_token_id] if len(ids) < self.r.max_new_tokens else ids
+
+    def step_batches(self, questions, step: int, unlogged) -> list[dict]:
+        """The micro-batches of optimizer step `step`: a new generation batch every rl.iterations steps (the next
+        grad_accum question micro-batches of `questions`), else the current one again."""
+        if (step - 1) % self.rl.iterations == 0 or not self.current:
+            if (step - 1) % self.rl.iterations:
+                self.say(f"[harness] rl: no generation batch to continue at step {step} (a checkpoint without "
+                         f"one): a new one starts here")
+            picked = [next(questions) for _ in range(self.cfg.train.grad_accum)]
+            t0 = time.perf_counter()
+            self.current, self.figures = self.generate(picked, step)
+            gen_s = time.perf_counter() - t0
+            unlogged.add(StepSums(rl_gen_s=gen_s if self.accelerator.is_main_process else 0.0))
+        unlogged.add(self.figures)  # each step logs the rewards and lengths of the answers it trains on
+        return self.current
+
+    @torch.no_grad()
+    def generate(self, picked: list, step: int) -> tuple[list[dict], StepSums]:
+        """(the micro-batches of this process's answers to the `picked` questions, their sums for the log)."""
+        accelerator, G, dev = self.accelerator, self.rl.num_generations, self.accelerator.device
+        qs = [[self.questions[int(i)] for i in b] for b in picked]
+        flat = [q for b in qs for q in b]
+        texts_in = [self.prompt_text(q) for q in flat]
+        prompts = [self.tok(t, add_special_tokens=False)["input_ids"] for t in texts_in]  # as the engine encodes
+        index = [int(i) for b in picked for i in b]
+        with gathered_for_generation(accelerator, self.model, self.zero_stage) as model:
+            was = model.training
+            model.eval()
+            self.engine.model = model
+            # one engine call per question, seeded by the step and the question: the same answers whatever the
+            # process count (the engine takes one seed per call)
+            texts = [self.engine.generate([t], G, self.r.temperature, self.r.top_p,
+                                          seed=(self.r.seed * 1_000_003 + step) * 100_003 + i)[0]
+                     for t, i in zip(texts_in, index)]
+            model.train(was)
+        rewards = torch.tensor([[score(self.reward, self.rl.reward, q, t) for t in answers]
+                                for q, answers in zip(flat, texts)], dtype=torch.float32, device=dev).view(-1)
+        adv, _ = rl_loss.advantages(rewards, G, self.rl.scale_rewards)
+        if self.rl.scale_rewards == "batch":  # the whole step's std, as TRL's (its batch is every process's)
+            every = accelerator.gather(rewards)
+            adv = (rewards - rewards.view(-1, G).mean(1).repeat_interleave(G)) / (every.std() + 1e-4)
+        items, at = [], 0
+        for q, p, answers in zip(flat, prompts, texts):
+            items.append({"prompt": p, "answers": [self.completion_ids(t) for t in answers],
+                          "rewards": rewards[at:at + G].tolist(), "advantages": adv[at:at + G].tolist()})
+            at += G
+        per = len(picked[0])
+        out = [self.batch(items[k:k + per]) for k in range(0, len(items), per)]
+        for k, batch in enumerate(out):  # the old (rl.iterations > 1) and reference log-probs, kept with the items
+            for name, model in (("old_logps", self.model if self.rl.iterations > 1 else None),
+                                ("ref_logps", self.reference)):
+                if model is not None:
+                    batch[name] = completion_logps(model, batch, self.chunk_size, self.r.temperature)
+                    on = completion_mask(batch).bool()
+                    for j, item in enumerate(items[k * per:(k + 1) * per]):
+                        item[name] = [batch[name][j * G + g][on[j * G + g]].cpu() for g in range(G)]
+        self.items = items
+        self.scale(out)
+        return out, self.figures_of(items)
+
+    def batch(self, items: list[dict]) -> dict:
+        """A micro-batch of questions' answers (G rows each), with the log-probs the items carry."""
+        G, dev = self.rl.num_generations, self.accelerator.device
+        batch = {k: v.to(dev) for k, v in rows([it["prompt"] for it in items for _ in range(G)],
+                                               [a for it in items for a in it["answers"]],
+                                               self.tok.pad_token_id).items()}
+        batch["advantages"] = torch.tensor([a for it in items for a in it["advantages"]], dtype=torch.float32,
+                                           device=dev)
+        on = completion_mask(batch).bool()
+        for name in ("old_logps", "ref_logps"):
+            if name in items[0]:
+                t = torch.zeros(on.shape, dtype=torch.float32, device=dev)
+                t[on] = torch.cat([v.to(dev) for it in items for v in it[name]])
+                batch[name] = t
+        return batch
+
+    def figures_of(self, items: list[dict]) -> StepSums:
+        r = torch.tensor([it["rewards"] for it in items], dtype=torch.float64)
+        flat = torch.isclose(r.std(1), torch.zeros(len(items), dtype=torch.float64))
+        return StepSums(rl_reward_sum=float(r.sum()), rl_reward_sq_sum=float((r ** 2).sum()), rl_answers=r.numel(),
+                        rl_flat_groups=int(flat.sum()), rl_groups=len(items),
+                        rl_length_sum=sum(len(a) for it in items for a in it["answers"]))
+
+    # ---- saved with each checkpoint (accelerate's register_for_checkpointing): the half-used generation batch
+    def state_dict(self) -> dict:
+        """Every process's items of the current generation batch, in process order (collective)."""
+        from accelerate.utils import gather_object
+
+        world = self.accelerator.num_processes
+        return {"items": gather_object([self.items]) if world > 1 else [self.items], "world": world}
+
+    def load_state_dict(self, state: dict) -> None:
+        """This process's share of the saved generation batch, in grad_accum micro-batches again."""
+        world, rank, accum = self.accelerator.num_processes, self.accelerator.process_index, self.cfg.train.grad_accum
+        if state.get("world", world) != world:  # the question stream's position would not carry over: refused
+            raise HarnessError(f"loss.mode=rl: the checkpoint was written by {state['world']} process(es), this run "
+                               f"has {world}; resuming on another process count is not supported yet for rl: "
+                               f"launch {state['world']} process(es)")
+        everything = [it for part in state["items"] for it in part]
+        if not everything:
+            return
+        mine = everything[rank * len(everything) // world:(rank + 1) * len(everything) // world]
+        per = len(mine) // accum
+        self.items = mine
+        self.current = [self.batch(mine[k:k + per]) for k in range(0, len(mine), per)]
+        self.scale(self.current)
+        self.figures = self.figures_of(mine)
+
+    def scale(self, batches: list[dict]) -> None:
+        """Each micro-batch's factor W x A / the step's denominator (rl.loss_type; one all-reduce of the counts)."""
+        local = torch.tensor([sum(b["labels"].shape[0] for b in batches),
+                              sum(int(completion_mask(b).sum()) for b in batches)], dtype=torch.float64,
+                             device=self.accelerator.device)
+        completions, tokens = self.accelerator.reduce(local, "sum").tolist()
+        total = rl_loss.denominator(self.rl.loss_type, completions, tokens, self.r.max_new_tokens)
+        factor = torch.tensor(rl_loss.step_factor(self.accelerator.num_processes, self.cfg.train.grad_accum, total),
+                              dtype=torch.float32, device=self.accelerator.device)
+        for b in batches:
+            b["scale"] = factor
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """eval_accuracy and eval_answer_rate: greedy answers to the task's test split, every world-th question on
+        each process, counted over all."""
+        accelerator = self.accelerator
+        test = self.task.split("test")
+        mine = test[accelerator.process_index::accelerator.num_processes]
+        with gathered_for_generation(accelerator, self.model, self.zero_stage) as model:
+            was = model.training
+            model.eval()
+            self.engine.model = model
+            texts = self.engine.generate([self.prompt_text(q) for q in mine], 1, greedy=True) if mine else []
+            model.train(was)
+        right = sum(self.task.verify(t[0], q) for q, t in zip(mine, texts))
+        answered = sum(self.task.extract(t[0]) is not None for t in texts)
+        totals = accelerator.reduce(torch.tensor([right, answered, len(mine)], dtype=torch.float64,
+                                                 device=accelerator.device), "sum").tolist()
+        return {"eval_accuracy": totals[0] / max(totals[2], 1), "eval_answer_rate": totals[1] / max(totals[2], 1)}

@@ -1,0 +1,286 @@
+"""Online RL (loss.mode=rl, rl.algorithm=grpo; harness/rl/, docs/rl.md).
+
+- equal to TRL: on one tiny model and one fixed batch (prompts, completions, rewards -> advantages, old and reference
+  log-probs, masks), the loss and every parameter's gradient of each rl.loss_type, with beta 0 and beta > 0, equal
+  TRL 1.16's GRPOTrainer._compute_loss (a real trainer, its fused LM head) within 1e-5 relative;
+- advantages as TRL's (group, batch, none) on hand-made rewards;
+- bad settings stop with one `harness: error:` line before any step (num_generations 1, a reward function that raises,
+  a task file without numeric answers);
+- one shared 1-process run (4 steps, 2 on each generation batch) logs the rl figures and the rft-test evaluation;
+  2 processes under ZeRO-2 (extended tier) and ZeRO-3 equal it; kill -9 in the middle of a generation batch and the
+  same command again equal it.
+
+    python -m pytest tests/test_rl.py
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from harness.rl import loss as rl_loss
+from harness.rl.batch import completion_logps, completion_mask, rows
+
+trl = pytest.importorskip("trl")
+
+PROMPT, COMPLETION, N, GROUP = 5, 7, 6, 3  # prompt tokens (all prompts alike long: no left padding), completion width
+
+
+def _close(a, b, rel=1e-5):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    # relative to the tensor's scale: fp32 sums over ~40 positions differ in the last bits between two orders
+    assert torch.allclose(a, b, rtol=rel, atol=rel * float(b.abs().max()) + 1e-12), (a, b)
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture(scope="module")
+def fixed(tmp_path_factory):
+    """A tiny Llama saved to disk (TRL builds its trainer from the path), and one fixed batch."""
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained("harness/assets/tokenizer")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=64))
+    path = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(10, len(tok), (N // GROUP, PROMPT), generator=g).repeat_interleave(GROUP, 0)
+    lengths = [7, 3, 5, 1, 6, 4]  # completions of every length, right-padded to COMPLETION
+    completions = torch.randint(10, len(tok), (N, COMPLETION), generator=g)
+    cmask = (torch.arange(COMPLETION)[None] < torch.tensor(lengths)[:, None]).long()
+    completions = torch.where(cmask.bool(), completions, tok.pad_token_id)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    # old and reference log-probs: the model's own, moved by up to +-0.4 (ratios 0.67..1.5: some clipped)
+    batch = rows([p.tolist() for p in prompts], [c[:m.sum()].tolist() for c, m in zip(completions, cmask)],
+                 tok.pad_token_id)
+    with torch.no_grad():
+        own = completion_logps(model, batch, chunk_size=64, temperature=0.7)[:, PROMPT - 1:PROMPT - 1 + COMPLETION]
+    old = own + (torch.rand(N, COMPLETION, generator=g) - 0.5) * 0.8
+    ref = own + (torch.rand(N, COMPLETION, generator=g) - 0.5) * 0.8
+    return tok, model, path, prompts, completions, cmask, rewards, old, ref
+
+
+def trl_loss(path, tok, model, loss_type, beta, inputs, temperature):
+    """TRL's GRPOTrainer (built on the saved model, its weights then set to `model`'s) -> _compute_loss and grads."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(path / "trl"), per_device_train_batch_size=N, num_generations=GROUP,
+                      loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28, temperature=temperature,
+                      max_completion_length=COMPLETION, report_to=[], use_cpu=True, bf16=False)
+    trainer = GRPOTrainer(model=str(path), reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                          train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}), processing_class=tok)
+    assert trainer.loss_type == loss_type and trainer.beta == beta
+    trainer.model.load_state_dict(model.state_dict())
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # one micro-batch: the whole batch
+    trainer.model.zero_grad()
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss.detach(), _grads(trainer.model)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+@pytest.mark.parametrize("loss_type", rl_loss.LOSS_TYPES)
+def test_loss_and_gradients_equal_trl(fixed, loss_type, beta):
+    tok, model, path, prompts, completions, cmask, rewards, old, ref = fixed
+    temperature = 0.7
+    adv, _ = rl_loss.advantages(rewards, GROUP, "group")
+    inputs = {"prompt_ids": prompts, "prompt_mask": torch.ones_like(prompts), "completion_ids": completions,
+              "completion_mask": cmask, "advantages": adv, "old_per_token_logps": old,
+              "num_items_in_batch": cmask.sum()}
+    if beta:
+        inputs["ref_per_token_logps"] = ref
+    ref_loss, ref_grads = trl_loss(path, tok, model, loss_type, beta, inputs, temperature)
+
+    # ours: prompt + completion rows, per-token tensors [rows, width - 1]; TRL's completion columns sit at
+    # positions PROMPT - 1 .. PROMPT + COMPLETION - 2
+    ours = copy.deepcopy(model).train()
+    batch = rows([p.tolist() for p in prompts], [c[:m.sum()].tolist() for c, m in zip(completions, cmask)],
+                 tok.pad_token_id)
+
+    def place(t):
+        out = torch.zeros(N, batch["input_ids"].shape[1] - 1)
+        out[:, PROMPT - 1:PROMPT - 1 + COMPLETION] = t
+        return out
+
+    mask = completion_mask(batch)
+    assert torch.equal(place(cmask.float()), mask.float())
+    logps = completion_logps(ours, batch, chunk_size=5, temperature=temperature)
+    loss = rl_loss.grpo_loss(loss_type, logps, place(old), adv, mask, 0.2, 0.28, beta,
+                             place(ref) if beta else None, max_new_tokens=COMPLETION)
+    loss.backward()
+    _, clipped, _ = rl_loss.per_token_terms(logps.detach(), place(old), adv, 0.2, 0.28)
+    assert 0 < int((clipped & mask.bool()).sum()) < int(mask.sum())  # the batch exercises the clipping
+    _close(loss.detach(), ref_loss)
+    grads = _grads(ours)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        _close(grads[name], ref_grads[name])
+
+
+def test_advantages_by_hand():
+    """Two groups of three: [1, 0, 0] (mean 1/3, unbiased std 0.57735) and [1, 1, 1] (all equal: advantage 0)."""
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    adv, flat = rl_loss.advantages(r, 3, "group")
+    s = 0.5773502691896258
+    _close(adv, torch.tensor([(2 / 3) / (s + 1e-4), (-1 / 3) / (s + 1e-4), (-1 / 3) / (s + 1e-4), 0, 0, 0]))
+    assert flat.tolist() == [False, True]
+    batch_std = float(r.std())
+    _close(rl_loss.advantages(r, 3, "batch")[0], (r - torch.tensor([1 / 3] * 3 + [1.0] * 3)) / (batch_std + 1e-4))
+    _close(rl_loss.advantages(r, 3, "none")[0], r - torch.tensor([1 / 3] * 3 + [1.0] * 3))
+
+
+# ----------------------------------------------------------------------------------------------- bad settings
+
+TINY = ["model.name_or_path=null", "model.tokenizer=bundled",
+        "model.config={model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+        "num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 128}"]
+
+
+def test_num_generations_1_is_refused():
+    from harness.config import load_config
+    from harness.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"config key 'rl.num_generations': must be >= 2"):
+        load_config("configs/grpo-tiny.yaml", ["rl.num_generations=1"])
+    load_config("configs/grpo-tiny.yaml", ["rl.num_generations=1", "loss.mode=generative",
+                                           "data.train_files=[x.jsonl]"])  # other modes do not read it
+
+
+def test_reward_that_raises_is_one_line(monkeypatch):
+    from harness.config import load_config
+    from harness.errors import HarnessError
+    from harness.rft.tasks import build_task
+    from harness.rl.rollout import load_reward
+
+    monkeypatch.syspath_prepend("tests")
+    cfg = load_config("configs/grpo-tiny.yaml", ["rl.reward=rl_rewards:raises"])
+    with pytest.raises(HarnessError) as e:
+        load_reward(cfg, build_task(cfg.rft))
+    assert str(e.value) == ("config key 'rl.reward': rl_rewards:raises raised ValueError: no score for this answer "
+                            "(question train-0)")
+    cfg = load_config("configs/grpo-tiny.yaml", ["rl.reward=rl_rewards:nothing"])
+    with pytest.raises(HarnessError, match=r"config key 'rl.reward': cannot load 'rl_rewards:nothing'"):
+        load_reward(cfg, build_task(cfg.rft))
+    assert load_reward(load_config("configs/grpo-tiny.yaml", []), build_task(cfg.rft)) is not None
+
+
+def test_task_file_without_verifiable_answers(tmp_path):
+    from harness.config import load_config
+    from harness.errors import DataError
+    from harness.rl.rollout import question_loader
+
+    bad = tmp_path / "q.jsonl"
+    bad.write_text('{"question": "What is 2 + 2?", "answer": 4}\n{"question": "Who wrote Hamlet?", '
+                   '"answer": "Shakespeare"}\n')
+    cfg = load_config("configs/grpo-tiny.yaml", [f"rft.task={bad}"])
+    with pytest.raises(DataError) as e:
+        question_loader(cfg, world=1)
+    assert str(e.value) == f"{bad}:2: field 'answer' must be a number, got 'Shakespeare'"
+    cfg = load_config("configs/grpo-tiny.yaml", ["rl.questions_per_step=6", "train.grad_accum=4"])
+    with pytest.raises(Exception, match=r"'rl.questions_per_step': 6 questions do not divide into 1 process"):
+        question_loader(cfg, world=1)
+
+
+# ----------------------------------------------------------------------------------------------- runs
+
+from harness_launch import ROOT, metrics, run_train  # noqa: E402
+
+# 4 steps of 4 questions x 4 answers, two steps on each generation batch (the second with old log-probs), a reward
+# that varies among a random model's answers; every process count and ZeRO stage runs the same questions
+RUN = [*TINY, "rl.reward=rl_rewards:digits", "train.max_steps=4", "rl.questions_per_step=4", "rl.num_generations=4",
+       "rl.iterations=2", "rft.max_new_tokens=8", "rft.num_test_questions=6", "train.eval_every=2",
+       "train.eval_at_start=false", "optim.lr=3e-3", "optim.warmup_steps=0", "train.progress_bar=false",
+       "train.summary=false", "train.log_every=1"]
+ENV = {"PYTHONPATH": f"{ROOT / 'tests'}:{ROOT}"}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rl1")
+    proc = run_train([*RUN, f"train.output_dir={out}"], config=str(ROOT / "configs/grpo-tiny.yaml"), extra_env=ENV)
+    return out, proc
+
+
+def test_run_logs_the_rl_figures(one_process):
+    out, proc = one_process
+    steps = [m for m in metrics(out) if "reward" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    for m in steps:
+        assert 0 < m["reward"] < 1 and m["reward_std"] > 0 and 0 <= m["flat_group_share"] < 1
+        assert 0 < m["completion_length"] <= 8 and m["gen_s_per_step"] >= 0 and m["train_s_per_step"] > 0
+        assert 0 <= m["clip_fraction"] <= 1 and torch.isfinite(torch.tensor(m["loss"]))
+    # the second step on a generation batch reuses its answers (same rewards) with the old log-probs kept: after
+    # one update at lr 3e-3 the ratios move off 1
+    assert steps[0]["reward"] == steps[1]["reward"] and steps[2]["reward"] == steps[3]["reward"]
+    assert steps[1]["loss"] != steps[0]["loss"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in records if "eval_accuracy" in m]  # step 2's in its log line, the final one on its own
+    assert [m["step"] for m in evals] == [2, 4] and all(0 <= m["eval_answer_rate"] <= 1 for m in evals)
+    assert "rl: grpo, 4 questions x 4 answers per generation batch" in proc.stdout
+    import yaml
+
+    saved = yaml.safe_load((out / "config.yaml").read_text())  # an rl run reads both sections: both kept
+    assert saved["rl"]["iterations"] == 2 and saved["rft"]["max_new_tokens"] == 8
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_two_processes_equal_one(one_process, tmp_path, stage):
+    """2 processes (2 questions each) under ZeRO-2 / ZeRO-3 = 1 process: the same questions and answers (seeded by
+    step and question), so the same rewards, and losses within 1e-5 relative (fp32: the sums over the step's answers
+    and the gradient's reduction run in another order, ~1e-7; a sampled answer that changed would move the reward)."""
+    out, _ = one_process
+    run_train([*RUN, f"train.output_dir={tmp_path}"], nproc=2, accel=stage,
+              config=str(ROOT / "configs/grpo-tiny.yaml"), extra_env=ENV, timeout=900)
+    ref = [m for m in metrics(out) if "reward" in m]
+    got = [m for m in metrics(tmp_path) if "reward" in m]
+    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    scale = max(abs(m["loss"]) for m in ref)
+    for a, b in zip(got, ref):
+        assert a["reward"] == pytest.approx(b["reward"], rel=1e-6)
+        assert a["completion_length"] == b["completion_length"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * scale, (a["loss"], b["loss"])
+
+
+def test_kill_9_mid_batch_then_the_same_command_equals_uninterrupted(one_process, tmp_path):
+    """kill -9 once the checkpoint of step 3 is complete (step 3 is the first of two on the generation batch of step
+    3): the same command again resumes there with the saved half-used batch (answers, advantages, old log-probs)
+    and step 4 equals the uninterrupted run's: the same answers and rewards, and the same loss within 1e-6
+    relative (the same weights, optimizer state and rows, the old log-probs saved in fp32 as computed: the same
+    arithmetic in the same order, so in practice bit-equal; 1e-6 allows a different summation order of a kernel)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out, _ = one_process
+    args = [*RUN, "train.save_every_steps=1", f"train.output_dir={tmp_path}"]
+    env = {**os.environ, **ENV, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "harness.train", "--config", str(ROOT / "configs/grpo-tiny.yaml"),
+                             *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    marker, t0 = tmp_path / "checkpoints" / "step-3" / "COMPLETE", time.time()
+    while not marker.exists() and proc.poll() is None and time.time() - t0 < 600:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert marker.exists() and not (tmp_path / "checkpoints" / "step-4").exists()
+    run_train(args, config=str(ROOT / "configs/grpo-tiny.yaml"), extra_env=ENV)
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert rep["resumed_from"].endswith("step-3")
+    ref = {m["step"]: m for m in metrics(out) if "reward" in m}
+    got = {m["step"]: m for m in metrics(tmp_path) if "reward" in m}
+    assert got[4]["reward"] == ref[4]["reward"] and got[4]["completion_length"] == ref[4]["completion_length"]
+    assert got[4]["loss"] == pytest.approx(ref[4]["loss"], rel=1e-6, abs=1e-9)
+    assert got[4]["clip_fraction"] == ref[4]["clip_fraction"]
