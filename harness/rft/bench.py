@@ -31,7 +31,8 @@ def build(name: str, r, model, tok):
 
     stops = tuple(r.stop_strings)
     if name == "continuous":
-        return ContinuousEngine(model, tok, r.max_new_tokens, r.micro_batch_sequences, r.kv_cache_gb, stops, print)
+        return ContinuousEngine(model, tok, r.max_new_tokens, r.micro_batch_sequences, r.kv_cache_gb, stops, print,
+                                compile=r.compile)
     if name == "static":
         return StaticEngine(model, tok, r.max_new_tokens, r.micro_batch_sequences, r.questions_per_batch, stops, print)
     return StaticEngine(model, tok, r.max_new_tokens, 1, 1, stops, print)

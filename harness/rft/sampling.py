@@ -163,7 +163,7 @@ def make_engine(r, model, tokenizer, say: Callable = print):
         why = servable(model)
         if why is None:
             return ContinuousEngine(model, tokenizer, r.max_new_tokens, r.micro_batch_sequences, r.kv_cache_gb,
-                                    stops, say)
+                                    stops, say, compile=r.compile)
         say(f"[rft] rft.engine=continuous cannot serve {why}: using rft.engine=static")
     return StaticEngine(model, tokenizer, r.max_new_tokens, r.micro_batch_sequences, r.questions_per_batch, stops, say)
 
