@@ -217,3 +217,21 @@ def test_preference_pairs_pair_a_verified_answer_with_a_failed_one(tmp_path):
     assert len((tmp_path / gen.PAIRS).read_text().splitlines()) == 1  # one verified answer: one pair
     rec = gen.judge(t, Question("q", "What is 1 + 1?", 2.0), ["The answer is 3.", "The answer is 3.", "x"], 4)
     assert rec["rejected"] == ["The answer is 3.", "x"]
+
+
+def test_rft_engine_transformers_gives_the_static_greedy_text(setup):
+    """rft.engine=transformers: transformers' continuous batching (paged cache, its own scheduler thread) gives the
+    static path's greedy text, a prompt's on_done as its samples end, and seeded samples that repeat."""
+    from harness.rft.hf_engine import TransformersEngine
+
+    model, tok, prompts, static = setup
+    r = load_config(str(ROOT / "configs" / "rft-tiny.yaml"), ["rft.engine=transformers", f"rft.max_new_tokens={NEW}"]).rft
+    e = make_engine(r, model, tok)
+    assert isinstance(e, TransformersEngine) and e.max_slots == r.micro_batch_sequences
+    seen = []
+    assert e.generate(prompts, 1, greedy=True, on_done=lambda i, got: seen.append(i)) == static
+    assert sorted(seen) == list(range(len(prompts))) and max(e.stats.lengths) == NEW and min(e.stats.lengths) < 10
+    a = e.generate(prompts[:3], 4, temperature=1.0, seed=7)
+    assert [len(g) for g in a] == [4, 4, 4] and len(set(a[0])) > 1
+    assert TransformersEngine(model, tok, NEW).generate(prompts[:3], 4, temperature=1.0, seed=7) == a
+    assert model.config._attn_implementation == "sdpa"  # the manager gave the model its attention back

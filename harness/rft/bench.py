@@ -22,7 +22,7 @@ import torch
 
 from harness.errors import ConfigError
 
-ENGINES = ("one", "static", "continuous")
+ENGINES = ("one", "static", "continuous", "transformers")
 
 
 def build(name: str, r, model, tok):
@@ -33,6 +33,10 @@ def build(name: str, r, model, tok):
     if name == "continuous":
         return ContinuousEngine(model, tok, r.max_new_tokens, r.micro_batch_sequences, r.kv_cache_gb, stops, print,
                                 compile=r.compile)
+    if name == "transformers":
+        from harness.rft.hf_engine import TransformersEngine
+
+        return TransformersEngine(model, tok, r.max_new_tokens, r.micro_batch_sequences, stops, print)
     if name == "static":
         return StaticEngine(model, tok, r.max_new_tokens, r.micro_batch_sequences, r.questions_per_batch, stops, print)
     return StaticEngine(model, tok, r.max_new_tokens, 1, 1, stops, print)

@@ -156,9 +156,13 @@ class StaticEngine:
 
 
 def make_engine(r, model, tokenizer, say: Callable = print):
-    """The engine that rft.engine names (r: the rft config section), continuous or static; a model the continuous
-    engine cannot serve falls back to static with one line."""
+    """The engine that rft.engine names (r: the rft config section), continuous, static or transformers; a model the
+    continuous engine cannot serve falls back to static with one line."""
     stops = tuple(r.stop_strings)
+    if r.engine == "transformers":
+        from harness.rft.hf_engine import TransformersEngine
+
+        return TransformersEngine(model, tokenizer, r.max_new_tokens, r.micro_batch_sequences, stops, say)
     if r.engine == "continuous":
         why = servable(model)
         if why is None:
