@@ -10,7 +10,7 @@ position (the mask: columns <= position), so the same step, of the same shapes, 
 rft.compile it is compiled once (torch.compile, fullgraph; the batch dimension dynamic after its second size) and on
 CUDA captured as CUDA graphs, one per bucket (mode="reduce-overhead"). Picking the next token is part of the step:
 greedy (argmax) or sampled on the device, transformers' temperature and top-p warpers written as tensor operations
-followed by the exponential race (argmax of p / E, E ~ Exp(1) from the run's seeded generator: a draw from p).
+followed by a draw by the inverse CDF (one uniform number a row from the run's seeded generator).
 """
 
 from __future__ import annotations
@@ -29,13 +29,15 @@ def bucket_for(n: int, sizes: list[int]) -> int:
     return next(b for b in sizes if b >= n)
 
 
-def pick(logits: torch.Tensor, noise: Optional[torch.Tensor], temperature: torch.Tensor,
+def pick(logits: torch.Tensor, uniform: Optional[torch.Tensor], temperature: torch.Tensor,
          top_p: Optional[torch.Tensor]) -> torch.Tensor:
-    """The next token per row from fp32 logits [rows, vocab]: argmax when `noise` is None, else the temperature
+    """The next token per row from fp32 logits [rows, vocab]: argmax when `uniform` is None, else the temperature
     warper (logits / t), the top-p warper (transformers' TopPLogitsWarper: the smallest set of most likely tokens
-    whose probability reaches top_p, the most likely always kept) when top_p is given, and the exponential race
-    argmax(p / E) with `noise` = E ~ Exp(1) per token, which is a draw from p."""
-    if noise is None:
+    whose probability reaches top_p, the most likely always kept) when top_p is given, then a draw from the
+    probabilities by their inverse CDF with `uniform` [rows, 1] ~ U[0, 1): the first token whose cumulative
+    probability passes u (a token of probability 0 has an empty interval and is never drawn). One random number a
+    row, where the exponential race needs one per token (vocab x rows: 11 ms a step on this CPU at 256 x 32k)."""
+    if uniform is None:
         return logits.argmax(-1)
     logits = logits / temperature
     if top_p is not None:
@@ -43,7 +45,9 @@ def pick(logits: torch.Tensor, noise: Optional[torch.Tensor], temperature: torch
         drop = ordered.softmax(-1).cumsum(-1) <= 1 - top_p
         drop[..., -1:] = False
         logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    return (logits.softmax(-1) / noise.clamp_min(1e-20)).argmax(-1)
+    cdf = logits.softmax(-1).cumsum(-1)
+    got = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)[:, 0]
+    return got.clamp(max=logits.shape[-1] - 1)
 
 
 class SlotCache:
@@ -71,10 +75,10 @@ class SlotCache:
     def get_seq_length(self, *args, **kwargs) -> int:
         return 0
 
-    def move(self, src: list[int], dst: list[int]) -> None:
-        """Rows src -> dst (keys, values, next token, position) in one copy each."""
+    def move(self, src: list[int], dst: list[int], columns: int) -> None:
+        """Rows src -> dst (keys and values of their first `columns` columns, next token, position), one copy each."""
         s, d = (torch.tensor(x, device=self.kv.device) for x in (src, dst))
-        self.kv[:, :, d] = self.kv[:, :, s]
+        self.kv[:, :, d, :, :columns] = self.kv[:, :, s, :, :columns]
         self.cur[d] = self.cur[s]
         self.pos[d] = self.pos[s]
 

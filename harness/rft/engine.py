@@ -166,7 +166,7 @@ class ContinuousEngine:
     def _noise(self, rows: int, greedy: bool, gen) -> Optional[torch.Tensor]:
         if greedy:
             return None
-        return torch.empty((rows, self.vocab), dtype=torch.float32, device=self.device).exponential_(generator=gen)
+        return torch.rand((rows, 1), dtype=torch.float32, device=self.device, generator=gen)
 
     # ------------------------------------------------------------------------------------------- the loop
     @torch.no_grad()
@@ -311,7 +311,7 @@ class ContinuousEngine:
         holes = sorted(s.row for s in ended if s.row < len(keep))
         movers = [s for s in keep if s.row >= len(keep)]
         if movers:
-            cache.move([s.row for s in movers], holes)
+            cache.move([s.row for s in movers], holes, min(cache.width, max(s.pos for s in movers) + 1))
             for s, h in zip(movers, holes):
                 s.row = h
         cache.pos[len(keep):len(rows)] = 0
