@@ -2,7 +2,7 @@
 
     harness rft bench configs/rft-tiny.yaml --questions 32 rft.oversample=16 rft.max_new_tokens=200
     harness rft bench configs/rft-tiny.yaml --engines one,static,continuous
-    harness rft bench configs/rft-tiny.yaml --engines continuous,transformers --repeats 2 rft.compile=true --json x.json
+    harness rft bench configs/rft-tiny.yaml --engines continuous,transformers --repeats 2 rft.compile=true
 
 Per engine: the sampling of `rft generate` (the first N train questions x rft.oversample, rft.temperature, rft.top_p,
 rft.max_new_tokens): sequences/s, new tokens/s (EOS included), the share of the computed slot-steps (sequences in
@@ -10,10 +10,10 @@ the batch x decode steps) spent on padding (finished rows decoded while a static
 mean batch, the answers' lengths, the GPU busy share (NVML, sampled every 0.5 s; null on CPU), the host time per
 decode step outside the model calls and the waits for the device (the engine's own work: rows, readback, stop
 checks), the graphs dynamo compiled in the first run and the recompilations in the warm runs after it; then greedy
-decoding of the same questions (one answer each, as `rft test`) and whether every engine's greedy text equals the static engine's. Engines: static (batches of
-rft.questions_per_batch questions), continuous (rft.compile decides whether its step is compiled), transformers
-(transformers' continuous batching), one (one sequence per generate() call). Best of `--repeats`, engines
-interleaved.
+decoding of the same questions (one answer each, as `rft test`) and whether every engine's greedy text equals the
+static engine's. Engines: static (batches of rft.questions_per_batch questions), continuous (rft.compile decides
+whether its step is compiled), transformers (transformers' continuous batching), one (one sequence per generate()
+call). Best of `--repeats`, engines interleaved.
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ def bench(cfg, model_path: Optional[str] = None, questions: int = 32, repeats: i
             st = e.stats
             row = {"engine": name, "sequences": st.sequences, "new_tokens": st.tokens, "seconds": round(secs, 2),
                    "sequences_per_s": round(st.sequences / secs, 2), "new_tokens_per_s": round(st.tokens / secs, 1),
-                   "slot_waste": round(st.waste(), 3), "mean_batch": round(st.mean_batch(), 1),
+                   "slot_waste": round(st.waste(), 3) if st.steps else None,  # transformers: not counted
+                   "mean_batch": round(st.mean_batch(), 1) if st.steps else None,
                    "slots": getattr(e, "max_slots", None), "compiled_step": getattr(e, "compiled", None),
                    "host_ms_per_step": None if st.host_ms_per_step() is None else round(st.host_ms_per_step(), 3),
                    "model_ms_per_step": round(1000 * st.model_seconds / st.steps, 3) if st.model_seconds else None,
@@ -138,10 +139,11 @@ def report(result: dict, path: Optional[str] = None) -> None:
           f"mean batch | answer tokens min/median/p90/max | {unit.upper()} busy | host ms/step | graphs, "
           f"recompiles | speed-up (tokens/s) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
-        a, b = r["answer_tokens"], r[f"{unit}_busy"]
+        a, b, w = r["answer_tokens"], r[f"{unit}_busy"], r["slot_waste"]
         print(f"| {r['engine']}{' (compiled)' if r.get('compiled_step') else ''} | {r['sequences']} | "
               f"{r['new_tokens']} | {r['seconds']} | {r['sequences_per_s']} | {r['new_tokens_per_s']} | "
-              f"{r['slot_waste']:.1%} | {r['mean_batch']} | {a['min']}/{a['median']}/{a['p90']}/{a['max']} | "
+              f"{'-' if w is None else f'{w:.1%}'} | {r['mean_batch'] or '-'} | "
+              f"{a['min']}/{a['median']}/{a['p90']}/{a['max']} | "
               f"{'-' if b is None else f'{b:.0f}%'} | {r.get('host_ms_per_step') or '-'} | {r.get('graphs')}, "
               f"{r.get('recompiles')} | {r['speedup_tokens']}x |")
     g = result["greedy"]

@@ -63,6 +63,7 @@ class SlotCache:
         self.slots, self.width = slots, width
         self.attend = width  # columns a step attends over (eager: the used ones rounded up; compiled: all)
         self.at: Optional[torch.Tensor] = None  # the positions the running step writes (set by the step)
+        self.static = False  # marked as a static address for CUDA graphs
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k, v = self.k[layer_idx], self.v[layer_idx]
@@ -113,14 +114,14 @@ class Step:
             # every bucket and both pick forms are guarded variants of one frame: room for all of them
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.fn = torch.compile(self._run, fullgraph=True, mode="reduce-overhead" if self.cuda else None)
-        self.static: set = set()
 
     def __call__(self, cache: SlotCache, n: int, noise, temperature, top_p) -> torch.Tensor:
         ids, positions = cache.cur[:n], cache.pos[:n]
         if self.compiled:
-            if self.cuda and id(cache.kv) not in self.static:  # the cache stays put: CUDA graphs read it in place
-                torch._dynamo.mark_static_address(cache.kv)
-                self.static.add(id(cache.kv))
+            if self.cuda and not cache.static:  # the cache stays put: CUDA graphs read and write
+                for t in (cache.kv, *cache.k, *cache.v):  # it in place (the layers' views are the graph's inputs)
+                    torch._dynamo.mark_static_address(t)
+                cache.static = True
             if n > 1:
                 torch._dynamo.maybe_mark_dynamic(ids, 0)
                 torch._dynamo.maybe_mark_dynamic(positions, 0)
