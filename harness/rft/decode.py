@@ -25,6 +25,13 @@ def buckets(slots: int) -> list[int]:
     return [b for b in (1, 2, 4, 8) if b < slots] + list(range(16, slots, 16)) + [slots]
 
 
+def on(device: torch.device, values: list) -> torch.Tensor:
+    """A host list as a tensor on `device` without a wait: on CUDA through pinned memory, copied behind the queued
+    work (a copy from pageable memory would wait for the queued steps first)."""
+    t = torch.tensor(values, pin_memory=device.type == "cuda")
+    return t.to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def bucket_for(n: int, sizes: list[int]) -> int:
     return next(b for b in sizes if b >= n)
 
@@ -78,7 +85,7 @@ class SlotCache:
 
     def move(self, src: list[int], dst: list[int], columns: int) -> None:
         """Rows src -> dst (keys and values of their first `columns` columns, next token, position), one copy each."""
-        s, d = (torch.tensor(x, device=self.kv.device) for x in (src, dst))
+        s, d = (on(self.kv.device, x) for x in (src, dst))
         self.kv[:, :, d, :, :columns] = self.kv[:, :, s, :, :columns]
         self.cur[d] = self.cur[s]
         self.pos[d] = self.pos[s]

@@ -30,7 +30,7 @@ import torch
 
 from harness.distributed.sequence import attention_heads
 from harness.errors import HarnessError
-from harness.rft.decode import PromptCache, SlotCache, Step, bucket_for, buckets, pick
+from harness.rft.decode import PromptCache, SlotCache, Step, bucket_for, buckets, on, pick
 
 
 def servable(model) -> Optional[str]:
@@ -150,16 +150,16 @@ class ContinuousEngine:
         [layers, prompts, heads, longest, head_dim], each prompt's last-position fp32 logits [prompts, vocab])."""
         dev, lens = self.device, [len(p) for p in prompts]
         width = max(lens)
-        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], device=dev)
+        ids = on(dev, [p + [0] * (width - len(p)) for p in prompts])
         cols = torch.arange(width, device=dev)
-        n = torch.tensor(lens, device=dev)
+        n = on(dev, lens)
         mask = (cols[None, None, :] <= cols[None, :, None]) & (cols[None, None, :] < n[:, None, None])
         last = sorted(set(x - 1 for x in lens))  # the positions whose logits are needed
         cache = PromptCache(self.layers)
-        keep = {"logits_to_keep": torch.tensor(last, device=dev)} if self.keep else {}
+        keep = {"logits_to_keep": on(dev, last)} if self.keep else {}
         out = self.model(input_ids=ids, position_ids=cols[None].expand(len(prompts), -1), attention_mask=mask[:, None],
                          use_cache=True, **keep, **{self.cache_arg: cache})
-        at = torch.tensor([last.index(x - 1) if keep else x - 1 for x in lens], device=dev)
+        at = on(dev, [last.index(x - 1) if keep else x - 1 for x in lens])
         logits = out.logits[torch.arange(len(prompts), device=dev), at].to(dtype=torch.float32)
         return torch.stack(cache.k), torch.stack(cache.v), logits
 
@@ -291,7 +291,7 @@ class ContinuousEngine:
             g[2].append(k)
         firsts, at = [], []
         for (keys, values, logits), dst, src in groups.values():
-            d, s = torch.tensor(dst, device=self.device), torch.tensor(src, device=self.device)
+            d, s = on(self.device, dst), on(self.device, src)
             width = keys.shape[3]
             cache.kv[:, 0, d, :, :width] = keys[:, s]
             cache.kv[:, 1, d, :, :width] = values[:, s]
@@ -301,7 +301,7 @@ class ContinuousEngine:
         seqs = [rows[r] for g in groups.values() for r in g[1]]  # in the order of d
         first = pick(logits, self._noise(len(seqs), greedy, gen), temp, nucleus)
         cache.cur[d] = first
-        cache.pos[d] = torch.tensor([s.pos for s in seqs], device=self.device)
+        cache.pos[d] = on(self.device, [s.pos for s in seqs])
         self.stats.model_seconds += time.perf_counter() - m
         pending.append(self._readable(first, seqs))
 
