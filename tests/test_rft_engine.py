@@ -90,6 +90,21 @@ def test_the_compiled_step_runs_a_mixed_length_generation_without_recompiling(se
     assert e.stats.steps > 2 * NEW and max(e.stats.lengths) == NEW
 
 
+def test_a_step_that_does_not_compile_runs_eagerly_with_one_line(setup):
+    model, tok, prompts, static = setup
+    said = []
+    e = ContinuousEngine(model, tok, NEW, max_slots=4, say=said.append, compile=True)
+
+    def untraceable(*args):  # what torch.compile raises for a forward it cannot capture whole
+        from torch._dynamo.exc import Unsupported
+
+        raise Unsupported("graph break in a model's forward (simulated)")
+
+    e.step.fn = untraceable
+    assert e.generate(prompts, 1, greedy=True) == static
+    assert not e.compiled and len(said) == 1 and "did not compile (Unsupported" in said[0]
+
+
 def test_a_prompt_is_prefilled_once_for_its_samples_and_seeded_samples_repeat(setup):
     model, tok, prompts, static = setup
     e = ContinuousEngine(model, tok, NEW, max_slots=5)  # 4 samples of 3 prompts: a prompt's samples split
@@ -147,7 +162,7 @@ def test_out_of_memory_halves_the_sequences_in_flight_and_loses_nothing(setup):
     model, tok, prompts, static = setup
     said = []
     e = ContinuousEngine(model, tok, NEW, max_slots=8, say=said.append)
-    prefill, step = e._prefill, e.step
+    prefill, step = e._prefill, e.step.fn
     prefills = []
 
     def small_gpu_prefill(ids):  # the second prefill fails once, with sequences running
@@ -156,12 +171,12 @@ def test_out_of_memory_halves_the_sequences_in_flight_and_loses_nothing(setup):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated, in a prefill)")
         return prefill(ids)
 
-    def small_gpu_step(cache, b, *args):
-        if b > 2:
+    def small_gpu_step(ids, *args):
+        if ids.shape[0] > 2:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated limit of 2 sequences)")
-        return step(cache, b, *args)
+        return step(ids, *args)
 
-    e._prefill, e.step = small_gpu_prefill, small_gpu_step
+    e._prefill, e.step.fn = small_gpu_prefill, small_gpu_step
     assert e.generate(prompts, 1, greedy=True) == static
     assert e.max_slots == 2 and len(said) == 2 and "out of memory" in said[0]  # 8 -> 4 -> 2
 

@@ -109,10 +109,11 @@ class PromptCache:
 class Step:
     """One decode step over the first `bucket` rows of a SlotCache: the model on each row's next token at its
     position, then the pick; returns the picked tokens [bucket] on the device. `compiled`: torch.compile(fullgraph)
-    with CUDA graphs on CUDA; `graphs()` counts what dynamo compiled."""
+    with CUDA graphs on CUDA; `graphs()` counts what dynamo compiled. A step that fails to compile (a model whose
+    forward dynamo cannot trace whole) runs eagerly from then on, with one line saying why."""
 
-    def __init__(self, model, cache_arg: str, keep: dict, compiled: bool) -> None:
-        self.model, self.cache_arg, self.keep, self.compiled = model, cache_arg, keep, compiled
+    def __init__(self, model, cache_arg: str, keep: dict, compiled: bool, say=print) -> None:
+        self.model, self.cache_arg, self.keep, self.compiled, self.say = model, cache_arg, keep, compiled, say
         self.fn = self._run
         self.cuda = next(model.parameters()).device.type == "cuda"
         if compiled:
@@ -125,15 +126,26 @@ class Step:
     def __call__(self, cache: SlotCache, n: int, noise, temperature, top_p) -> torch.Tensor:
         ids, positions = cache.cur[:n], cache.pos[:n]
         if self.compiled:
-            if self.cuda and not cache.static:  # the cache stays put: CUDA graphs read and write
-                for t in (cache.kv, *cache.k, *cache.v):  # it in place (the layers' views are the graph's inputs)
-                    torch._dynamo.mark_static_address(t)
-                cache.static = True
-            if n > 1:
-                torch._dynamo.maybe_mark_dynamic(ids, 0)
-                torch._dynamo.maybe_mark_dynamic(positions, 0)
-            if self.cuda:
-                torch.compiler.cudagraph_mark_step_begin()
+            try:
+                return self._compiled(cache, n, ids, positions, noise, temperature, top_p)
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except Exception as e:  # the step's writes are at fixed positions: running it again is the same step
+                self.say(f"[rft] rft.compile: the decode step did not compile ({type(e).__name__}: "
+                         f"{(str(e).strip().splitlines() or [''])[0][:200]}); it runs eagerly")
+                self.compiled, self.fn = False, self._run
+        return self.fn(ids, positions, cache, noise, temperature, top_p)
+
+    def _compiled(self, cache: SlotCache, n: int, ids, positions, noise, temperature, top_p) -> torch.Tensor:
+        if self.cuda and not cache.static:  # the cache stays put: CUDA graphs read and write it in place
+            for t in (cache.kv, *cache.k, *cache.v):  # (the layers' views are the graph's inputs)
+                torch._dynamo.mark_static_address(t)
+            cache.static = True
+        if n > 1:
+            torch._dynamo.maybe_mark_dynamic(ids, 0)
+            torch._dynamo.maybe_mark_dynamic(positions, 0)
+        if self.cuda:
+            torch.compiler.cudagraph_mark_step_begin()
         return self.fn(ids, positions, cache, noise, temperature, top_p)
 
     def _run(self, ids, positions, cache: SlotCache, noise, temperature, top_p):

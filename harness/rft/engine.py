@@ -102,14 +102,19 @@ class ContinuousEngine:
         params = inspect.signature(model.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # the last position's logits only
-        self.compiled = self.device.type == "cuda" if compile is None else bool(compile)
-        self.step = Step(model, self.cache_arg, self.keep, self.compiled)
+        self.step = Step(model, self.cache_arg, self.keep,
+                         self.device.type == "cuda" if compile is None else bool(compile), say)
         self.lag = 1 if self.device.type == "cuda" else 0  # steps queued before the picked tokens are read
         c = model.config.get_text_config()
         self.layers = c.num_hidden_layers
         _, self.heads, self.head_dim = attention_heads(c)  # the cache holds key/value heads
         self.vocab = model.get_output_embeddings().weight.shape[0]  # the logits' width
         self.cache: Optional[SlotCache] = None  # kept between generate() calls: the compiled step reads it in place
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the decode step is compiled (rft.compile; false after a failed compilation)."""
+        return self.step.compiled
 
     # ------------------------------------------------------------------------------------------- sizing
     def slot_bytes(self, width: int) -> int:
