@@ -7,7 +7,7 @@ The sequences in flight sit at the front of the slot rows; a step runs the first
 writes land in free rows and nothing reads their tokens). The cache is one tensor [layers, 2, slots, kv_heads, width,
 head_dim] allocated once; every sequence starts at column 0 of its row and a step writes each row's column at its own
 position (the mask: columns <= position), so the same step, of the same shapes, runs again and again: with
-rft.compile it is compiled once (torch.compile, fullgraph; the batch dimension dynamic after its second size) and on
+rft.compile it is compiled once (torch.compile, fullgraph; the batch dimension dynamic from the first step) and on
 CUDA captured as CUDA graphs, one per bucket (mode="reduce-overhead"). Picking the next token is part of the step:
 greedy (argmax) or sampled on the device, transformers' temperature and top-p warpers written as tensor operations
 followed by a draw by the inverse CDF (one uniform number a row from the run's seeded generator).

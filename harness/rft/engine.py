@@ -187,7 +187,7 @@ class ContinuousEngine:
         eos = tok.eos_token_id  # as the static path, which passes the tokenizer's to generate()
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         cache = self._slot_cache(max(map(len, ids), default=0) + self.max_new_tokens)
-        sizes = buckets(cache.slots)
+        sizes = self._sizes(cache)
         results: list[list] = [[None] * n for _ in prompts]
         left = [n] * len(prompts)  # samples of each prompt not yet ended
         waiting = [(i, j) for i in range(len(prompts)) for j in range(n)]
@@ -253,9 +253,15 @@ class ContinuousEngine:
                 read(self.lag if rows else 0)  # on CUDA one step behind: the next step is queued before
             except torch.cuda.OutOfMemoryError:
                 cache = self._shrink(rows, waiting, pending, prompt_kv, ids)
-                sizes = buckets(cache.slots)
+                sizes = self._sizes(cache)
         st.seconds += time.perf_counter() - t0
         return results
+
+    def _sizes(self, cache: SlotCache) -> list[int]:
+        """The batch buckets; compiled, a lone sequence runs in the bucket of 2, so that the batch dimension is
+        dynamic from the first step (one graph per pick form: dynamo specializes a dimension of size 1)."""
+        sizes = buckets(cache.slots)
+        return sizes[1:] if self.compiled and len(sizes) > 1 else sizes
 
     def _readable(self, picked: torch.Tensor, seqs: list):
         """A pending entry: on CUDA the tokens copied to pinned host memory behind an event (no wait now)."""
