@@ -255,3 +255,13 @@ def test_rft_engine_transformers_gives_the_static_greedy_text(setup):
     assert [len(g) for g in a] == [4, 4, 4] and len(set(a[0])) > 1
     assert TransformersEngine(model, tok, NEW).generate(prompts[:3], 4, temperature=1.0, seed=7) == a
     assert model.config._attn_implementation == "sdpa"  # the manager gave the model its attention back
+
+
+def test_transformers_engine_cuts_at_the_token_that_completes_a_stop_string(setup):
+    from harness.rft.hf_engine import cut_at_stop
+
+    _, tok, _, _ = setup
+    ids = tok("The answer is 12. Then more text follows", add_special_tokens=False)["input_ids"]
+    got = cut_at_stop(ids, tok, ("is 12",))
+    assert "is 12" in tok.decode(got) and "is 12" not in tok.decode(got[:-1]) and len(got) < len(ids)
+    assert cut_at_stop(ids, tok, ("absent",)) == ids and cut_at_stop(ids, tok, ()) == ids
