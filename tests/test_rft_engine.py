@@ -139,6 +139,20 @@ def test_the_device_pick_applies_transformers_warpers_then_draws_from_them():
     assert torch.allclose(torch.bincount(draws, minlength=4) / 20000, p.exp()[0], atol=0.02)
 
 
+def test_a_model_set_on_the_engine_is_the_one_it_decodes_with(setup):
+    import copy
+
+    model, tok, prompts, static = setup
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.lm_head.weight.mul_(-1)  # another model: other greedy answers
+    e = ContinuousEngine(model, tok, NEW, max_slots=4)
+    assert e.generate(prompts[:4], 1, greedy=True) == static[:4]
+    e.model = other  # as loss.mode=rl does before each call
+    want = gen.Sampler(other, tok, max_new_tokens=NEW, micro=64).sample(prompts[:4], 1, greedy=True)
+    assert want != static[:4] and e.generate(prompts[:4], 1, greedy=True) == want
+
+
 def test_on_done_comes_as_each_prompt_ends(setup):
     model, tok, prompts, static = setup
     seen = []

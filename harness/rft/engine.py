@@ -112,6 +112,18 @@ class ContinuousEngine:
         self.cache: Optional[SlotCache] = None  # kept between generate() calls: the compiled step reads it in place
 
     @property
+    def model(self):
+        return self._model
+
+    @model.setter
+    def model(self, model) -> None:
+        """Another model object (loss.mode=rl sets the one gathered for generation before each call): the step
+        runs it too."""
+        self._model = model
+        if hasattr(self, "step"):
+            self.step.model = model
+
+    @property
     def compiled(self) -> bool:
         """Whether the decode step is compiled (rft.compile; false after a failed compilation)."""
         return self.step.compiled
