@@ -212,6 +212,10 @@ def test_engine_choice_and_the_fallback_for_a_model_it_cannot_serve(setup):
     model, tok, _, _ = setup
     r = load_config(str(ROOT / "configs" / "rft-tiny.yaml")).rft
     assert r.engine == "continuous" and isinstance(make_engine(r, model, tok), ContinuousEngine)
+    assert r.compile is None and not make_engine(r, model, tok).compiled  # rft.compile null: eager on CPU
+    r.compile = True
+    assert make_engine(r, model, tok).compiled  # asked for (compiled at its first step)
+    r.compile = None
     r.engine = "static"
     assert isinstance(make_engine(r, model, tok), StaticEngine)
     r.engine = "continuous"

@@ -30,13 +30,13 @@ ENGINES = ("one", "static", "continuous", "transformers")
 
 
 def build(name: str, r, model, tok):
-    from harness.rft.engine import ContinuousEngine
+    from harness.rft.engine import ContinuousEngine, compile_default
     from harness.rft.sampling import StaticEngine
 
     stops = tuple(r.stop_strings)
     if name == "continuous":
         return ContinuousEngine(model, tok, r.max_new_tokens, r.micro_batch_sequences, r.kv_cache_gb, stops, print,
-                                compile=r.compile)
+                                compile=compile_default(r.compile, model))
     if name == "transformers":
         from harness.rft.hf_engine import TransformersEngine
 

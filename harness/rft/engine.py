@@ -77,6 +77,11 @@ class Stats:
 
 
 
+def compile_default(setting: Optional[bool], model) -> bool:
+    """rft.compile: null compiles the decode step on CUDA (CUDA graphs) and not on CPU (docs/rft.md)."""
+    return next(model.parameters()).device.type == "cuda" if setting is None else bool(setting)
+
+
 class _Seq:
     """One sample in flight: prompt i, sample j, its row, its tokens read so far and its position (host side)."""
 
@@ -88,12 +93,13 @@ class _Seq:
 
 class ContinuousEngine:
     """Continuous batching over a SlotCache; `generate(prompts, n, ...)` returns n responses per prompt.
-    `compile`: compile the decode step (CUDA graphs on CUDA); None: on CUDA only (rft.compile)."""
+    `compile`: compile the decode step (CUDA graphs on CUDA); off unless asked (`rft generate | test | bench` ask
+    for it on CUDA: rft.compile null, `compile_default`)."""
 
     name = "continuous"
 
     def __init__(self, model, tokenizer, max_new_tokens: int, max_slots: int, kv_cache_gb: Optional[float] = None,
-                 stop_strings: tuple = (), say: Callable = print, compile: Optional[bool] = None) -> None:
+                 stop_strings: tuple = (), say: Callable = print, compile: bool = False) -> None:
         self.model, self.tok, self.max_new_tokens, self.say = model, tokenizer, max_new_tokens, say
         self.max_slots, self.kv_cache_gb, self.stop_strings = max_slots, kv_cache_gb, tuple(stop_strings)
         self.stats = Stats()
@@ -102,13 +108,12 @@ class ContinuousEngine:
         params = inspect.signature(model.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # the last position's logits only
-        self.step = Step(model, self.cache_arg, self.keep,
-                         self.device.type == "cuda" if compile is None else bool(compile), say)
+        self.step = Step(model, self.cache_arg, self.keep, bool(compile), say)
         self.lag = 1 if self.device.type == "cuda" else 0  # steps queued before the picked tokens are read
         c = model.config.get_text_config()
         self.layers = c.num_hidden_layers
         _, self.heads, self.head_dim = attention_heads(c)  # the cache holds key/value heads
-        self.vocab = model.get_output_embeddings().weight.shape[0]  # the logits' width
+        self.vocab = c.vocab_size
         self.cache: Optional[SlotCache] = None  # kept between generate() calls: the compiled step reads it in place
 
     @property

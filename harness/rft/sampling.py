@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from harness.errors import ConfigError, HarnessError
-from harness.rft.engine import ContinuousEngine, Stats, servable
+from harness.rft.engine import ContinuousEngine, Stats, compile_default, servable
 from harness.rft.tasks import Question, Task
 
 
@@ -167,7 +167,7 @@ def make_engine(r, model, tokenizer, say: Callable = print):
         why = servable(model)
         if why is None:
             return ContinuousEngine(model, tokenizer, r.max_new_tokens, r.micro_batch_sequences, r.kv_cache_gb,
-                                    stops, say, compile=r.compile)
+                                    stops, say, compile=compile_default(r.compile, model))
         say(f"[rft] rft.engine=continuous cannot serve {why}: using rft.engine=static")
     return StaticEngine(model, tokenizer, r.max_new_tokens, r.micro_batch_sequences, r.questions_per_batch, stops, say)
 
