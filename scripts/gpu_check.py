@@ -46,7 +46,8 @@ whose report.json `plan` holds estimate, actual and error; `rft_bench` runs `har
 Issue 46 (`rft_engine`): `harness rft bench` on the same random ~1B model, 64 questions x 16 samples, 256
 sequences in flight, max_new_tokens 40, best of 3 runs (the first holds compilation and CUDA-graph capture), each
 engine beside static under its own cap (RFT_ENGINE_CAP_S): `rft_engine_ours` (rft.engine=continuous, its step compiled
-with CUDA graphs: rft.compile null) and `rft_engine_transformers` (rft.engine=transformers); per engine new tokens/s,
+with CUDA graphs: rft.compile null) and `rft_engine_transformers` (rft.engine=transformers); `--variants
+rft_engine_eager` (rft.compile=false) in a second call when compilation's worth is in question; per engine new tokens/s,
 sequences/s, GPU busy share (NVML), host ms per step, graphs and recompiles, greedy identity with static. Goal: GPU
 busy >= 90% and >= 18,700 new tokens/s (3x the 6,220 of 2026-11-26).
 
@@ -235,8 +236,11 @@ VARIANTS: dict[str, Variant] = {
     "rft_engine_transformers": Variant("rft", ("rft.max_new_tokens=40",), startup_s=210,
                                        note="harness rft bench --engines static,transformers (transformers' "
                                             "continuous batching, generate_batch's manager)"),
+    "rft_engine_eager": Variant("rft", ("rft.max_new_tokens=40", "rft.compile=false"), startup_s=150,
+                                note="harness rft bench --engines static,continuous with rft.compile=false (the "
+                                     "eager step: is compilation worth it on CUDA?); not in the preset"),
 }
-RFT_ENGINE_CAP_S = {"rft_engine_ours": 300, "rft_engine_transformers": 240}  # seconds each at most
+RFT_ENGINE_CAP_S = {"rft_engine_ours": 300, "rft_engine_transformers": 240, "rft_engine_eager": 200}  # s, at most
 ALIASES = {"regional": "plain", "eager": "plain_eager", "zero3_regional": "zero3"}  # names of the 2026-11-23 rows
 PRESETS = {  # name: (variants, steps)
     "curve": (["plain", "zero1", "zero2", "zero3"], 100),
@@ -578,7 +582,8 @@ def run_rft_bench(name: str, out_root: Path, extra: list[str], cpu: bool, timeou
     if name in RFT_ENGINE_CAP_S:  # issue 46: one engine beside static, 256 in flight, under its own cap
         timeout_s = min(timeout_s, RFT_ENGINE_CAP_S[name])
         cmd[cmd.index("--questions") + 1] = "8" if cpu else "64"
-        cmd[cmd.index("--engines") + 1] = "static," + ("continuous" if name == "rft_engine_ours" else "transformers")
+        cmd[cmd.index("--engines") + 1] = "static," + ("transformers" if name == "rft_engine_transformers" else
+                                                         "continuous")
         cmd += ["--repeats", "3", "rft.micro_batch_sequences=256", "rft.questions_per_batch=16",
                 *([] if cpu else ["rft.oversample=16"])]
     head = {"command": shlex.join(cmd), "note": VARIANTS[name].note, "gpu": gpu_name(), "seed": SEED_FIGURES}
