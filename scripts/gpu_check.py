@@ -13,7 +13,7 @@ a call cut off by the device's limit keeps the rows it finished):
     python scripts/gpu_check.py --preset bf16w          # 4: bf16 weights vs autocast, 100 steps           ~4.8 min
     python scripts/gpu_check.py --preset rft_plan       # 5: rft generate, random ~1B; plan vs 300 steps   ~8.5 min
     python scripts/gpu_check.py --preset qlora          # 6: QLoRA: regional, eager, micro-batch 16, profile ~7.8 min
-    python scripts/gpu_check.py --preset rft_engine     # issue 39: rft generate continuous vs static, bench ~8.2 min
+    python scripts/gpu_check.py --preset rft_engine     # issue 46: rft bench, our engine vs transformers'  ~8.0 min
     python scripts/gpu_check.py --preset long_context   # issue 40: longest max_len on one GPU, SP off     ~6 min
     python scripts/gpu_check.py --preset long_sp2       # issue 40: SP 2 tokens/s per GPU (2 GPUs needed)   ~3 min
 
@@ -43,7 +43,16 @@ rft.micro_batch_sequences per generate() call, halvings read from its log; GPU b
 `plan_300` runs `harness plan` for 300 steps of the recipe (calibrating under the same launcher) and then the run,
 whose report.json `plan` holds estimate, actual and error; `rft_bench` runs `harness rft bench` (new tokens/s).
 
-Issue 39 (`rft_engine`): `harness rft generate` on the same random ~1B model with rft.engine=continuous
+Issue 46 (`rft_engine`): `harness rft bench` on the same random ~1B model, 64 questions x 16 samples, 256
+sequences in flight, max_new_tokens 40, best of 3 runs (the first holds compilation and CUDA-graph capture), each
+engine beside static under its own cap (RFT_ENGINE_CAP_S): `rft_engine_ours` (rft.engine=continuous, its step compiled
+with CUDA graphs: rft.compile null) and `rft_engine_transformers` (rft.engine=transformers); `--variants
+rft_engine_eager` (rft.compile=false) in a second call when compilation's worth is in question; per engine new tokens/s,
+sequences/s, GPU busy share (NVML), host ms per step, graphs and recompiles, greedy identity with static. Goal: GPU
+busy >= 90% and >= 18,700 new tokens/s (3x the 6,220 of 2026-11-26).
+
+Issue 39 (`rft_engine39`, the `rft_engine` preset before issue 46): `harness rft generate` on the same random ~1B
+model with rft.engine=continuous
 (`rft_generate`) and static (`rft_generate_static`): tokens/s, sequences/s, the GPU busy share over the seconds
 inside generation, the sequences in flight; `rft_bench_mixed`: `harness rft bench --engines static,continuous` on 32
 questions x 16 samples, max_new_tokens 200 (tokens/s, sequences/s, the padding share and the GPU busy share of each
@@ -219,7 +228,19 @@ VARIANTS: dict[str, Variant] = {
                                note="harness rft bench --questions 32 x 16 samples, max_new_tokens 200: static vs "
                                     "continuous"),
     "plan_300": Variant("plan", startup_s=300, note="harness plan for the steps, then the run"),
+    # issue 46: harness rft bench, 64 questions x 16 samples, 256 sequences in flight, max_new_tokens 40, best of 3;
+    # each engine beside static (greedy identity) under its own cap (RFT_ENGINE_CAP_S)
+    "rft_engine_ours": Variant("rft", ("rft.max_new_tokens=40",), startup_s=270,
+                               note="harness rft bench --engines static,continuous (fixed-shape step; rft.compile "
+                                    "null: compiled, CUDA graphs per bucket)"),
+    "rft_engine_transformers": Variant("rft", ("rft.max_new_tokens=40",), startup_s=210,
+                                       note="harness rft bench --engines static,transformers (transformers' "
+                                            "continuous batching, generate_batch's manager)"),
+    "rft_engine_eager": Variant("rft", ("rft.max_new_tokens=40", "rft.compile=false"), startup_s=150,
+                                note="harness rft bench --engines static,continuous with rft.compile=false (the "
+                                     "eager step: is compilation worth it on CUDA?); not in the preset"),
 }
+RFT_ENGINE_CAP_S = {"rft_engine_ours": 300, "rft_engine_transformers": 240, "rft_engine_eager": 200}  # s, at most
 ALIASES = {"regional": "plain", "eager": "plain_eager", "zero3_regional": "zero3"}  # names of the 2026-11-23 rows
 PRESETS = {  # name: (variants, steps)
     "curve": (["plain", "zero1", "zero2", "zero3"], 100),
@@ -231,7 +252,8 @@ PRESETS = {  # name: (variants, steps)
     "zero3_compile": (["zero3", "zero3_eager"], 100),
     "bf16w": (["plain", "plain_bf16w", "plain_bf16w_mb16"], 100),
     "rft_plan": (["rft_generate", "plan_300", "rft_bench"], 300),
-    "rft_engine": (["rft_generate", "rft_generate_static", "rft_bench_mixed"], 0),
+    "rft_engine": (["rft_engine_ours", "rft_engine_transformers"], 0),  # issue 46
+    "rft_engine39": (["rft_generate", "rft_generate_static", "rft_bench_mixed"], 0),
     "qlora": (["qlora", "qlora_eager", "qlora_mb16", "qlora_profile"], 40),
     "fp8": (["plain", "fp8", "plain_eager", "fp8_eager"], 100),
     "fp8_large": (["lora8b", "lora8b_fp8"], 40),
@@ -454,7 +476,8 @@ def run_variant(name: str, steps: int, out_root: Path, extra: list[str], cpu: bo
                 ds_patch: Optional[dict] = None) -> dict:
     v = VARIANTS[name]
     if v.accel == "rft":
-        return run_rft_bench(name, out_root, extra, cpu, timeout_s) if name.startswith("rft_bench") else \
+        return run_rft_bench(name, out_root, extra, cpu, timeout_s) if name.startswith("rft_bench") or \
+            name in RFT_ENGINE_CAP_S else \
             run_rft_generate(name, out_root, extra, cpu, timeout_s)
     if v.accel == "plan":
         return run_plan(name, steps, out_root, extra, cpu, timeout_s)
@@ -556,6 +579,13 @@ def run_rft_bench(name: str, out_root: Path, extra: list[str], cpu: bool, timeou
     cmd = [sys.executable, "-m", "harness.cli", "rft", "bench", str(ROOT / "configs" / "rft-tiny.yaml"),
            "--questions", "32" if mixed and not cpu else "2", "--engines",
            "static,continuous" if mixed else "one,static,continuous", "--json", str(result), *over]
+    if name in RFT_ENGINE_CAP_S:  # issue 46: one engine beside static, 256 in flight, under its own cap
+        timeout_s = min(timeout_s, RFT_ENGINE_CAP_S[name])
+        cmd[cmd.index("--questions") + 1] = "8" if cpu else "64"
+        cmd[cmd.index("--engines") + 1] = "static," + ("transformers" if name == "rft_engine_transformers" else
+                                                         "continuous")
+        cmd += ["--repeats", "3", "rft.micro_batch_sequences=256", "rft.questions_per_batch=16",
+                *([] if cpu else ["rft.oversample=16"])]
     head = {"command": shlex.join(cmd), "note": VARIANTS[name].note, "gpu": gpu_name(), "seed": SEED_FIGURES}
     res = launch(cmd, out_root / f"{name}.log", cpu, timeout_s)
     if "error" in res:

@@ -1,6 +1,7 @@
 """The continuous generation engine (harness/rft/engine.py) against the static path, on a tiny random model whose
-greedy answers run from a few tokens to max_new_tokens: identical greedy text with slots refilled and the cache
-shifted, one prefill per prompt, top-p at its limit equal to greedy, seeded samples, stop strings, the out-of-memory
+greedy answers run from a few tokens to max_new_tokens: identical greedy text with slots refilled in batch buckets,
+the compiled step without recompiles, one batched prefill per prompt, the device-side pick against transformers'
+warpers, top-p at its limit equal to greedy, seeded samples, stop strings, the out-of-memory
 back-off, the KV budget, the fallback for a model it cannot serve; preference pairs from the shards.
 
     .venv/bin/python -m pytest tests/test_rft_engine.py
@@ -16,7 +17,8 @@ import torch
 from harness.config import ModelConfig, load_config
 from harness.errors import ConfigError, HarnessError
 from harness.rft import generate as gen
-from harness.rft.engine import ContinuousEngine, SlotCache, servable
+from harness.rft.decode import SlotCache, Step, bucket_for, buckets, graphs, pick
+from harness.rft.engine import ContinuousEngine, servable
 from harness.rft.sampling import StaticEngine, make_engine
 from harness.rft.tasks import ArithmeticTask, Question
 from tests.harness_launch import ROOT
@@ -49,19 +51,62 @@ def setup():
     torch.set_num_threads(threads)
 
 
-def test_greedy_text_equals_the_static_path_with_slots_refilled_and_the_cache_shifted(setup, monkeypatch):
+def test_greedy_text_equals_the_static_path_with_slots_refilled_in_buckets(setup, monkeypatch):
     model, tok, prompts, static = setup
-    shifts = []
-    shift = SlotCache.shift
-    monkeypatch.setattr(SlotCache, "shift", lambda self, by: shifts.append(by) or shift(self, by))
+    moves, sizes = [], []
+    move, step = SlotCache.move, Step.__call__
+    monkeypatch.setattr(SlotCache, "move", lambda self, s, d, c: moves.append(len(s)) or move(self, s, d, c))
+    monkeypatch.setattr(Step, "__call__", lambda self, c, b, *a: sizes.append(b) or step(self, c, b, *a))
     e = ContinuousEngine(model, tok, NEW, max_slots=3)
     out = e.generate(prompts, 1, greedy=True)
-    assert out == static and shifts
+    assert out == static and moves  # running sequences moved into the rows of ended ones
+    assert {2, 3} <= set(sizes) <= {1, 2, 3} and e.step.compiled is False  # buckets(3); no compile on CPU
     assert min(e.stats.lengths) < 10 and max(e.stats.lengths) == NEW  # mixed lengths: early EOS and the cap
-    assert e.stats.sequences == len(prompts) and e.stats.waste() == 0 and 1 < e.stats.mean_batch() <= 3
+    assert e.stats.sequences == len(prompts) and 1 < e.stats.mean_batch() <= 3
     s = gen.Sampler(model, tok, max_new_tokens=NEW, micro=64)
     s.sample(prompts, 1, greedy=True)  # one batch waits for its longest: the early-ended rows are padding
-    assert s.stats.waste() == pytest.approx(1 - sum(e.stats.lengths) / (len(prompts) * NEW))
+    assert s.stats.waste() == pytest.approx(1 - sum(s.stats.lengths) / (len(prompts) * NEW))
+
+
+def test_buckets():
+    assert buckets(256) == [1, 2, 4, 8, *range(16, 257, 16)] and buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert buckets(3) == [1, 2, 3] and buckets(1) == [1] and bucket_for(17, buckets(40)) == 32
+
+
+def test_the_compiled_step_runs_a_mixed_length_generation_without_recompiling(setup, monkeypatch):
+    """torch.compile(fullgraph) of the decode step: one graph for all the buckets; after a first run has warmed it,
+    a second whole generation (answers ending from the first token to max_new_tokens, rows refilled) compiles
+    nothing more."""
+    import torch._dynamo
+
+    model, tok, prompts, static = setup
+    sizes = []
+    call = Step._compiled
+    monkeypatch.setattr(Step, "_compiled", lambda self, c, b, *a: sizes.append(b) or call(self, c, b, *a))
+    torch._dynamo.reset()
+    before = graphs()
+    e = ContinuousEngine(model, tok, NEW, max_slots=5, compile=True)  # compiled buckets 2, 4, 5
+    assert e.generate(prompts, 1, greedy=True) == static
+    warm = graphs()
+    assert warm - before == 1 and len(set(sizes)) >= 2 and set(sizes) <= {2, 4, 5}  # one graph, several buckets
+    out = e.generate(prompts, 1, greedy=True)
+    assert out == static and graphs() == warm  # no graph compiled, no recompilation
+    assert e.compiled and e.stats.steps > 2 * NEW and max(e.stats.lengths) == NEW and min(e.stats.lengths) < 10
+
+
+def test_a_step_that_does_not_compile_runs_eagerly_with_one_line(setup):
+    model, tok, prompts, static = setup
+    said = []
+    e = ContinuousEngine(model, tok, NEW, max_slots=4, say=said.append, compile=True)
+
+    def untraceable(*args):  # what torch.compile raises for a forward it cannot capture whole
+        from torch._dynamo.exc import Unsupported
+
+        raise Unsupported("graph break in a model's forward (simulated)")
+
+    e.step.fn = untraceable
+    assert e.generate(prompts, 1, greedy=True) == static
+    assert not e.compiled and len(said) == 1 and "did not compile (Unsupported" in said[0]
 
 
 def test_a_prompt_is_prefilled_once_for_its_samples_and_seeded_samples_repeat(setup):
@@ -69,18 +114,49 @@ def test_a_prompt_is_prefilled_once_for_its_samples_and_seeded_samples_repeat(se
     e = ContinuousEngine(model, tok, NEW, max_slots=5)  # 4 samples of 3 prompts: a prompt's samples split
     calls = []
     prefill = e._prefill
-    e._prefill = lambda ids: calls.append(ids) or prefill(ids)
+    e._prefill = lambda ids: calls.append(len(ids)) or prefill(ids)
     a = e.generate(prompts[:3], 4, temperature=1.0, seed=7)
-    assert len(calls) == 3 and [len(g) for g in a] == [4, 4, 4] and len(set(a[0])) > 1
+    assert sum(calls) == 3 and calls[0] == 2 and [len(g) for g in a] == [4, 4, 4] and len(set(a[0])) > 1
     assert ContinuousEngine(model, tok, NEW, max_slots=5).generate(prompts[:3], 4, temperature=1.0, seed=7) == a
     # top-p at its limit keeps the most likely token only: sampling is then greedy decoding
     assert e.generate(prompts, 1, temperature=0.7, top_p=1e-6, seed=1) == static
 
 
+def test_the_device_pick_applies_transformers_warpers_then_draws_from_them():
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g) * 3
+    ref = TopPLogitsWarper(0.8)(None, TemperatureLogitsWarper(0.7)(None, logits.clone())).softmax(-1)
+    u = torch.rand(6, 1, generator=g)
+    got = pick(logits, u, torch.tensor(0.7), torch.tensor(0.8))
+    cdf = ref.cumsum(-1)  # the draw: the first token whose cumulative probability under transformers' warpers passes u
+    assert torch.equal(got, (cdf <= u * cdf[:, -1:]).sum(-1)) and (ref.gather(1, got[:, None]) > 0).all()
+    # a draw from softmax: frequencies of 20,000 draws of one row within 0.02 of the probabilities
+    # (4 standard deviations of a frequency at p = 0.5 over 20,000 draws: 4 * sqrt(0.25 / 20000) = 0.014)
+    p = torch.tensor([[0.0, 1.0, 2.0, -30.0]]).log_softmax(-1)
+    draws = pick(p.expand(20000, -1), torch.rand(20000, 1, generator=g), torch.tensor(1.0), None)
+    assert torch.allclose(torch.bincount(draws, minlength=4) / 20000, p.exp()[0], atol=0.02)
+
+
+def test_a_model_set_on_the_engine_is_the_one_it_decodes_with(setup):
+    import copy
+
+    model, tok, prompts, static = setup
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.lm_head.weight.mul_(-1)  # another model: other greedy answers
+    e = ContinuousEngine(model, tok, NEW, max_slots=4)
+    assert e.generate(prompts[:4], 1, greedy=True) == static[:4]
+    e.model = other  # as loss.mode=rl does before each call
+    want = gen.Sampler(other, tok, max_new_tokens=NEW, micro=64).sample(prompts[:4], 1, greedy=True)
+    assert want != static[:4] and e.generate(prompts[:4], 1, greedy=True) == want
+
+
 def test_on_done_comes_as_each_prompt_ends(setup):
     model, tok, prompts, static = setup
     seen = []
-    ContinuousEngine(model, tok, NEW, max_slots=4).generate(prompts, 2, greedy=True,
+    ContinuousEngine(model, tok, NEW, max_slots=5).generate(prompts, 2, greedy=True,
                                                            on_done=lambda i, r: seen.append((i, r)))
     assert sorted(i for i, _ in seen) == list(range(len(prompts)))
     assert all(r == [static[i][0]] * 2 for i, r in seen)
@@ -104,22 +180,23 @@ def test_out_of_memory_halves_the_sequences_in_flight_and_loses_nothing(setup):
     model, tok, prompts, static = setup
     said = []
     e = ContinuousEngine(model, tok, NEW, max_slots=8, say=said.append)
-    forward = e._forward
-
+    prefill, step = e._prefill, e.step.fn
     prefills = []
 
-    def small_gpu(ids, positions, mask, cache):
-        if ids.shape[1] > 1:  # a prefill: the third one fails once, with two sequences running
-            prefills.append(1)
-            if len(prefills) == 3:
-                raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated, in a prefill)")
-        if ids.shape[0] > 2 and ids.shape[1] == 1:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated limit of 2 sequences)")
-        return forward(ids, positions, mask, cache)
+    def small_gpu_prefill(ids):  # the second prefill fails once, with sequences running
+        prefills.append(1)
+        if len(prefills) == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated, in a prefill)")
+        return prefill(ids)
 
-    e._forward = small_gpu
+    def small_gpu_step(ids, *args):
+        if ids.shape[0] > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated limit of 2 sequences)")
+        return step(ids, *args)
+
+    e._prefill, e.step.fn = small_gpu_prefill, small_gpu_step
     assert e.generate(prompts, 1, greedy=True) == static
-    assert e.max_slots == 2 and len(said) == 2 and "out of memory" in said[0]  # 8 -> 4 (prefill) -> 2 (decode)
+    assert e.max_slots == 2 and len(said) == 2 and "out of memory" in said[0]  # 8 -> 4 -> 2
 
 
 def test_the_kv_budget_sets_the_sequences_in_flight(setup):
@@ -135,6 +212,10 @@ def test_engine_choice_and_the_fallback_for_a_model_it_cannot_serve(setup):
     model, tok, _, _ = setup
     r = load_config(str(ROOT / "configs" / "rft-tiny.yaml")).rft
     assert r.engine == "continuous" and isinstance(make_engine(r, model, tok), ContinuousEngine)
+    assert r.compile is None and not make_engine(r, model, tok).compiled  # rft.compile null: eager on CPU
+    r.compile = True
+    assert make_engine(r, model, tok).compiled  # asked for (compiled at its first step)
+    r.compile = None
     r.engine = "static"
     assert isinstance(make_engine(r, model, tok), StaticEngine)
     r.engine = "continuous"
@@ -173,3 +254,32 @@ def test_preference_pairs_pair_a_verified_answer_with_a_failed_one(tmp_path):
     assert len((tmp_path / gen.PAIRS).read_text().splitlines()) == 1  # one verified answer: one pair
     rec = gen.judge(t, Question("q", "What is 1 + 1?", 2.0), ["The answer is 3.", "The answer is 3.", "x"], 4)
     assert rec["rejected"] == ["The answer is 3.", "x"]
+
+
+def test_rft_engine_transformers_gives_the_static_greedy_text(setup):
+    """rft.engine=transformers: transformers' continuous batching (paged cache, its own scheduler thread) gives the
+    static path's greedy text, a prompt's on_done as its samples end, and seeded samples that repeat."""
+    from harness.rft.hf_engine import TransformersEngine
+
+    model, tok, prompts, static = setup
+    r = load_config(str(ROOT / "configs" / "rft-tiny.yaml"),
+                    ["rft.engine=transformers", f"rft.max_new_tokens={NEW}"]).rft
+    e = make_engine(r, model, tok)
+    assert isinstance(e, TransformersEngine) and e.max_slots == r.micro_batch_sequences
+    seen = []
+    assert e.generate(prompts, 1, greedy=True, on_done=lambda i, got: seen.append(i)) == static
+    assert sorted(seen) == list(range(len(prompts))) and max(e.stats.lengths) == NEW and min(e.stats.lengths) < 10
+    a = e.generate(prompts[:3], 4, temperature=1.0, seed=7)
+    assert [len(g) for g in a] == [4, 4, 4] and len(set(a[0])) > 1
+    assert TransformersEngine(model, tok, NEW).generate(prompts[:3], 4, temperature=1.0, seed=7) == a
+    assert model.config._attn_implementation == "sdpa"  # the manager gave the model its attention back
+
+
+def test_transformers_engine_cuts_at_the_token_that_completes_a_stop_string(setup):
+    from harness.rft.hf_engine import cut_at_stop
+
+    _, tok, _, _ = setup
+    ids = tok("The answer is 12. Then more text follows", add_special_tokens=False)["input_ids"]
+    got = cut_at_stop(ids, tok, ("is 12",))
+    assert "is 12" in tok.decode(got) and "is 12" not in tok.decode(got[:-1]) and len(got) < len(ids)
+    assert cut_at_stop(ids, tok, ("absent",)) == ids and cut_at_stop(ids, tok, ()) == ids

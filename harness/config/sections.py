@@ -295,13 +295,16 @@ class RftConfig:
     max_new_tokens: int = _f(48, "Tokens generated per answer at most.")
     questions_per_batch: int = _f(16, "Questions per generation batch (each with `oversample` sequences); a batch "
                                       "is the unit of progress that a restarted run does not redo.")
-    engine: Literal["continuous", "static", "vllm"] = _f(
+    engine: Literal["continuous", "static", "vllm", "transformers"] = _f(
         "continuous", "Generation engine of `rft generate | test | bench`: continuous (finished sequences leave the "
                       "batch, waiting ones enter; a prompt prefilled once for its samples), static (model.generate "
-                      "over fixed batches of repeated prompts), vllm (when installed).")
+                      "over fixed batches of repeated prompts), vllm (when installed), transformers "
+                      "(transformers' own continuous batching, model.generate_batch).")
     micro_batch_sequences: int = _f(256, "Sequences in flight at most (continuous; fewer when rft.kv_cache_gb holds "
                                          "fewer) or per generate() call (static); halved on a CUDA out-of-memory "
                                          "error.")
+    compile: Optional[bool] = _f(None, "continuous: compile the decode step (torch.compile, fullgraph; CUDA graphs "
+                                       "per batch bucket on CUDA). null: on CUDA, off on CPU (docs/rft.md).")
     kv_cache_gb: Optional[float] = _f(None, "continuous: KV-cache budget in GiB that sets the sequences in flight "
                                             "(null: 90% of the free GPU memory after the model; 4 on CPU).")
     stop_strings: list = _f([], "Strings that end an answer (besides EOS); the text keeps the stop string.")

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--stop-after", type=int, default=0, help="stop after N question batches per process")
         if name == "bench":
             s.add_argument("--questions", type=int, default=32, help="train questions to sample")
-            s.add_argument("--engines", default="static,continuous", help="comma-separated: one, static, continuous")
+            s.add_argument("--engines", default="static,continuous",
+                           help="comma-separated: one, static, continuous, transformers")
             s.add_argument("--repeats", type=int, default=1, help="runs per engine (interleaved; the best is kept)")
             s.add_argument("--json", help="also write the result to this JSON file")
         if name in ("test", "sft-data"):

@@ -1,15 +1,19 @@
 """`harness rft bench`: the generation engines side by side on the same questions, model, device and settings.
 
     harness rft bench configs/rft-tiny.yaml --questions 32 rft.oversample=16 rft.max_new_tokens=200
-    harness rft bench configs/rft-tiny.yaml --engines one,static,continuous --json docs/bench/rft-engines-cpu.json
+    harness rft bench configs/rft-tiny.yaml --engines one,static,continuous
+    harness rft bench configs/rft-tiny.yaml --engines continuous,transformers --repeats 2 rft.compile=true
 
 Per engine: the sampling of `rft generate` (the first N train questions x rft.oversample, rft.temperature, rft.top_p,
 rft.max_new_tokens): sequences/s, new tokens/s (EOS included), the share of the computed slot-steps (sequences in
 the batch x decode steps) spent on padding (finished rows decoded while a static batch waits for its longest), the
-mean batch, the answers' lengths, the GPU busy share (NVML, sampled every 0.5 s); then greedy decoding of the same questions (one answer
-each, as `rft test`) and whether every engine's greedy text equals the static engine's. Engines: static (batches of
-rft.questions_per_batch questions, today's path), continuous, one (one sequence per generate() call). Best of
-`--repeats`, engines interleaved.
+mean batch, the answers' lengths, the GPU busy share (NVML, sampled every 0.5 s; null on CPU), the host time per
+decode step outside the model calls and the waits for the device (the engine's own work: rows, readback, stop
+checks), the graphs dynamo compiled in the first run and the recompilations in the warm runs after it; then greedy
+decoding of the same questions (one answer each, as `rft test`) and whether every engine's greedy text equals the
+static engine's. Engines: static (batches of rft.questions_per_batch questions), continuous (rft.compile decides
+whether its step is compiled), transformers (transformers' continuous batching), one (one sequence per generate()
+call). Best of `--repeats`, engines interleaved.
 """
 
 from __future__ import annotations
@@ -22,16 +26,21 @@ import torch
 
 from harness.errors import ConfigError
 
-ENGINES = ("one", "static", "continuous")
+ENGINES = ("one", "static", "continuous", "transformers")
 
 
 def build(name: str, r, model, tok):
-    from harness.rft.engine import ContinuousEngine
+    from harness.rft.engine import ContinuousEngine, compile_default
     from harness.rft.sampling import StaticEngine
 
     stops = tuple(r.stop_strings)
     if name == "continuous":
-        return ContinuousEngine(model, tok, r.max_new_tokens, r.micro_batch_sequences, r.kv_cache_gb, stops, print)
+        return ContinuousEngine(model, tok, r.max_new_tokens, r.micro_batch_sequences, r.kv_cache_gb, stops, print,
+                                compile=compile_default(r.compile, model))
+    if name == "transformers":
+        from harness.rft.hf_engine import TransformersEngine
+
+        return TransformersEngine(model, tok, r.max_new_tokens, r.micro_batch_sequences, stops, print)
     if name == "static":
         return StaticEngine(model, tok, r.max_new_tokens, r.micro_batch_sequences, r.questions_per_batch, stops, print)
     return StaticEngine(model, tok, r.max_new_tokens, 1, 1, stops, print)
@@ -41,6 +50,7 @@ def bench(cfg, model_path: Optional[str] = None, questions: int = 32, repeats: i
           engines: tuple = ("static", "continuous")) -> dict:
     """{"rows": one per engine, "greedy": identity check, "settings": ...}; see the module docstring."""
     from harness.observe.monitor import UtilisationSampler
+    from harness.rft.decode import graphs
     from harness.rft.sampling import load_for_generation, prompt_text
     from harness.rft.tasks import build_task
 
@@ -54,9 +64,12 @@ def bench(cfg, model_path: Optional[str] = None, questions: int = 32, repeats: i
     model, tok = load_for_generation(model_path or cfg.model.name_or_path, device)
     prompts = [prompt_text(task, q, tok) for q in qs]
     best: dict[str, dict] = {}
+    compiled: dict[str, list] = {n: [] for n in engines}  # graphs dynamo compiled in each run of the engine
+    first: dict[str, float] = {}
     for rep in range(repeats):
         for name in engines:
             e = build(name, r, model, tok)
+            before = graphs()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             util = UtilisationSampler(0.5).start()  # GPU busy share (NVML) or CPU, sampled while it runs
@@ -64,11 +77,16 @@ def bench(cfg, model_path: Optional[str] = None, questions: int = 32, repeats: i
             out = e.generate(prompts, r.oversample, r.temperature, r.top_p, seed=r.seed + rep)
             secs = time.perf_counter() - t0
             busy = util.stop()["metrics"]
+            compiled[name].append(graphs() - before)
+            first.setdefault(name, round(secs, 2))  # with compilation, when the step is compiled
             st = e.stats
             row = {"engine": name, "sequences": st.sequences, "new_tokens": st.tokens, "seconds": round(secs, 2),
                    "sequences_per_s": round(st.sequences / secs, 2), "new_tokens_per_s": round(st.tokens / secs, 1),
-                   "slot_waste": round(st.waste(), 3), "mean_batch": round(st.mean_batch(), 1),
-                   "slots": getattr(e, "max_slots", None),
+                   "slot_waste": round(st.waste(), 3) if st.steps else None,  # transformers: not counted
+                   "mean_batch": round(st.mean_batch(), 1) if st.steps else None,
+                   "slots": getattr(e, "max_slots", None), "compiled_step": getattr(e, "compiled", None),
+                   "host_ms_per_step": None if st.host_ms_per_step() is None else round(st.host_ms_per_step(), 3),
+                   "model_ms_per_step": round(1000 * st.model_seconds / st.steps, 3) if st.model_seconds else None,
                    "gpu_busy": (busy.get("gpu_util") or {}).get("mean"),
                    "cpu_busy": (busy.get("cpu_util") or {}).get("mean"),
                    "answer_tokens": {"min": min(st.lengths), "median": statistics.median(st.lengths),
@@ -79,6 +97,9 @@ def bench(cfg, model_path: Optional[str] = None, questions: int = 32, repeats: i
             if name not in best or row["sequences_per_s"] > best[name]["sequences_per_s"]:
                 best[name] = row
     rows = [best[n] for n in engines]
+    for n, row in zip(engines, rows):  # compiled in the first run; recompiled in the warm runs after it
+        row["graphs"], row["recompiles"] = compiled[n][0], sum(compiled[n][1:]) if repeats > 1 else None
+        row["first_run_s"] = first[n]
     base = best.get("static", rows[0])
     for row in rows:
         row["speedup_sequences"] = round(row["sequences_per_s"] / base["sequences_per_s"], 2)
@@ -115,13 +136,16 @@ def report(result: dict, path: Optional[str] = None) -> None:
           f"{s['top_p']}, max_new_tokens {s['max_new_tokens']}")
     unit = "gpu" if any(r["gpu_busy"] is not None for r in result["rows"]) else "cpu"
     print(f"| engine | sequences | new tokens | seconds | sequences/s | new tokens/s | slot-steps wasted | "
-          f"mean batch | answer tokens min/median/p90/max | {unit.upper()} busy | speed-up (tokens/s) |\n"
-          f"|---|---|---|---|---|---|---|---|---|---|---|")
+          f"mean batch | answer tokens min/median/p90/max | {unit.upper()} busy | host ms/step | graphs, "
+          f"recompiles | speed-up (tokens/s) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:
-        a, b = r["answer_tokens"], r[f"{unit}_busy"]
-        print(f"| {r['engine']} | {r['sequences']} | {r['new_tokens']} | {r['seconds']} | {r['sequences_per_s']} | "
-              f"{r['new_tokens_per_s']} | {r['slot_waste']:.1%} | {r['mean_batch']} | {a['min']}/{a['median']}/{a['p90']}/{a['max']} | "
-              f"{'-' if b is None else f'{b:.0f}%'} | {r['speedup_tokens']}x |")
+        a, b, w = r["answer_tokens"], r[f"{unit}_busy"], r["slot_waste"]
+        print(f"| {r['engine']}{' (compiled)' if r.get('compiled_step') else ''} | {r['sequences']} | "
+              f"{r['new_tokens']} | {r['seconds']} | {r['sequences_per_s']} | {r['new_tokens_per_s']} | "
+              f"{'-' if w is None else f'{w:.1%}'} | {r['mean_batch'] or '-'} | "
+              f"{a['min']}/{a['median']}/{a['p90']}/{a['max']} | "
+              f"{'-' if b is None else f'{b:.0f}%'} | {r.get('host_ms_per_step') or '-'} | {r.get('graphs')}, "
+              f"{r.get('recompiles')} | {r['speedup_tokens']}x |")
     g = result["greedy"]
     same = ", ".join(f"{n}: {'identical' if ok else str(g['differing'][n]) + ' differ'}"
                      for n, ok in g["identical_to_static"].items())

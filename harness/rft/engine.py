@@ -4,15 +4,15 @@
 
 A fixed number of slots (sequences in flight: rft.micro_batch_sequences at most, fewer when the KV-cache budget
 rft.kv_cache_gb holds fewer) is decoded one token a step; a sequence that ends (EOS, a stop string,
-rft.max_new_tokens) leaves its slot at once and the next waiting sample takes it. A question's prompt is computed
-once (one prefill), its last logits give the first token of each of its N samples, and its keys and values are copied
-into the N slots. The cache is ours: per layer one [slots, kv_heads, width, head_dim] tensor per K and V, every
-sequence right-aligned on a shared write column, so that one decode step writes one column for every slot and
-attends over a view (no copy); the active slots are kept at the front (a finished slot takes the last one's row).
-When the column reaches the width, the columns no active sequence uses are cut (a shift, every `margin` steps at
-most). Attention gets an explicit 4D mask and explicit positions, so any transformers decoder whose layers call
-`cache.update(k, v, layer_idx)` and attend over all the positions returned is served; others fall back
-(`servable`).
+rft.max_new_tokens) leaves its slot and the next waiting sample takes it. The prompts admitted at a step are
+prefilled together (one batched pass, each prompt once for all its samples); their last logits give each sample's
+first token and their keys and values are copied into the samples' slot rows. The decode step has fixed shapes
+(harness/rft/decode.py: batch buckets, a slot cache of fixed width, the next token picked on the device), so it can be
+compiled and, on CUDA, captured as CUDA graphs (rft.compile). The host reads the picked tokens one step behind: step
+t+1 is queued before step t's tokens are read, finished sequences are found there (EOS, max_new_tokens, a stop string
+in the decoded tail) and their rows refilled; a finished sequence is decoded once more, for nothing. Attention gets
+an explicit 4D mask and explicit positions, so any transformers decoder whose layers call `cache.update(k, v,
+layer_idx)` and attend over all the positions returned is served; others fall back (`servable`).
 
 What is exact: greedy decoding gives the text that model.generate gives (the same argmax of the same model, computed
 on other batch shapes: tests/test_rft_engine.py); sampling draws from the same distribution as the static path
@@ -30,6 +30,7 @@ import torch
 
 from harness.distributed.sequence import attention_heads
 from harness.errors import HarnessError
+from harness.rft.decode import PromptCache, SlotCache, Step, bucket_for, buckets, on, pick
 
 
 def servable(model) -> Optional[str]:
@@ -50,60 +51,6 @@ def servable(model) -> Optional[str]:
     return None
 
 
-class SlotCache:
-    """Keys and values of every slot, right-aligned on a shared write column (see the module docstring)."""
-
-    def __init__(self, layers: int, slots: int, heads: int, width: int, head_dim: int, dtype, device) -> None:
-        shape = (slots, heads, width, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.n = self.lo = 0  # rows in use (the front), first column any of them uses
-        self.col = 0  # the column the next step writes
-
-    # what a transformers attention layer calls
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        k, v = self.k[layer_idx], self.v[layer_idx]
-        k[:self.n, :, self.col] = key_states[:, :, 0]
-        v[:self.n, :, self.col] = value_states[:, :, 0]
-        return k[:self.n, :, self.lo:self.col + 1], v[:self.n, :, self.lo:self.col + 1]
-
-    def get_seq_length(self, *args, **kwargs) -> int:
-        return self.col - self.lo
-
-    def put(self, row: int, keys: list, values: list) -> None:
-        """A prompt's keys and values ([heads, p, head_dim] per layer) into `row`, ending before the write column."""
-        p = keys[0].shape[1]
-        for layer, (k, v) in enumerate(zip(keys, values)):
-            self.k[layer][row, :, self.col - p:self.col] = k
-            self.v[layer][row, :, self.col - p:self.col] = v
-
-    def move(self, src: int, dst: int) -> None:
-        for t in (*self.k, *self.v):
-            t[dst, :, self.lo:self.col] = t[src, :, self.lo:self.col]
-
-    def shift(self, by: int) -> None:
-        """Cut `by` columns on the left (no active sequence uses them)."""
-        for t in (*self.k, *self.v):
-            t[:, :, self.lo - by:self.col - by] = t[:, :, self.lo:self.col].clone()
-        self.col -= by
-        self.lo -= by
-
-
-class PromptCache:
-    """What a prefill leaves: the keys and values of the prompt's tokens (no cache before them)."""
-
-    def __init__(self, layers: int) -> None:
-        self.k: list = [None] * layers
-        self.v: list = [None] * layers
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.k[layer_idx], self.v[layer_idx] = key_states, value_states
-        return key_states, value_states
-
-    def get_seq_length(self, *args, **kwargs) -> int:
-        return 0
-
-
 class Stats:
     """Counters of one engine: sequences and new tokens (EOS included), seconds generating, decode steps, and the
     slot-steps computed (sequences in the batch, summed over the decode steps) against the ones a running sequence
@@ -114,6 +61,13 @@ class Stats:
         self.sequences = self.tokens = self.slot_steps = self.used_slot_steps = self.steps = 0
         self.seconds = 0.0
         self.lengths: list[int] = []  # new tokens of each sequence
+        self.model_seconds = self.wait_seconds = 0.0  # in model calls (launches on CUDA), waiting for tokens
+
+    def host_ms_per_step(self) -> Optional[float]:
+        """Host time per decode step outside the model calls and the waits for the device (the engine's own)."""
+        if not self.steps or not self.model_seconds:
+            return None
+        return 1000 * (self.seconds - self.model_seconds - self.wait_seconds) / self.steps
 
     def waste(self) -> float:
         return 1 - self.used_slot_steps / max(self.slot_steps, 1)
@@ -122,39 +76,75 @@ class Stats:
         return self.slot_steps / max(self.steps, 1)
 
 
+
+def compile_default(setting: Optional[bool], model) -> bool:
+    """rft.compile: null compiles the decode step on CUDA (CUDA graphs) and not on CPU (docs/rft.md)."""
+    return next(model.parameters()).device.type == "cuda" if setting is None else bool(setting)
+
+
+class _Seq:
+    """One sample in flight: prompt i, sample j, its row, its tokens read so far and its position (host side)."""
+
+    __slots__ = ("i", "j", "row", "tokens", "pos", "done")
+
+    def __init__(self, i: int, j: int, row: int, pos: int) -> None:
+        self.i, self.j, self.row, self.pos, self.tokens, self.done = i, j, row, pos, [], False
+
+
 class ContinuousEngine:
-    """Continuous batching over a SlotCache; `generate(prompts, n, ...)` returns n responses per prompt."""
+    """Continuous batching over a SlotCache; `generate(prompts, n, ...)` returns n responses per prompt.
+    `compile`: compile the decode step (CUDA graphs on CUDA); off unless asked (`rft generate | test | bench` ask
+    for it on CUDA: rft.compile null, `compile_default`)."""
 
     name = "continuous"
 
     def __init__(self, model, tokenizer, max_new_tokens: int, max_slots: int, kv_cache_gb: Optional[float] = None,
-                 stop_strings: tuple = (), say: Callable = print) -> None:
+                 stop_strings: tuple = (), say: Callable = print, compile: bool = False) -> None:
         self.model, self.tok, self.max_new_tokens, self.say = model, tokenizer, max_new_tokens, say
         self.max_slots, self.kv_cache_gb, self.stop_strings = max_slots, kv_cache_gb, tuple(stop_strings)
         self.stats = Stats()
         self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
         params = inspect.signature(model.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # the last position's logits only
+        self.step = Step(model, self.cache_arg, self.keep, bool(compile), say)
+        self.lag = 1 if self.device.type == "cuda" else 0  # steps queued before the picked tokens are read
         c = model.config.get_text_config()
         self.layers = c.num_hidden_layers
         _, self.heads, self.head_dim = attention_heads(c)  # the cache holds key/value heads
         self.vocab = c.vocab_size
+        self.cache: Optional[SlotCache] = None  # kept between generate() calls: the compiled step reads it in place
+
+    @property
+    def model(self):
+        return self._model
+
+    @model.setter
+    def model(self, model) -> None:
+        """Another model object (loss.mode=rl sets the one gathered for generation before each call): the step
+        runs it too."""
+        self._model = model
+        if hasattr(self, "step"):
+            self.step.model = model
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the decode step is compiled (rft.compile; false after a failed compilation)."""
+        return self.step.compiled
 
     # ------------------------------------------------------------------------------------------- sizing
     def slot_bytes(self, width: int) -> int:
-        dtype = next(self.model.parameters()).dtype
-        return 2 * self.layers * self.heads * self.head_dim * width * dtype.itemsize
+        return 2 * self.layers * self.heads * self.head_dim * width * self.dtype.itemsize
 
     def plan_slots(self, width: int) -> int:
         """Slots that the KV-cache budget holds (rft.kv_cache_gb; null: 90% of the free GPU memory less the logits'
         room, 4 GiB on CPU), at most max_slots."""
-        dev = next(self.model.parameters()).device
-        per_slot = self.slot_bytes(width) + 3 * 4 * self.vocab  # + fp32 logits, probabilities, sort
+        per_slot = self.slot_bytes(width) + 3 * 4 * self.vocab  # + fp32 logits, probabilities, noise
         if self.kv_cache_gb is not None:
             budget = self.kv_cache_gb * 2**30
-        elif dev.type == "cuda":
-            budget = 0.9 * torch.cuda.mem_get_info(dev)[0]
+        elif self.device.type == "cuda":
+            budget = 0.9 * torch.cuda.mem_get_info(self.device)[0] + (self.cache.kv.nbytes if self.cache else 0)
         else:
             budget = 4 * 2**30
         slots = min(self.max_slots, int(budget // per_slot))
@@ -163,27 +153,42 @@ class ContinuousEngine:
                                f"({per_slot / 2**20:.1f} MiB each); raise it or lower rft.max_new_tokens")
         return slots
 
+    def _slot_cache(self, width: int) -> SlotCache:
+        """The cache for sequences of `width` tokens: the one kept from the last call when it fits, else a new one
+        (compiled: widths rounded up to 64 columns, so that calls with similar prompts share it)."""
+        if self.compiled:
+            width = -(-width // 64) * 64
+        c = self.cache
+        if c is not None and c.width >= width and c.slots == min(self.max_slots, self.plan_slots(c.width)):
+            return c
+        self.cache = None
+        slots = self.plan_slots(width)
+        self.cache = SlotCache(self.layers, slots, self.heads, width, self.head_dim, self.dtype, self.device)
+        return self.cache
+
     # ------------------------------------------------------------------------------------------- model calls
-    def _forward(self, ids, positions, mask, cache):
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                         **self.keep, **{self.cache_arg: cache})
-        return out.logits[:, -1, :].to(dtype=torch.float32)
-
-    def _prefill(self, ids: list[int]):
-        """(keys, values per layer as [heads, p, head_dim], the last position's fp32 logits) of one prompt."""
-        dev = next(self.model.parameters()).device
-        p = len(ids)
+    def _prefill(self, prompts: list[list[int]]):
+        """One batched pass over `prompts` (right-padded, each attending to its own tokens): (keys, values as
+        [layers, prompts, heads, longest, head_dim], each prompt's last-position fp32 logits [prompts, vocab])."""
+        dev, lens = self.device, [len(p) for p in prompts]
+        width = max(lens)
+        ids = on(dev, [p + [0] * (width - len(p)) for p in prompts])
+        cols = torch.arange(width, device=dev)
+        n = on(dev, lens)
+        mask = (cols[None, None, :] <= cols[None, :, None]) & (cols[None, None, :] < n[:, None, None])
+        last = sorted(set(x - 1 for x in lens))  # the positions whose logits are needed
         cache = PromptCache(self.layers)
-        mask = torch.ones(p, p, dtype=torch.bool, device=dev).tril()[None, None]
-        logits = self._forward(torch.tensor([ids], device=dev), torch.arange(p, device=dev)[None], mask, cache)
-        return [k[0] for k in cache.k], [v[0] for v in cache.v], logits[0]
+        keep = {"logits_to_keep": on(dev, last)} if self.keep else {}
+        out = self.model(input_ids=ids, position_ids=cols[None].expand(len(prompts), -1), attention_mask=mask[:, None],
+                         use_cache=True, **keep, **{self.cache_arg: cache})
+        at = on(dev, [last.index(x - 1) if keep else x - 1 for x in lens])
+        logits = out.logits[torch.arange(len(prompts), device=dev), at].to(dtype=torch.float32)
+        return torch.stack(cache.k), torch.stack(cache.v), logits
 
-    def _pick(self, logits, greedy: bool, warpers, gen) -> torch.Tensor:
+    def _noise(self, rows: int, greedy: bool, gen) -> Optional[torch.Tensor]:
         if greedy:
-            return logits.argmax(-1)
-        for w in warpers:
-            logits = w(None, logits)
-        return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen).squeeze(1)
+            return None
+        return torch.rand((rows, 1), dtype=torch.float32, device=self.device, generator=gen)
 
     # ------------------------------------------------------------------------------------------- the loop
     @torch.no_grad()
@@ -192,124 +197,173 @@ class ContinuousEngine:
                  on_done: Optional[Callable[[int, list[str]], None]] = None) -> list[list[str]]:
         """n responses per prompt, grouped by prompt (each group in sample order). `on_done(i, responses)` is
         called as soon as prompt i's n samples have ended (a resumable writer appends its record there)."""
-        from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
-
-        tok, dev = self.tok, next(self.model.parameters()).device
-        warpers = [] if greedy else [TemperatureLogitsWarper(temperature)] + (
-            [TopPLogitsWarper(top_p)] if top_p < 1.0 else [])
+        tok, dev, st = self.tok, self.device, self.stats
         gen = torch.Generator(device=dev).manual_seed(seed(0) if callable(seed) else seed)
-        eos = {tok.eos_token_id}  # as the static path, which passes the tokenizer's to generate()
+        temp = torch.tensor(float(temperature), device=dev)
+        nucleus = torch.tensor(float(top_p), device=dev) if top_p < 1.0 and not greedy else None
+        eos = tok.eos_token_id  # as the static path, which passes the tokenizer's to generate()
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        longest = max(map(len, ids), default=0)
-        margin = max(16, self.max_new_tokens // 2)
-        width = longest + self.max_new_tokens + margin
-        slots = self.plan_slots(width)
-        cache = self._new_cache(slots, width, longest)
+        cache = self._slot_cache(max(map(len, ids), default=0) + self.max_new_tokens)
+        sizes = self._sizes(cache)
         results: list[list] = [[None] * n for _ in prompts]
         left = [n] * len(prompts)  # samples of each prompt not yet ended
         waiting = [(i, j) for i in range(len(prompts)) for j in range(n)]
         waiting.reverse()  # pop() takes the next in order
-        prompt_kv: dict = {}  # prompt index -> (keys, values, logits) while some of its samples wait
-        rows: list[dict] = []  # per active row: prompt, sample, tokens, start column, position
+        prompt_kv: dict = {}  # prompt index -> (prefill, index in it) while some of its samples wait
+        rows: list[_Seq] = []  # the sequences in flight, rows 0..len-1
+        pending: list = []  # (picked tokens, the sequences of their rows, event) not yet read
         t0 = time.perf_counter()
 
-        def finish(i: int, j: int, tokens: list[int]) -> None:
-            self.stats.sequences += 1
-            self.stats.tokens += len(tokens)
-            self.stats.lengths.append(len(tokens))
-            results[i][j] = tok.decode([t for t in tokens if t not in eos], skip_special_tokens=True).strip()
-            left[i] -= 1
-            if left[i] == 0 and on_done is not None:
-                on_done(i, results[i])
+        def finish(s: _Seq) -> None:
+            s.done = True
+            st.sequences += 1
+            st.tokens += len(s.tokens)
+            st.lengths.append(len(s.tokens))
+            st.used_slot_steps += len(s.tokens) - 1  # the first token comes from the prefill
+            results[s.i][s.j] = tok.decode([t for t in s.tokens if t != eos], skip_special_tokens=True).strip()
+            left[s.i] -= 1
+            if left[s.i] == 0 and on_done is not None:
+                on_done(s.i, results[s.i])
 
-        while waiting or rows:
-            # admit: waiting samples take the free slots; a prompt is prefilled once, for all its samples
-            while waiting and cache.n < len(cache.k[0]):
-                i, j = waiting.pop()
-                if i not in prompt_kv:
-                    try:
-                        prompt_kv[i] = self._prefill(ids[i])
-                    except torch.cuda.OutOfMemoryError:
-                        waiting.append((i, j))
-                        cache = self._shrink(cache, rows, waiting, prompt_kv)
+        def read(upto: int) -> None:
+            """Read the picked tokens of all but the last `upto` entries; finished sequences leave their rows."""
+            ended = []
+            while len(pending) > upto:
+                picked, seqs, event = pending.pop(0)
+                w = time.perf_counter()
+                if event is not None:
+                    event.synchronize()
+                values = picked.tolist()
+                st.wait_seconds += time.perf_counter() - w
+                for s, t in zip(seqs, values):
+                    if s is None or s.done:
                         continue
-                keys, values, logits = prompt_kv[i]
-                if j == n - 1:
-                    del prompt_kv[i]
-                first = int(self._pick(logits[None], greedy, warpers, gen)[0])
-                if first in eos or self.max_new_tokens == 1 or self._stopped([first]):
-                    finish(i, j, [first])
-                    continue
-                cache.put(cache.n, keys, values)
-                rows.append({"i": i, "j": j, "tokens": [first], "start": cache.col - len(ids[i]),
-                             "pos": len(ids[i])})
-                cache.n += 1
-            if not rows:
-                continue
-            cache.lo = min(r["start"] for r in rows)
-            # one decode step for every active slot
-            inp = torch.tensor([[r["tokens"][-1]] for r in rows], device=dev)
-            pos = torch.tensor([[r["pos"]] for r in rows], device=dev)
-            starts = torch.tensor([r["start"] for r in rows], device=dev)
-            mask = (torch.arange(cache.lo, cache.col + 1, device=dev)[None] >= starts[:, None])[:, None, None]
+                    s.tokens.append(t)
+                    if t == eos or len(s.tokens) >= self.max_new_tokens or self._stopped(s.tokens):
+                        finish(s)
+                        ended.append(s)
+            if ended:
+                self._compact(cache, rows, ended)
+
+        while waiting or rows or pending:
             try:
-                nxt = self._pick(self._forward(inp, pos, mask, cache), greedy, warpers, gen).tolist()
+                if waiting and len(rows) < cache.slots:
+                    self._admit(cache, rows, waiting, ids, prompt_kv, n, pending, greedy, gen, temp, nucleus)
+                    read(self.lag)
+                if rows:
+                    # compiled: a bucket of rows over all columns (fixed shapes); eager: the rows and columns in
+                    # use (32 at a time), which the same step computes with less padding
+                    b = bucket_for(len(rows), sizes) if self.compiled else len(rows)
+                    if not self.compiled:
+                        cache.attend = min(cache.width, -(-(max(s.pos for s in rows) + 1) // 32) * 32)
+                    noise = self._noise(b, greedy, gen)
+                    m = time.perf_counter()
+                    picked = self.step(cache, b, noise, temp, nucleus)
+                    cache.cur[:b] = picked
+                    cache.pos[:b] += 1
+                    st.model_seconds += time.perf_counter() - m
+                    st.slot_steps += b
+                    st.steps += 1
+                    for s in rows:
+                        s.pos += 1
+                    pending.append(self._readable(picked, rows + [None] * (b - len(rows))))
+                read(self.lag if rows else 0)  # on CUDA one step behind: the next step is queued before
             except torch.cuda.OutOfMemoryError:
-                cache = self._shrink(cache, rows, waiting, prompt_kv)
-                continue
-            self.stats.slot_steps += len(rows)  # only the running sequences are computed
-            self.stats.used_slot_steps += len(rows)
-            self.stats.steps += 1
-            cache.col += 1
-            for r, t in zip(rows, nxt):
-                r["tokens"].append(t)
-                r["pos"] += 1
-            # ended sequences leave: the last active row moves into the freed one
-            for idx in range(len(rows) - 1, -1, -1):
-                r = rows[idx]
-                if r["tokens"][-1] in eos or len(r["tokens"]) >= self.max_new_tokens or self._stopped(r["tokens"]):
-                    finish(r["i"], r["j"], r["tokens"])
-                    last = len(rows) - 1
-                    if idx != last:
-                        cache.move(last, idx)
-                        rows[idx] = rows[last]
-                    rows.pop()
-                    cache.n -= 1
-            if cache.col == width and rows:  # no room on the right: cut the columns nobody uses
-                lo = min(r["start"] for r in rows)
-                cache.lo = lo
-                by = min(lo, cache.col - longest)
-                cache.shift(by)
-                for r in rows:
-                    r["start"] -= by
-            elif not rows:
-                cache.col = cache.lo = longest
-        self.stats.seconds += time.perf_counter() - t0
+                cache = self._shrink(rows, waiting, pending, prompt_kv, ids)
+                sizes = self._sizes(cache)
+        st.seconds += time.perf_counter() - t0
         return results
 
-    def _new_cache(self, slots: int, width: int, longest: int) -> SlotCache:
-        p = next(self.model.parameters())
-        cache = SlotCache(self.layers, slots, self.heads, width, self.head_dim, p.dtype, p.device)
-        cache.col = cache.lo = cache.longest = longest
-        return cache
+    def _sizes(self, cache: SlotCache) -> list[int]:
+        """The batch buckets; compiled, a lone sequence runs in the bucket of 2, so that the batch dimension is
+        dynamic from the first step (one graph per pick form: dynamo specializes a dimension of size 1)."""
+        sizes = buckets(cache.slots)
+        return sizes[1:] if self.compiled and len(sizes) > 1 else sizes
 
-    def _shrink(self, cache: SlotCache, rows: list, waiting: list, prompt_kv: dict) -> SlotCache:
+    def _readable(self, picked: torch.Tensor, seqs: list):
+        """A pending entry: on CUDA the tokens copied to pinned host memory behind an event (no wait now)."""
+        if self.device.type != "cuda":
+            return picked.clone(), seqs, None
+        host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
+        host.copy_(picked, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, seqs, event
+
+    def _admit(self, cache: SlotCache, rows: list, waiting: list, ids: list, prompt_kv: dict, n: int, pending: list,
+               greedy: bool, gen, temp, nucleus) -> None:
+        """Waiting samples take the free rows: the prompts not yet prefilled in one pass, their keys and values
+        copied into the rows, each sample's first token picked from its prompt's last logits."""
+        taken = []
+        while waiting and len(rows) + len(taken) < cache.slots:
+            taken.append(waiting.pop())
+        new = sorted({i for i, _ in taken if i not in prompt_kv})
+        m = time.perf_counter()
+        if new:
+            try:
+                pre = self._prefill([ids[i] for i in new])
+            except torch.cuda.OutOfMemoryError:
+                waiting.extend(reversed(taken))
+                raise
+            for k, i in enumerate(new):
+                prompt_kv[i] = (pre, k)
+        groups: dict = {}  # prefill -> (rows, indices in it)
+        for i, j in taken:
+            pre, k = prompt_kv[i]
+            if j == n - 1:
+                del prompt_kv[i]
+            s = _Seq(i, j, len(rows), len(ids[i]))
+            rows.append(s)
+            g = groups.setdefault(id(pre), (pre, [], []))
+            g[1].append(s.row)
+            g[2].append(k)
+        firsts, at = [], []
+        for (keys, values, logits), dst, src in groups.values():
+            d, s = on(self.device, dst), on(self.device, src)
+            width = keys.shape[3]
+            cache.kv[:, 0, d, :, :width] = keys[:, s]
+            cache.kv[:, 1, d, :, :width] = values[:, s]
+            firsts.append(logits[s])
+            at.append(d)
+        logits, d = torch.cat(firsts), torch.cat(at)
+        seqs = [rows[r] for g in groups.values() for r in g[1]]  # in the order of d
+        first = pick(logits, self._noise(len(seqs), greedy, gen), temp, nucleus)
+        cache.cur[d] = first
+        cache.pos[d] = on(self.device, [s.pos for s in seqs])
+        self.stats.model_seconds += time.perf_counter() - m
+        pending.append(self._readable(first, seqs))
+
+    def _compact(self, cache: SlotCache, rows: list, ended: list) -> None:
+        """The rows of the running sequences move to the front (one copy for all), freed rows start at position 0."""
+        keep = [s for s in rows if not s.done]
+        holes = sorted(s.row for s in ended if s.row < len(keep))
+        movers = [s for s in keep if s.row >= len(keep)]
+        if movers:
+            cache.move([s.row for s in movers], holes, min(cache.width, max(s.pos for s in movers) + 1))
+            for s, h in zip(movers, holes):
+                s.row = h
+        cache.pos[len(keep):len(rows)] = 0
+        rows[:] = sorted(keep, key=lambda s: s.row)
+
+    def _shrink(self, rows: list, waiting: list, pending: list, prompt_kv: dict, ids: list) -> SlotCache:
         """Out of GPU memory: half the slots; the sequences in flight start again (nothing written is lost)."""
-        slots = len(cache.k[0]) // 2
+        slots = (self.cache.slots if self.cache else self.max_slots) // 2
         if slots < 1:
             raise HarnessError("out of GPU memory with one sequence in flight: lower rft.max_new_tokens or "
                                "rft.kv_cache_gb, or use a larger GPU")
-        for r in sorted(rows, key=lambda r: (r["i"], r["j"]), reverse=True):
-            waiting.append((r["i"], r["j"]))
+        for s in rows:
+            waiting.append((s.i, s.j))
         waiting.sort(reverse=True)
         prompt_kv.clear()  # prefilled again when their samples are admitted
         rows.clear()
-        width, longest = cache.k[0].shape[2], cache.longest
-        del cache
-        torch.cuda.empty_cache()
+        pending.clear()
+        width = self.cache.width if self.cache else max(map(len, ids)) + self.max_new_tokens
+        self.cache = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         self.max_slots = slots
         self.say(f"[rft] out of memory: {slots} sequences in flight at most; the sequences in flight start again")
-        return self._new_cache(slots, width, longest)
+        return self._slot_cache(width)
 
     def _stopped(self, tokens: list[int]) -> bool:
         if not self.stop_strings:

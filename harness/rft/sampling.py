@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from harness.errors import ConfigError, HarnessError
-from harness.rft.engine import ContinuousEngine, Stats, servable
+from harness.rft.engine import ContinuousEngine, Stats, compile_default, servable
 from harness.rft.tasks import Question, Task
 
 
@@ -156,14 +156,18 @@ class StaticEngine:
 
 
 def make_engine(r, model, tokenizer, say: Callable = print):
-    """The engine that rft.engine names (r: the rft config section), continuous or static; a model the continuous
-    engine cannot serve falls back to static with one line."""
+    """The engine that rft.engine names (r: the rft config section), continuous, static or transformers; a model the
+    continuous engine cannot serve falls back to static with one line."""
     stops = tuple(r.stop_strings)
+    if r.engine == "transformers":
+        from harness.rft.hf_engine import TransformersEngine
+
+        return TransformersEngine(model, tokenizer, r.max_new_tokens, r.micro_batch_sequences, stops, say)
     if r.engine == "continuous":
         why = servable(model)
         if why is None:
             return ContinuousEngine(model, tokenizer, r.max_new_tokens, r.micro_batch_sequences, r.kv_cache_gb,
-                                    stops, say)
+                                    stops, say, compile=compile_default(r.compile, model))
         say(f"[rft] rft.engine=continuous cannot serve {why}: using rft.engine=static")
     return StaticEngine(model, tokenizer, r.max_new_tokens, r.micro_batch_sequences, r.questions_per_batch, stops, say)
 

@@ -1,0 +1,112 @@
+"""rft.engine=transformers: transformers' own continuous batching (model.generate_batch's manager, paged attention;
+CUDA graphs on CUDA) behind the engine interface of `rft generate | test | bench`.
+
+    harness rft bench configs/rft-tiny.yaml --engines continuous,transformers
+
+The requests (each prompt once, n samples as num_return_sequences; greedy: the prompt n times) go to the manager of
+`model.continuous_batching_context_manager`; results are read as they finish, and a prompt's `on_done` comes as soon
+as its n samples have ended, as with rft.engine=continuous. EOS and rft.max_new_tokens end a sequence in the
+manager; rft.stop_strings are applied to the finished tokens (cut at the token that completes the stop string, as
+the other engines end there). What differs from rft.engine=continuous: the random draws are the manager's (seeded
+with torch.manual_seed(seed), drawn on its own thread), so samples are not the same run to run on every device.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+
+from harness.errors import HarnessError
+from harness.rft.engine import Stats
+
+
+def cut_at_stop(tokens: list[int], tok, stops: tuple) -> list[int]:
+    """`tokens` up to the one that completes a stop string in the decoded tail (all of them when none does)."""
+    if not stops:
+        return tokens
+    longest = max(map(len, stops))
+    for k in range(1, len(tokens) + 1):
+        tail = tok.decode(tokens[max(0, k - longest - 2):k], skip_special_tokens=True)
+        if any(s in tail for s in stops):
+            return tokens[:k]
+    return tokens
+
+
+class TransformersEngine:
+    """`generate(prompts, n, ...)` through transformers' continuous batching manager; n responses per prompt."""
+
+    name = "transformers"
+
+    def __init__(self, model, tokenizer, max_new_tokens: int, max_slots: int = 256, stop_strings: tuple = (),
+                 say: Callable = print) -> None:
+        self.model, self.tok, self.max_new_tokens, self.say = model, tokenizer, max_new_tokens, say
+        self.max_slots = max_slots
+        self.stop_strings = tuple(stop_strings)
+        self.stats = Stats()
+        self.dtype = next(model.parameters()).dtype
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], n: int, temperature: float = 1.0, top_p: float = 1.0,
+                 greedy: bool = False, seed=0,
+                 on_done: Optional[Callable[[int, list[str]], None]] = None) -> list[list[str]]:
+        from transformers import GenerationConfig
+        from transformers.generation import ContinuousBatchingConfig
+
+        tok, st = self.tok, self.stats
+        eos = tok.eos_token_id
+        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        if not ids:
+            return []
+        copies = n if greedy else 1  # greedy: each prompt n times; sampling: n return sequences per request
+        kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                                                       num_return_sequences=n)
+        config = GenerationConfig(max_new_tokens=self.max_new_tokens, eos_token_id=eos, pad_token_id=tok.pad_token_id,
+                                  **kw)
+        seed = seed(0) if callable(seed) else seed
+        torch.manual_seed(seed)
+        cpu = next(self.model.parameters()).device.type == "cpu"
+        page = 256  # tokens per cache block (transformers' default); on CPU the cache sized for the sequences in
+        blocks = self.max_slots * -(-(max(map(len, ids)) + self.max_new_tokens) // page)  # flight, not the memory
+        cb = ContinuousBatchingConfig(max_requests_per_batch=self.max_slots, seed=seed, page_size=page,
+                                      **(dict(num_blocks=blocks, max_batch_tokens=4096) if cpu else {}))
+        results: list[list] = [[None] * n for _ in prompts]
+        left = [n] * len(prompts)
+        t0 = time.perf_counter()
+        with self.model.continuous_batching_context_manager(
+                generation_config=config, continuous_batching_config=cb, block=True, timeout=30,
+                warmup=not cpu) as manager:
+            rids = manager.add_requests(inputs=[x for x in ids for _ in range(copies)],
+                                        max_new_tokens=self.max_new_tokens)
+            where = {}  # request id -> (prompt, sample)
+            for k, rid in enumerate(rids):
+                i, j = divmod(k, copies)
+                if greedy:
+                    where[rid] = (i, j)
+                else:  # transformers names the children <id>__child#c and the parent is the last sample
+                    where.update({f"{rid}__child#{c}": (i, c) for c in range(n - 1)}, **{rid: (i, n - 1)})
+            done = 0
+            while done < len(prompts) * n:
+                out = manager.get_result(timeout=1)
+                if out is None:
+                    if not manager.is_running():
+                        raise HarnessError("rft.engine=transformers: transformers' continuous batching stopped "
+                                           "before the last request ended (see its log above)")
+                    continue
+                if not out.is_finished():
+                    continue
+                if out.error is not None:
+                    raise HarnessError(f"rft.engine=transformers: request {out.request_id} failed: {out.error}")
+                i, j = where[out.request_id]
+                tokens = cut_at_stop(list(out.generated_tokens), tok, self.stop_strings)
+                results[i][j] = tok.decode([t for t in tokens if t != eos], skip_special_tokens=True).strip()
+                st.sequences += 1
+                st.tokens += len(tokens)
+                st.lengths.append(len(tokens))
+                done += 1
+                left[i] -= 1
+                if left[i] == 0 and on_done is not None:
+                    on_done(i, results[i])
+        st.seconds += time.perf_counter() - t0
+        return results
