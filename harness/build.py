@@ -299,6 +299,7 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     mconf = accelerator.unwrap_model(model, keep_torch_compile=False).config
     flop_dims = (matmul_params, getattr(mconf, "num_hidden_layers", 0), getattr(mconf, "hidden_size", 0))
     objective = Objective(cfg, accelerator, model, chunk_size=chunk_size, flop_dims=flop_dims, sp=sp)
+    objective.widths = data.emb_widths  # data.embed_length_buckets (harness.speed.buckets), or None
     held = accelerator.gather(torch.tensor([distributed.parameters_held(model)], device=accelerator.device)).tolist()
     peak_flops = None  # all processes together; None where unknown (CPU)
     if torch.cuda.is_available():
