@@ -259,6 +259,12 @@ class CompileWatch:
     def loop_starts(self) -> None:
         self.before_first = self.after_first = dynamo_counters()  # before: step-0 evaluation, batch-size trial
 
+    def logged(self) -> dict:
+        """metrics.jsonl's compile fields at a log line: graphs and compile seconds so far (scripts/gpu_check.py finds
+        the step of the last recompile and the steady state after it from them)."""
+        now = dynamo_counters()
+        return {"compile_graphs": now["graphs"], "compile_s": now["compile_time_s"]}
+
     def first_step_done(self, seconds: float) -> None:
         """The first step of this process carries the (cold) compilation."""
         self.first_step_s, self.after_first = seconds, dynamo_counters()
