@@ -124,3 +124,44 @@ def test_without_the_warm_up_a_new_bucket_compiles():
         embed(compiled, batch, "mean", True).sum().backward()
         seen.append(dynamo_counters()["graphs"])
     assert seen[1] > seen[0] and seen[2] == seen[1]
+
+
+def test_the_packed_rows_short_last_batch_is_warmed_too():
+    """Regression (gritlm-tiny packed, 20 steps: 1 recompile after step 1): with static shapes the generative
+    stream's short last micro-batch of an epoch (here 5 rows in 2s: 1 left) is a graph of its own; the warm-up runs
+    it, on the data set's first rows, and keeps nothing."""
+    from accelerate import Accelerator
+    from accelerate.utils import compile_regions
+    from torch._dynamo.utils import counters
+    from torch.utils.data import DataLoader
+
+    from harness.config import load_config
+    from harness.data.samples import PackedCollator
+    from harness.objective import Objective
+    from harness.speed.buckets import warm_generative_tail
+    from harness.speed.compiling import dynamo_counters
+
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for _ in range(5):
+        ids = torch.randint(3, 64, (12,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": ids, "position_ids": list(range(7)) + list(range(5))})
+    loader = DataLoader(rows, batch_size=2, collate_fn=PackedCollator(0, 16))
+    model = tiny_llama().train()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = compile_regions(model, backend="eager", dynamic=False)
+    objective = Objective(load_config(ROOT / "configs" / "gritlm-tiny.yaml", ["data.packing=true"]),
+                          Accelerator(cpu=True), compiled)
+    rng = torch.get_rng_state()
+    said = []
+    assert warm_generative_tail(objective, compiled, loader, said.append) == 1 and "of 1 rows" in said[0]
+    assert all(p.grad is None for p in model.parameters()) and torch.equal(torch.get_rng_state(), rng)
+    for batch in loader:  # 2, 2, then the 1-row tail: its shape was warmed
+        if len(batch["input_ids"]) == 2 and dynamo_counters()["graphs"] and "full" not in said:
+            objective.generative_loss_sum(batch)[0].backward()  # the full batch: step 1 compiles it
+            said.append("full")
+            graphs = dynamo_counters()["graphs"]
+        else:
+            objective.generative_loss_sum(batch)[0].backward()
+    assert dynamo_counters()["graphs"] == graphs, "the short last batch compiled after step 1"

@@ -2,12 +2,14 @@
 
 Under torch.compile the queries and passages of a batch are padded up to one of a few fixed widths per side
 (`embed_widths`) and, with packed generative rows, the blocks compile with static shapes
-(harness.config.profiles.static_shapes). Every shape the embedding passes can take is then known before training: (rows, width) for each bucket width, for the full micro-batch, the short last
-batch of an epoch on one process, and GradCache's chunks, with and without gradients. `warm_embedding_shapes` runs
-each once before step 1, so that no embedding batch compiles anything later: on an H100 the dynamic-shape graphs of
-the GritLM objective recompiled 4 times after step 1 (issue 45).
+(harness.config.profiles.static_shapes). Every shape the embedding passes can take is then known before training:
+(rows, width) for each bucket width, for the full micro-batch, the short last batch of an epoch on one process, and
+GradCache's chunks, with and without gradients. `warm_embedding_shapes` runs each once before step 1 (and
+`warm_generative_tail` the packed rows' short last micro-batch), so that no batch compiles anything later: on an H100
+the dynamic-shape graphs of the GritLM objective recompiled 4 times after step 1 (issue 45).
 
-The warm-up changes nothing the run keeps: its inputs are pad tokens (no data is read), its backward passes go through
+The warm-up changes nothing the run keeps: its embedding inputs are pad tokens, the generative tail's the data set's
+first rows read by index (the data order is untouched), its backward passes go through
 `torch.autograd.grad` to the first decoder block's trainable parameters (the compiled backward graphs run; no
 parameter's `.grad` is written and no reduction hook of DDP or ZeRO-1/2 fires: those sit on the gradient
 accumulators, which `autograd.grad` does not run), forward passes run outside the cross-process reduction
@@ -108,9 +110,33 @@ def warm_embedding_shapes(objective, model, shapes: list, pad_id: int, zero_stag
     return {"shapes": len(shapes), "seconds": seconds}
 
 
+def warm_generative_tail(objective, model, loader, say: Callable[[str], None]) -> int:
+    """Packed generative rows on one process: the epoch's short last micro-batch ([rows % micro-batch, max_len], the
+    one other shape the generative pass takes) run once like the embedding shapes, on the data set's first rows (read
+    by index: the data order is not touched). Returns the shapes run (0 or 1). gritlm-tiny packed, 20 steps: its
+    119 rows in micro-batches of 16 left 7 at step 8, 1 recompile after step 1 without this."""
+    accelerator = objective.accelerator
+    rows = row_counts(len(loader.dataset), loader.batch_size, accelerator.num_processes)
+    short = [n for n in rows if n < loader.batch_size]
+    if not short:
+        return 0
+    batch = loader.collate_fn([loader.dataset[i] for i in range(short[0])])
+    batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+    targets = [p for p in repeated_blocks(accelerator.unwrap_model(model))[0].parameters() if p.requires_grad]
+    rng = _RngReplay()
+    rng.record()
+    with rng.replay(0), deferred_sync(accelerator, model):
+        total, _ = objective.generative_loss_sum(batch)
+        if targets:
+            torch.autograd.grad(total, targets, allow_unused=True)
+    say(f"[harness] packed generative rows: the epoch's last micro-batch of {short[0]} rows run once before step 1")
+    return 1
+
+
 def warm_run(job, say: Callable[[str], None]) -> None:
     """The run's warm-up (train.run, before the step-0 evaluation): every embedding shape of its training passes, where
-    the embedding passes are bucketed (objective.widths) and compiled."""
+    the embedding passes are bucketed (objective.widths) and compiled, and with packed generative rows their short
+    last micro-batch (the run compiles static shapes then: harness.config.profiles.static_shapes)."""
     objective = job.objective
     if objective.widths is None or job.compile is None or "emb" not in job.loaders:
         return
@@ -121,4 +147,6 @@ def warm_run(job, say: Callable[[str], None]) -> None:
     warmed = warm_embedding_shapes(objective, job.model, shapes, job.tokenizer.pad_token_id,
                                    job.zero["zero_stage"], say)
     if warmed is not None:
+        if "gen" in job.loaders and cfg.data.packing:
+            warmed["generative_shapes"] = warm_generative_tail(objective, job.model, job.data.gen, say)
         job.compile.warmed = warmed
