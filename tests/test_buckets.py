@@ -165,3 +165,25 @@ def test_the_packed_rows_short_last_batch_is_warmed_too():
         else:
             objective.generative_loss_sum(batch)[0].backward()
     assert dynamo_counters()["graphs"] == graphs, "the short last batch compiled after step 1"
+
+
+def test_auto_buckets_only_where_every_pass_gets_a_fixed_shape_and_no_deepspeed():
+    """data.embed_length_buckets=auto: 4 under compile with packed rows (static shapes then); 0 with unpacked rows
+    (dynamic shapes: buckets would only pad), without compile, and under DeepSpeed: there the warm-up's backward
+    passes ran the engine's end-of-backward reduction with nothing queued (gritlm-tiny packed under ZeRO-2, one
+    process: IndexError in reduce_ipg_grads before step 1)."""
+    from harness.config import load_config
+    from harness.config.profiles import embed_buckets, static_shapes
+
+    def cfg(*over):
+        return load_config(ROOT / "configs" / "gritlm-tiny.yaml", list(over))
+
+    packed = cfg("data.packing=true")
+    assert embed_buckets(packed, "regional") == 4 and static_shapes(packed, "regional")
+    assert embed_buckets(packed, "none") == 0 and not static_shapes(packed, "none")
+    assert embed_buckets(packed, "regional", deepspeed=True) == 0
+    assert not static_shapes(packed, "regional", deepspeed=True)
+    assert embed_buckets(cfg(), "regional") == 0 and not static_shapes(cfg(), "regional")  # unpacked rows
+    explicit = cfg("data.embed_length_buckets=2")
+    assert embed_buckets(explicit, "regional") == 2 and not static_shapes(explicit, "regional")  # padded, dynamic
+    assert embed_buckets(cfg("data.packing=true", "loss.mode=generative"), "regional") == 0

@@ -111,8 +111,8 @@ class DataConfig:
         "auto", "Embedding passes under torch.compile: queries and passages padded to one of N fixed widths doubling "
         "up to data.query_max_len / data.passage_max_len (none above the data's longest text), compiled with static "
         "shapes and each run once before step 1, so that no later batch compiles (docs/speed.md). auto: 4 under "
-        "torch.compile with packed generative rows (or loss.mode=embedding), else 0: each batch padded to its "
-        "longest (dynamic shapes under compile).")
+        "torch.compile with packed generative rows (or loss.mode=embedding) and no DeepSpeed, else 0: each batch "
+        "padded to its longest (dynamic shapes under compile).")
     emb_train_files: list = _f([], "Embedding sources (as data.train_files, format embedding: {query, pos, neg}; "
                                    "loss.mode embedding or unified).")
     emb_eval_files: list = _f([], "Held-out embedding sources: retrieval recall@1 and MRR every train.eval_every "

@@ -146,7 +146,8 @@ def embedding_buckets(cfg: Config, accelerator, ds) -> Optional[tuple]:
     from harness.speed.buckets import embed_widths
 
     compiled = accelerator.state.dynamo_plugin.backend.value != "NO"
-    n, d = embed_buckets(cfg, "regional" if compiled else "none"), cfg.data
+    deepspeed = getattr(accelerator.state, "deepspeed_plugin", None) is not None
+    n, d = embed_buckets(cfg, "regional" if compiled else "none", deepspeed), cfg.data
     if not n:
         return None
     longest_passage = max((len(x) for col in ("pos_ids", "neg_ids") for group in ds[col] for x in group), default=0)

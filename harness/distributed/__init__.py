@@ -184,7 +184,7 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
         # ZeRO-3 harness.speed.compiling compiles the block forwards instead). Changing shapes: dynamic from the start;
         # a few fixed shapes (embedding width buckets, each run before step 1: harness.speed.buckets): static.
         dynamic = cfg.train.compile_dynamic
-        if dynamic is None and static_shapes(cfg, compile_mode):
+        if dynamic is None and static_shapes(cfg, compile_mode, deepspeed=plugin is not None):
             dynamic = False
         else:
             dynamic = True if dynamic or (dynamic is None and shapes_vary(cfg.loss.mode, cfg.data.packing)) else None

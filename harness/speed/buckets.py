@@ -11,11 +11,12 @@ the dynamic-shape graphs of the GritLM objective recompiled 4 times after step 1
 The warm-up changes nothing the run keeps: its embedding inputs are pad tokens, the generative tail's the data set's
 first rows read by index (the data order is untouched), its backward passes go through
 `torch.autograd.grad` to the first decoder block's trainable parameters (the compiled backward graphs run; no
-parameter's `.grad` is written and no reduction hook of DDP or ZeRO-1/2 fires: those sit on the gradient
-accumulators, which `autograd.grad` does not run), forward passes run outside the cross-process reduction
-(`deferred_sync`), and the RNG is put back (dropout draws from it). ZeRO-3 is left out: its hooks gather and
-release the partitioned parameters around every pass and expect their gradients; there the first batch of each shape
-compiles, as before.
+parameter's `.grad` is written and DDP's reduction hooks, on the gradient accumulators, which `autograd.grad` does
+not run, do not fire), forward passes run outside the cross-process reduction (`deferred_sync`), and the RNG is put
+back (dropout draws from it). DeepSpeed is left out (data.embed_length_buckets=auto is 0 there): its engine runs its
+end-of-backward reduction after every backward pass through its output, with nothing queued (ZeRO-2, one process:
+IndexError in reduce_ipg_grads), and ZeRO-3's hooks expect every pass's gradients; there an explicit bucket count
+pads to the widths and each shape compiles on its first batch.
 
 Padding to a wider bucket does not change an embedding: padded keys are masked (bidirectional_mask, or the causal
 mask's padding), mean pooling counts the text tokens only (pool_mask) and last-token pooling takes the last real one
@@ -139,6 +140,9 @@ def warm_run(job, say: Callable[[str], None]) -> None:
     last micro-batch (the run compiles static shapes then: harness.config.profiles.static_shapes)."""
     objective = job.objective
     if objective.widths is None or job.compile is None or "emb" not in job.loaders:
+        return
+    if job.is_deepspeed:  # its engine reduces at the end of every backward pass: nothing queued there (IndexError)
+        say("[harness] embedding width buckets: not warmed under DeepSpeed; each shape compiles on its first batch")
         return
     loader = job.data.emb
     cfg = job.cfg
