@@ -318,6 +318,7 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
         say(f"[harness] rl: {cfg.rl.algorithm}, {cfg.rl.questions_per_step} questions x {cfg.rl.num_generations} "
             f"answers per generation batch, {cfg.rl.iterations} step(s) on each, loss_type {cfg.rl.loss_type}, "
             f"{len(objective.rl.questions)} train questions")
+    objective.widths = data.emb_widths  # data.embed_length_buckets (harness.speed.buckets), or None
     held = accelerator.gather(torch.tensor([parameters_held(model)], device=accelerator.device)).tolist()
     peak_flops = None  # all processes together; None where unknown (CPU)
     if torch.cuda.is_available():

@@ -44,16 +44,18 @@ def evaluate_generative(accelerator, model, loader, chunk_size: Optional[int] = 
 
 
 @torch.no_grad()
-def encode_items(accelerator, objective, items: list, batch_size: int, pad_id: int) -> torch.Tensor:
+def encode_items(accelerator, objective, items: list, batch_size: int, pad_id: int, widths=None) -> torch.Tensor:
     """Embeddings of tokenized items [(ids, instr_len)], each process encoding an equal shard (ZeRO-3 needs every
-    process in every forward), gathered in order."""
+    process in every forward), gathered in order; padded to each batch's longest, or to its width bucket (`widths`:
+    the training passes' data.embed_length_buckets, so that the evaluation compiles a few static shapes once)."""
     world, rank = accelerator.num_processes, accelerator.process_index
     per = math.ceil(len(items) / world)
     shard = items[rank * per:(rank + 1) * per]
     shard += [items[0]] * (per - len(shard))
     parts = []
     for i in range(0, per, batch_size):
-        batch = {k: v.to(accelerator.device) for k, v in data_lib.pad_embed(shard[i:i + batch_size], pad_id).items()}
+        padded = data_lib.pad_embed(shard[i:i + batch_size], pad_id, widths)
+        batch = {k: v.to(accelerator.device) for k, v in padded.items()}
         parts.append(objective.embed(batch))
     return accelerator.gather(torch.cat(parts))[: len(items)]
 
@@ -61,8 +63,9 @@ def encode_items(accelerator, objective, items: list, batch_size: int, pad_id: i
 def evaluate_retrieval(accelerator, model, objective, eval_set: dict, batch_size: int, pad_id: int) -> dict:
     """recall@1 and MRR of the held-out queries against the corpus of all their passages."""
     model.eval()
-    q = encode_items(accelerator, objective, eval_set["queries"], batch_size, pad_id)
-    c = encode_items(accelerator, objective, eval_set["corpus"], batch_size, pad_id)
+    wq, wp = objective.widths or (None, None)
+    q = encode_items(accelerator, objective, eval_set["queries"], batch_size, pad_id, wq)
+    c = encode_items(accelerator, objective, eval_set["corpus"], batch_size, pad_id, wp)
     model.train()
     return metrics.retrieval_metrics(q, c, eval_set["positives"])
 

@@ -47,10 +47,13 @@ def deferred_sync(accelerator, model):
             yield
 
 
-def _rows(batch: dict, start: int, stop: int) -> dict:
-    """Rows start:stop of a padded batch, trimmed to its longest sequence."""
+def _rows(batch: dict, start: int, stop: int, widths=None) -> dict:
+    """Rows start:stop of a padded batch, trimmed to its longest sequence (or to that one's width bucket: `widths`,
+    data.embed_length_buckets)."""
     part = {k: v[start:stop] for k, v in batch.items()}
     width = int(part["attention_mask"].sum(1).max())
+    if widths is not None:
+        width = min(widths(width), part["input_ids"].shape[1])
     return {k: v[:, :width] for k, v in part.items()}
 
 
@@ -159,6 +162,7 @@ class Objective:
         self.check = LossCheck(accelerator, before_backward=is_deepspeed(accelerator))
         self.rl = None  # loss.mode=rl: harness.rl.rollout.Rollouts (set by the build), the step's answers
         self.rl_cfg, self.rl_temperature = cfg.rl, cfg.rft.temperature
+        self.widths = None  # (query, passage) widths of data.embed_length_buckets, or None (harness.speed.buckets)
 
     def flops(self, batch: dict, backward: bool) -> float:
         """Model FLOPs of one pass over `batch`'s real tokens (attention over the padded row width)."""
@@ -271,8 +275,9 @@ class Objective:
         n_q = emb["query"]["input_ids"].shape[0]
         group = emb["passage"]["input_ids"].shape[0] // n_q
         bounds = cache_chunks(n_q, chunks)
-        parts = [(_rows(emb["query"], a, b), _rows(emb["passage"], a * group, b * group)) if b > a
-                 else (_rows(emb["query"], 0, 1), _rows(emb["passage"], 0, group)) for a, b in bounds]
+        wq, wp = self.widths or (None, None)
+        parts = [(_rows(emb["query"], a, b, wq), _rows(emb["passage"], a * group, b * group, wp)) if b > a
+                 else (_rows(emb["query"], 0, 1, wq), _rows(emb["passage"], 0, group, wp)) for a, b in bounds]
         rng = _RngReplay()
         with torch.no_grad():
             reps_q, reps_p = [], []

@@ -44,6 +44,7 @@ from harness.observe import metrics, monitor, reporting
 from harness.observe.profiling import StepProfiler
 from harness.observe.timing import SETTLE_STEPS, BudgetTracker
 from harness.rundir import finished
+from harness.speed.buckets import warm_run
 from harness.state import LoopState, StepSums, UnloggedSums
 from harness.stopping import (EARLY_WITHOUT_EXPORT, NONFINITE, TIME_BUDGET, WRITE_FAILED, NonfiniteGuard, StopDecision,
                               exit_now, finite, stop_handlers, watch_launcher)
@@ -66,6 +67,7 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
         side = SideWork(job, state, opened)  # log, evaluation, checkpoints, the stop decision
         if auto_batch is not None and not job.is_deepspeed:  # DeepSpeed: its first step is the trial
             memory_trial(job)
+        warm_run(job, job.say)  # compiled embedding width buckets: every shape once, nothing kept
         side.start(fresh=job.resume_from is None)  # the step-0 evaluation; the training clock starts
         stopped_by = train_loop(job, state, side)
         return finish(job, state, side, stopped_by, auto_batch)

@@ -3,6 +3,9 @@ shapes (the default for such runs), dynamo's default (static first, dynamic afte
 width buckets, and both.
 
     .venv/bin/python scripts/compile_shapes_bench.py --steps 100 --out docs/bench/compile-shapes-cpu.json
+    .venv/bin/python scripts/compile_shapes_bench.py --steps 20 \
+      --variants "eager,emb unbucketed dynamic,emb buckets static warmed" --out docs/bench/compile-buckets-cpu.json \
+      data.packing=true   # issue 45
 
 Each variant is `python -m harness.train` on configs/gritlm-tiny.yaml (the GritLM objective: generative rows,
 queries and passages, each padded to its batch's longest) with 2 decoder layers, in its own process. `--cache cold`
@@ -30,6 +33,10 @@ VARIANTS = {
     "dynamo default (static first)": ["train.compile=regional", "train.compile_dynamic=false"],
     "buckets (4) static first": ["train.compile=regional", "train.compile_dynamic=false", "data.pad_buckets=4"],
     "buckets (4) + dynamic": ["train.compile=regional", "data.pad_buckets=4"],
+    # issue 45 (run with data.packing=true): embedding passes unbucketed with dynamic shapes, against fixed width
+    # buckets compiled static and warmed before step 1 (the default under compile with packed rows)
+    "emb unbucketed dynamic": ["train.compile=regional", "data.embed_length_buckets=0"],
+    "emb buckets static warmed": ["train.compile=regional", "data.embed_length_buckets=auto"],
 }
 
 
@@ -55,6 +62,9 @@ def one(name: str, steps: int, cache: str, extra: list[str]) -> dict:
                 "steady_tokens_per_s": rep["tokens"] / rep["steps"] / steady if steady else None,
                 "recompiles_after_first_step": c.get("recompiles_after_first_step"), "graphs": c.get("graphs"),
                 "recompile_limit_hit": c.get("recompile_limit_hit"), "compile_time_total_s": c.get("compile_time_total_s"),
+                "compile_after_first_step_s": (c["compile_time_total_s"] - c["cold_compile_s"]) if c else None,
+                "warmed_embedding_shapes": c.get("warmed_embedding_shapes"),
+                "losses": [r["loss"] for r in train],
                 "first_step_s": c.get("first_step_s"), "block_calls_eager": c.get("block_calls_eager"),
                 "padding_share": sum(r["padding_share"] for r in train) / len(train), "final_loss": rep["final_loss"],
                 "eval_s": rep["timings"]["eval_s"], "load_1min": os.getloadavg()[0]}

@@ -1,5 +1,16 @@
 """GPU check: the ~1B recipe on one CUDA GPU, one row per variant: tokens/s, MFU, memory, GPU busy share, losses.
 
+The next GPU visit (issue 45; 15 minutes of device time, its start included), one command of at most 9 minutes, its
+variants in the issue's order, each with its own time cap (rows appended to docs/bench/gpu-<UTC date>.json as each
+variant ends):
+
+    bash scripts/gpu_wheels.sh --install && timeout -s INT 525 python3 scripts/gpu_check.py --preset issue45 \
+      --budget-min 8.6 --out /tmp/gc --bench-out "$OUT/gpu-$(date -u +%F).json"
+    # device carry [".whl/main"]; the install 8-24 s; the script stops its own launches at 8.6 min (the timeout is
+    # a backstop); estimated 8.55 min: gritlm:100 (GritLM unified, regional, static embedding
+    # buckets; cap 240 s) ~3.2 min, gritlm_eager:100 (cap 210 s) ~2.8 min, zero3:20 (ZeRO-3 regional: its step 1
+    # and 20 steps; cap 194 s) ~1.5 min, fp8:20 (cap 157 s) ~1.1 min; what the call's 8.6 min leave stops the last
+
 The next GPU session (issue 25), one command per point, each under 10 minutes on one H100 (the script prints its
 estimate before it starts and refuses a call estimated over --budget-min; rows are appended as each variant ends, so
 a call cut off by the device's limit keeps the rows it finished):
@@ -28,8 +39,13 @@ configs/gpu-1b.yaml <overrides>` (random init, bf16 autocast, packed 2048-token 
 DeepSpeed variant may carry a patch merged into the shipped ds_configs/zeroN.json (`--ds-patch` adds one to every
 DeepSpeed variant of the call): the patched JSON and an accelerate yaml naming it are written to <out>/_configs/ and
 the launch uses them. Each run's report.json and metrics.jsonl give the row: variant, steps, precision, weights,
-zero_stage, compile (mode, cold compile s, recompiles after step 1, recompile-limit hits), attention, tokens_per_s,
-mfu, mem_gb, gpu_util (medians over the log intervals after the first, which holds compilation), final_loss, loss_at
+zero_stage, compile (mode, cold compile s, compile s in all, recompiles after step 1, recompile-limit hits, the
+embedding shapes warmed before step 1), attention, tokens_per_s, mfu, mem_gb, gpu_util (medians over the log
+intervals after the first), compile told from steady state (last_compile_step: the last log interval that still
+compiled, from metrics.jsonl's compile_graphs / compile_s; last_recompile_step; steady_tokens_per_s and steady_mfu
+over the intervals after it), recompile_log (dynamo's reasons, TORCH_LOGS=recompiles, also in the variant's log
+<out>/<variant>.log), cap_s (the variant's own time cap: its `cap_s`, else 1.5x its estimate + 60 s, or --cap-s; a
+variant past it is stopped and its row says so, with the step it reached and its log), final_loss, loss_at
 (the logged interval means at steps 20, 40, 100), the loss curve, gpu, the command, the accelerate yaml and the
 DeepSpeed JSON; beside a reference row (the plain path of the same compile setting, or for speed the variant named
 as such) the loss gap in % and the tokens/s ratio. Rows go to <out>/gpu_check.json (this call) and are APPENDED to
@@ -140,6 +156,7 @@ class Variant:
     note: str = ""
     processes: int = 1  # GPUs (accelerate --num_processes): 2 for the sequence-parallel variants
     tokens_per_row: int = 2048  # data.max_len of the variant (packed rows), for the estimate
+    cap_s: Optional[float] = None  # its own time cap (start-up included); None: `cap_s` from the estimate
 
 
 def _train(accel: str, overrides: tuple, **kw) -> Variant:
@@ -170,10 +187,12 @@ VARIANTS: dict[str, Variant] = {
     **{f"zero2_{k}": _train("zero2", REGIONAL, ds_patch=p, tok_s=30000, loss_ref="plain") for k, p in DS_KNOBS.items()},
     **{f"zero2_bf16w_{k}": _train("zero2", REGIONAL + BF16W, ds_patch=p, tok_s=30000, loss_ref="plain")
        for k, p in DS_KNOBS.items()},
-    # point 2: GritLM unified (64 queries x 2 passages + 8 packed rows a step: ~1.3 s a step eager)
-    "gritlm": _train("single_gpu", REGIONAL + GRITLM, tok_s=30000, startup_s=120, speed_ref="gritlm_eager",
-                     note="dynamic shapes: one graph per kind of pass"),
-    "gritlm_eager": _train("single_gpu", EAGER + GRITLM, tok_s=22000),
+    # point 2: GritLM unified (64 queries x 2 passages + 8 packed rows a step: ~1.3 s a step eager; tok_s counts
+    # the packed rows only, for the estimate)
+    "gritlm": _train("single_gpu", REGIONAL + GRITLM, tok_s=15000, startup_s=80, speed_ref="gritlm_eager",
+                     cap_s=240, note="embedding passes in data.embed_length_buckets widths, static shapes, warmed "
+                                     "before step 1"),
+    "gritlm_eager": _train("single_gpu", EAGER + GRITLM, tok_s=12600, cap_s=210),
     # point 4: bf16 weights
     "plain_bf16w_mb16": _train("single_gpu", REGIONAL + BF16W + ("train.micro_batch_size=16",), tok_s=65000,
                                loss_ref="plain", speed_ref="plain"),
@@ -249,6 +268,9 @@ PRESETS = {  # name: (variants, steps)
     "bisect_ds": (["zero2_bf16w_fp32accum", "zero2_bf16w_fp32comm", "zero2_bf16w_nooverlap",
                    "zero2_bf16w_nocontig"], 100),
     "gritlm": (["gritlm", "gritlm_eager"], 40),
+    # issue 45, one visit in the issue's order: GritLM compiled vs eager over 100 steps, ZeRO-3 regional's start-up
+    # and first 20 steps, fp8's first 20 steps (each variant with its own cap; `name:N` runs N steps)
+    "issue45": (["gritlm:100", "gritlm_eager:100", "zero3:20", "fp8:20"], 100),
     "zero3_compile": (["zero3", "zero3_eager"], 100),
     "bf16w": (["plain", "plain_bf16w", "plain_bf16w_mb16"], 100),
     "rft_plan": (["rft_generate", "plan_300", "rft_bench"], 300),
@@ -281,6 +303,24 @@ def estimate_s(name: str, steps: int) -> float:
     if v.accel == "rft" or v.accel == "plan":
         return v.startup_s  # their own fixed work (plan_300: calibration 55 steps + 300 steps, each with start-up)
     return v.startup_s + steps * micro_batch(v.overrides) * v.tokens_per_row / v.tok_s
+
+
+def cap_s(name: str, steps: int) -> float:
+    """A variant's own time cap (start-up included): its `cap_s`, else 1.5x its estimate + 60 s. A variant past it is
+    stopped (its row says so, with the step it reached and its log), so one slow variant cannot spend the GPU time
+    of the variants after it."""
+    v = VARIANTS[name]
+    return v.cap_s if v.cap_s is not None else 1.5 * estimate_s(name, steps) + 60
+
+
+def parse_names(text: str, steps: int) -> list[tuple[str, int]]:
+    """"a,b:20" -> [(a, steps), (b, 20)]: a variant's own step count after a colon (a preset of variants that need
+    different step counts)."""
+    out = []
+    for part in text.split(","):
+        name, _, own = part.partition(":")
+        out.append((ALIASES.get(name, name), int(own) if own.isdigit() else steps))
+    return out
 
 
 def fmt_min(s: float) -> str:
@@ -324,6 +364,10 @@ def launch_env(deepspeed: bool) -> dict:
     env = dict(os.environ)
     if deepspeed:  # DeepSpeed on a CPU runs only without it (docs: cpu-distributed traps; a DDP run otherwise)
         env.pop("ACCELERATE_USE_CPU", None)
+    # dynamo says why each recompile happened (the guard that failed) in the variant's log; unbuffered, so that those
+    # lines and the harness's step lines come in the order they happened
+    env.setdefault("TORCH_LOGS", "recompiles")
+    env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
@@ -359,8 +403,10 @@ def make_base(out_root: Path, recipe: str, tokenizer_vocab: bool = False) -> Pat
 # ----------------------------------------------------------------------------------------------- one launch
 
 
-def launch(cmd: list[str], log: Path, cpu: bool, timeout_s: float, env: Optional[dict] = None) -> dict:
-    """Run one command with utilisation sampled around it; {"rc", "output", "whole", "seconds", "error"?}."""
+def launch(cmd: list[str], log: Path, cpu: bool, timeout_s: float, env: Optional[dict] = None,
+           limit: str = "the call's --budget-min") -> dict:
+    """Run one command with utilisation sampled around it; {"rc", "output", "whole", "seconds", "error"?}. Stopped
+    after timeout_s (`limit` names which limit that was, for the row)."""
     print("$", shlex.join(cmd), flush=True)
     sampler = UtilisationSampler(interval_s=1.0, gpus=not cpu).start()  # the whole launch, start-up included
     t0 = time.time()
@@ -389,7 +435,7 @@ def launch(cmd: list[str], log: Path, cpu: bool, timeout_s: float, env: Optional
     out = log.read_text(errors="replace")
     res = {"rc": rc, "output": out, "whole": whole, "samples": whole_samples, "seconds": seconds}
     if rc is None:
-        res["error"] = f"timed out after {timeout_s:.0f} s (the call's --budget-min); log {log}"
+        res["error"] = f"timed out after {timeout_s:.0f} s ({limit}); log {log}"
     elif rc != 0:
         said = [x for x in out.splitlines() if x.startswith("harness: error:") or "Error:" in x]
         res["error"] = f"exit {rc}: {said[-1] if said else ''} (log {log}) {out[-1500:]}"
@@ -403,6 +449,70 @@ def metric_rows(run: Path) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def steady_state(recs: list[dict], recompiles: Optional[int]) -> dict:
+    """Compile told from steady state, from metrics.jsonl (the compile fields each log line carries under torch.compile:
+    compile_graphs, compile_s; harness.speed.compiling.CompileWatch.logged). `last_compile_step`: the last log line
+    whose interval still compiled (compile seconds grew: a backward graph compiles at its first backward pass, with no
+    new graph); `last_recompile_step`: the first log line by which the graph count had its final value, None when
+    report.json counts no recompile after step 1 (`recompiles`); resolution: train.log_every. Steady tokens/s and MFU:
+    over the intervals after the last one that compiled (eager: after the first, which holds the warm-up); None when no
+    interval is left."""
+    logged = [r for r in recs if "loss" in r and r.get("elapsed_s") is not None]
+    out = {"last_compile_step": None, "last_recompile_step": None, "steady_from_step": None, "steady_steps": 0,
+           "steady_tokens_per_s": None, "steady_mfu": None}
+    if not logged:
+        return out
+    last = 0  # index of the last interval that compiled (eager: the first)
+    if "compile_s" in logged[0]:
+        seconds = [0.0] + [r["compile_s"] for r in logged]
+        last = max(i for i in range(len(logged)) if seconds[i + 1] > seconds[i] or i == 0)
+        out["last_compile_step"] = logged[last]["step"]
+        if recompiles:
+            final = logged[-1]["compile_graphs"]
+            out["last_recompile_step"] = next(r["step"] for r in logged if r["compile_graphs"] == final)
+    steady = logged[last + 1:]
+    if not steady:
+        return out
+    start, end = logged[last], logged[-1]
+    seconds = end["elapsed_s"] - start["elapsed_s"]
+    spans = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(logged[last:], steady)]
+    mfus = [r.get("mfu") for r in steady]
+    out.update(steady_from_step=start["step"] + 1, steady_steps=end["step"] - start["step"],
+               steady_tokens_per_s=(end["tokens"] - start["tokens"]) / seconds if seconds > 0 else None,
+               steady_mfu=(sum(m * t for m, t in zip(mfus, spans)) / sum(spans)
+                           if None not in mfus and sum(spans) > 0 else None))
+    return out
+
+
+RECOMPILE_LINE = re.compile(r"\[__recompiles(?:_verbose)?\]\s?(.*)")
+
+
+def recompile_reasons(log_text: str) -> dict:
+    """dynamo's recompile messages in a launch's output (TORCH_LOGS=recompiles: "Recompiling function ... triggered by
+    the following guard failure(s): ..."), each as one line, and how many came after the first "[harness] step" line
+    (the first log interval's end; under static shapes the first step's own new shapes are recompiles too)."""
+    reasons, after, seen_step = [], 0, False
+    for line in log_text.splitlines():
+        if "[harness] step " in line:  # (after a progress bar's carriage returns, where there is one)
+            seen_step = True
+        m = RECOMPILE_LINE.search(line)
+        if not m:
+            continue
+        text = m.group(1).strip()
+        if text.startswith("Recompiling function"):
+            reasons.append(text)
+            after += seen_step
+        elif reasons and text and not text.startswith("triggered by"):
+            reasons[-1] += " | " + text
+    return {"count": len(reasons), "after_first_log_line": after, "reasons": reasons[:30]}
+
+
+def reached_step(log_text: str) -> Optional[int]:
+    """The last "[harness] step N/M" a launch printed (a variant stopped at its cap: how far it got)."""
+    steps = re.findall(r"\[harness\] step (\d+)/", log_text)
+    return int(steps[-1]) if steps else None
 
 
 def training_row(name: str, run: Path, rep: dict, recs: list[dict]) -> dict:
@@ -424,7 +534,10 @@ def training_row(name: str, run: Path, rep: dict, recs: list[dict]) -> dict:
             "recompiles": comp.get("recompiles_after_first_step"),
             "recompile_limit_hits": len(comp.get("recompile_limit_hit") or []),
             "recompile_limit_functions": comp.get("recompile_limit_hit") or [], "graphs": comp.get("graphs"),
-            "ran_compiled": comp.get("ran_compiled"), "block_calls_eager": comp.get("block_calls_eager")},
+            "ran_compiled": comp.get("ran_compiled"), "block_calls_eager": comp.get("block_calls_eager"),
+            "compile_s_total": comp.get("compile_time_total_s"), "first_step_s": comp.get("first_step_s"),
+            "warmed_embedding_shapes": comp.get("warmed_embedding_shapes")},
+        **steady_state(recs, comp.get("recompiles_after_first_step") if comp else None),
         "attention": rep.get("attention"),
         "tokens_per_s": med("tokens_per_s"), "mfu": med("mfu"), "mem_gb": med("mem_gb"),
         "gpu_util": med("gpu_util"),  # NVML's busy share, the log intervals' own means after the first
@@ -473,7 +586,7 @@ def check_overrides(recipe: str, args: list[str]) -> Optional[str]:
 
 
 def run_variant(name: str, steps: int, out_root: Path, extra: list[str], cpu: bool, timeout_s: float,
-                ds_patch: Optional[dict] = None) -> dict:
+                ds_patch: Optional[dict] = None, limit: str = "the call's --budget-min") -> dict:
     v = VARIANTS[name]
     if v.accel == "rft":
         return run_rft_bench(name, out_root, extra, cpu, timeout_s) if name.startswith("rft_bench") or \
@@ -490,13 +603,19 @@ def run_variant(name: str, steps: int, out_root: Path, extra: list[str], cpu: bo
         return {**head, "error": bad}
     run = out_root / name
     shutil.rmtree(run, ignore_errors=True)  # a fresh run: a finished one in the folder would not run again
-    res = launch(cmd, out_root / f"{name}.log", cpu, timeout_s, launch_env(v.accel.startswith("zero")))
-    if "error" in res:
-        return {**head, "error": res["error"]}
+    log = out_root / f"{name}.log"
+    res = launch(cmd, log, cpu, timeout_s, launch_env(v.accel.startswith("zero")), limit)
+    seen = {"log": str(log), "recompile_log": recompile_reasons(res["output"])}
+    if "error" in res:  # stopped at its cap, or failed: how far it got and what recompiled, beside its log
+        return {**head, **seen, "error": res["error"], "capped": res["rc"] is None, "cap_s": timeout_s,
+                "reached_step": reached_step(res["output"]), "launch_s": res["seconds"]}
     rep = json.loads((run / "report.json").read_text())
     row = training_row(name, run, rep, metric_rows(run))
-    print(f"  utilisation, training: {describe(rep.get('utilisation'))}", flush=True)
-    return {**row, **head, "launch_s": res["seconds"], "utilisation_whole_launch": res["whole"]}
+    print(f"  utilisation, training: {describe(rep.get('utilisation'))}; steady from step "
+          f"{row['steady_from_step']}: {row['steady_tokens_per_s'] or 0:,.0f} tokens/s; recompiles after step 1: "
+          f"{row['compile'].get('recompiles', '-')} (last at step {row['last_recompile_step']})", flush=True)
+    return {**row, **head, **seen, "cap_s": timeout_s, "launch_s": res["seconds"],
+            "utilisation_whole_launch": res["whole"]}
 
 
 # ----------------------------------------------------------------------------------------------- point 5
@@ -726,6 +845,8 @@ def main() -> int:
     ap.add_argument("--budget-min", type=float, default=9.5,
                     help="the call's wall-time limit in minutes: refused when the estimate is above it, and a "
                          "variant still running at the limit is stopped (0: no limit)")
+    ap.add_argument("--cap-s", type=float, help="every variant's own time cap in seconds (default: each variant's "
+                                                 "cap_s, else 1.5x its estimate + 60 s; --cpu-smoke: 600)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "gpu-check"), help="run folders and gpu_check.json")
     ap.add_argument("--bench-out", help="rows are appended here (default docs/bench/gpu-<UTC date>.json; "
                                         "with --cpu-smoke <out>/gpu-<UTC date>.json)")
@@ -736,16 +857,20 @@ def main() -> int:
     args = ap.parse_args()
     if args.list:
         for p, (vs, st) in PRESETS.items():
-            print(f"--preset {p:<14} {st:>4} steps  ~{fmt_min(sum(estimate_s(v, st) for v in vs)):>8}  {','.join(vs)}")
+            est = sum(estimate_s(n, own) for n, own in parse_names(",".join(vs), st))
+            print(f"--preset {p:<14} {st:>4} steps  ~{fmt_min(est):>8}  {','.join(vs)}")
         for name, v in VARIANTS.items():
             patch = f" ds_patch {json.dumps(v.ds_patch)}" if v.ds_patch else ""
             print(f"  {name:<22} {v.accel:<11} {' '.join(v.overrides):<60}{patch} {v.note}")
         print(f"  aliases: {', '.join(f'{a}={b}' for a, b in ALIASES.items())}")
         return 0
-    names = (args.variants or (",".join(PRESETS[args.preset][0]) if args.preset else
-                               SMOKE_DEFAULT if args.cpu_smoke else DEFAULT)).split(",")
-    names = [ALIASES.get(n, n) for n in names]
+    text = (args.variants or (",".join(PRESETS[args.preset][0]) if args.preset else
+                              SMOKE_DEFAULT if args.cpu_smoke else DEFAULT))
     steps = args.steps or (10 if args.cpu_smoke else PRESETS[args.preset][1] if args.preset else 30)
+    plan = parse_names(text, steps)  # [(variant, its steps)]: a "name:N" entry runs N steps
+    if args.steps:  # --steps applies to every variant
+        plan = [(n, args.steps) for n, _ in plan]
+    names = [n for n, _ in plan]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         print(f"gpu_check: unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)} "
@@ -762,9 +887,9 @@ def main() -> int:
         print("gpu_check: no CUDA GPU here; run it on a GPU machine (or --cpu-smoke to check the script)",
               file=sys.stderr)
         return 2
-    est = sum(estimate_s(n, steps) for n in names)
-    print(f"gpu_check: {len(names)} variant(s) x {steps} steps: {', '.join(names)}; estimated on one H100: "
-          f"{fmt_min(est)} ({', '.join(f'{n} {estimate_s(n, steps):.0f} s' for n in names)})", flush=True)
+    est = sum(estimate_s(n, st) for n, st in plan)
+    each = ", ".join(f"{n} x {st} steps {estimate_s(n, st):.0f} s (cap {cap_s(n, st):.0f} s)" for n, st in plan)
+    print(f"gpu_check: {len(names)} variant(s); estimated on one H100: {fmt_min(est)}: {each}", flush=True)
     if args.budget_min and not args.cpu_smoke and est > 60 * args.budget_min:
         print(f"gpu_check: estimated {fmt_min(est)} > --budget-min {args.budget_min:g}: split the variants over two "
               f"calls (or --budget-min 0 to run anyway)", file=sys.stderr)
@@ -791,19 +916,22 @@ def main() -> int:
         ds_version = None
     call = {"id": f"{now:%H%M%S}-{os.getpid()}", "started": now.isoformat(timespec="seconds"), "device": device,
             "argv": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), "preset": args.preset, "variants": names,
-            "steps": steps, "estimate_s": est, "commit": commit, "torch": torch.__version__,
+            "steps": steps, "plan": [[n, st, cap_s(n, st)] for n, st in plan], "estimate_s": est, "commit": commit,
+            "torch": torch.__version__,
             "transformers": transformers.__version__, "accelerate": accelerate.__version__, "deepspeed": ds_version,
             "overrides": args.overrides, "ds_patch": ds_patch}
     print(f"gpu_check: rows -> {bench} (appended), {out_root / 'gpu_check.json'}", flush=True)
     t0, rows = time.time(), []
-    for i, name in enumerate(names):
+    for i, (name, own_steps) in enumerate(plan):
         left = 60 * args.budget_min - (time.time() - t0) if args.budget_min else 3600.0
-        if args.cpu_smoke:
+        if args.cpu_smoke:  # a CPU is far slower than the H100 the estimates and caps are sized for
             left = max(left, 600.0)
+        own = args.cap_s or (600.0 if args.cpu_smoke else cap_s(name, own_steps))
+        cap, limit = (own, f"the variant's cap of {own:.0f} s") if own < left else (left, "the call's --budget-min")
         if left < 30:
             row = {"variant": name, "error": f"skipped: {args.budget_min:g} min of the call spent"}
         else:
-            row = run_variant(name, steps, out_root, args.overrides, args.cpu_smoke, left, ds_patch)
+            row = run_variant(name, own_steps, out_root, args.overrides, args.cpu_smoke, cap, ds_patch, limit)
         rows.append(row)
         compare(rows, earlier)
         call.update(finished=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -265,6 +265,8 @@ BAD = [
     ("micro-batch-0", None, [*VALID, "train.micro_batch_size=0"], "config key 'train.micro_batch_size': must be >= 1, got 0"),
     ("grad-accum-0", None, [*VALID, "train.grad_accum=0"], "config key 'train.grad_accum': must be >= 1, got 0"),
     ("max-len-0", None, [*VALID, "data.max_len=0"], "config key 'data.max_len': must be >= 1, got 0"),
+    ("embed-buckets-negative", None, [*VALID, "data.embed_length_buckets=-1"],
+     "config key 'data.embed_length_buckets': must be auto or >= 0, got -1"),
     ("epochs-0", None, [*VALID, "train.epochs=0"], "config key 'train.epochs': must be > 0 when train.max_steps is -1, got 0.0"),
     ("lr-0", None, [*VALID, "optim.lr=0"], "config key 'optim.lr': must be > 0, got 0.0"),
     ("warmup-ratio-1", None, [*VALID, "optim.warmup_ratio=1"], "config key 'optim.warmup_ratio': must be in [0, 1), got 1.0"),

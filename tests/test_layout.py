@@ -60,7 +60,8 @@ LAYERS = [
      "harness.speed.compiling",
      "harness.observe"],
     # 2: the run's parts: processes, model, samples and loaders, losses, the objective, checkpoints, the output folder
-    ["harness.distributed", "harness.model", "harness.lora", "harness.speed.float8", "harness.losses", "harness.chunked_loss", "harness.optim",
+    ["harness.distributed", "harness.model", "harness.lora", "harness.speed.float8", "harness.speed.buckets",
+     "harness.losses", "harness.chunked_loss", "harness.optim",
      "harness.objective",
      "harness.evaluation", "harness.encode", "harness.auto_batch", "harness.data.samples", "harness.data.loaders",
      "harness.checkpoint", "harness.rundir", "harness.observe.reporting", "harness.data.pairs",

@@ -114,6 +114,16 @@ def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     assert row["compile"]["mode"] == "regional" and row["compile"]["ran_compiled"]
     assert row["compile"]["recompile_limit_hits"] == 0 and row["compile"]["cold_compile_s"] > 0
     assert set(row["loss_curve"]) == {"1", "2", "3"} and row["loss_at"] == {}  # steps 20, 40, 100 not reached
+    # compile told from steady state (issue 45): compile seconds in all, the last step that compiled, what came after
+    assert row["compile"]["compile_s_total"] >= row["compile"]["cold_compile_s"] > 0
+    assert 1 <= row["last_compile_step"] <= 3 and row["cap_s"] == 600
+    if row["last_compile_step"] < 3:
+        assert row["steady_from_step"] == row["last_compile_step"] + 1 and row["steady_tokens_per_s"] > 0
+    else:
+        assert row["steady_tokens_per_s"] is None
+    assert (row["last_recompile_step"] is None) == (row["compile"]["recompiles"] == 0)
+    log = open(row["log"]).read()  # TORCH_LOGS=recompiles: each recompile's guard failure is in the log
+    assert row["recompile_log"]["count"] == log.count("Recompiling function") >= row["compile"]["recompiles"]
     patched = tmp_path / "runs" / "_configs" / "zero2_nooverlap.json"  # the shipped zero2.json, overlap_comm off
     assert json.loads(patched.read_text())["zero_optimization"]["overlap_comm"] is False
     assert row["deepspeed_config"]["json"] == json.loads(patched.read_text())

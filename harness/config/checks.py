@@ -78,6 +78,9 @@ def validate(cfg: Config) -> None:
                    "loss.chunked_ce_size": cfg.loss.chunked_ce_size}.items():
         if v < 1:
             raise ConfigError(f"config key '{key}': must be >= 1, got {v}")
+    if d.embed_length_buckets != "auto" and d.embed_length_buckets < 0:
+        raise ConfigError(f"config key 'data.embed_length_buckets': must be auto or >= 0, got "
+                          f"{d.embed_length_buckets}")
     if cfg.loss.chunked_ce is True and t.compile == "full":
         raise ConfigError("config key 'loss.chunked_ce': true is not supported with train.compile=full (the chunked "
                           "loss replaces the output head's forward, inside the compiled graph); use "

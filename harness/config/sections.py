@@ -107,6 +107,12 @@ class DataConfig:
     group_by_length: bool = _f(False, "Embedding data: batch queries of similar length together (less padding).")
     pad_buckets: int = _f(0, "Pad unpacked micro-batches up to one of N evenly spaced widths up to the max length "
                              "(N shapes per stream) instead of to the longest row (0). See docs/speed.md.")
+    embed_length_buckets: Union[int, Literal["auto"]] = _f(
+        "auto", "Embedding passes under torch.compile: queries and passages padded to one of N fixed widths doubling "
+        "up to data.query_max_len / data.passage_max_len (none above the data's longest text), compiled with static "
+        "shapes and each run once before step 1, so that no later batch compiles (docs/speed.md). auto: 4 under "
+        "torch.compile with packed generative rows (or loss.mode=embedding) and no DeepSpeed, else 0: each batch "
+        "padded to its longest (dynamic shapes under compile).")
     emb_train_files: list = _f([], "Embedding sources (as data.train_files, format embedding: {query, pos, neg}; "
                                    "loss.mode embedding or unified).")
     emb_eval_files: list = _f([], "Held-out embedding sources: retrieval recall@1 and MRR every train.eval_every "
@@ -213,9 +219,11 @@ class TrainConfig:
         "auto", "torch.compile through accelerate: regional (each repeated block; fast cold start), full, none. "
         "auto: regional on CUDA, none on CPU. Runs whose batches change shape (embedding passes, unpacked rows) "
         "compile with dynamic shapes: one graph per kind of pass, not one per length.")
-    compile_dynamic: Optional[bool] = _f(None, "torch.compile shapes. null: dynamic where batches change shape "
-                                               "(embedding passes, unpacked rows); true: always; false: dynamo's "
-                                               "default (static until a size changes).")
+    compile_dynamic: Optional[bool] = _f(None, "torch.compile shapes. null: static where every pass has one of a few "
+                                               "fixed shapes (data.embed_length_buckets with packed or bucketed "
+                                               "generative rows), else dynamic where batches change shape (embedding "
+                                               "passes, unpacked rows); true: always dynamic; false: dynamo's default "
+                                               "(static until a size changes).")
     log_every: int = _f(10, "Log metrics every N optimizer steps (and always at the last step).")
     eval_every: int = _f(0, "Evaluate (eval files, retrieval) every N steps; 0: only at the end.")
     eval_at_start: bool = _f(True, "Also evaluate before the first step of a fresh run (the step-0 baseline).")

@@ -70,6 +70,7 @@ class RunData:
     gen_eval: Any = None  # generative eval DataLoader (never prepared: evaluate_generative shards it), or None
     emb_eval: Optional[dict] = None  # the held-out retrieval set (queries, corpus, positives), or None
     stats: dict = field(default_factory=dict)  # "generative" / "embedding": token-length statistics
+    emb_widths: Optional[tuple] = None  # (query, passage) Widths of data.embed_length_buckets, or None (unbucketed)
 
     @property
     def streams(self) -> tuple[str, ...]:
@@ -126,16 +127,34 @@ def build_loaders(cfg: Config, accelerator, tokenizer) -> RunData:
                 lengths = [len(q) + max(map(len, p)) for q, p in zip(ds["q_ids"], ds["pos_ids"])]
                 order = {"sampler": data_lib.LengthGroupedSampler(lengths, length_group(cfg, accelerator.num_processes),
                                                                   cfg.train.seed)}
+            widths = (data_lib.Widths(1, d.pad_buckets, d.query_max_len),
+                      data_lib.Widths(1, d.pad_buckets, d.passage_max_len))
+            out.emb_widths = embedding_buckets(cfg, accelerator, ds)
             out.emb = DataLoader(groups, batch_size=cfg.train.emb_micro_batch_size,
-                                 collate_fn=data_lib.EmbeddingCollator(
-                                     tokenizer.pad_token_id, data_lib.Widths(1, d.pad_buckets, d.query_max_len),
-                                     data_lib.Widths(1, d.pad_buckets, d.passage_max_len)), **order, **common)
+                                 collate_fn=data_lib.EmbeddingCollator(tokenizer.pad_token_id,
+                                                                       *(out.emb_widths or widths)), **order, **common)
             if d.emb_eval_files or held is not None:
                 rows = held if held is not None else data_lib.load_embedding_rows(d.emb_eval_files, 0, d.cache_dir,
                                                                                   "data.emb_eval_files")
                 out.emb_eval = data_lib.retrieval_eval_set(rows, tokenizer, d.query_max_len, d.passage_max_len,
                                                            fmt)
     return out
+
+
+def embedding_buckets(cfg: Config, accelerator, ds) -> Optional[tuple]:
+    """(query, passage) fixed widths of data.embed_length_buckets (harness.speed.buckets) when the run compiles, else
+    None. ds: the tokenized embedding rows (their longest texts bound the widths)."""
+    from harness.config.profiles import embed_buckets
+    from harness.speed.buckets import embed_widths
+
+    compiled = accelerator.state.dynamo_plugin.backend.value != "NO"
+    deepspeed = getattr(accelerator.state, "deepspeed_plugin", None) is not None
+    n, d = embed_buckets(cfg, "regional" if compiled else "none", deepspeed), cfg.data
+    if not n:
+        return None
+    longest_passage = max((len(x) for col in ("pos_ids", "neg_ids") for group in ds[col] for x in group), default=0)
+    return (embed_widths(d.query_max_len, n, max(map(len, ds["q_ids"]), default=0)),
+            embed_widths(d.passage_max_len, n, longest_passage))
 
 
 def preference_loaders(cfg: Config, accelerator, tokenizer, common: dict):

@@ -170,15 +170,19 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
     if compile_mode != "none":
         from torch import _dynamo
 
-        from harness.config.profiles import shapes_vary
+        from harness.config.profiles import shapes_vary, static_shapes
 
         # One compiled block serves several input shapes and masks per step (generative rows, queries, passages,
         # evaluation); past dynamo's default of 8 versions per code object it silently falls back to eager.
         _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
         # accelerate applies it in prepare(): compile_regions (DDP / single), compile_regions_deepspeed (ZeRO; for
-        # ZeRO-3 harness.speed.compiling compiles the block forwards instead). Changing shapes: dynamic from the start.
+        # ZeRO-3 harness.speed.compiling compiles the block forwards instead). Changing shapes: dynamic from the start;
+        # a few fixed shapes (embedding width buckets, each run before step 1: harness.speed.buckets): static.
         dynamic = cfg.train.compile_dynamic
-        dynamic = True if dynamic or (dynamic is None and shapes_vary(cfg.loss.mode, cfg.data.packing)) else None
+        if dynamic is None and static_shapes(cfg, compile_mode, deepspeed=plugin is not None):
+            dynamic = False
+        else:
+            dynamic = True if dynamic or (dynamic is None and shapes_vary(cfg.loss.mode, cfg.data.packing)) else None
         dynamo = TorchDynamoPlugin(backend="inductor", use_regional_compilation=compile_mode == "regional",
                                    dynamic=dynamic)
     accelerator = Accelerator(

@@ -81,6 +81,7 @@ class StepLog:
             record.update(self.budget.status(done, total - state.step, meter.elapsed()))
         facts = job.record
         record.update(facts.sampler.drain() if facts.sampler else {})  # utilisation since the previous log line
+        record.update(job.compile.logged() if job.compile is not None else {})  # graphs and compile seconds so far
         run_cost = cost.of_run(self.cfg, job.world, state.elapsed_s + time.time() - facts.t_start, record.get("eta_s"))
         record.update(cost.fields(run_cost), **evaluation)
         self.logger.log(record)

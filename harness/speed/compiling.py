@@ -236,6 +236,7 @@ class CompileWatch:
         self.toolchain: dict = {}
         self.before_first = self.after_first = dynamo_counters()
         self.first_step_s = 0.0
+        self.warmed: Optional[dict] = None  # harness.speed.buckets: embedding shapes run before step 1
 
     def model_built(self, model: torch.nn.Module) -> None:
         """Before `accelerator.prepare`."""
@@ -258,6 +259,12 @@ class CompileWatch:
     def loop_starts(self) -> None:
         self.before_first = self.after_first = dynamo_counters()  # before: step-0 evaluation, batch-size trial
 
+    def logged(self) -> dict:
+        """metrics.jsonl's compile fields at a log line: graphs and compile seconds so far (scripts/gpu_check.py finds
+        the step of the last recompile and the steady state after it from them)."""
+        now = dynamo_counters()
+        return {"compile_graphs": now["graphs"], "compile_s": now["compile_time_s"]}
+
     def first_step_done(self, seconds: float) -> None:
         """The first step of this process carries the (cold) compilation."""
         self.first_step_s, self.after_first = seconds, dynamo_counters()
@@ -276,11 +283,12 @@ class CompileWatch:
             "block_calls_compiled": calls["compiled"], "block_calls_eager": calls["eager"],
             "ran_compiled": calls["compiled"] > 0, "left_eager": self.left_eager,
             "compile_before_first_step_s": before, "recompile_limit_hit": list(self.limit.functions),
+            "warmed_embedding_shapes": self.warmed,
             **self.toolchain,
         }
         say(f"[harness] compile ({self.mode}): cold compile {after:.1f}s up to the end of the first step "
             f"({self.first_step_s:.1f}s)"
-            + (f", {before:.1f}s of it before the loop (step-0 evaluation / batch trial)" if before else "")
+            + (f", {before:.1f}s of it before the loop (warm-up / step-0 evaluation / batch trial)" if before else "")
             + f", {now['compile_time_s']:.1f}s in all; {now['graphs']} graphs, {out['recompiles_after_first_step']} "
             f"recompiles after step 1; decoder-block calls compiled {calls['compiled']}, eager {calls['eager']}")
         t = self.toolchain
