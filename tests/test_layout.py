@@ -65,7 +65,8 @@ LAYERS = [
      "harness.objective",
      "harness.evaluation", "harness.encode", "harness.auto_batch", "harness.data.samples", "harness.data.loaders",
      "harness.checkpoint", "harness.rundir", "harness.observe.reporting", "harness.data.pairs",
-     "harness.preference", "harness.rl", "harness.rft.tasks", "harness.rft.engine"],
+     "harness.preference", "harness.rl", "harness.rft.tasks", "harness.rft.engine",
+     "harness.rft.decode"],
     # 3: the build; 4: the run
     ["harness.build"],
     ["harness.train"],

@@ -25,9 +25,9 @@ from typing import Any, Optional
 
 import yaml
 
+from harness.config.coerce import coerce, section_fields, type_name, unknown
 from harness.config.sections import (NO_RESUME, SECTIONS, Config, DataConfig, LoraConfig, LossConfig, ModelConfig, OptimConfig,
-                                     RftConfig, TrainConfig, _coerce, _section_fields, _type_name, _unknown,
-                                     lora_config)
+                                     RftConfig, TrainConfig, lora_config)
 from harness.config.yaml_loader import TooLong, read_yaml
 from harness.errors import ConfigError
 
@@ -39,13 +39,13 @@ def _apply(raw: dict, key: str, value: Any) -> None:
     parts = key.split(".")
     section = parts[0]
     if section not in SECTIONS:
-        raise _unknown("section", section, list(SECTIONS))
+        raise unknown("section", section, list(SECTIONS))
     if len(parts) == 1:
         raise ConfigError(f"config key '{key}': give section.key=value")
-    fields = _section_fields(SECTIONS[section])
+    fields = section_fields(SECTIONS[section])
     name = parts[1]
     if name not in fields:
-        raise _unknown("key", key, list(fields))
+        raise unknown("key", key, list(fields))
     if len(parts) > 2:  # a key inside a dict-valued field, e.g. model.config.hidden_size=64
         if fields[name] is not dict:
             raise ConfigError(f"config key '{key}': '{section}.{name}' has no sub-keys")
@@ -56,7 +56,7 @@ def _apply(raw: dict, key: str, value: Any) -> None:
                 raise ConfigError(f"config key '{key}': '{'.'.join(parts[:i + 1])}' is {d!r}, not a mapping")
         d[parts[-1]] = value
         return
-    raw.setdefault(section, {})[name] = _coerce(key, value, fields[name])
+    raw.setdefault(section, {})[name] = coerce(key, value, fields[name])
 
 
 # ----------------------------------------------------------------------------------------------- loading
@@ -109,7 +109,7 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
             raise ConfigError(f"{p}: expected a mapping of sections (model:, data:, optim:, train:)")
         for section, values in loaded.items():
             if section not in SECTIONS:
-                raise _unknown("section", str(section), list(SECTIONS))
+                raise unknown("section", str(section), list(SECTIONS))
             if not isinstance(values, dict):
                 raise ConfigError(f"{p}: section '{section}' must be a mapping of keys")
             pairs += [(f"{section}.{name}", value) for name, value in values.items()]
@@ -154,10 +154,10 @@ def describe() -> str:
         lines.append(f"{section}:")
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            tp = _type_name(typing.get_type_hints(cls)[f.name])
+            tp = type_name(typing.get_type_hints(cls)[f.name])
             lines.append(f"  {f.name} ({tp}, default {default!r}): {f.metadata.get('help', '')}")
             if (section, f.name) == ("model", "lora"):  # the keys of the model.lora mapping
                 for k in dataclasses.fields(LoraConfig):
-                    ktp = _type_name(typing.get_type_hints(LoraConfig)[k.name])
+                    ktp = type_name(typing.get_type_hints(LoraConfig)[k.name])
                     lines.append(f"    lora.{k.name} ({ktp}, default {k.default!r}): {k.metadata.get('help', '')}")
     return "\n".join(lines)

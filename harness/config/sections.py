@@ -5,13 +5,13 @@ loads, overrides, validates and writes them). Light: no torch, no transformers.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from harness.config.coerce import coerce, section_fields, unknown
 from harness.errors import ConfigError
+
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
     """A dataclass field with a help text (mutable defaults go through a factory)."""
@@ -67,12 +67,12 @@ class LoraConfig:
 
 def lora_config(model: "ModelConfig") -> LoraConfig:
     """`model.lora` checked key by key (unknown keys and wrong types name the key) with the defaults filled in."""
-    fields = _section_fields(LoraConfig)
+    fields = section_fields(LoraConfig)
     out = {}
     for key, value in model.lora.items():
         if key not in fields:
-            raise _unknown("key", f"model.lora.{key}", list(fields))
-        out[key] = _coerce(f"model.lora.{key}", value, fields[key])
+            raise unknown("key", f"model.lora.{key}", list(fields))
+        out[key] = coerce(f"model.lora.{key}", value, fields[key])
     cfg = LoraConfig(**out)
     if cfg.r < 1 or not 0 <= cfg.dropout < 1:
         raise ConfigError("config key 'model.lora.r' must be >= 1" if cfg.r < 1
@@ -356,60 +356,3 @@ class Config:
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
-
-
-# ----------------------------------------------------------------------------------------------- typing
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        null = " or null" if type(None) in typing.get_args(tp) else ""
-        return " or ".join(_type_name(a) for a in args) + null
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check `value` against the declared type `tp`; return it (ints are accepted where floats are)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(key, value, a)
-            except ConfigError:
-                pass
-        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
-        return value
-    ok = {
-        bool: lambda v: isinstance(v, bool),
-        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        str: lambda v: isinstance(v, str),
-        list: lambda v: isinstance(v, list),
-        dict: lambda v: isinstance(v, dict),
-    }[tp]
-    if not ok(value):
-        raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r}")
-    return float(value) if tp is float else value
-
-
-def _section_fields(section_cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(section_cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
-
-
-def _unknown(kind: str, key: str, known: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(key.split(".")[-1], known, n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return ConfigError(f"unknown config {kind} '{key}'{hint}")
