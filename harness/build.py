@@ -270,7 +270,7 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     parameters, matmul_params = model_lib.count_parameters(model), metrics.matmul_params(model)
     if started.compile is not None:
         started.compile.model_built(model)
-    optimizer = optim.build_optimizer(model, cfg, offload=zero["offload_optimizer"] not in (None, "none"))
+    optimizer = optim.build_optimizer(model, cfg.optim, offload=zero["offload_optimizer"] not in (None, "none"))
     streams = data.streams
     primary = data.loader(streams[0])
     if sp is not None:  # DeepSpeed's Ulysses all-to-all around the attention kernel of training passes
@@ -282,7 +282,7 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
                                       cfg.train.max_steps, cfg.train.epochs)  # harness plan's arithmetic too
     # The schedule acts on the raw optimizer's param groups, which DeepSpeed's ZeRO optimizers keep using. It is not
     # prepared (accelerate would step it once per process) but stepped once per optimizer step, and checkpointed.
-    scheduler = optim.build_scheduler(optimizer, cfg, schedule["total_steps"])
+    scheduler = optim.build_scheduler(optimizer, cfg.optim, schedule["total_steps"])
     accelerator.register_for_checkpointing(scheduler)
     model, optimizer, *prepared = accelerator.prepare(model, optimizer, *[data.loader(n) for n in streams])
     if sp is not None:  # the group's processes read the same rows: loaders sharded over the data-parallel ranks

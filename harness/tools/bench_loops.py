@@ -89,8 +89,8 @@ def run_raw(cfg, warmup: int, steps: int, threads: int, log_every: int) -> dict:
     from harness.losses import token_loss_sum
 
     model.to(device).train()
-    opt = c["build_optimizer"](model, cfg)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, c["lr_lambda"](cfg, c["total"]))
+    opt = c["build_optimizer"](model, cfg.optim)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, c["lr_lambda"](cfg.optim, c["total"]))
     sampler = _EpochShuffle(len(c["dataset"]), cfg.train.seed) if cfg.data.shuffle else None
     loader = DataLoader(c["dataset"], batch_size=cfg.train.micro_batch_size, sampler=sampler,
                         collate_fn=c["collate"], **c["loader_kw"])
@@ -165,8 +165,8 @@ def run_trainer(cfg, warmup: int, steps: int, threads: int, log_every: int, grou
 
     o = cfg.optim
     model = c["model"]
-    opt = c["build_optimizer"](model, cfg)  # the harness's AdamW and param groups
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, c["lr_lambda"](cfg, total))  # and its schedule
+    opt = c["build_optimizer"](model, cfg.optim)  # the harness's AdamW and param groups
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, c["lr_lambda"](cfg.optim, total))  # and its schedule
     clock = Clock()
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         args = TrainingArguments(
