@@ -293,7 +293,7 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
         started.compile.model_prepared(model, say, accelerator.state.dynamo_plugin.to_kwargs())
     weights = weights_dtype(model)
     repair_stage0_optimizer(optimizer)  # DeepSpeed without ZeRO: its start-up step undone
-    chunk_size = resolve_chunked_ce(cfg, model, longest_micro_batch(data), say) if cfg.loss.mode != "rl" else \
+    chunk_size = resolve_chunked_ce(cfg.loss, cfg.train.compile, model, longest_micro_batch(data), say) if cfg.loss.mode != "rl" else \
         cfg.loss.chunked_ce_size  # rl: log-probs always through the output head in chunks
     if cfg.loss.mode == "preference":  # sequence log-probs: always through the output head, in chunks
         from harness import preference

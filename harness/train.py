@@ -381,7 +381,7 @@ def _main(args: argparse.Namespace) -> int:
         preflight.refuse_fsdp()
         cfg = load_config(args.config, args.overrides)
         done = None if cfg.train.overwrite else finished.finished_run(cfg.train.output_dir)
-        asks = finished.more_steps(cfg, done) if done is not None else None
+        asks = finished.more_steps(cfg.train, done) if done is not None else None
         if done is not None and asks is None:  # a finished run stays finished: nothing is started or rewritten
             if os.environ.get("RANK", "0") == "0":
                 print(finished.describe_finished(cfg.train.output_dir, done), flush=True)

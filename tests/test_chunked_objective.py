@@ -207,23 +207,23 @@ def test_resolve_chunked_ce():
     vocab = model.get_output_embeddings().out_features
     big = AUTO_MIN_LOGITS_BYTES // (4 * vocab) + 1  # positions whose fp32 logits pass the auto threshold
     small = AUTO_MIN_LOGITS_BYTES // (4 * vocab) - 1
-    cfg = lambda *o: load_config(DEFAULT, list(o))  # noqa: E731
+    cfg = lambda *o: ((c := load_config(DEFAULT, list(o))).loss, c.train.compile)  # noqa: E731 - loss, train.compile
     notes = []
-    assert resolve_chunked_ce(cfg(), model, small, notes.append) is None
-    assert resolve_chunked_ce(cfg(), model, big, notes.append) == 1024
-    assert resolve_chunked_ce(cfg("loss.chunked_ce_size=64"), model, big, notes.append) == 64
-    assert resolve_chunked_ce(cfg("train.compile=full"), model, big, notes.append) is None
-    assert resolve_chunked_ce(cfg("loss.chunked_ce=true"), model, 1, notes.append) == 1024
-    assert resolve_chunked_ce(cfg("loss.chunked_ce=false"), model, big, notes.append) is None
-    assert resolve_chunked_ce(cfg("loss.chunked_ce=true"), model, 0, notes.append) is None  # no generative data
+    assert resolve_chunked_ce(*cfg(), model, small, notes.append) is None
+    assert resolve_chunked_ce(*cfg(), model, big, notes.append) == 1024
+    assert resolve_chunked_ce(*cfg("loss.chunked_ce_size=64"), model, big, notes.append) == 64
+    assert resolve_chunked_ce(*cfg("train.compile=full"), model, big, notes.append) is None
+    assert resolve_chunked_ce(*cfg("loss.chunked_ce=true"), model, 1, notes.append) == 1024
+    assert resolve_chunked_ce(*cfg("loss.chunked_ce=false"), model, big, notes.append) is None
+    assert resolve_chunked_ce(*cfg("loss.chunked_ce=true"), model, 0, notes.append) is None  # no generative data
     assert notes == []
     refused = _refused_model()  # vocabulary 96
     big, small = AUTO_MIN_LOGITS_BYTES // (4 * 96) + 1, AUTO_MIN_LOGITS_BYTES // (4 * 96) - 1
-    assert resolve_chunked_ce(cfg(), refused, small, notes.append) is None and notes == []  # small: off anyway
-    assert resolve_chunked_ce(cfg(), refused, big, notes.append) is None
+    assert resolve_chunked_ce(*cfg(), refused, small, notes.append) is None and notes == []  # small: off anyway
+    assert resolve_chunked_ce(*cfg(), refused, big, notes.append) is None
     assert len(notes) == 1 and "loss.chunked_ce=auto stays off" in notes[0] and "logit_scale" in notes[0]
     with pytest.raises(ConfigError, match=r"^config key 'loss.chunked_ce': true, but .*logit_scale.*chunked_ce=false"):
-        resolve_chunked_ce(cfg("loss.chunked_ce=true"), refused, big, notes.append)
+        resolve_chunked_ce(*cfg("loss.chunked_ce=true"), refused, big, notes.append)
 
 
 def test_chunked_ce_config_keys():

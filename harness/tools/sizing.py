@@ -108,7 +108,7 @@ def chunked_ce_positions(cfg: Config, tokens: int, vocab: int) -> Optional[int]:
     chunked_ce_asked, the run's own rule; the caller checks the head, `ModelShape.chunkable_head`), else None."""
     from harness.chunked_loss import chunked_ce_asked
 
-    return min(cfg.loss.chunked_ce_size, tokens) if chunked_ce_asked(cfg, tokens, vocab) else None
+    return min(cfg.loss.chunked_ce_size, tokens) if chunked_ce_asked(cfg.loss, cfg.train.compile, tokens, vocab) else None
 
 
 def activation_terms(cfg: Config, shape: ModelShape, act_bytes: int) -> tuple[list[str], float]:
