@@ -22,6 +22,7 @@ from harness.checkpoint import resume
 from harness.speed.compiling import CompileWatch
 from harness.config import Config
 from harness.config.checks import quantization_zero3_error
+from harness.config.profiles import shapes_vary
 from harness.data import loaders
 from harness.distributed import collectives, processes, sequence
 from harness.distributed.zero import (model_init_context, parameters_held, planned_weights, repair_stage0_optimizer,
@@ -177,15 +178,18 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
 
         check_fp8(cfg.model.quantization)
     compute = hardware.compute_precision(precision)  # fp8: bf16 outside the float8 Linear layers
-    cfg, weights_note = processes.route_weights(cfg, compute)  # bf16 weights: DeepSpeed's fp32 master copies
+    # bf16 weights: DeepSpeed's fp32 master copies
+    train, weights_note = processes.route_weights(cfg.train, cfg.model.quantization, compute)
+    cfg = replace(cfg, train=train)
     hardware.check_attention(cfg.model.attn_implementation)
-    sequence.check_launch(cfg.train.sequence_parallel, processes.launched_world(), processes.deepspeed_wanted(cfg),
+    sequence.check_launch(cfg.train.sequence_parallel, processes.launched_world(), processes.deepspeed_wanted(cfg.train),
                           processes.cpu_forced())
     compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
     compile_mode, compile_note = sequence.compile_mode(cfg.train.sequence_parallel, cfg.train.compile, compile_mode)
     trackers = monitor.tracker_list(cfg.train.report_to, cfg.train.output_dir)  # tensorboard: <output_dir>/tensorboard
-    accelerator = processes.make_accelerator(cfg, hardware.accelerate_mixed_precision(compute), compile_mode,
-                                             trackers)
+    accelerator = processes.make_accelerator(cfg.train, cfg.optim.max_grad_norm,
+                                             shapes_vary(cfg.loss.mode, cfg.data.packing),
+                                             hardware.accelerate_mixed_precision(compute), compile_mode, trackers)
     opened.push(processes.end_training(accelerator))
     for note in (weights_note, compile_note):
         if note:
