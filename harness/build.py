@@ -234,7 +234,7 @@ def build_data(cfg: Config, accelerator, say: Callable[[str], None]) -> tuple[An
     from harness import model as model_lib
 
     tokenizer = model_lib.load_run_tokenizer(cfg)
-    data = loaders.build_loaders(cfg, accelerator, tokenizer)
+    data = loaders.build_loaders(cfg.data, cfg.train, cfg.loss.mode, cfg.model.pooling, accelerator, tokenizer)
     if cfg.loss.mode == "rl":  # the stream is the rft task's train questions (indices), answered during the run
         from harness.rl.rollout import question_loader
 

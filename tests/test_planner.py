@@ -234,7 +234,7 @@ def test_preference_data_counts_both_sequences_of_a_pair(tmp_path):
     pref = data["preference"]
     assert data["primary"] == "preference" and pref["pairs"] == pref["items"] == 192 and pref["sequences"] == 384
     tok = load_run_tokenizer(cfg)
-    rows, _ = loaders.training_rows(cfg, "preference")
+    rows, _ = loaders.training_rows(cfg.data, cfg.train.seed, "preference")
     ds, _ = pairs.tokenize_pair_dataset(rows, tok, 96, chat.resolve_template(tok, cfg.data.chat_template))
     both = sum(len(c) for c in ds["chosen_ids"]) + sum(len(r) for r in ds["rejected_ids"])
     assert pref["tokens"] == both > sum(ds["length"])  # more than the longer side of each pair

@@ -42,8 +42,8 @@ def _build_common(cfg, threads: int) -> dict:
     precision = hardware.resolve_precision(cfg.train.precision)
     hardware.enable_tf32(cfg.train.tf32)
     tok = model_lib.load_run_tokenizer(cfg)
-    rows, _ = training_rows(cfg, "generative")  # the sources mixed by weight, as the harness trains on them
-    max_len = resolve_max_len(cfg, rows, tok, lambda *a: None)  # data.max_len=auto: the harness's resolution
+    rows, _ = training_rows(cfg.data, cfg.train.seed, "generative")  # the sources mixed by weight, as the harness trains on them
+    max_len = resolve_max_len(cfg.data, rows, tok, lambda *a: None)  # data.max_len=auto: the harness's resolution
     ds, _ = data_lib.tokenize_dataset(rows, tok, max_len)
     collate = data_lib.GenerativeCollator(tok.pad_token_id, pad_to_multiple_of=8 if cuda else 1)
     set_seed(cfg.train.seed)
