@@ -233,7 +233,7 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
 def build_data(cfg: Config, accelerator, say: Callable[[str], None]) -> tuple[Any, loaders.RunData]:
     from harness import model as model_lib
 
-    tokenizer = model_lib.load_run_tokenizer(cfg)
+    tokenizer = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
     data = loaders.build_loaders(cfg.data, cfg.train, cfg.loss.mode, cfg.model.pooling, accelerator, tokenizer)
     if cfg.loss.mode == "rl":  # the stream is the rft task's train questions (indices), answered during the run
         from harness.rl.rollout import question_loader

@@ -176,7 +176,7 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
     if job.cfg.train.save_final:
         final_dir = export_final(job.accelerator, job.model, job.tokenizer, job.out / "final",
                                  extra={"harness.json": embedding_settings(
-                                     job.cfg, job.data.stats.get("embedding", {}).get("instructions"))},
+                                     job.cfg.loss.mode, job.cfg.model, job.cfg.data, job.data.stats.get("embedding", {}).get("instructions"))},
                                  random_base=job.cfg.model.name_or_path is None or job.cfg.model.random_init)
         job.say(f"[harness] final model: {final_dir}")
     side.log.logger.close()

@@ -140,7 +140,8 @@ def final_report(job, state: LoopState, log: StepLog, stopped_by: Optional[str],
     time_used = {"timings": timings.as_dict(),
                  "time_budget": log.budget.summary(timings.process_wall_s, stopped_by == TIME_BUDGET)
                  if log.budget else None,
-                 "plan": timing.plan_vs_actual(job.out / "plan.json", cfg, timings.process_wall_s),
+                 "plan": timing.plan_vs_actual(job.out / "plan.json", timing.config_fingerprint(cfg),
+                                               timings.process_wall_s),
                  "utilisation": job.record.sampler.stop() if job.record.sampler else None,
                  "cost": cost.of_run(cfg.train, job.world, state.elapsed_s + time.time() - job.record.t_start, 0.0)}
     return {**setup, **progress, **results, **batch, **time_used}

@@ -41,7 +41,7 @@ def _build_common(cfg, threads: int) -> dict:
                           "scripts/gpu_check.py --preset fp8")
     precision = hardware.resolve_precision(cfg.train.precision)
     hardware.enable_tf32(cfg.train.tf32)
-    tok = model_lib.load_run_tokenizer(cfg)
+    tok = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
     rows, _ = training_rows(cfg.data, cfg.train.seed, "generative")  # the sources mixed by weight, as the harness trains on them
     max_len = resolve_max_len(cfg.data, rows, tok, lambda *a: None)  # data.max_len=auto: the harness's resolution
     ds, _ = data_lib.tokenize_dataset(rows, tok, max_len)

@@ -132,7 +132,7 @@ def analyse_data(cfg: Config) -> dict:
     from harness.model import load_run_tokenizer
 
     d, mode, out = cfg.data, cfg.loss.mode, {}
-    tok = load_run_tokenizer(cfg)
+    tok = load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
     if mode == "preference":  # a pair is two sequences (chosen, rejected) in one forward pass: both are counted
         from harness.data import chat, pairs
 
