@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -77,9 +77,11 @@ class Resumed:
 
 def plan(cfg, world: int) -> Plan:
     """Before the Accelerator exists (every process the same; nothing is verified yet: the loop state is only read)."""
-    target, saved = newest_target(cfg)
-    fitted, resize = fit(cfg, target, saved_layout(saved), world) if target is not None else (cfg, None)
-    return Plan(fitted, resize, target, saved)
+    target, saved = newest_target(cfg.train)
+    if target is None:
+        return Plan(cfg, None, target, saved)
+    train, resize = fit(cfg.train, cfg.loss.mode, cfg.loss.gather_negatives, target, saved_layout(saved), world)
+    return Plan(cfg if train is cfg.train else replace(cfg, train=train), resize, target, saved)
 
 
 def choose(p: Plan, accelerator, out: Path, zero_stage: Optional[int], weights: str) -> Start:
@@ -92,7 +94,8 @@ def choose(p: Plan, accelerator, out: Path, zero_stage: Optional[int], weights: 
         past_the_schedule(path, saved, cfg.train.max_steps)
     universal = False
     if path is not None:
-        check_same_start(path, saved, cfg)
+        check_same_start(path, saved, cfg.train.seed, cfg.model.name_or_path is None or cfg.model.random_init,
+                         cfg.loss)
         before = saved_layout(saved)
         check_same_weights(path, before, weights)
         check_same_engine(path, before, zero_stage)
@@ -115,7 +118,7 @@ def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: 
     """After prepare(): the loop state to train from, a checkpoint's (its weights, optimizer, schedule and RNG
     loaded on every process, its data position in this attempt's layout, this config's optim.lr: `new_peak_lr`) or
     step 0's."""
-    layout = layout_of(cfg, accelerator.num_processes, zero_stage, weights)
+    layout = layout_of(cfg.train, accelerator.num_processes, zero_stage, weights)
     if start.path is None:
         return Resumed(LoopState(streams={n: {"epoch": 0, "batches": 0} for n in streams}, layout=layout.as_dict(),
                                  data_files=start.data_files, seed=cfg.train.seed), None, None)
@@ -169,19 +172,19 @@ def new_peak_lr(scheduler, lr: float) -> Optional[tuple[float, float]]:
     return old[0], lr
 
 
-def check_same_start(path: Path, saved: Optional[dict], cfg) -> None:
+def check_same_start(path: Path, saved: Optional[dict], seed: int, random_start: bool, loss) -> None:
     """A dpo / ipo run on a random-init model is refused another train.seed on resume: its reference log-probs are
     those of the model it started from, which the seed made (harness/preference.py computes them before the
     checkpoint is loaded, or reads them back), while the weights continue the checkpoint's run. Elsewhere the seed
-    does not choose the model: a pretrained start is the same whatever the seed."""
+    does not choose the model: a pretrained start is the same whatever the seed. `seed`: train.seed; random_start:
+    the model is a random init (no model.name_or_path, or model.random_init); `loss`: cfg.loss."""
     was = (saved or {}).get("seed")
-    random_start = cfg.model.name_or_path is None or cfg.model.random_init
-    if (was is None or was == cfg.train.seed or not random_start or cfg.loss.mode != "preference"
-            or cfg.loss.preference not in ("dpo", "ipo")):
+    if (was is None or was == seed or not random_start or loss.mode != "preference"
+            or loss.preference not in ("dpo", "ipo")):
         return
     raise ConfigError(f"config key 'train.seed': the run to resume ({path}) started from the random model of "
-                      f"train.seed={was}, which is its loss.preference={cfg.loss.preference} reference; with "
-                      f"{cfg.train.seed} the reference would be another model's while the weights continue the run: "
+                      f"train.seed={was}, which is its loss.preference={loss.preference} reference; with "
+                      f"{seed} the reference would be another model's while the weights continue the run: "
                       f"rerun with train.seed={was}, or start over with train.overwrite=true")
 
 
@@ -206,11 +209,10 @@ def read_state(path: Path) -> Optional[dict]:
     return state if isinstance(state, dict) else None
 
 
-def newest_target(cfg) -> tuple[Optional[Path], Optional[dict]]:
+def newest_target(t) -> tuple[Optional[Path], Optional[dict]]:
     """The checkpoint a resume would most likely continue from (before verification, which may pass it over for an
     older one of the same run) and its loop state: the named folder, or the newest complete one with a readable loop
-    state (train.resume=auto); (None, None) for a fresh start."""
-    t = cfg.train
+    state (train.resume=auto); (None, None) for a fresh start. `t`: cfg.train."""
     if t.overwrite or t.resume in NO_RESUME:
         return None, None
     if t.resume != "auto":
