@@ -304,8 +304,8 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
 
         chunk_size = cfg.loss.chunked_ce_size
         # the reference (dpo, ipo): the model as it starts, before a checkpoint is loaded; stored in output_dir
-        preference.attach_reference(cfg, accelerator, model, {"train": data.gen, "eval": data.gen_eval}, chunk_size,
-                                    say)
+        preference.attach_reference(cfg.loss.preference, cfg.model, cfg.train, accelerator, model,
+                                    {"train": data.gen, "eval": data.gen_eval}, chunk_size, say)
     elif chunk_size is not None and cfg.loss.mode != "rl":
         say(f"[harness] generative loss: chunked through the output head, {chunk_size} positions per chunk "
             f"(loss.chunked_ce={cfg.loss.chunked_ce})")
