@@ -136,9 +136,10 @@ def build_run(cfg: Config, opened: contextlib.ExitStack) -> tuple[Job, LoopState
                    data.streams, say)
     # only now: a data or model error leaves the folder's config.yaml (which describes its checkpoints) as it was
     collectives.on_main(accelerator, lambda: rundir.write_run_files(cfg, started.out, started.record.env))
-    resumed = resume.restore(started.resume, accelerator, cfg, started.zero["zero_stage"], built.weights, data.streams,
-                             epoch_rows(data, data.streams), built.schedule["total_steps"], say,
-                             scheduler=built.scheduler)
+    resumed = resume.restore(started.resume, accelerator, cfg.train, started.zero["zero_stage"], built.weights,
+                             data.streams, epoch_rows(data, data.streams), built.schedule["total_steps"], say,
+                             scheduler=built.scheduler, quantized=cfg.model.quantization != "none",
+                             gather_negatives=cfg.loss.gather_negatives, peak_lr=cfg.optim.lr)
     record = replace(started.record, parameters=built.parameters, held=built.held, peak_flops=built.peak_flops,
                      resize=resumed.resize, resume_changes=resumed.changes)
     job = Job(cfg=cfg, accelerator=accelerator, say=say, out=started.out, t_process=started.t_process,

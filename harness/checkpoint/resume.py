@@ -113,19 +113,21 @@ def choose(p: Plan, accelerator, out: Path, zero_stage: Optional[int], weights: 
     return Start(p, path, saved, universal, incomplete, files, changes)
 
 
-def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: str, streams: tuple, epoch_rows: dict,
-            total_steps: int, say: Callable[[str], None], scheduler=None) -> Resumed:
+def restore(start: Start, accelerator, t, zero_stage: Optional[int], weights: str, streams: tuple, epoch_rows: dict,
+            total_steps: int, say: Callable[[str], None], scheduler=None, *, quantized: bool, gather_negatives: bool,
+            peak_lr: float) -> Resumed:
     """After prepare(): the loop state to train from, a checkpoint's (its weights, optimizer, schedule and RNG
     loaded on every process, its data position in this attempt's layout, this config's optim.lr: `new_peak_lr`) or
-    step 0's."""
-    layout = layout_of(cfg.train, accelerator.num_processes, zero_stage, weights)
+    step 0's. `t`: cfg.train; quantized: model.quantization is not none; gather_negatives: loss.gather_negatives;
+    peak_lr: optim.lr."""
+    layout = layout_of(t, accelerator.num_processes, zero_stage, weights)
     if start.path is None:
         return Resumed(LoopState(streams={n: {"epoch": 0, "batches": 0} for n in streams}, layout=layout.as_dict(),
-                                 data_files=start.data_files, seed=cfg.train.seed), None, None)
-    if cfg.train.max_steps <= 0:
+                                 data_files=start.data_files, seed=t.seed), None, None)
+    if t.max_steps <= 0:
         past_the_schedule(start.path, start.saved, total_steps)
-    path, saved = load_resumable(accelerator, Path(cfg.train.output_dir), start.path, cfg.train.resume == "auto",
-                                 cfg.model.quantization != "none", universal=start.universal,
+    path, saved = load_resumable(accelerator, Path(t.output_dir), start.path, t.resume == "auto",
+                                 quantized, universal=start.universal,
                                  known={start.path: start.saved})
     if start.data_changes:  # train.resume_changed_data=true: the new data from the start of a new epoch
         saved = {**saved, "streams": {n: {"epoch": int(p["epoch"]) + bool(p.get("samples") or p["batches"]),
@@ -135,10 +137,10 @@ def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: 
     # accelerate's micro-step counter (load_state restores the saved attempt's) decides which micro-step ends an
     # accumulation (step % train.grad_accum == 0): count it in this attempt's layout, or a resume with another
     # accumulation (1 -> 2 at step 3: counter 3) steps the optimizer after the first micro-batch of each step
-    accelerator.step = state.step * cfg.train.grad_accum
+    accelerator.step = state.step * t.grad_accum
     # another number of processes (or split of the batch): the data position in rows, the batch's new split
     state.streams, resize, moved = carry_over(path, saved, layout, streams, epoch_rows, start.universal,
-                                             cfg.loss.gather_negatives)
+                                             gather_negatives)
     state.layout = layout.as_dict()
     say(f"[harness] resumed from {path}: step {state.step}, data position {state.streams}{moved}")
     changes = {}
@@ -148,7 +150,7 @@ def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: 
         say(f"[harness] the training data changed since {path} ({'; '.join(start.data_changes)}); "
             f"train.resume_changed_data=true: the new data from the start of epoch {epoch}, from step "
             f"{state.step + 1} (weights, optimizer and schedule continue)")
-    lr = new_peak_lr(scheduler, cfg.optim.lr) if scheduler is not None else None
+    lr = new_peak_lr(scheduler, peak_lr) if scheduler is not None else None
     if lr is not None:
         changes["optim.lr"] = {"from": lr[0], "to": lr[1], "from_step": state.step + 1}
         say(f"[harness] optim.lr changed since {path}: {lr[0]:g} -> {lr[1]:g}, applied from step {state.step + 1} "
