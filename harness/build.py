@@ -239,7 +239,8 @@ def build_data(cfg: Config, accelerator, say: Callable[[str], None]) -> tuple[An
     if cfg.loss.mode == "rl":  # the stream is the rft task's train questions (indices), answered during the run
         from harness.rl.rollout import question_loader
 
-        _, data.gen = question_loader(cfg, accelerator.num_processes)
+        _, data.gen = question_loader(cfg.rl, cfg.rft, cfg.train.grad_accum, cfg.data.shuffle,
+                                      accelerator.num_processes)
     for kind, st in data.stats.items():
         say(f"[harness] {kind} data: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                                     for k, v in st.items()
@@ -317,8 +318,8 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
         from harness.rft.tasks import build_task
         from harness.rl.rollout import Rollouts
 
-        objective.rl = Rollouts(cfg, accelerator, model, tokenizer, build_task(cfg.rft), chunk_size,
-                                zero["zero_stage"], say)
+        objective.rl = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, accelerator, model, tokenizer,
+                                build_task(cfg.rft), chunk_size, zero["zero_stage"], say)
         accelerator.register_for_checkpointing(objective.rl)  # the half-used generation batch, with each checkpoint
         say(f"[harness] rl: {cfg.rl.algorithm}, {cfg.rl.questions_per_step} questions x {cfg.rl.num_generations} "
             f"answers per generation batch, {cfg.rl.iterations} step(s) on each, loss_type {cfg.rl.loss_type}, "
