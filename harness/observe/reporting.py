@@ -81,7 +81,8 @@ class StepLog:
             record.update(self.budget.status(done, total - state.step, meter.elapsed()))
         facts = job.record
         record.update(facts.sampler.drain() if facts.sampler else {})  # utilisation since the previous log line
-        run_cost = cost.of_run(self.cfg.train, job.world, state.elapsed_s + time.time() - facts.t_start, record.get("eta_s"))
+        run_cost = cost.of_run(self.cfg.train, job.world, state.elapsed_s + time.time() - facts.t_start,
+                               record.get("eta_s"))
         record.update(cost.fields(run_cost), **evaluation)
         self.logger.log(record)
         self.last.update(record)
