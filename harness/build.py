@@ -313,7 +313,8 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
             f"(loss.chunked_ce={cfg.loss.chunked_ce})")
     mconf = accelerator.unwrap_model(model, keep_torch_compile=False).config
     flop_dims = (matmul_params, getattr(mconf, "num_hidden_layers", 0), getattr(mconf, "hidden_size", 0))
-    objective = Objective(cfg, accelerator, model, chunk_size=chunk_size, flop_dims=flop_dims, sp=sp)
+    objective = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, accelerator, model, chunk_size=chunk_size,
+                          flop_dims=flop_dims, sp=sp, rl=cfg.rl, rl_temperature=cfg.rft.temperature)
     if cfg.loss.mode == "rl":  # before a checkpoint is loaded: the reference (rl.beta > 0) is the starting model
         from harness.rft.tasks import build_task
         from harness.rl.rollout import Rollouts

@@ -26,13 +26,13 @@ from typing import Any, Optional
 import yaml
 
 from harness.config.sections import (NO_RESUME, SECTIONS, Config, DataConfig, LoraConfig, LossConfig, ModelConfig, OptimConfig,
-                                     RftConfig, TrainConfig, _coerce, _section_fields, _type_name, _unknown,
+                                     RftConfig, RlConfig, TrainConfig, _coerce, _section_fields, _type_name, _unknown,
                                      lora_config)
 from harness.config.yaml_loader import TooLong, read_yaml
 from harness.errors import ConfigError
 
 __all__ = ["NO_RESUME", "SECTIONS", "Config", "DataConfig", "LoraConfig", "LossConfig", "ModelConfig", "OptimConfig", "RftConfig",
-           "TrainConfig", "lora_config", "load_config", "save_config", "parse_override", "describe"]
+           "RlConfig", "TrainConfig", "lora_config", "load_config", "save_config", "parse_override", "describe"]
 
 def _apply(raw: dict, key: str, value: Any) -> None:
     """Set `raw[section][name] = value` after checking that section.name exists and the type fits."""
