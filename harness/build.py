@@ -22,6 +22,7 @@ from harness.checkpoint import resume
 from harness.speed.compiling import CompileWatch
 from harness.config import Config
 from harness.config.checks import quantization_zero3_error
+from harness.config.profiles import shapes_vary, static_shapes
 from harness.data import loaders
 from harness.distributed import collectives, processes, sequence
 from harness.distributed.zero import (model_init_context, parameters_held, planned_weights, repair_stage0_optimizer,
@@ -135,9 +136,10 @@ def build_run(cfg: Config, opened: contextlib.ExitStack) -> tuple[Job, LoopState
                    data.streams, say)
     # only now: a data or model error leaves the folder's config.yaml (which describes its checkpoints) as it was
     collectives.on_main(accelerator, lambda: rundir.write_run_files(cfg, started.out, started.record.env))
-    resumed = resume.restore(started.resume, accelerator, cfg, started.zero["zero_stage"], built.weights, data.streams,
-                             epoch_rows(data, data.streams), built.schedule["total_steps"], say,
-                             scheduler=built.scheduler)
+    resumed = resume.restore(started.resume, accelerator, cfg.train, started.zero["zero_stage"], built.weights,
+                             data.streams, epoch_rows(data, data.streams), built.schedule["total_steps"], say,
+                             scheduler=built.scheduler, quantized=cfg.model.quantization != "none",
+                             gather_negatives=cfg.loss.gather_negatives, peak_lr=cfg.optim.lr)
     record = replace(started.record, parameters=built.parameters, held=built.held, peak_flops=built.peak_flops,
                      resize=resumed.resize, resume_changes=resumed.changes)
     job = Job(cfg=cfg, accelerator=accelerator, say=say, out=started.out, t_process=started.t_process,
@@ -177,15 +179,20 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
 
         check_fp8(cfg.model.quantization)
     compute = hardware.compute_precision(precision)  # fp8: bf16 outside the float8 Linear layers
-    cfg, weights_note = processes.route_weights(cfg, compute)  # bf16 weights: DeepSpeed's fp32 master copies
+    # bf16 weights: DeepSpeed's fp32 master copies
+    train, weights_note = processes.route_weights(cfg.train, cfg.model.quantization, compute)
+    cfg = replace(cfg, train=train)
     hardware.check_attention(cfg.model.attn_implementation)
-    sequence.check_launch(cfg.train.sequence_parallel, processes.launched_world(), processes.deepspeed_wanted(cfg),
+    sequence.check_launch(cfg.train.sequence_parallel, processes.launched_world(), processes.deepspeed_wanted(cfg.train),
                           processes.cpu_forced())
     compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
     compile_mode, compile_note = sequence.compile_mode(cfg.train.sequence_parallel, cfg.train.compile, compile_mode)
     trackers = monitor.tracker_list(cfg.train.report_to, cfg.train.output_dir)  # tensorboard: <output_dir>/tensorboard
-    accelerator = processes.make_accelerator(cfg, hardware.accelerate_mixed_precision(compute), compile_mode,
-                                             trackers)
+    static = static_shapes(cfg.data, cfg.loss.mode, compile_mode, processes.deepspeed_wanted(cfg.train) is not None)
+    accelerator = processes.make_accelerator(cfg.train, cfg.optim.max_grad_norm,
+                                             shapes_vary(cfg.loss.mode, cfg.data.packing),
+                                             hardware.accelerate_mixed_precision(compute), compile_mode, trackers,
+                                             static_shapes=static)
     opened.push(processes.end_training(accelerator))
     for note in (weights_note, compile_note):
         if note:
@@ -229,12 +236,13 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
 def build_data(cfg: Config, accelerator, say: Callable[[str], None]) -> tuple[Any, loaders.RunData]:
     from harness import model as model_lib
 
-    tokenizer = model_lib.load_run_tokenizer(cfg)
-    data = loaders.build_loaders(cfg, accelerator, tokenizer)
+    tokenizer = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
+    data = loaders.build_loaders(cfg.data, cfg.train, cfg.loss.mode, cfg.model.pooling, accelerator, tokenizer)
     if cfg.loss.mode == "rl":  # the stream is the rft task's train questions (indices), answered during the run
         from harness.rl.rollout import question_loader
 
-        _, data.gen = question_loader(cfg, accelerator.num_processes)
+        _, data.gen = question_loader(cfg.rl, cfg.rft, cfg.train.grad_accum, cfg.data.shuffle,
+                                      accelerator.num_processes)
     for kind, st in data.stats.items():
         say(f"[harness] {kind} data: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                                     for k, v in st.items()
@@ -270,7 +278,7 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     parameters, matmul_params = model_lib.count_parameters(model), metrics.matmul_params(model)
     if started.compile is not None:
         started.compile.model_built(model)
-    optimizer = optim.build_optimizer(model, cfg, offload=zero["offload_optimizer"] not in (None, "none"))
+    optimizer = optim.build_optimizer(model, cfg.optim, offload=zero["offload_optimizer"] not in (None, "none"))
     streams = data.streams
     primary = data.loader(streams[0])
     if sp is not None:  # DeepSpeed's Ulysses all-to-all around the attention kernel of training passes
@@ -282,7 +290,7 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
                                       cfg.train.max_steps, cfg.train.epochs)  # harness plan's arithmetic too
     # The schedule acts on the raw optimizer's param groups, which DeepSpeed's ZeRO optimizers keep using. It is not
     # prepared (accelerate would step it once per process) but stepped once per optimizer step, and checkpointed.
-    scheduler = optim.build_scheduler(optimizer, cfg, schedule["total_steps"])
+    scheduler = optim.build_scheduler(optimizer, cfg.optim, schedule["total_steps"])
     accelerator.register_for_checkpointing(scheduler)
     model, optimizer, *prepared = accelerator.prepare(model, optimizer, *[data.loader(n) for n in streams])
     if sp is not None:  # the group's processes read the same rows: loaders sharded over the data-parallel ranks
@@ -293,27 +301,28 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
         started.compile.model_prepared(model, say, accelerator.state.dynamo_plugin.to_kwargs())
     weights = weights_dtype(model)
     repair_stage0_optimizer(optimizer)  # DeepSpeed without ZeRO: its start-up step undone
-    chunk_size = resolve_chunked_ce(cfg, model, longest_micro_batch(data), say) if cfg.loss.mode != "rl" else \
+    chunk_size = resolve_chunked_ce(cfg.loss, cfg.train.compile, model, longest_micro_batch(data), say) if cfg.loss.mode != "rl" else \
         cfg.loss.chunked_ce_size  # rl: log-probs always through the output head in chunks
     if cfg.loss.mode == "preference":  # sequence log-probs: always through the output head, in chunks
         from harness import preference
 
         chunk_size = cfg.loss.chunked_ce_size
         # the reference (dpo, ipo): the model as it starts, before a checkpoint is loaded; stored in output_dir
-        preference.attach_reference(cfg, accelerator, model, {"train": data.gen, "eval": data.gen_eval}, chunk_size,
-                                    say)
+        preference.attach_reference(cfg.loss.preference, cfg.model, cfg.train, accelerator, model,
+                                    {"train": data.gen, "eval": data.gen_eval}, chunk_size, say)
     elif chunk_size is not None and cfg.loss.mode != "rl":
         say(f"[harness] generative loss: chunked through the output head, {chunk_size} positions per chunk "
             f"(loss.chunked_ce={cfg.loss.chunked_ce})")
     mconf = accelerator.unwrap_model(model, keep_torch_compile=False).config
     flop_dims = (matmul_params, getattr(mconf, "num_hidden_layers", 0), getattr(mconf, "hidden_size", 0))
-    objective = Objective(cfg, accelerator, model, chunk_size=chunk_size, flop_dims=flop_dims, sp=sp)
+    objective = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, accelerator, model, chunk_size=chunk_size,
+                          flop_dims=flop_dims, sp=sp, rl=cfg.rl, rl_temperature=cfg.rft.temperature)
     if cfg.loss.mode == "rl":  # before a checkpoint is loaded: the reference (rl.beta > 0) is the starting model
         from harness.rft.tasks import build_task
         from harness.rl.rollout import Rollouts
 
-        objective.rl = Rollouts(cfg, accelerator, model, tokenizer, build_task(cfg.rft), chunk_size,
-                                zero["zero_stage"], say)
+        objective.rl = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, accelerator, model, tokenizer,
+                                build_task(cfg.rft), chunk_size, zero["zero_stage"], say)
         accelerator.register_for_checkpointing(objective.rl)  # the half-used generation batch, with each checkpoint
         say(f"[harness] rl: {cfg.rl.algorithm}, {cfg.rl.questions_per_step} questions x {cfg.rl.num_generations} "
             f"answers per generation batch, {cfg.rl.iterations} step(s) on each, loss_type {cfg.rl.loss_type}, "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.config import Config
+from harness.config import LossConfig
 from harness.data import IGNORE_INDEX
 from harness.errors import ConfigError
 from harness.lora import is_peft
@@ -22,28 +22,28 @@ from harness.model import unwrap
 AUTO_MIN_LOGITS_BYTES = 256 * 2**20
 
 
-def chunked_ce_asked(cfg: Config, positions: int, vocab: int | None) -> bool:
+def chunked_ce_asked(loss: LossConfig, compile_mode: str, positions: int, vocab: int | None) -> bool:
     """The config's part of `resolve_chunked_ce` (the head is checked apart; harness.tools.zero_plan plans with this too):
     off with loss.chunked_ce=false or no generative positions; auto: on when positions x vocab x 4 bytes >=
-    AUTO_MIN_LOGITS_BYTES and train.compile is not full (vocab None: unknown, off)."""
-    setting = cfg.loss.chunked_ce
+    AUTO_MIN_LOGITS_BYTES and train.compile (`compile_mode`) is not full (vocab None: unknown, off)."""
+    setting = loss.chunked_ce
     if setting is False or positions <= 0:
         return False
     if setting == "auto":
-        return cfg.train.compile != "full" and vocab is not None and positions * vocab * 4 >= AUTO_MIN_LOGITS_BYTES
+        return compile_mode != "full" and vocab is not None and positions * vocab * 4 >= AUTO_MIN_LOGITS_BYTES
     return True
 
 
-def resolve_chunked_ce(cfg: Config, model, positions: int, say=print) -> int | None:
+def resolve_chunked_ce(loss: LossConfig, compile_mode: str, model, positions: int, say=print) -> int | None:
     """loss.chunked_ce -> positions per chunk for the generative loss, or None for the full logits.
 
     positions: the most positions one generative micro-batch can have (micro-batch size x longest row; 0 without
     generative data, then always None). auto: on when positions x vocab x 4 bytes >= AUTO_MIN_LOGITS_BYTES (256 MiB),
     unless train.compile=full or the model's head is refused by `output_head` (then a one-line note).
     true with a refused head: a ConfigError. The result depends only on the config and the model, so every process
-    decides the same."""
-    setting = cfg.loss.chunked_ce
-    if not chunked_ce_asked(cfg, positions, _vocab_size(model) if setting == "auto" else None):
+    decides the same. `compile_mode`: train.compile."""
+    setting = loss.chunked_ce
+    if not chunked_ce_asked(loss, compile_mode, positions, _vocab_size(model) if setting == "auto" else None):
         return None
     try:
         output_head(model)
@@ -54,7 +54,7 @@ def resolve_chunked_ce(cfg: Config, model, positions: int, say=print) -> int | N
                               f"{reason}; use loss.chunked_ce=false") from None
         say(f"[harness] note: loss.chunked_ce=auto stays off (full logits): {reason}")
         return None
-    return cfg.loss.chunked_ce_size
+    return loss.chunked_ce_size
 
 
 def _vocab_size(model) -> int | None:

@@ -130,16 +130,16 @@ def _data_check_recipe(args: argparse.Namespace) -> int:
         for src in sources.parse_sources(getattr(cfg.data, loaders.STREAMS[kind][0]), what):
             rows = sources.load_source_rows(src, kind, cfg.data.cache_dir, need_negatives, what)
             print(f"{what}: " + _source_line(src, sources.unit_formats(src, what, cfg.data.cache_dir), kind, rows))
-        rows, _ = loaders.training_rows(cfg, kind, print)
+        rows, _ = loaders.training_rows(cfg.data, cfg.train.seed, kind, print)
         if kind == "generative":
-            tok = load_run_tokenizer(cfg)
-            _, stats = data.tokenize_dataset(rows, tok, loaders.resolve_max_len(cfg, rows, tok, print))
+            tok = load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
+            _, stats = data.tokenize_dataset(rows, tok, loaders.resolve_max_len(cfg.data, rows, tok, print))
             print(f"generative samples of an epoch (chat template: {cfg.data.chat_template}):")
             print(json.dumps(stats, indent=2))
         if kind == "preference":  # pairs, lengths and truncation as the run tokenizes them
             from harness.data import chat, pairs
 
-            tok = load_run_tokenizer(cfg)
+            tok = load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
             max_len = cfg.data.max_len if cfg.data.max_len != "auto" else 1 << 20
             _, stats = pairs.tokenize_pair_dataset(rows, tok, max_len, chat.resolve_template(tok, cfg.data.chat_template))
             print(f"preference pairs of an epoch (chat template: {cfg.data.chat_template}):")

@@ -28,19 +28,20 @@ DEFAULTS = {"pooling": "mean", "embed_attention": "bidirectional", "instruction_
             "append_eos": False}
 
 
-def embedding_settings(cfg, instructions: list[str] | None = None) -> dict:
-    """What `GritModel` needs to embed like training did (from the run's Config), saved as final/harness.json at export;
+def embedding_settings(loss_mode: str, m, d, instructions: list[str] | None = None) -> dict:
+    """What `GritModel` needs to embed like training did (from the run's loss.mode, model section `m` and data
+    section `d`), saved as final/harness.json at export;
     `instructions`: the embedding training data's most frequent ones (data.sources.embedding_instructions), which the
     sentence-transformers export names as prompts."""
     return {
-        "loss_mode": cfg.loss.mode,
-        "pooling": cfg.model.pooling,
-        "embed_attention": cfg.model.embed_attention,
-        "instruction_template": cfg.data.emb_instruction_template,
-        "plain_template": cfg.data.emb_plain_template,
-        "query_max_len": cfg.data.query_max_len,
-        "passage_max_len": cfg.data.passage_max_len,
-        "append_eos": cfg.model.pooling == "lasttoken",
+        "loss_mode": loss_mode,
+        "pooling": m.pooling,
+        "embed_attention": m.embed_attention,
+        "instruction_template": d.emb_instruction_template,
+        "plain_template": d.emb_plain_template,
+        "query_max_len": d.query_max_len,
+        "passage_max_len": d.passage_max_len,
+        "append_eos": m.pooling == "lasttoken",
         "instructions": list(instructions or []),
     }
 

@@ -56,11 +56,11 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str = "auto",
     return tok
 
 
-def load_run_tokenizer(cfg) -> PreTrainedTokenizerBase:
-    """A run's tokenizer (Config): data.chat_template resolved; the GritLM markers only where they are used (the
-    GritLM chat layout, or the embedding templates of loss.mode embedding/unified)."""
-    markers = True if cfg.loss.mode in ("embedding", "unified") else None
-    return load_tokenizer(cfg.model, cfg.data.chat_template, markers=markers)
+def load_run_tokenizer(m: ModelConfig, chat_template: str, loss_mode: str) -> PreTrainedTokenizerBase:
+    """A run's tokenizer (`m`: cfg.model): data.chat_template resolved; the GritLM markers only where they are used
+    (the GritLM chat layout, or the embedding templates of loss.mode embedding/unified)."""
+    markers = True if loss_mode in ("embedding", "unified") else None
+    return load_tokenizer(m, chat_template, markers=markers)
 
 
 def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype = torch.float32,

@@ -21,7 +21,7 @@ import torch
 
 from harness import faults, losses
 from harness.distributed.processes import is_deepspeed
-from harness.config import Config
+from harness.config import LossConfig, ModelConfig, RlConfig
 from harness.data import IGNORE_INDEX
 from harness.data.samples import model_inputs, real_tokens
 from harness.chunked_loss import ChunkedHeadLoss
@@ -147,21 +147,24 @@ class LossCheck:
 
 
 class Objective:
-    def __init__(self, cfg: Config, accelerator, model, chunk_size: int | None = None,
-                 flop_dims: tuple = (0, 0, 0), sp=None):
+    def __init__(self, loss: LossConfig, m: ModelConfig, grad_accum: int, accelerator, model,
+                 chunk_size: int | None = None, flop_dims: tuple = (0, 0, 0), sp=None, *, rl: RlConfig,
+                 rl_temperature: float):
+        """`loss`, `m`, `rl`: cfg.loss, cfg.model, cfg.rl; grad_accum: train.grad_accum; rl_temperature:
+        rft.temperature (loss.mode=rl samples with it)."""
         self.accelerator, self.model = accelerator, model
         self.sp = sp  # harness.distributed.sequence.SequenceParallel, or None
         self.chunk_size = chunk_size  # loss.chunked_ce resolved (resolve_chunked_ce): positions per chunk, or None
-        self.loss = cfg.loss
-        self.mode = cfg.loss.mode
-        self.pooling = cfg.model.pooling
-        self.bidirectional = cfg.model.embed_attention == "bidirectional"
+        self.loss = loss
+        self.mode = loss.mode
+        self.pooling = m.pooling
+        self.bidirectional = m.embed_attention == "bidirectional"
         self.world = accelerator.num_processes
-        self.accum = cfg.train.grad_accum
+        self.accum = grad_accum
         self.flop_dims = flop_dims  # (matmul parameters, layers, hidden), for MFU accounting
         self.check = LossCheck(accelerator, before_backward=is_deepspeed(accelerator))
         self.rl = None  # loss.mode=rl: harness.rl.rollout.Rollouts (set by the build), the step's answers
-        self.rl_cfg, self.rl_temperature = cfg.rl, cfg.rft.temperature
+        self.rl_cfg, self.rl_temperature = rl, rl_temperature
         self.widths = None  # (query, passage) widths of data.embed_length_buckets, or None (harness.speed.buckets)
 
     def flops(self, batch: dict, backward: bool) -> float:

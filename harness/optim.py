@@ -12,13 +12,12 @@ import math
 
 import torch
 
-from harness.config import Config
+from harness.config import OptimConfig
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config, offload: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, o: OptimConfig, offload: bool = False) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not on biases and norm weights); fused on CUDA; DeepSpeed's
     CPU Adam (AdamW mode) when ZeRO offloads the optimizer to the CPU."""
-    o = cfg.optim
     params = [p for p in model.parameters() if p.requires_grad]
     is_matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in params]  # ds_shape: full shape under ZeRO-3
     decay = [p for p, m in zip(params, is_matrix) if m]
@@ -32,9 +31,8 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, offload: bool = False) 
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=torch.cuda.is_available())
 
 
-def lr_lambda(cfg: Config, total_steps: int):
+def lr_lambda(o: OptimConfig, total_steps: int):
     """Multiplier of the peak lr after `step` optimizer steps: linear warmup, then cosine / linear / constant."""
-    o = cfg.optim
     warmup = o.warmup_steps if o.warmup_steps > 0 else int(o.warmup_ratio * total_steps)
 
     def fn(step: int) -> float:
@@ -49,6 +47,6 @@ def lr_lambda(cfg: Config, total_steps: int):
     return fn
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config, total_steps: int):
+def build_scheduler(optimizer: torch.optim.Optimizer, o: OptimConfig, total_steps: int):
     """LambdaLR over `lr_lambda`, on the raw optimizer's param groups (which DeepSpeed's ZeRO optimizers keep using)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(o, total_steps))

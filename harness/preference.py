@@ -171,10 +171,11 @@ def evaluate_preference(accelerator, model, loader, cfg_loss, chunk_size: int) -
 # ----------------------------------------------------------------------------------------------- the reference
 
 
-def fingerprint(cfg, ds) -> str:
-    """The data's token ids and the model that scores them (name, config, precision, seed, LoRA)."""
-    h = hashlib.sha256(json.dumps([cfg.model.name_or_path, cfg.model.config, cfg.model.random_init, cfg.train.seed,
-                                   cfg.train.precision, cfg.model.quantization], sort_keys=True,
+def fingerprint(m, t, ds) -> str:
+    """The data's token ids and the model that scores them (name, config, precision, seed, LoRA; `m`: cfg.model,
+    `t`: cfg.train)."""
+    h = hashlib.sha256(json.dumps([m.name_or_path, m.config, m.random_init, t.seed,
+                                   t.precision, m.quantization], sort_keys=True,
                                   default=str).encode())
     for column in ("chosen_ids", "chosen_labels", "rejected_ids", "rejected_labels"):
         h.update(json.dumps(list(ds[column])).encode())
@@ -247,19 +248,19 @@ def write_reference(path: Path, values: dict, say=print) -> None:
                            f"space, then rerun") from None
 
 
-def attach_reference(cfg, accelerator, model, loaders: dict, chunk_size: int, say=print) -> None:
-    """For dpo / ipo: the reference log-probs of the training and eval pairs, read from <output_dir>/
+def attach_reference(preference: str, m, t, accelerator, model, loaders: dict, chunk_size: int, say=print) -> None:
+    """For dpo / ipo (`preference`: loss.preference; `m`, `t`: cfg.model, cfg.train): the reference log-probs of the training and eval pairs, read from <output_dir>/
     reference_logps.pt when it holds this data and model's, else computed now (before any update) and saved;
     each loader's collator then puts them in its batches."""
-    if cfg.loss.preference not in ("dpo", "ipo"):
+    if preference not in ("dpo", "ipo"):
         return
-    path = Path(cfg.train.output_dir) / REFERENCE_FILE
+    path = Path(t.output_dir) / REFERENCE_FILE
     stored = stored_reference(path, say)
     fresh, changed = {}, False
     for name, loader in loaders.items():
         if loader is None:
             continue
-        key = fingerprint(cfg, loader.dataset)
+        key = fingerprint(m, t, loader.dataset)
         held = stored.get(name)
         if held is not None and held.get("fingerprint") == key:
             values = held["logps"]

@@ -178,7 +178,7 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
     if job.cfg.train.save_final:
         final_dir = export_final(job.accelerator, job.model, job.tokenizer, job.out / "final",
                                  extra={"harness.json": embedding_settings(
-                                     job.cfg, job.data.stats.get("embedding", {}).get("instructions"))},
+                                     job.cfg.loss.mode, job.cfg.model, job.cfg.data, job.data.stats.get("embedding", {}).get("instructions"))},
                                  random_base=job.cfg.model.name_or_path is None or job.cfg.model.random_init)
         job.say(f"[harness] final model: {final_dir}")
     side.log.logger.close()
@@ -383,7 +383,7 @@ def _main(args: argparse.Namespace) -> int:
         preflight.refuse_fsdp()
         cfg = load_config(args.config, args.overrides)
         done = None if cfg.train.overwrite else finished.finished_run(cfg.train.output_dir)
-        asks = finished.more_steps(cfg, done) if done is not None else None
+        asks = finished.more_steps(cfg.train, done) if done is not None else None
         if done is not None and asks is None:  # a finished run stays finished: nothing is started or rewritten
             if os.environ.get("RANK", "0") == "0":
                 print(finished.describe_finished(cfg.train.output_dir, done), flush=True)

@@ -178,12 +178,16 @@ def test_auto_buckets_only_where_every_pass_gets_a_fixed_shape_and_no_deepspeed(
     def cfg(*over):
         return load_config(ROOT / "configs" / "gritlm-tiny.yaml", list(over))
 
+    def ds(c):  # what embed_buckets / static_shapes read: cfg.data and loss.mode
+        return c.data, c.loss.mode
+
     packed = cfg("data.packing=true")
-    assert embed_buckets(packed, "regional") == 4 and static_shapes(packed, "regional")
-    assert embed_buckets(packed, "none") == 0 and not static_shapes(packed, "none")
-    assert embed_buckets(packed, "regional", deepspeed=True) == 0
-    assert not static_shapes(packed, "regional", deepspeed=True)
-    assert embed_buckets(cfg(), "regional") == 0 and not static_shapes(cfg(), "regional")  # unpacked rows
+    assert embed_buckets(*ds(packed), "regional") == 4 and static_shapes(*ds(packed), "regional")
+    assert embed_buckets(*ds(packed), "none") == 0 and not static_shapes(*ds(packed), "none")
+    assert embed_buckets(*ds(packed), "regional", deepspeed=True) == 0
+    assert not static_shapes(*ds(packed), "regional", deepspeed=True)
+    assert embed_buckets(*ds(cfg()), "regional") == 0 and not static_shapes(*ds(cfg()), "regional")  # unpacked rows
     explicit = cfg("data.embed_length_buckets=2")
-    assert embed_buckets(explicit, "regional") == 2 and not static_shapes(explicit, "regional")  # padded, dynamic
-    assert embed_buckets(cfg("data.packing=true", "loss.mode=generative"), "regional") == 0
+    assert embed_buckets(*ds(explicit), "regional") == 2
+    assert not static_shapes(*ds(explicit), "regional")  # padded, dynamic
+    assert embed_buckets(*ds(cfg("data.packing=true", "loss.mode=generative")), "regional") == 0

@@ -104,7 +104,8 @@ def _emb_batch(gen: torch.Generator, vocab: int, queries: int = 2, group: int = 
 def _step(model, cfg, chunk_size, gens, embs):
     """One optimizer step's gradients (train_step's loop, without the update) and the summed log figures."""
     model.zero_grad(set_to_none=True)
-    objective = Objective(cfg, _Accelerator(len(gens)), model, chunk_size=chunk_size)
+    objective = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, _Accelerator(len(gens)), model,
+                          chunk_size=chunk_size, rl=cfg.rl, rl_temperature=cfg.rft.temperature)
     scale = objective.gen_scale(gens) if gens[0] is not None else 0.0
     sums = [objective.micro_step(g, e, scale) for g, e in zip(gens, embs)]
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -207,23 +208,23 @@ def test_resolve_chunked_ce():
     vocab = model.get_output_embeddings().out_features
     big = AUTO_MIN_LOGITS_BYTES // (4 * vocab) + 1  # positions whose fp32 logits pass the auto threshold
     small = AUTO_MIN_LOGITS_BYTES // (4 * vocab) - 1
-    cfg = lambda *o: load_config(DEFAULT, list(o))  # noqa: E731
+    cfg = lambda *o: ((c := load_config(DEFAULT, list(o))).loss, c.train.compile)  # noqa: E731 - loss, train.compile
     notes = []
-    assert resolve_chunked_ce(cfg(), model, small, notes.append) is None
-    assert resolve_chunked_ce(cfg(), model, big, notes.append) == 1024
-    assert resolve_chunked_ce(cfg("loss.chunked_ce_size=64"), model, big, notes.append) == 64
-    assert resolve_chunked_ce(cfg("train.compile=full"), model, big, notes.append) is None
-    assert resolve_chunked_ce(cfg("loss.chunked_ce=true"), model, 1, notes.append) == 1024
-    assert resolve_chunked_ce(cfg("loss.chunked_ce=false"), model, big, notes.append) is None
-    assert resolve_chunked_ce(cfg("loss.chunked_ce=true"), model, 0, notes.append) is None  # no generative data
+    assert resolve_chunked_ce(*cfg(), model, small, notes.append) is None
+    assert resolve_chunked_ce(*cfg(), model, big, notes.append) == 1024
+    assert resolve_chunked_ce(*cfg("loss.chunked_ce_size=64"), model, big, notes.append) == 64
+    assert resolve_chunked_ce(*cfg("train.compile=full"), model, big, notes.append) is None
+    assert resolve_chunked_ce(*cfg("loss.chunked_ce=true"), model, 1, notes.append) == 1024
+    assert resolve_chunked_ce(*cfg("loss.chunked_ce=false"), model, big, notes.append) is None
+    assert resolve_chunked_ce(*cfg("loss.chunked_ce=true"), model, 0, notes.append) is None  # no generative data
     assert notes == []
     refused = _refused_model()  # vocabulary 96
     big, small = AUTO_MIN_LOGITS_BYTES // (4 * 96) + 1, AUTO_MIN_LOGITS_BYTES // (4 * 96) - 1
-    assert resolve_chunked_ce(cfg(), refused, small, notes.append) is None and notes == []  # small: off anyway
-    assert resolve_chunked_ce(cfg(), refused, big, notes.append) is None
+    assert resolve_chunked_ce(*cfg(), refused, small, notes.append) is None and notes == []  # small: off anyway
+    assert resolve_chunked_ce(*cfg(), refused, big, notes.append) is None
     assert len(notes) == 1 and "loss.chunked_ce=auto stays off" in notes[0] and "logit_scale" in notes[0]
     with pytest.raises(ConfigError, match=r"^config key 'loss.chunked_ce': true, but .*logit_scale.*chunked_ce=false"):
-        resolve_chunked_ce(cfg("loss.chunked_ce=true"), refused, big, notes.append)
+        resolve_chunked_ce(*cfg("loss.chunked_ce=true"), refused, big, notes.append)
 
 
 def test_chunked_ce_config_keys():

@@ -198,7 +198,7 @@ def test_length_grouped_order_depends_on_the_global_batch_only():
 
     cfg = load_config(str(ROOT / "configs" / "default.yaml"), ["train.emb_micro_batch_size=4", "train.grad_accum=2"])
     one = replace(cfg, train=replace(cfg.train, grad_accum=4))  # the same 16 queries a step on 1 process
-    assert length_group(cfg, 2) == length_group(one, 1) == 32 * 16
+    assert length_group(cfg.train, 2) == length_group(one.train, 1) == 32 * 16
 
 
 def test_plan_fits_the_layout_splitting_both_streams_of_a_unified_run(tmp_path):

@@ -41,7 +41,7 @@ def export(tokenizer_source: str | None, dest: Path, chat_template: str = "auto"
     torch.manual_seed(0)
     build_model(ModelConfig(config=TINY), tok).save_pretrained(dest)
     tok.save_pretrained(dest)
-    (dest / "harness.json").write_text(json.dumps(embedding_settings(cfg)))
+    (dest / "harness.json").write_text(json.dumps(embedding_settings(cfg.loss.mode, cfg.model, cfg.data)))
     return dest
 
 

@@ -176,3 +176,32 @@ def test_the_job_is_built_once():
     calls = [n for m in MODULES for n in ast.walk(ast.parse(MODULES[m].read_text()))
              if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Job"]
     assert len(calls) == 1
+
+
+# Where the whole run config may be taken: the run's assembly and checks; elsewhere a function takes its sections.
+WHOLE_CONFIG_PLACES = ("harness/build.py", "harness/train.py", "harness/config/")
+
+
+def whole_config_takers() -> list[str]:
+    """Functions outside WHOLE_CONFIG_PLACES with a parameter annotated `Config`, or a parameter named `cfg` without an
+    annotation (the name the code gives the whole config; a section is annotated or named for its section)."""
+    out = []
+    for name, path in MODULES.items():
+        rel = str(path.relative_to(ROOT))
+        if rel.startswith(WHOLE_CONFIG_PLACES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                if any((p.annotation is not None and ast.unparse(p.annotation).strip("'\"").split(".")[-1] == "Config")
+                       or (p.arg == "cfg" and p.annotation is None) for p in a.posonlyargs + a.args + a.kwonlyargs):
+                    out.append((rel, node.lineno, node.name))
+    return [f"{rel}:{line} {fn}" for rel, line, fn in sorted(out)]
+
+
+def test_few_functions_take_the_whole_config():
+    """The whole `Config` is taken where the run is assembled or checked (build.py, train.py, config/) and by the
+    command tools' entry points; everywhere else a function takes the section it reads (`cfg.train`, `cfg.data`, ...)
+    or plain values: at most 20 functions outside build.py, train.py and config/ take the whole Config."""
+    takers = whole_config_takers()
+    assert len(takers) <= 20, f"{len(takers)} functions take the whole Config:\n" + "\n".join(takers)

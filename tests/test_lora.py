@@ -228,7 +228,7 @@ def added_tokens_run(request, tmp_path_factory):
             "optim.lr=5e-2", "optim.warmup_steps=0", "train.micro_batch_size=4"]
     run_train([*over, f"train.output_dir={run}"])
     cfg = load_config(DEFAULT, over)
-    trained = build_model(cfg.model, load_run_tokenizer(cfg))
+    trained = build_model(cfg.model, load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode))
     missing, unexpected = trained.load_state_dict(load_file(str(run / "checkpoints/step-2/model.safetensors")),
                                                   strict=False)
     assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)  # a tied head: saved once

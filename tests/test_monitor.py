@@ -208,8 +208,8 @@ def test_plan_cost_and_of_run_read_the_config(monkeypatch):
     assert cost.plan_cost(3.0, per_machine, n_gpus=8) == pytest.approx(7.5)
     assert cost.plan_cost(3.0, load_config(DEFAULT), n_gpus=8) is None
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 16 processes, 8 per machine: two machines
-    assert cost.of_run(per_machine, 16, 3600, 0.0)["so_far"] == pytest.approx(5.0)
-    assert cost.of_run(per_gpu, 16, 3600, 0.0)["so_far"] == pytest.approx(40.0)
+    assert cost.of_run(per_machine.train, 16, 3600, 0.0)["so_far"] == pytest.approx(5.0)
+    assert cost.of_run(per_gpu.train, 16, 3600, 0.0)["so_far"] == pytest.approx(40.0)
 
 
 def test_price_and_interval_keys_are_validated():

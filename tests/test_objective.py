@@ -73,7 +73,9 @@ def _loss_and_grads(model, chunks: int, emb: dict, gather: bool):
     over = ["loss.mode=embedding", "data.emb_train_files=[x.jsonl]", f"loss.grad_cache_chunks={chunks}",
             f"train.emb_micro_batch_size={2 * chunks}", f"data.train_group_size={GROUP}",
             f"loss.gather_negatives={str(gather).lower()}"]
-    obj = Objective(load_config(DEFAULT, over), _Accelerator(), model)
+    cfg = load_config(DEFAULT, over)
+    obj = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, _Accelerator(), model, rl=cfg.rl,
+                    rl_temperature=cfg.rft.temperature)
     model.zero_grad(set_to_none=True)
     sums = obj.micro_step(None, emb, 0.0)
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}

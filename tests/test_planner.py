@@ -116,9 +116,9 @@ def test_budget_tracker_and_plan_accuracy(tmp_path):
     cfg = cfg_of()
     (tmp_path / "plan.json").write_text(json.dumps({"estimated_s": 110.0, "fingerprint": timing.config_fingerprint(cfg),
                                                     "estimate": {"train_s": 90.0}}))
-    acc = timing.plan_vs_actual(tmp_path / "plan.json", cfg, 100.0)
+    acc = timing.plan_vs_actual(tmp_path / "plan.json", timing.config_fingerprint(cfg), 100.0)
     assert acc["error_pct"] == pytest.approx(10.0) and acc["accuracy"] == pytest.approx(0.9) and acc["same_config"]
-    assert timing.plan_vs_actual(tmp_path / "none.json", cfg, 100.0) is None
+    assert timing.plan_vs_actual(tmp_path / "none.json", timing.config_fingerprint(cfg), 100.0) is None
 
 
 def test_steady_rate_from_records():
@@ -217,7 +217,7 @@ def test_a_run_with_an_adjustment_is_compared_with_that_adjustment(tmp_path):
             "adjustments": [{"overrides": {"train.epochs": 2}, "fingerprint": timing.config_fingerprint(cfg),
                              "estimate": {"total_s": 100.0, "train_s": 90.0}}]}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    acc = timing.plan_vs_actual(tmp_path / "plan.json", cfg, 105.0)
+    acc = timing.plan_vs_actual(tmp_path / "plan.json", timing.config_fingerprint(cfg), 105.0)
     assert acc["estimated_s"] == 100.0 and acc["estimate_of"] == "adjustment train.epochs=2" and acc["same_config"]
     assert acc["error_pct"] == pytest.approx(-100 * 5 / 105)
 
@@ -233,8 +233,8 @@ def test_preference_data_counts_both_sequences_of_a_pair(tmp_path):
     data = planner.analyse_data(cfg)
     pref = data["preference"]
     assert data["primary"] == "preference" and pref["pairs"] == pref["items"] == 192 and pref["sequences"] == 384
-    tok = load_run_tokenizer(cfg)
-    rows, _ = loaders.training_rows(cfg, "preference")
+    tok = load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
+    rows, _ = loaders.training_rows(cfg.data, cfg.train.seed, "preference")
     ds, _ = pairs.tokenize_pair_dataset(rows, tok, 96, chat.resolve_template(tok, cfg.data.chat_template))
     both = sum(len(c) for c in ds["chosen_ids"]) + sum(len(r) for r in ds["rejected_ids"])
     assert pref["tokens"] == both > sum(ds["length"])  # more than the longer side of each pair

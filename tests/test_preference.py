@@ -44,7 +44,7 @@ RECORDS = [
 @pytest.fixture(scope="module")
 def setup():
     cfg = load_config("configs/dpo-tiny.yaml", ["train.output_dir=/tmp/unused"])
-    tok = load_run_tokenizer(cfg)
+    tok = load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
     torch.manual_seed(0)
     model = build_model(cfg.model, tok, precision="fp32").float()
     rows = [pairs.preference_record(r, f"test:{i + 1}") for i, r in enumerate(RECORDS)]
@@ -223,7 +223,7 @@ def test_bad_records_are_one_line(record, message):
 
 def test_truncated_to_nothing_names_the_record(setup, tmp_path):
     cfg, _, _ = setup
-    tok = load_run_tokenizer(cfg)
+    tok = load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
     row = pairs.preference_record({"prompt": "a long prompt " * 20, "chosen": "yes", "rejected": "no"}, "p.jsonl:4")
     cols = {k: [v] for k, v in row.items()}
     with pytest.raises(DataError, match=r"^p.jsonl:4: field 'chosen': truncated to nothing"):

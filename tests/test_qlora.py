@@ -82,7 +82,7 @@ def test_qlora_4bit_trains_on_cpu(tmp_path):
     q_proj = model.get_base_model().model.layers[0].self_attn.q_proj
     assert hasattr(q_proj, "lora_A") and isinstance(q_proj.base_layer, bnb.nn.Linear4bit)
     start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    opt = build_optimizer(model, cfg)
+    opt = build_optimizer(model, cfg.optim)
     ids = tok(["<|user|>\nthe cat sat on the mat\n<|assistant|>\nhello world"] * 4, return_tensors="pt")["input_ids"]
     losses = []
     for _ in range(30):

@@ -279,7 +279,7 @@ def test_rft_end_to_end(tmp_path):
 
     # (2) a fresh single-process run covers the same questions, each once
     cfg1 = load_config(RECIPE, [*common, f"rft.output_dir={tmp_path}/gen1"])
-    gen.run(cfg1)
+    gen.run(cfg1.rft, cfg1.model.name_or_path)
     assert sorted(qids(tmp_path / "gen1")) == sorted(ids)
 
     # train on the kept answers with LoRA, then test (the adapter's merged model is used)

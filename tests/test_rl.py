@@ -166,13 +166,13 @@ def test_reward_that_raises_is_one_line(monkeypatch):
     monkeypatch.syspath_prepend("tests")
     cfg = load_config("configs/grpo-tiny.yaml", ["rl.reward=rl_rewards:raises"])
     with pytest.raises(HarnessError) as e:
-        load_reward(cfg, build_task(cfg.rft))
+        load_reward(cfg.rl.reward, build_task(cfg.rft))
     assert str(e.value) == ("config key 'rl.reward': rl_rewards:raises raised ValueError: no score for this answer "
                             "(question train-0)")
     cfg = load_config("configs/grpo-tiny.yaml", ["rl.reward=rl_rewards:nothing"])
     with pytest.raises(HarnessError, match=r"config key 'rl.reward': cannot load 'rl_rewards:nothing'"):
-        load_reward(cfg, build_task(cfg.rft))
-    assert load_reward(load_config("configs/grpo-tiny.yaml", []), build_task(cfg.rft)) is not None
+        load_reward(cfg.rl.reward, build_task(cfg.rft))
+    assert load_reward(load_config("configs/grpo-tiny.yaml", []).rl.reward, build_task(cfg.rft)) is not None
 
 
 def test_task_file_without_verifiable_answers(tmp_path):
@@ -185,11 +185,11 @@ def test_task_file_without_verifiable_answers(tmp_path):
                    '"answer": "Shakespeare"}\n')
     cfg = load_config("configs/grpo-tiny.yaml", [f"rft.task={bad}"])
     with pytest.raises(DataError) as e:
-        question_loader(cfg, world=1)
+        question_loader(cfg.rl, cfg.rft, cfg.train.grad_accum, cfg.data.shuffle, world=1)
     assert str(e.value) == f"{bad}:2: field 'answer' must be a number, got 'Shakespeare'"
     cfg = load_config("configs/grpo-tiny.yaml", ["rl.questions_per_step=6", "train.grad_accum=4"])
     with pytest.raises(Exception, match=r"'rl.questions_per_step': 6 questions do not divide into 1 process"):
-        question_loader(cfg, world=1)
+        question_loader(cfg.rl, cfg.rft, cfg.train.grad_accum, cfg.data.shuffle, world=1)
 
 
 # ----------------------------------------------------------------------------------------------- runs

@@ -19,13 +19,13 @@ from harness_launch import FAST, ROOT, final_weights, max_abs_diff, metrics, rel
 def test_lr_schedule_warmup_then_cosine_to_min():
     cfg = load_config(ROOT / "configs" / "default.yaml",
                       ["optim.warmup_steps=4", "optim.min_lr_ratio=0.1", "optim.scheduler=cosine"])
-    f = lr_lambda(cfg, total_steps=20)
+    f = lr_lambda(cfg.optim, total_steps=20)
     assert [f(s) for s in range(4)] == pytest.approx([0.2, 0.4, 0.6, 0.8])
     assert f(4) == pytest.approx(1.0)
     assert f(12) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert f(20) == pytest.approx(0.1)
     lin = lr_lambda(load_config(ROOT / "configs" / "default.yaml", ["optim.warmup_steps=0", "optim.scheduler=linear",
-                                                                    "optim.min_lr_ratio=0"]), total_steps=10)
+                                                                    "optim.min_lr_ratio=0"]).optim, total_steps=10)
     assert [lin(s) for s in (0, 5, 10)] == pytest.approx([1.0, 0.5, 0.0])
 
 

@@ -12,7 +12,6 @@ Single-process runs of the default recipe in bf16 (real DeepSpeed on its CPU acc
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
@@ -98,21 +97,21 @@ def test_weights_in_the_deepspeed_config():
 def test_bf16_weights_route_and_refusals(monkeypatch):
     monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     cfg = load_config(DEFAULT, ["train.weights=bf16"])
-    routed, note = route_weights(cfg, "bf16")
-    assert routed.train.deepspeed == "zero0" and "zero0" in note
-    same, note = route_weights(load_config(DEFAULT, ["train.weights=bf16", "train.deepspeed=zero2"]), "bf16")
-    assert same.train.deepspeed == "zero2" and note is None
-    assert route_weights(load_config(DEFAULT), "bf16") == (load_config(DEFAULT), None)
+    routed, note = route_weights(cfg.train, "none", "bf16")
+    assert routed.deepspeed == "zero0" and "zero0" in note
+    zero2 = load_config(DEFAULT, ["train.weights=bf16", "train.deepspeed=zero2"]).train
+    same, note = route_weights(zero2, "none", "bf16")
+    assert same.deepspeed == "zero2" and note is None
+    assert route_weights(load_config(DEFAULT).train, "none", "bf16") == (load_config(DEFAULT).train, None)
     with pytest.raises(ConfigError, match=r"^config key 'train.weights': bf16 weights need train.precision=bf16 "
                                           r"\(this run computes in fp32\); use train.weights=fp32$"):
-        route_weights(cfg, "fp32")
-    quant = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, quantization="4bit"))
+        route_weights(cfg.train, "none", "fp32")
     with pytest.raises(ConfigError, match=r"^config key 'train.weights': bf16 is for unquantized models"):
-        route_weights(quant, "bf16")
+        route_weights(cfg.train, "4bit", "bf16")
     monkeypatch.setenv("ACCELERATE_USE_CPU", "1")  # accelerate's --cpu / use_cpu (launch/train.sh without a GPU)
     with pytest.raises(ConfigError, match=r"^config key 'train.weights': bf16 weights take their fp32 master copies "
                                           r"from DeepSpeed, which this launch turns off \(ACCELERATE_USE_CPU=1"):
-        route_weights(cfg, "bf16")
+        route_weights(cfg.train, "none", "bf16")
 
 
 def test_a_checkpoint_resumes_with_its_own_weights_dtype(runs):

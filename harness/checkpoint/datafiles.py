@@ -5,7 +5,7 @@ continue at the old row count in the new data's order, silently. So a change is 
 unless train.resume_changed_data=true, which trains the new data from the start of a new epoch
 (docs/preemption-and-resume.md). Hub datasets have no local file and are not compared.
 
-    fingerprints(cfg) -> {"data.train_files": [[path, {size, ends}], ...], ...}
+    fingerprints(cfg.data, cfg.loss.mode) -> {"data.train_files": [[path, {size, ends}], ...], ...}
     compare(saved, now) -> what changed, one phrase per file (empty: the same data)
 """
 
@@ -19,14 +19,15 @@ from harness.files import fingerprint
 KEYS = {"embedding": ("emb_train_files",), "unified": ("train_files", "emb_train_files")}  # other modes: train_files
 
 
-def fingerprints(cfg) -> dict:
-    """Every local training data file of the run's streams with its fingerprint, by config key (files of a folder
-    and of a save_to_disk dataset, sorted; a hub id has none). A missing file is the data's own one-line error."""
+def fingerprints(d, loss_mode: str) -> dict:
+    """Every local training data file of the streams of `loss_mode` (`d`: cfg.data) with its fingerprint, by config
+    key (files of a folder and of a save_to_disk dataset, sorted; a hub id has none). A missing file is the data's own
+    one-line error."""
     out = {}
-    for key in KEYS.get(cfg.loss.mode, ("train_files",)):
+    for key in KEYS.get(loss_mode, ("train_files",)):
         what = f"data.{key}"
         files = []
-        for source in sources.parse_sources(getattr(cfg.data, key), what):
+        for source in sources.parse_sources(getattr(d, key), what):
             kind, where = sources.locate(source, what)
             if kind == "files":
                 files += where

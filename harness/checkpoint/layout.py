@@ -63,9 +63,9 @@ def streams_of(loss_mode: str) -> tuple[str, ...]:
     return {"generative": ("gen",), "embedding": ("emb",), "preference": ("gen",)}.get(loss_mode, ("emb", "gen"))
 
 
-def layout_of(cfg, world: int, zero_stage: Optional[int] = None, weights: Optional[str] = None) -> Layout:
-    """The layout of `world` launched processes (data-parallel ranks: world / train.sequence_parallel)."""
-    t = cfg.train
+def layout_of(t, world: int, zero_stage: Optional[int] = None, weights: Optional[str] = None) -> Layout:
+    """The layout of `world` launched processes (data-parallel ranks: world / train.sequence_parallel; `t`:
+    cfg.train)."""
     sp = t.sequence_parallel
     return Layout(max(1, world // sp), t.micro_batch_size, t.emb_micro_batch_size, t.grad_accum, zero_stage, weights,
                   sp)
@@ -130,16 +130,16 @@ class Resize:
                    if "emb" in self.streams else {})}
 
 
-def fit(cfg, path: Path, before: Optional[Layout], world: int):
-    """(cfg, Resize or None) for an attempt of `world` processes resuming checkpoint `path` written in the layout
-    `before`: under another number of data-parallel processes (world / train.sequence_parallel), a config whose
+def fit(t, loss_mode: str, gather_negatives: bool, path: Path, before: Optional[Layout], world: int):
+    """(train section, Resize or None) for an attempt of `world` processes resuming checkpoint `path` written in the
+    layout `before`: under another number of data-parallel processes (world / train.sequence_parallel), a config whose
     train.grad_accum (and where it must, micro-batch sizes) keep the checkpoint's global batch (train.global_batch_size, when set, is the batch asked for instead).
-    train.micro_batch_size=auto chooses its own split of train.global_batch_size."""
-    launched, world = world, max(1, world // cfg.train.sequence_parallel)  # from here: data-parallel ranks
-    if before is None or before.processes == world or cfg.train.micro_batch_size == "auto":
-        return cfg, None
-    streams = streams_of(cfg.loss.mode)
-    t = cfg.train
+    train.micro_batch_size=auto chooses its own split of train.global_batch_size. `t`: cfg.train; loss_mode,
+    gather_negatives: loss.mode, loss.gather_negatives."""
+    launched, world = world, max(1, world // t.sequence_parallel)  # from here: data-parallel ranks
+    if before is None or before.processes == world or t.micro_batch_size == "auto":
+        return t, None
+    streams = streams_of(loss_mode)
     targets = {s: before.global_batch(s) for s in streams}
     if t.global_batch_size and "gen" in streams:
         targets["gen"] = t.global_batch_size
@@ -150,8 +150,7 @@ def fit(cfg, path: Path, before: Optional[Layout], world: int):
     micro = {s: targets[s] // (accum * world) for s in streams}
     train = replace(t, grad_accum=accum, micro_batch_size=micro.get("gen", t.micro_batch_size),
                     emb_micro_batch_size=micro.get("emb", t.emb_micro_batch_size))
-    cfg = replace(cfg, train=train)
-    return cfg, Resize(path, before, layout_of(cfg, launched), streams, cfg.loss.gather_negatives)
+    return train, Resize(path, before, layout_of(train, launched), streams, gather_negatives)
 
 
 def choose_accum(targets: dict, caps: dict, world: int) -> Optional[int]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -77,9 +77,11 @@ class Resumed:
 
 def plan(cfg, world: int) -> Plan:
     """Before the Accelerator exists (every process the same; nothing is verified yet: the loop state is only read)."""
-    target, saved = newest_target(cfg)
-    fitted, resize = fit(cfg, target, saved_layout(saved), world) if target is not None else (cfg, None)
-    return Plan(fitted, resize, target, saved)
+    target, saved = newest_target(cfg.train)
+    if target is None:
+        return Plan(cfg, None, target, saved)
+    train, resize = fit(cfg.train, cfg.loss.mode, cfg.loss.gather_negatives, target, saved_layout(saved), world)
+    return Plan(cfg if train is cfg.train else replace(cfg, train=train), resize, target, saved)
 
 
 def choose(p: Plan, accelerator, out: Path, zero_stage: Optional[int], weights: str) -> Start:
@@ -92,14 +94,15 @@ def choose(p: Plan, accelerator, out: Path, zero_stage: Optional[int], weights: 
         past_the_schedule(path, saved, cfg.train.max_steps)
     universal = False
     if path is not None:
-        check_same_start(path, saved, cfg)
+        check_same_start(path, saved, cfg.train.seed, cfg.model.name_or_path is None or cfg.model.random_init,
+                         cfg.loss)
         before = saved_layout(saved)
         check_same_weights(path, before, weights)
         check_same_engine(path, before, zero_stage)
         universal = needs_universal(before, accelerator.num_processes, zero_stage)
     if universal:
         load_universal(accelerator)
-    files = on_main(accelerator, lambda: datafiles.fingerprints(cfg))  # (read once: 128 KiB a file)
+    files = on_main(accelerator, lambda: datafiles.fingerprints(cfg.data, cfg.loss.mode))  # (read once: 128 KiB a file)
     changes = datafiles.compare(saved["data_files"], files) if path is not None and saved and \
         saved.get("data_files") else []
     if changes and not cfg.train.resume_changed_data:
@@ -110,19 +113,21 @@ def choose(p: Plan, accelerator, out: Path, zero_stage: Optional[int], weights: 
     return Start(p, path, saved, universal, incomplete, files, changes)
 
 
-def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: str, streams: tuple, epoch_rows: dict,
-            total_steps: int, say: Callable[[str], None], scheduler=None) -> Resumed:
+def restore(start: Start, accelerator, t, zero_stage: Optional[int], weights: str, streams: tuple, epoch_rows: dict,
+            total_steps: int, say: Callable[[str], None], scheduler=None, *, quantized: bool, gather_negatives: bool,
+            peak_lr: float) -> Resumed:
     """After prepare(): the loop state to train from, a checkpoint's (its weights, optimizer, schedule and RNG
     loaded on every process, its data position in this attempt's layout, this config's optim.lr: `new_peak_lr`) or
-    step 0's."""
-    layout = layout_of(cfg, accelerator.num_processes, zero_stage, weights)
+    step 0's. `t`: cfg.train; quantized: model.quantization is not none; gather_negatives: loss.gather_negatives;
+    peak_lr: optim.lr."""
+    layout = layout_of(t, accelerator.num_processes, zero_stage, weights)
     if start.path is None:
         return Resumed(LoopState(streams={n: {"epoch": 0, "batches": 0} for n in streams}, layout=layout.as_dict(),
-                                 data_files=start.data_files, seed=cfg.train.seed), None, None)
-    if cfg.train.max_steps <= 0:
+                                 data_files=start.data_files, seed=t.seed), None, None)
+    if t.max_steps <= 0:
         past_the_schedule(start.path, start.saved, total_steps)
-    path, saved = load_resumable(accelerator, Path(cfg.train.output_dir), start.path, cfg.train.resume == "auto",
-                                 cfg.model.quantization != "none", universal=start.universal,
+    path, saved = load_resumable(accelerator, Path(t.output_dir), start.path, t.resume == "auto",
+                                 quantized, universal=start.universal,
                                  known={start.path: start.saved})
     if start.data_changes:  # train.resume_changed_data=true: the new data from the start of a new epoch
         saved = {**saved, "streams": {n: {"epoch": int(p["epoch"]) + bool(p.get("samples") or p["batches"]),
@@ -132,10 +137,10 @@ def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: 
     # accelerate's micro-step counter (load_state restores the saved attempt's) decides which micro-step ends an
     # accumulation (step % train.grad_accum == 0): count it in this attempt's layout, or a resume with another
     # accumulation (1 -> 2 at step 3: counter 3) steps the optimizer after the first micro-batch of each step
-    accelerator.step = state.step * cfg.train.grad_accum
+    accelerator.step = state.step * t.grad_accum
     # another number of processes (or split of the batch): the data position in rows, the batch's new split
     state.streams, resize, moved = carry_over(path, saved, layout, streams, epoch_rows, start.universal,
-                                             cfg.loss.gather_negatives)
+                                             gather_negatives)
     state.layout = layout.as_dict()
     say(f"[harness] resumed from {path}: step {state.step}, data position {state.streams}{moved}")
     changes = {}
@@ -145,7 +150,7 @@ def restore(start: Start, accelerator, cfg, zero_stage: Optional[int], weights: 
         say(f"[harness] the training data changed since {path} ({'; '.join(start.data_changes)}); "
             f"train.resume_changed_data=true: the new data from the start of epoch {epoch}, from step "
             f"{state.step + 1} (weights, optimizer and schedule continue)")
-    lr = new_peak_lr(scheduler, cfg.optim.lr) if scheduler is not None else None
+    lr = new_peak_lr(scheduler, peak_lr) if scheduler is not None else None
     if lr is not None:
         changes["optim.lr"] = {"from": lr[0], "to": lr[1], "from_step": state.step + 1}
         say(f"[harness] optim.lr changed since {path}: {lr[0]:g} -> {lr[1]:g}, applied from step {state.step + 1} "
@@ -169,19 +174,19 @@ def new_peak_lr(scheduler, lr: float) -> Optional[tuple[float, float]]:
     return old[0], lr
 
 
-def check_same_start(path: Path, saved: Optional[dict], cfg) -> None:
+def check_same_start(path: Path, saved: Optional[dict], seed: int, random_start: bool, loss) -> None:
     """A dpo / ipo run on a random-init model is refused another train.seed on resume: its reference log-probs are
     those of the model it started from, which the seed made (harness/preference.py computes them before the
     checkpoint is loaded, or reads them back), while the weights continue the checkpoint's run. Elsewhere the seed
-    does not choose the model: a pretrained start is the same whatever the seed."""
+    does not choose the model: a pretrained start is the same whatever the seed. `seed`: train.seed; random_start:
+    the model is a random init (no model.name_or_path, or model.random_init); `loss`: cfg.loss."""
     was = (saved or {}).get("seed")
-    random_start = cfg.model.name_or_path is None or cfg.model.random_init
-    if (was is None or was == cfg.train.seed or not random_start or cfg.loss.mode != "preference"
-            or cfg.loss.preference not in ("dpo", "ipo")):
+    if (was is None or was == seed or not random_start or loss.mode != "preference"
+            or loss.preference not in ("dpo", "ipo")):
         return
     raise ConfigError(f"config key 'train.seed': the run to resume ({path}) started from the random model of "
-                      f"train.seed={was}, which is its loss.preference={cfg.loss.preference} reference; with "
-                      f"{cfg.train.seed} the reference would be another model's while the weights continue the run: "
+                      f"train.seed={was}, which is its loss.preference={loss.preference} reference; with "
+                      f"{seed} the reference would be another model's while the weights continue the run: "
                       f"rerun with train.seed={was}, or start over with train.overwrite=true")
 
 
@@ -206,11 +211,10 @@ def read_state(path: Path) -> Optional[dict]:
     return state if isinstance(state, dict) else None
 
 
-def newest_target(cfg) -> tuple[Optional[Path], Optional[dict]]:
+def newest_target(t) -> tuple[Optional[Path], Optional[dict]]:
     """The checkpoint a resume would most likely continue from (before verification, which may pass it over for an
     older one of the same run) and its loop state: the named folder, or the newest complete one with a readable loop
-    state (train.resume=auto); (None, None) for a fresh start."""
-    t = cfg.train
+    state (train.resume=auto); (None, None) for a fresh start. `t`: cfg.train."""
     if t.overwrite or t.resume in NO_RESUME:
         return None, None
     if t.resume != "auto":

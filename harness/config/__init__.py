@@ -27,12 +27,12 @@ import yaml
 
 from harness.config.coerce import coerce, section_fields, type_name, unknown
 from harness.config.sections import (NO_RESUME, SECTIONS, Config, DataConfig, LoraConfig, LossConfig, ModelConfig, OptimConfig,
-                                     RftConfig, TrainConfig, lora_config)
+                                     RftConfig, RlConfig, TrainConfig, lora_config)
 from harness.config.yaml_loader import TooLong, read_yaml
 from harness.errors import ConfigError
 
 __all__ = ["NO_RESUME", "SECTIONS", "Config", "DataConfig", "LoraConfig", "LossConfig", "ModelConfig", "OptimConfig", "RftConfig",
-           "TrainConfig", "lora_config", "load_config", "save_config", "parse_override", "describe"]
+           "RlConfig", "TrainConfig", "lora_config", "load_config", "save_config", "parse_override", "describe"]
 
 def _apply(raw: dict, key: str, value: Any) -> None:
     """Set `raw[section][name] = value` after checking that section.name exists and the type fits."""

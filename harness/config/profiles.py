@@ -64,7 +64,7 @@ def shapes_vary(mode: str, packing: bool) -> bool:
     return mode != "generative" or not packing
 
 
-def embed_buckets(cfg, compile_mode: str, deepspeed: bool = False) -> int:
+def embed_buckets(d, mode: str, compile_mode: str, deepspeed: bool = False) -> int:
     """data.embed_length_buckets resolved: the fixed widths per embedding side (0: each batch padded to its longest).
     auto: 4 under torch.compile where the generative rows have a fixed shape too (packed, or no generative pass), so
     that every pass is one of a few static shapes, all compiled before step 1 (on an H100 the dynamic-shape graphs of
@@ -72,19 +72,19 @@ def embed_buckets(cfg, compile_mode: str, deepspeed: bool = False) -> int:
     where buckets only add padding (docs/benchmarks.md, compiled shapes), and without compile padding only costs.
     Under DeepSpeed auto is 0 too: the warm-up's backward passes (harness.speed.buckets) would run the engine's
     end-of-backward reduction with nothing queued (ZeRO-2, one process: IndexError in reduce_ipg_grads)."""
-    value = cfg.data.embed_length_buckets
-    if cfg.loss.mode not in ("embedding", "unified") or compile_mode == "none":
+    value = d.embed_length_buckets  # d: cfg.data, mode: loss.mode
+    if mode not in ("embedding", "unified") or compile_mode == "none":
         return 0
     if value == "auto":
-        return 4 if (cfg.loss.mode == "embedding" or cfg.data.packing) and not deepspeed else 0
+        return 4 if (mode == "embedding" or d.packing) and not deepspeed else 0
     return value
 
 
-def static_shapes(cfg, compile_mode: str, deepspeed: bool = False) -> bool:
+def static_shapes(d, mode: str, compile_mode: str, deepspeed: bool = False) -> bool:
     """Whether every pass of the run has one of a few fixed shapes, so that torch.compile takes them static: embedding
-    passes in width buckets (`embed_buckets`) and generative rows packed (always [B, max_len]) or none."""
-    return not deepspeed and bool(embed_buckets(cfg, compile_mode)) and (cfg.loss.mode == "embedding" or
-                                                                         cfg.data.packing)
+    passes in width buckets (`embed_buckets`) and generative rows packed (always [B, max_len]) or none (`d`:
+    cfg.data, `mode`: loss.mode)."""
+    return not deepspeed and bool(embed_buckets(d, mode, compile_mode)) and (mode == "embedding" or d.packing)
 
 
 def resolve_pin_memory(value, cuda: bool) -> bool:

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from harness.config import Config
+from harness.config import DataConfig, TrainConfig
 from harness.data import IGNORE_INDEX, mixing, sources
 from harness.data import samples as data_lib
 from harness.distributed.collectives import main_first
@@ -26,10 +26,9 @@ STREAMS = {"generative": ("train_files", "eval_files"), "embedding": ("emb_train
            "preference": ("train_files", "eval_files")}
 
 
-def training_rows(cfg: Config, kind: str, say=lambda *a: None):
+def training_rows(d: DataConfig, seed: int, kind: str, say=lambda *a: None):
     """One stream's training rows, its sources mixed by weight (harness.data.mixing), and the rows data.eval_split held
-    out of them (None without a split). The same on every process and on resume (seeded by train.seed)."""
-    d = cfg.data
+    out of them (None without a split). The same on every process and on resume (seeded by `seed`, train.seed)."""
     key, eval_key = STREAMS[kind]
     what = f"data.{key}"
     need_negatives = d.train_group_size - 1 if kind == "embedding" else 0
@@ -37,25 +36,25 @@ def training_rows(cfg: Config, kind: str, say=lambda *a: None):
     parts = [sources.load_source_rows(s, kind, d.cache_dir, need_negatives, what) for s in srcs]
     held = None
     if d.eval_split is not None and not getattr(d, eval_key):
-        parts, held = mixing.hold_out(parts, d.eval_split, cfg.train.seed, what)
+        parts, held = mixing.hold_out(parts, d.eval_split, seed, what)
         say(f"[harness] data.eval_split={d.eval_split}: {len(held)} of {len(held) + sum(map(len, parts))} records "
             f"of {what} held out for evaluation")
-    rows, shares = mixing.mix(parts, [s.name for s in srcs], [s.weight for s in srcs], cfg.train.seed)
+    rows, shares = mixing.mix(parts, [s.name for s in srcs], [s.weight for s in srcs], seed)
     if any(s.weight is not None for s in srcs):
         say(f"[harness] {what} mixed by weight, {len(rows)} samples an epoch:\n{mixing.describe(shares)}")
     return rows, held
 
 
-def resolve_max_len(cfg: Config, rows, tokenizer, say) -> int:
+def resolve_max_len(d: DataConfig, rows, tokenizer, say) -> int:
     """data.max_len, or for `auto` the data's length percentile (what is truncated is reported)."""
 
-    if cfg.data.max_len != "auto":
-        return cfg.data.max_len
+    if d.max_len != "auto":
+        return d.max_len
     full, _ = data_lib.tokenize_dataset(rows, tokenizer, 1 << 30)
     lengths = list(full["length"])
-    max_len = data_lib.auto_max_len(lengths, cfg.data.max_len_percentile)
+    max_len = data_lib.auto_max_len(lengths, d.max_len_percentile)
     cut = sum(max(0, n - max_len) for n in lengths)
-    say(f"[harness] data.max_len=auto: p{cfg.data.max_len_percentile:g} of {len(lengths)} sample lengths -> "
+    say(f"[harness] data.max_len=auto: p{d.max_len_percentile:g} of {len(lengths)} sample lengths -> "
         f"{max_len}; {sum(n > max_len for n in lengths)} samples truncated, {cut} tokens "
         f"({100 * cut / sum(lengths):.2f}%) cut")
     return max_len
@@ -81,21 +80,22 @@ class RunData:
         return {"emb": self.emb, "gen": self.gen}[stream]
 
 
-def build_loaders(cfg: Config, accelerator, tokenizer) -> RunData:
-    """Validated, tokenized data sets and their loaders (not yet prepared) for the configured loss.mode."""
+def build_loaders(d: DataConfig, t: TrainConfig, mode: str, pooling: str, accelerator, tokenizer) -> RunData:
+    """Validated, tokenized data sets and their loaders (not yet prepared) for loss.mode `mode` (`d`: cfg.data, `t`:
+    cfg.train, pooling: model.pooling)."""
     from torch.utils.data import DataLoader
 
     from harness.config.profiles import resolve_pin_memory
 
-    d, mode, cuda = cfg.data, cfg.loss.mode, torch.cuda.is_available()
+    cuda = torch.cuda.is_available()
     out = RunData()
     common = dict(num_workers=d.num_workers, pin_memory=resolve_pin_memory(d.pin_memory, cuda))
     if d.num_workers > 0:
         common.update(prefetch_factor=d.prefetch_factor, persistent_workers=d.persistent_workers)
     with main_first(accelerator):  # rank 0 validates and tokenizes; the others read its cache (or get its error)
         if mode in ("generative", "unified"):
-            rows, held = training_rows(cfg, "generative", accelerator.print)
-            max_len = resolve_max_len(cfg, rows, tokenizer, accelerator.print)
+            rows, held = training_rows(d, t.seed, "generative", accelerator.print)
+            max_len = resolve_max_len(d, rows, tokenizer, accelerator.print)
             ds, st = data_lib.tokenize_dataset(rows, tokenizer, max_len)
             out.stats["generative"] = st
             padded = data_lib.GenerativeCollator(tokenizer.pad_token_id,
@@ -105,32 +105,32 @@ def build_loaders(cfg: Config, accelerator, tokenizer) -> RunData:
                 st["packed_rows"] = len(ds)
                 st["packing_fill"] = sum(ds["length"]) / (len(ds) * max_len)
             collate = data_lib.PackedCollator(tokenizer.pad_token_id, max_len) if d.packing else padded
-            out.gen = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=d.shuffle, collate_fn=collate,
+            out.gen = DataLoader(ds, batch_size=t.micro_batch_size, shuffle=d.shuffle, collate_fn=collate,
                                  **common)
             if d.eval_files or held is not None:
                 rows = held if held is not None else data_lib.load_generative_rows(d.eval_files, d.cache_dir,
                                                                                    "data.eval_files")
                 ds, _ = data_lib.tokenize_dataset(rows, tokenizer, max_len)
-                out.gen_eval = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=False,
+                out.gen_eval = DataLoader(ds, batch_size=t.micro_batch_size, shuffle=False,
                                           collate_fn=padded, **common)
         if mode == "preference":
-            out.gen, out.gen_eval, out.stats["preference"] = preference_loaders(cfg, accelerator, tokenizer, common)
+            out.gen, out.gen_eval, out.stats["preference"] = preference_loaders(d, t, accelerator, tokenizer, common)
         if mode in ("embedding", "unified"):
             fmt = data_lib.EmbedFormat(d.emb_instruction_template, d.emb_plain_template,
-                                       append_eos=cfg.model.pooling == "lasttoken")
-            rows, held = training_rows(cfg, "embedding", accelerator.print)
+                                       append_eos=pooling == "lasttoken")
+            rows, held = training_rows(d, t.seed, "embedding", accelerator.print)
             ds, out.stats["embedding"] = data_lib.tokenize_embedding_dataset(
                 rows, tokenizer, d.query_max_len, d.passage_max_len, fmt)
-            groups = data_lib.EmbeddingGroups(ds, d.train_group_size, cfg.train.seed)
+            groups = data_lib.EmbeddingGroups(ds, d.train_group_size, t.seed)
             order = {"shuffle": d.shuffle}
             if d.group_by_length:  # queries + their longest passages of similar length batched together
                 lengths = [len(q) + max(map(len, p)) for q, p in zip(ds["q_ids"], ds["pos_ids"])]
-                order = {"sampler": data_lib.LengthGroupedSampler(lengths, length_group(cfg, accelerator.num_processes),
-                                                                  cfg.train.seed)}
+                order = {"sampler": data_lib.LengthGroupedSampler(lengths, length_group(t, accelerator.num_processes),
+                                                                  t.seed)}
             widths = (data_lib.Widths(1, d.pad_buckets, d.query_max_len),
                       data_lib.Widths(1, d.pad_buckets, d.passage_max_len))
-            out.emb_widths = embedding_buckets(cfg, accelerator, ds)
-            out.emb = DataLoader(groups, batch_size=cfg.train.emb_micro_batch_size,
+            out.emb_widths = embedding_buckets(d, mode, accelerator, ds)
+            out.emb = DataLoader(groups, batch_size=t.emb_micro_batch_size,
                                  collate_fn=data_lib.EmbeddingCollator(tokenizer.pad_token_id,
                                                                        *(out.emb_widths or widths)), **order, **common)
             if d.emb_eval_files or held is not None:
@@ -141,15 +141,15 @@ def build_loaders(cfg: Config, accelerator, tokenizer) -> RunData:
     return out
 
 
-def embedding_buckets(cfg: Config, accelerator, ds) -> Optional[tuple]:
+def embedding_buckets(d: DataConfig, mode: str, accelerator, ds) -> Optional[tuple]:
     """(query, passage) fixed widths of data.embed_length_buckets (harness.speed.buckets) when the run compiles, else
-    None. ds: the tokenized embedding rows (their longest texts bound the widths)."""
+    None (`d`: cfg.data, `mode`: loss.mode). ds: the tokenized embedding rows (their longest texts bound the widths)."""
     from harness.config.profiles import embed_buckets
     from harness.speed.buckets import embed_widths
 
     compiled = accelerator.state.dynamo_plugin.backend.value != "NO"
     deepspeed = getattr(accelerator.state, "deepspeed_plugin", None) is not None
-    n, d = embed_buckets(cfg, "regional" if compiled else "none", deepspeed), cfg.data
+    n = embed_buckets(d, mode, "regional" if compiled else "none", deepspeed)
     if not n:
         return None
     longest_passage = max((len(x) for col in ("pos_ids", "neg_ids") for group in ds[col] for x in group), default=0)
@@ -157,35 +157,35 @@ def embedding_buckets(cfg: Config, accelerator, ds) -> Optional[tuple]:
             embed_widths(d.passage_max_len, n, longest_passage))
 
 
-def preference_loaders(cfg: Config, accelerator, tokenizer, common: dict):
+def preference_loaders(d: DataConfig, t: TrainConfig, accelerator, tokenizer, common: dict):
     """(training loader, eval loader or None, stats) of preference pairs (harness.data.pairs): each batch holds its
-    micro-batch's chosen sequences, then its rejected ones."""
+    micro-batch's chosen sequences, then its rejected ones (`d`: cfg.data, `t`: cfg.train)."""
     from torch.utils.data import DataLoader
 
     from harness.data import chat, pairs
 
-    d = cfg.data
     template = chat.resolve_template(tokenizer, d.chat_template)
-    rows, held = training_rows(cfg, "preference", accelerator.print)
+    rows, held = training_rows(d, t.seed, "preference", accelerator.print)
     max_len = d.max_len if d.max_len != "auto" else 1 << 20
     ds, stats = pairs.tokenize_pair_dataset(rows, tokenizer, max_len, template)
     widths = data_lib.Widths(8 if torch.cuda.is_available() else 1, d.pad_buckets, max_len)
-    train = DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=d.shuffle,
+    train = DataLoader(ds, batch_size=t.micro_batch_size, shuffle=d.shuffle,
                        collate_fn=pairs.PairCollator(tokenizer.pad_token_id, widths), **common)
     evaluation = None
     if d.eval_files or held is not None:
         rows = held if held is not None else sources.load_rows(d.eval_files, "preference", d.cache_dir,
                                                                "data.eval_files")
         eval_ds, _ = pairs.tokenize_pair_dataset(rows, tokenizer, max_len, template)
-        evaluation = DataLoader(eval_ds, batch_size=cfg.train.micro_batch_size, shuffle=False,
+        evaluation = DataLoader(eval_ds, batch_size=t.micro_batch_size, shuffle=False,
                                 collate_fn=pairs.PairCollator(tokenizer.pad_token_id, widths), **common)
     return train, evaluation, stats
 
 
-def length_group(cfg: Config, world: int) -> int:
+def length_group(t: TrainConfig, world: int) -> int:
     """data.group_by_length's mega-batch: 32 global embedding batches' worth of queries. It depends on the global
-    batch only, which a resume on another number of processes keeps, so the order of an epoch stays the same."""
-    return 32 * cfg.train.emb_micro_batch_size * cfg.train.grad_accum * world
+    batch only, which a resume on another number of processes keeps, so the order of an epoch stays the same
+    (`t`: cfg.train)."""
+    return 32 * t.emb_micro_batch_size * t.grad_accum * world
 
 
 def micro_batches(accelerator, loader, pos: dict):

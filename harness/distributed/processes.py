@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from harness.config import Config
+from harness.config import TrainConfig
 from harness.distributed.zero import apply_weights, deepspeed_config
 from harness.errors import ConfigError, HarnessError, one_line
 
@@ -87,10 +87,11 @@ def check_launcher_ds_config() -> None:
         check_ds_config(Path(name))
 
 
-def deepspeed_wanted(cfg: Config) -> Optional[str]:
-    """Why this run should be DeepSpeed (None: it should not): the launcher's accelerate config, or train.deepspeed."""
-    if cfg.train.deepspeed:  # first: accelerate's DeepSpeedPlugin sets ACCELERATE_USE_DEEPSPEED itself
-        return f"train.deepspeed={cfg.train.deepspeed} asks for DeepSpeed"
+def deepspeed_wanted(t: TrainConfig) -> Optional[str]:
+    """Why this run should be DeepSpeed (None: it should not): the launcher's accelerate config, or train.deepspeed
+    (`t`: cfg.train)."""
+    if t.deepspeed:  # first: accelerate's DeepSpeedPlugin sets ACCELERATE_USE_DEEPSPEED itself
+        return f"train.deepspeed={t.deepspeed} asks for DeepSpeed"
     if launcher_uses_deepspeed():
         return "the accelerate config asks for DeepSpeed (ACCELERATE_USE_DEEPSPEED=true)"
     return None
@@ -108,9 +109,9 @@ def cpu_forced() -> bool:
     return os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
 
 
-def check_deepspeed_in_effect(cfg: Config, accelerator) -> None:
+def check_deepspeed_in_effect(t: TrainConfig, accelerator) -> None:
     """DeepSpeed asked for but not in effect is an error, never a silent DDP run."""
-    wanted = deepspeed_wanted(cfg)
+    wanted = deepspeed_wanted(t)
     if wanted is None or is_deepspeed(accelerator):
         return
     got = accelerator.distributed_type.value
@@ -143,8 +144,12 @@ def process_group_kwargs() -> list:
     return [InitProcessGroupKwargs(backend="gloo")] if not torch.cuda.is_available() and "LOCAL_RANK" in os.environ else []
 
 
-def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "none", trackers: Optional[list] = None):
-    """The Accelerator for this run. compile_mode: regional | full | none (already resolved from auto); trackers:
+def make_accelerator(t: TrainConfig, max_grad_norm: float, shapes_vary: bool, mixed_precision: str,
+                     compile_mode: str = "none", trackers: Optional[list] = None, static_shapes: bool = False):
+    """The Accelerator for this run (`t`: cfg.train; max_grad_norm: optim.max_grad_norm, DeepSpeed's clipping when its
+    config says auto; shapes_vary: config.profiles.shapes_vary of the run, dynamic compilation when
+    train.compile_dynamic is unset; static_shapes: config.profiles.static_shapes, every pass one of a few fixed
+    shapes, compiled static). compile_mode: regional | full | none (already resolved from auto); trackers:
     accelerate's `log_with` (observe.monitor.tracker_list)."""
     from accelerate import Accelerator
     from accelerate.utils import (
@@ -156,13 +161,13 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
 
     plugin = None
     check_launcher_ds_config()
-    if cfg.train.deepspeed:
+    if t.deepspeed:
         if launcher_uses_deepspeed():
             raise ConfigError(
                 "config key 'train.deepspeed': the accelerate launcher already configures DeepSpeed; "
                 "drop train.deepspeed or launch without a DeepSpeed accelerate config"
             )
-        path = resolve_ds_config(cfg.train.deepspeed)
+        path = resolve_ds_config(t.deepspeed)
         ensure_single_process_env()
         plugin = DeepSpeedPlugin(hf_ds_config=str(path))
     handlers = process_group_kwargs()
@@ -170,19 +175,17 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
     if compile_mode != "none":
         from torch import _dynamo
 
-        from harness.config.profiles import shapes_vary, static_shapes
-
         # One compiled block serves several input shapes and masks per step (generative rows, queries, passages,
         # evaluation); past dynamo's default of 8 versions per code object it silently falls back to eager.
         _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
         # accelerate applies it in prepare(): compile_regions (DDP / single), compile_regions_deepspeed (ZeRO; for
         # ZeRO-3 harness.speed.compiling compiles the block forwards instead). Changing shapes: dynamic from the start;
         # a few fixed shapes (embedding width buckets, each run before step 1: harness.speed.buckets): static.
-        dynamic = cfg.train.compile_dynamic
-        if dynamic is None and static_shapes(cfg, compile_mode, deepspeed=plugin is not None):
+        dynamic = t.compile_dynamic
+        if dynamic is None and static_shapes:
             dynamic = False
         else:
-            dynamic = True if dynamic or (dynamic is None and shapes_vary(cfg.loss.mode, cfg.data.packing)) else None
+            dynamic = True if dynamic or (dynamic is None and shapes_vary) else None
         dynamo = TorchDynamoPlugin(backend="inductor", use_regional_compilation=compile_mode == "regional",
                                    dynamic=dynamic)
     accelerator = Accelerator(
@@ -192,46 +195,47 @@ def make_accelerator(cfg: Config, mixed_precision: str, compile_mode: str = "non
         # Optimizer steps are always `grad_accum` micro-batches (the data stream runs across epoch ends), so the
         # sync point follows the micro-step count, not the end of the dataloader.
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=cfg.train.grad_accum, sync_with_dataloader=False
+            num_steps=t.grad_accum, sync_with_dataloader=False
         ),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         step_scheduler_with_optimizer=False,
         log_with=trackers,
-        project_dir=cfg.train.output_dir,
+        project_dir=t.output_dir,
         kwargs_handlers=handlers,
     )
-    check_deepspeed_in_effect(cfg, accelerator)
+    check_deepspeed_in_effect(t, accelerator)
     ds = deepspeed_config(accelerator)
     if ds is not None:
         if ds.get("gradient_clipping", "auto") == "auto":
-            ds["gradient_clipping"] = cfg.optim.max_grad_norm
-        if apply_weights(ds, cfg.train.weights, mixed_precision):
+            ds["gradient_clipping"] = max_grad_norm
+        if apply_weights(ds, t.weights, mixed_precision):
             # transformers reads its own copy (zero.Init's dtype for pretrained weights under ZeRO-3): renew it
             accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
     return accelerator
 
 
-def route_weights(cfg: Config, precision: str) -> tuple[Config, Optional[str]]:
+def route_weights(t: TrainConfig, quantization: str, precision: str) -> tuple[TrainConfig, Optional[str]]:
     """train.weights checked against the run, before the Accelerator: bf16 weights need bf16 compute and an
     unquantized model, and take their fp32 master copies from DeepSpeed, so a run without a DeepSpeed launcher or
-    train.deepspeed gets train.deepspeed=zero0 (DeepSpeed without ZeRO). Returns (config, a note to print or None)."""
-    if cfg.train.weights != "bf16":
-        return cfg, None
+    train.deepspeed gets train.deepspeed=zero0 (DeepSpeed without ZeRO). `t`: cfg.train; quantization:
+    model.quantization. Returns (the train section, a note to print or None)."""
+    if t.weights != "bf16":
+        return t, None
     if precision != "bf16":
         raise ConfigError(f"config key 'train.weights': bf16 weights need train.precision=bf16 (this run computes in "
                           f"{precision}); use train.weights=fp32")
-    if cfg.model.quantization != "none":
+    if quantization != "none":
         raise ConfigError(f"config key 'train.weights': bf16 is for unquantized models (model.quantization="
-                          f"{cfg.model.quantization} keeps its base in bitsandbytes' format); use train.weights=fp32")
-    if deepspeed_wanted(cfg) is not None:
-        return cfg, None
+                          f"{quantization} keeps its base in bitsandbytes' format); use train.weights=fp32")
+    if deepspeed_wanted(t) is not None:
+        return t, None
     if cpu_forced():
         raise ConfigError("config key 'train.weights': bf16 weights take their fp32 master copies from DeepSpeed, "
                           "which this launch turns off (ACCELERATE_USE_CPU=1: accelerate's --cpu or use_cpu); use "
                           "train.weights=fp32, or launch without it (harness train, python -m harness.train)")
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, deepspeed="zero0"))
-    return cfg, ("[harness] train.weights=bf16: bf16 weights with fp32 master copies in DeepSpeed's optimizer "
-                 "(train.deepspeed=zero0: DeepSpeed without ZeRO)")
+    return dataclasses.replace(t, deepspeed="zero0"), (
+        "[harness] train.weights=bf16: bf16 weights with fp32 master copies in DeepSpeed's optimizer "
+        "(train.deepspeed=zero0: DeepSpeed without ZeRO)")
 
 
 def end_training(accelerator):

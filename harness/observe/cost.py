@@ -67,11 +67,11 @@ def progress_text(cost: Optional[dict]) -> str:
     return f" cost {format_cost(cost['so_far'])}{projected}"
 
 
-def of_run(cfg, world: int, elapsed_s: float, eta_s: Optional[float]) -> Optional[dict]:
-    """`run_cost` for a run with config `cfg` on `world` processes (one per GPU); machines = world / processes per
+def of_run(t, world: int, elapsed_s: float, eta_s: Optional[float]) -> Optional[dict]:
+    """`run_cost` for a run with train section `t` (cfg.train: price_per_hour, price_unit) on `world` processes (one per GPU); machines = world / processes per
     machine (LOCAL_WORLD_SIZE, set by the launcher; 1 machine without it)."""
     machines = max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world) or world))
-    return run_cost(elapsed_s, eta_s, cfg.train.price_per_hour, cfg.train.price_unit, world, machines)
+    return run_cost(elapsed_s, eta_s, t.price_per_hour, t.price_unit, world, machines)
 
 
 def fields(cost: Optional[dict]) -> dict:

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-from harness.config import Config
+from harness.config import LossConfig
 from harness.errors import HarnessError, one_line
 from harness.files import write_json
 from harness.observe import cost, metrics, monitor, timing
@@ -20,20 +20,20 @@ from harness.state import LoopState, StepSums, UnloggedSums, preference_figures,
 from harness.stopping import TIME_BUDGET
 
 
-def losses_of(sums: StepSums, cfg: Config) -> dict:
-    """{"loss"} (and "loss_gen", "loss_emb" in unified mode) from summed step sums."""
-    if cfg.loss.mode == "preference":
-        return preference_figures(asdict(sums), cfg.loss.preference == "orpo")
-    if cfg.loss.mode == "rl":
-        return rl_figures(asdict(sums), cfg.rl.beta)
+def losses_of(sums: StepSums, loss: LossConfig, rl_beta: float) -> dict:
+    """{"loss"} (and "loss_gen", "loss_emb" in unified mode) from summed step sums; `rl_beta`: cfg.rl.beta."""
+    if loss.mode == "preference":
+        return preference_figures(asdict(sums), loss.preference == "orpo")
+    if loss.mode == "rl":
+        return rl_figures(asdict(sums), rl_beta)
     parts = {}
     if sums.gen_micro:
-        parts["loss_gen"] = (sums.gen_sum / max(sums.gen_count, 1) if cfg.loss.gen_averaging == "token"
+        parts["loss_gen"] = (sums.gen_sum / max(sums.gen_count, 1) if loss.gen_averaging == "token"
                              else sums.gen_mean_sum / sums.gen_micro)
     if sums.emb_count:
         parts["loss_emb"] = sums.emb_sum / sums.emb_count
-    if cfg.loss.mode == "unified":
-        return {"loss": cfg.loss.gen_weight * parts["loss_gen"] + cfg.loss.emb_weight * parts["loss_emb"], **parts}
+    if loss.mode == "unified":
+        return {"loss": loss.gen_weight * parts["loss_gen"] + loss.emb_weight * parts["loss_emb"], **parts}
     return {"loss": next(iter(parts.values()))}
 
 
@@ -60,7 +60,7 @@ class StepLog:
         sums = unlogged.total(job.accelerator, reset=True)
         interval_s = meter.interval()
         tok_s = sums.tokens / interval_s
-        record = {"step": state.step, "epoch": epoch_of(job, state), **losses_of(sums, self.cfg)}
+        record = {"step": state.step, "epoch": epoch_of(job, state), **losses_of(sums, self.cfg.loss, self.cfg.rl.beta)}
         state.first_loss = record["loss"] if state.first_loss is None else state.first_loss
         state.tokens += int(sums.tokens)
         done, total = state.step - self.start_step, job.total_steps
@@ -82,7 +82,8 @@ class StepLog:
         facts = job.record
         record.update(facts.sampler.drain() if facts.sampler else {})  # utilisation since the previous log line
         record.update(job.compile.logged() if job.compile is not None else {})  # graphs and compile seconds so far
-        run_cost = cost.of_run(self.cfg, job.world, state.elapsed_s + time.time() - facts.t_start, record.get("eta_s"))
+        run_cost = cost.of_run(self.cfg.train, job.world, state.elapsed_s + time.time() - facts.t_start,
+                               record.get("eta_s"))
         record.update(cost.fields(run_cost), **evaluation)
         self.logger.log(record)
         self.last.update(record)
@@ -141,9 +142,10 @@ def final_report(job, state: LoopState, log: StepLog, stopped_by: Optional[str],
     time_used = {"timings": timings.as_dict(),
                  "time_budget": log.budget.summary(timings.process_wall_s, stopped_by == TIME_BUDGET)
                  if log.budget else None,
-                 "plan": timing.plan_vs_actual(job.out / "plan.json", cfg, timings.process_wall_s),
+                 "plan": timing.plan_vs_actual(job.out / "plan.json", timing.config_fingerprint(cfg),
+                                               timings.process_wall_s),
                  "utilisation": job.record.sampler.stop() if job.record.sampler else None,
-                 "cost": cost.of_run(cfg, job.world, state.elapsed_s + time.time() - job.record.t_start, 0.0)}
+                 "cost": cost.of_run(cfg.train, job.world, state.elapsed_s + time.time() - job.record.t_start, 0.0)}
     return {**setup, **progress, **results, **batch, **time_used}
 
 

@@ -115,14 +115,15 @@ def config_fingerprint(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def plan_vs_actual(plan_path: Path, cfg: Config, actual_s: float) -> Optional[dict]:
-    """The plan's estimate against this run's wall time (report.json `plan`), when `harness plan` wrote one."""
+def plan_vs_actual(plan_path: Path, mine: str, actual_s: float) -> Optional[dict]:
+    """The plan's estimate against this run's wall time (report.json `plan`), when `harness plan` wrote one; `mine`:
+    this run's `config_fingerprint`."""
     try:
         plan = json.loads(Path(plan_path).read_text())
         est = float(plan["estimated_s"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    mine, chosen, which = config_fingerprint(cfg), plan.get("estimate", {}), "plan"
+    chosen, which = plan.get("estimate", {}), "plan"
     for a in plan.get("adjustments", []):
         if a.get("fingerprint") == mine:  # this run applied one of the plan's adjustments
             chosen, est = a["estimate"], float(a["estimate"]["total_s"])

@@ -77,16 +77,16 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "generate":
             from harness.rft import generate
 
-            generate.run(cfg, args.model, args.stop_after)
+            generate.run(cfg.rft, args.model or cfg.model.name_or_path, args.stop_after)
         elif args.command == "bench":
             from harness.rft import bench
 
-            bench.report(bench.bench(cfg, args.model, args.questions, args.repeats,
+            bench.report(bench.bench(cfg.rft, args.model or cfg.model.name_or_path, args.questions, args.repeats,
                                      tuple(x for x in args.engines.split(",") if x)), args.json)
         else:
             from harness.rft import evaluate
 
-            evaluate.run(cfg, args.model, args.out)
+            evaluate.run(cfg.rft, args.model or cfg.model.name_or_path, args.out)
     except HarnessError as err:
         print(f"harness: error: {err}", file=sys.stderr)
         return err.exit_code

@@ -46,9 +46,10 @@ def build(name: str, r, model, tok):
     return StaticEngine(model, tok, r.max_new_tokens, 1, 1, stops, print)
 
 
-def bench(cfg, model_path: Optional[str] = None, questions: int = 32, repeats: int = 1,
+def bench(r, model: Optional[str], questions: int = 32, repeats: int = 1,
           engines: tuple = ("static", "continuous")) -> dict:
-    """{"rows": one per engine, "greedy": identity check, "settings": ...}; see the module docstring."""
+    """{"rows": one per engine, "greedy": identity check, "settings": ...}; see the module docstring. `r`: cfg.rft;
+    model: --model, else model.name_or_path."""
     from harness.observe.monitor import UtilisationSampler
     from harness.rft.decode import graphs
     from harness.rft.sampling import load_for_generation, prompt_text
@@ -57,11 +58,10 @@ def bench(cfg, model_path: Optional[str] = None, questions: int = 32, repeats: i
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         raise ConfigError(f"--engines: unknown engine '{bad[0]}' (one of {', '.join(ENGINES)})")
-    r = cfg.rft
     task = build_task(r)
     qs = task.split("train")[:questions]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, tok = load_for_generation(model_path or cfg.model.name_or_path, device)
+    model, tok = load_for_generation(model, device)
     prompts = [prompt_text(task, q, tok) for q in qs]
     best: dict[str, dict] = {}
     compiled: dict[str, list] = {n: [] for n in engines}  # graphs dynamo compiled in each run of the engine

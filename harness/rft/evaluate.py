@@ -16,18 +16,17 @@ from harness.rft.generate import make_accelerator
 from harness.rft.sampling import StaticEngine, load_engine, prompt_text, resolve_model_path
 
 
-def run(cfg, model_path: Optional[str] = None, out: Optional[str] = None, split: str = "test") -> Optional[dict]:
-    """Evaluate on `split`; rank 0 writes and returns the report."""
+def run(r, path: Optional[str], out: Optional[str] = None, split: str = "test") -> Optional[dict]:
+    """Evaluate on `split` (`r`: cfg.rft; path: the model, --model, else model.name_or_path); rank 0 writes and
+    returns the report."""
     from accelerate.utils import gather_object
 
     from harness.files import write_json
     from harness.rft.tasks import build_task
 
-    r = cfg.rft
     task = build_task(r)
     questions = task.split(split)
     acc = make_accelerator()
-    path = model_path or cfg.model.name_or_path
     engine, tok = load_engine(r, path, acc.device, acc.print)
     if isinstance(engine, StaticEngine):
         engine.per_call = max(1, r.micro_batch_sequences)  # one generate() call per that many questions

@@ -46,11 +46,11 @@ def describe(engine) -> str:
     return f"{engine.name} engine"
 
 
-def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[dict]:
+def run(r, model: Optional[str], stop_after: int = 0) -> Optional[dict]:
     """Generate for every question of the train split not yet done; returns the merged stats on rank 0 (None when
     stopped early by `stop_after`: that many x rft.questions_per_batch questions per process). The main process
     holds `<rft.output_dir>/shards/.lock` meanwhile (harness/rundir/lock.py): one generation per folder, or two
-    would both sample every question."""
+    would both sample every question. `r`: cfg.rft; model: --model, else model.name_or_path."""
     if stop_after < 0:
         raise ConfigError(f"--stop-after: must be >= 0 (0: sample every question left; N: stop after N batches of "
                           f"rft.questions_per_batch questions per process), got {stop_after}")
@@ -58,26 +58,26 @@ def run(cfg, model_path: Optional[str] = None, stop_after: int = 0) -> Optional[
     from harness.rundir import lock
 
     acc = make_accelerator()
-    held = on_main(acc, lambda: lock.acquire(Path(cfg.rft.output_dir) / SHARDS, acc.print, key="rft.output_dir"))
+    held = on_main(acc, lambda: lock.acquire(Path(r.output_dir) / SHARDS, acc.print, key="rft.output_dir"))
     try:
-        return _run(cfg, acc, model_path, stop_after)
+        return _run(r, model, acc, stop_after)
     finally:
         if acc.is_main_process:
             lock.release(held)
 
 
-def _run(cfg, acc, model_path: Optional[str], stop_after: int) -> Optional[dict]:
+def _run(r, model: Optional[str], acc, stop_after: int) -> Optional[dict]:
+    """`run`'s work (`r`: cfg.rft; model: --model, else model.name_or_path)."""
     from tqdm.auto import tqdm
 
     from harness.rft.tasks import build_task
 
-    r = cfg.rft
     task = build_task(r)
     questions = task.split("train")
     say = acc.print
     out = Path(r.output_dir)
     shard = out / SHARDS / f"rank-{acc.process_index}.jsonl"
-    check_settings(out / SHARDS / SETTINGS, generation_settings(cfg, model_path), write=acc.is_main_process)
+    check_settings(out / SHARDS / SETTINGS, generation_settings(r, model), write=acc.is_main_process)
     acc.wait_for_everyone()
     repair_shard(shard)
     acc.wait_for_everyone()
@@ -86,7 +86,7 @@ def _run(cfg, acc, model_path: Optional[str], stop_after: int) -> Optional[dict]
     remaining = [q for q in questions if q.qid not in done]
     mine = remaining[acc.process_index::acc.num_processes]
     todo = mine[:stop_after * r.questions_per_batch] if stop_after else mine
-    engine, tok = load_engine(r, model_path or cfg.model.name_or_path, acc.device, say)
+    engine, tok = load_engine(r, model, acc.device, say)
     say(f"[rft] {len(questions)} questions, {len(done)} already done, {len(remaining)} to sample on "
         f"{acc.num_processes} process(es) x {r.oversample} samples (temperature {r.temperature}, "
         f"max_new_tokens {r.max_new_tokens}, {describe(engine)}, device {acc.device}, "

@@ -163,10 +163,10 @@ def write_lines(path: Path, rows) -> None:
                                    "same command to merge them") from None
 
 
-def generation_settings(cfg, model_path: Optional[str]) -> dict:
-    """What the shards' answers depend on: a restarted run must use the same, or its output would mix two runs."""
-    r = cfg.rft
-    return {"model": str(model_path or cfg.model.name_or_path), "task": r.task, "test_file": r.test_file,
+def generation_settings(r, model: Optional[str]) -> dict:
+    """What the shards' answers depend on: a restarted run must use the same, or its output would mix two runs
+    (`r`: cfg.rft; model: --model, else model.name_or_path)."""
+    return {"model": str(model), "task": r.task, "test_file": r.test_file,
             "num_train_questions": r.num_train_questions, "num_test_questions": r.num_test_questions,
             "num_sft_questions": r.num_sft_questions, "max_operand": r.max_operand, "task_seed": r.task_seed,
             "tolerance": r.tolerance, "oversample": r.oversample, "temperature": r.temperature, "top_p": r.top_p,

@@ -37,21 +37,22 @@ def index_batch(indices: list) -> torch.Tensor:
     return torch.tensor(indices, dtype=torch.long)
 
 
-def question_loader(cfg, world: int):
+def question_loader(rl, rft, grad_accum: int, shuffle: bool, world: int):
     """(the task, a DataLoader of train question indices: rl.questions_per_step / (processes x grad_accum) a
-    micro-batch) of loss.mode=rl; not prepared."""
+    micro-batch) of loss.mode=rl; not prepared. `rl`, `rft`: cfg.rl, cfg.rft; grad_accum: train.grad_accum;
+    shuffle: data.shuffle."""
     from torch.utils.data import DataLoader
 
-    task = build_task(cfg.rft)
+    task = build_task(rft)
     questions = task.split("train")
-    per = cfg.rl.questions_per_step / (world * cfg.train.grad_accum)
+    per = rl.questions_per_step / (world * grad_accum)
     if per != int(per):
-        raise ConfigError(f"config key 'rl.questions_per_step': {cfg.rl.questions_per_step} questions do not divide "
-                          f"into {world} process(es) x train.grad_accum {cfg.train.grad_accum} micro-batches")
-    if len(questions) < cfg.rl.questions_per_step:
-        raise ConfigError(f"config key 'rl.questions_per_step': {cfg.rl.questions_per_step} is more than the task's "
+        raise ConfigError(f"config key 'rl.questions_per_step': {rl.questions_per_step} questions do not divide "
+                          f"into {world} process(es) x train.grad_accum {grad_accum} micro-batches")
+    if len(questions) < rl.questions_per_step:
+        raise ConfigError(f"config key 'rl.questions_per_step': {rl.questions_per_step} is more than the task's "
                           f"{len(questions)} train questions")
-    return task, DataLoader(list(range(len(questions))), batch_size=int(per), shuffle=cfg.data.shuffle,
+    return task, DataLoader(list(range(len(questions))), batch_size=int(per), shuffle=shuffle,
                             collate_fn=index_batch)
 
 
@@ -59,10 +60,9 @@ def verifier_reward(task: Task) -> Callable[[Question, str], float]:
     return lambda q, text: 1.0 if task.verify(text, q) else 0.0
 
 
-def load_reward(cfg, task: Task) -> Callable[[Question, str], float]:
-    """rl.reward: 'verifier' (the task's: 1 for a verified answer, 0 otherwise) or 'module:function', called as
-    fn(question, answer_text) -> float; checked once on the first train question before any step."""
-    spec = cfg.rl.reward
+def load_reward(spec: str, task: Task) -> Callable[[Question, str], float]:
+    """rl.reward (`spec`): 'verifier' (the task's: 1 for a verified answer, 0 otherwise) or 'module:function', called
+    as fn(question, answer_text) -> float; checked once on the first train question before any step."""
     if spec == "verifier":
         fn = verifier_reward(task)
     else:
@@ -119,12 +119,14 @@ class Rollouts:
     """The generation batches of a run (see the module docstring): `step_batches(questions, step)` gives the step's
     grad_accum training micro-batches; `evaluate()` the greedy accuracy on the task's test split."""
 
-    def __init__(self, cfg, accelerator, model, tokenizer, task: Task, chunk_size: int, zero_stage: int, say) -> None:
-        self.cfg, self.rl, self.r = cfg, cfg.rl, cfg.rft
+    def __init__(self, rl, rft, grad_accum: int, accelerator, model, tokenizer, task: Task, chunk_size: int,
+                 zero_stage: int, say) -> None:
+        """`rl`, `rft`: cfg.rl, cfg.rft; grad_accum: train.grad_accum."""
+        self.rl, self.r, self.accum = rl, rft, grad_accum
         self.accelerator, self.model, self.tok, self.task = accelerator, model, tokenizer, task
         self.chunk_size, self.zero_stage, self.say = chunk_size, zero_stage, say
         self.questions = task.split("train")
-        self.reward = load_reward(cfg, task)
+        self.reward = load_reward(rl.reward, task)
         unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
         why = servable(unwrapped)
         if why is not None:
@@ -157,7 +159,7 @@ class Rollouts:
             if (step - 1) % self.rl.iterations:
                 self.say(f"[harness] rl: no generation batch to continue at step {step} (a checkpoint without "
                          f"one): a new one starts here")
-            picked = [next(questions) for _ in range(self.cfg.train.grad_accum)]
+            picked = [next(questions) for _ in range(self.accum)]
             t0 = time.perf_counter()
             self.current, self.figures = self.generate(picked, step)
             gen_s = time.perf_counter() - t0
@@ -242,7 +244,7 @@ class Rollouts:
 
     def load_state_dict(self, state: dict) -> None:
         """This process's share of the saved generation batch, in grad_accum micro-batches again."""
-        world, rank, accum = self.accelerator.num_processes, self.accelerator.process_index, self.cfg.train.grad_accum
+        world, rank, accum = self.accelerator.num_processes, self.accelerator.process_index, self.accum
         if state.get("world", world) != world:  # the question stream's position would not carry over: refused
             raise HarnessError(f"loss.mode=rl: the checkpoint was written by {state['world']} process(es), this run "
                                f"has {world}; resuming on another process count is not supported yet for rl: "
@@ -264,7 +266,7 @@ class Rollouts:
                              device=self.accelerator.device)
         completions, tokens = self.accelerator.reduce(local, "sum").tolist()
         total = rl_loss.denominator(self.rl.loss_type, completions, tokens, self.r.max_new_tokens)
-        factor = torch.tensor(rl_loss.step_factor(self.accelerator.num_processes, self.cfg.train.grad_accum, total),
+        factor = torch.tensor(rl_loss.step_factor(self.accelerator.num_processes, self.accum, total),
                               dtype=torch.float32, device=self.accelerator.device)
         for b in batches:
             b["scale"] = factor

@@ -26,11 +26,11 @@ def finished_run(output_dir: str | Path) -> Optional[dict]:
     return rep if final is None or Path(final).is_dir() else None
 
 
-def more_steps(cfg, rep: dict) -> Optional[str]:
-    """What in `cfg` asks the finished run of report `rep` for more steps than it planned (e.g. "train.max_steps=6
+def more_steps(t, rep: dict) -> Optional[str]:
+    """What in the train section `t` (cfg.train) asks the finished run of report `rep` for more steps than it planned (e.g. "train.max_steps=6
     (it planned 3)"), or None: its rerun has nothing to do. With train.max_steps=-1, more epochs than its config.yaml
     names."""
-    t, planned = cfg.train, rep.get("planned_steps") or 0
+    planned = rep.get("planned_steps") or 0
     if t.max_steps > 0:
         return f"train.max_steps={t.max_steps} (it planned {planned})" if t.max_steps > max(planned, rep["steps"]) \
             else None

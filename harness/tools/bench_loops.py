@@ -21,8 +21,9 @@ from harness.errors import ConfigError
 # A worker builds everything before its clock starts; the clock covers optimizer steps W+1..W+N only.
 
 
-def _build_common(cfg, threads: int) -> dict:
-    """What raw and trainer share with the harness: device, precision, tokenizer, data, model, optimizer, schedule."""
+def _build_common(m, d, t, loss_mode: str, threads: int) -> dict:
+    """What raw and trainer share with the harness: device, precision, tokenizer, data, model, optimizer, schedule
+    (`m`, `d`, `t`: cfg.model, cfg.data, cfg.train; loss_mode: loss.mode)."""
     import torch
     from accelerate.utils import set_seed
 
@@ -33,28 +34,28 @@ def _build_common(cfg, threads: int) -> dict:
     from harness.optim import build_optimizer, lr_lambda
 
     torch.set_num_threads(threads)
-    if cfg.loss.mode != "generative":
-        raise ConfigError(f"harness bench compares generative training; got loss.mode={cfg.loss.mode}")
+    if loss_mode != "generative":
+        raise ConfigError(f"harness bench compares generative training; got loss.mode={loss_mode}")
     cuda = torch.cuda.is_available()
-    if cfg.train.precision == "fp8":
+    if t.precision == "fp8":
         raise ConfigError("harness bench compares fp32/bf16 loops; fp8 against bf16 is measured by "
                           "scripts/gpu_check.py --preset fp8")
-    precision = hardware.resolve_precision(cfg.train.precision)
-    hardware.enable_tf32(cfg.train.tf32)
-    tok = model_lib.load_run_tokenizer(cfg)
-    rows, _ = training_rows(cfg, "generative")  # the sources mixed by weight, as the harness trains on them
-    max_len = resolve_max_len(cfg, rows, tok, lambda *a: None)  # data.max_len=auto: the harness's resolution
+    precision = hardware.resolve_precision(t.precision)
+    hardware.enable_tf32(t.tf32)
+    tok = model_lib.load_run_tokenizer(m, d.chat_template, loss_mode)
+    rows, _ = training_rows(d, t.seed, "generative")  # the sources mixed by weight, as the harness trains on them
+    max_len = resolve_max_len(d, rows, tok, lambda *a: None)  # data.max_len=auto: the harness's resolution
     ds, _ = data_lib.tokenize_dataset(rows, tok, max_len)
     collate = data_lib.GenerativeCollator(tok.pad_token_id, pad_to_multiple_of=8 if cuda else 1)
-    set_seed(cfg.train.seed)
-    model = model_lib.build_model(cfg.model, tok)
+    set_seed(t.seed)
+    model = model_lib.build_model(m, tok)
     model.config.use_cache = False  # training: no KV cache (the harness passes use_cache=False)
-    total = cfg.train.max_steps
-    pin = getattr(cfg.data, "pin_memory", "auto")
-    loader_kw = {"num_workers": cfg.data.num_workers, "pin_memory": cuda if pin == "auto" else bool(pin) and cuda}
-    if cfg.data.num_workers > 0:
-        loader_kw.update(prefetch_factor=getattr(cfg.data, "prefetch_factor", 2),
-                         persistent_workers=getattr(cfg.data, "persistent_workers", False))
+    total = t.max_steps
+    pin = getattr(d, "pin_memory", "auto")
+    loader_kw = {"num_workers": d.num_workers, "pin_memory": cuda if pin == "auto" else bool(pin) and cuda}
+    if d.num_workers > 0:
+        loader_kw.update(prefetch_factor=getattr(d, "prefetch_factor", 2),
+                         persistent_workers=getattr(d, "persistent_workers", False))
     return {"torch": torch, "cuda": cuda, "device": torch.device("cuda" if cuda else "cpu"), "precision": precision,
             "tokenizer": tok, "dataset": ds, "collate": collate, "model": model, "total": total,
             "loader_kw": loader_kw, "build_optimizer": build_optimizer, "lr_lambda": lr_lambda}
@@ -82,15 +83,15 @@ class _EpochShuffle:
 
 def run_raw(cfg, warmup: int, steps: int, threads: int, log_every: int) -> dict:
     """A minimal PyTorch loop with the harness's settings."""
-    c = _build_common(cfg, threads)
+    c = _build_common(cfg.model, cfg.data, cfg.train, cfg.loss.mode, threads)
     torch, device, model = c["torch"], c["device"], c["model"]
     from torch.utils.data import DataLoader
 
     from harness.losses import token_loss_sum
 
     model.to(device).train()
-    opt = c["build_optimizer"](model, cfg)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, c["lr_lambda"](cfg, c["total"]))
+    opt = c["build_optimizer"](model, cfg.optim)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, c["lr_lambda"](cfg.optim, c["total"]))
     sampler = _EpochShuffle(len(c["dataset"]), cfg.train.seed) if cfg.data.shuffle else None
     loader = DataLoader(c["dataset"], batch_size=cfg.train.micro_batch_size, sampler=sampler,
                         collate_fn=c["collate"], **c["loader_kw"])
@@ -141,7 +142,7 @@ def run_raw(cfg, warmup: int, steps: int, threads: int, log_every: int) -> dict:
 def run_trainer(cfg, warmup: int, steps: int, threads: int, log_every: int, grouped: bool = False) -> dict:
     """transformers.Trainer with the harness's model, data, collator, optimizer and schedule; `grouped`: with
     train_sampling_strategy="group_by_length" (transformers 4's group_by_length=True) instead of random order."""
-    c = _build_common(cfg, threads)
+    c = _build_common(cfg.model, cfg.data, cfg.train, cfg.loss.mode, threads)
     torch = c["torch"]
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -165,8 +166,8 @@ def run_trainer(cfg, warmup: int, steps: int, threads: int, log_every: int, grou
 
     o = cfg.optim
     model = c["model"]
-    opt = c["build_optimizer"](model, cfg)  # the harness's AdamW and param groups
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, c["lr_lambda"](cfg, total))  # and its schedule
+    opt = c["build_optimizer"](model, cfg.optim)  # the harness's AdamW and param groups
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, c["lr_lambda"](cfg.optim, total))  # and its schedule
     clock = Clock()
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         args = TrainingArguments(

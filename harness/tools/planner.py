@@ -132,11 +132,11 @@ def analyse_data(cfg: Config) -> dict:
     from harness.model import load_run_tokenizer
 
     d, mode, out = cfg.data, cfg.loss.mode, {}
-    tok = load_run_tokenizer(cfg)
+    tok = load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
     if mode == "preference":  # a pair is two sequences (chosen, rejected) in one forward pass: both are counted
         from harness.data import chat, pairs
 
-        rows, _ = training_rows(cfg, "preference")
+        rows, _ = training_rows(cfg.data, cfg.train.seed, "preference")
         max_len = d.max_len if d.max_len != "auto" else 1 << 20  # as the run's loader
         ds, st = pairs.tokenize_pair_dataset(rows, tok, max_len, chat.resolve_template(tok, d.chat_template))
         tokens = sum(len(c) + len(r) for c, r in zip(ds["chosen_ids"], ds["rejected_ids"]))
@@ -146,7 +146,7 @@ def analyse_data(cfg: Config) -> dict:
         out["primary"] = "preference"
         return out
     if mode in ("generative", "unified"):
-        rows, _ = training_rows(cfg, "generative")
+        rows, _ = training_rows(cfg.data, cfg.train.seed, "generative")
         full_ds, _ = data_lib.tokenize_dataset(rows, tok, 1 << 30)
         full = list(full_ds["length"])
         max_len = d.max_len if d.max_len != "auto" else data_lib.auto_max_len(full, d.max_len_percentile)
@@ -158,7 +158,7 @@ def analyse_data(cfg: Config) -> dict:
                              "truncated_samples": st["truncated"], "truncated_tokens": sum(full) - st["tokens"],
                              "items": items, "packing": d.packing, "full_lengths": full}
     if mode in ("embedding", "unified"):
-        rows, _ = training_rows(cfg, "embedding")
+        rows, _ = training_rows(cfg.data, cfg.train.seed, "embedding")
         out["embedding"] = {"samples": len(rows), "items": len(rows)}
     out["primary"] = "embedding" if "embedding" in out else "generative"
     return out

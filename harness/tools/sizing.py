@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from harness.config import Config, lora_config
+from harness.config import Config, LossConfig, lora_config
 
 GIB = 2**30
 
@@ -103,12 +103,13 @@ def _chunkable_head(model) -> bool:
     return True
 
 
-def chunked_ce_positions(cfg: Config, tokens: int, vocab: int) -> Optional[int]:
-    """Positions per chunk when the run's generative loss goes through the head in chunks (objective.
-    chunked_ce_asked, the run's own rule; the caller checks the head, `ModelShape.chunkable_head`), else None."""
+def chunked_ce_positions(loss: LossConfig, compile_mode: str, tokens: int, vocab: int) -> Optional[int]:
+    """Positions per chunk when the run's generative loss goes through the head in chunks (chunked_loss.
+    chunked_ce_asked, the run's own rule; the caller checks the head, `ModelShape.chunkable_head`), else None.
+    `loss`: cfg.loss; compile_mode: train.compile."""
     from harness.chunked_loss import chunked_ce_asked
 
-    return min(cfg.loss.chunked_ce_size, tokens) if chunked_ce_asked(cfg, tokens, vocab) else None
+    return min(loss.chunked_ce_size, tokens) if chunked_ce_asked(loss, compile_mode, tokens, vocab) else None
 
 
 def activation_terms(cfg: Config, shape: ModelShape, act_bytes: int) -> tuple[list[str], float]:
@@ -154,7 +155,7 @@ def activation_terms(cfg: Config, shape: ModelShape, act_bytes: int) -> tuple[li
         else:
             total = L * one_layer
             pl.append(f"  {L} layers x {one_layer / GIB:.2f} GiB = {total / GIB:.2f} GiB (no gradient checkpointing)")
-        chunk = chunked_ce_positions(cfg, tokens, shape.vocab) if logits and shape.chunkable_head else None
+        chunk = chunked_ce_positions(cfg.loss, t.compile, tokens, shape.vocab) if logits and shape.chunkable_head else None
         if chunk:
             lg = chunk * shape.vocab * 10
             total += lg
@@ -164,7 +165,7 @@ def activation_terms(cfg: Config, shape: ModelShape, act_bytes: int) -> tuple[li
             lg = tokens * shape.vocab * 10
             total += lg
             pl.append(f"  logits: {tokens:,} x {shape.vocab} x (2 + 4 + 4) B = {lg / GIB:.2f} GiB")
-            if not shape.chunkable_head and chunked_ce_positions(cfg, tokens, shape.vocab):
+            if not shape.chunkable_head and chunked_ce_positions(cfg.loss, t.compile, tokens, shape.vocab):
                 pl.append("  (full logits counted: the chunked loss cannot take this head: LoRA on lm_head, or logits "
                           "transformed after it)")
         pl.append(f"  activations: {total / GIB:.2f} GiB")
