@@ -81,7 +81,8 @@ def test_warm_up_compiles_every_shape_and_changes_nothing():
     torch._dynamo.reset()
     counters.clear()
     compiled = compile_regions(model, backend="eager", dynamic=False)
-    objective = Objective(cfg, accelerator, compiled)
+    objective = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, accelerator, compiled, rl=cfg.rl,
+                          rl_temperature=cfg.rft.temperature)
     objective.widths = (FixedWidths((8, 16)), FixedWidths((16, 32)))
     shapes = embedding_shapes([4], group=2, widths=objective.widths, chunks=1)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -151,8 +152,9 @@ def test_the_packed_rows_short_last_batch_is_warmed_too():
     torch._dynamo.reset()
     counters.clear()
     compiled = compile_regions(model, backend="eager", dynamic=False)
-    objective = Objective(load_config(ROOT / "configs" / "gritlm-tiny.yaml", ["data.packing=true"]),
-                          Accelerator(cpu=True), compiled)
+    cfg = load_config(ROOT / "configs" / "gritlm-tiny.yaml", ["data.packing=true"])
+    objective = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, Accelerator(cpu=True), compiled, rl=cfg.rl,
+                          rl_temperature=cfg.rft.temperature)
     rng = torch.get_rng_state()
     said = []
     assert warm_generative_tail(objective, compiled, loader, said.append) == 1 and "of 1 rows" in said[0]
