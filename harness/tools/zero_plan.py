@@ -316,7 +316,9 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
             f"{hw.gpus_per_node}): " + ("16 x P" if shape.trainable is None else f"16 x T + {wd} x F")
             + f" = {states / GIB:.1f} GiB over {room:.1f} GiB left per GPU"
             if need else "the activations alone exceed a GPU: lower train.micro_batch_size or data.max_len, set "
-            "model.gradient_checkpointing=true, or share each row over GPUs (train.sequence_parallel)"
+            "model.gradient_checkpointing=true, or share each row over GPUs (train.sequence_parallel)" if gen is None
+            else "the answers' activations and the KV cache exceed a GPU: raise train.grad_accum (fewer answers a "
+            "micro-batch), set model.gradient_checkpointing=true, cap the cache with rft.kv_cache_gb"
             if rows[3].supported else
             "quantized weights are not partitioned (no ZeRO-3): lower train.micro_batch_size or data.max_len, or use "
             "a larger GPU"))
