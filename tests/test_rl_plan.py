@@ -53,12 +53,12 @@ def test_kv_cache_arithmetic_by_hand_and_as_the_engine_sizes_it():
 
 
 def test_rl_training_rows():
-    cfg = load_config("configs/grpo-tiny.yaml", ["train.grad_accum=2"])  # 16 questions x 16 answers
+    cfg = load_config("configs/grpo-tiny.yaml", ["train.grad_accum=2", "rl.questions_per_step=16"])  # x 16 answers
     assert rl_plan.training_rows(cfg.rl, cfg.train, 2) == 4 * 16  # 16 / (2 processes x 2 micro-batches) x 16
 
 
 def test_zero_plan_names_the_generation_cache():
-    cfg = load_config("configs/grpo-tiny.yaml", TINY)
+    cfg = load_config("configs/grpo-tiny.yaml", [*TINY, "rl.questions_per_step=16"])
     prompts = rl_plan.prompt_tokens(cfg.rft, __import__("harness.model", fromlist=["x"]).load_run_tokenizer(cfg))
     p = plan(cfg, Hardware(2, 16))
     width = max(prompts.values()) + 40
@@ -81,7 +81,8 @@ def test_zero_plan_names_the_generation_cache():
                                             + rows["0"].generation + max(rows["0"].extra + rows["0"].activations,
                                                                          rows["0"].gen_peak))
     # rl.beta > 0: the reference copy beside the cache
-    beta = plan(load_config("configs/grpo-tiny.yaml", [*TINY, "rl.beta=0.04"]), Hardware(2, 16))
+    beta = plan(load_config("configs/grpo-tiny.yaml", [*TINY, "rl.questions_per_step=16", "rl.beta=0.04"]),
+                Hardware(2, 16))
     assert beta.rows[0].generation == 256 * slot + P * 4 and "a frozen reference copy" in beta.text
 
 
@@ -101,7 +102,8 @@ def test_rl_estimate_counts_generation_batches():
 
 
 def test_rl_plan_lines_and_schedule():
-    cfg = load_config("configs/grpo-tiny.yaml", ["train.max_steps=-1", "train.epochs=1"])
+    cfg = load_config("configs/grpo-tiny.yaml", ["train.max_steps=-1", "train.epochs=1", "rl.questions_per_step=16",
+                                                 "train.eval_every=25"])
     data = planner.analyse_data(cfg)
     assert data == {"primary": "rl", "rl": {"questions": 400, "items": 400}}
     p = planner.make_plan(cfg, data, RL_CAL, hours=1.0, margin_min=30, flop_dims=None)
@@ -129,7 +131,7 @@ def test_rl_rates_from_records():
 def test_plan_of_an_rl_recipe_calibrates_a_short_run(tmp_path, repo_root):
     """`harness plan` on configs/grpo-tiny.yaml (a tiny random model, 4 questions x 4 answers): a calibration of 1 + 2
     steps, generation and training seconds apart, the estimate counting both."""
-    args = ["configs/grpo-tiny.yaml", *TINY, "rl.questions_per_step=4", "rl.num_generations=4",
+    args = ["configs/grpo-tiny.yaml", *TINY, "rl.questions_per_step=4", "rl.num_generations=4", "train.max_steps=25",
             "rft.num_test_questions=8", "rft.max_new_tokens=16", f"train.output_dir={tmp_path}"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, "-m", "harness.cli", "plan", *args, "--hours", "1"], cwd=repo_root,
@@ -139,6 +141,6 @@ def test_plan_of_an_rl_recipe_calibrates_a_short_run(tmp_path, repo_root):
     p = json.loads((tmp_path / "plan.json").read_text())
     cal, est = p["calibration"], p["estimate"]
     assert cal["gen_s_per_batch"] > 0 and cal["rl_train_s_per_step"] > 0 and cal["steps_per_generation"] == 1
-    assert est["generations"] == 25 and est["evals"] == 2  # grpo-tiny: 25 steps, evaluations at 0 and the end
+    assert est["generations"] == 25 and est["evals"] == 2  # 25 steps, evaluations at 0 and the end
     assert est["train_s"] == pytest.approx(25 * est["s_per_step"] + 25 * cal["gen_s_per_batch"])
     assert "generation batches x" in proc.stdout and "rl step: generation" in proc.stdout
