@@ -30,13 +30,13 @@ import warnings
 from typing import Optional
 
 from harness import faults
-from harness.distributed import collectives
 from harness.auto_batch import memory_trial, run_auto_batch
 from harness.build import Job, build_run
 from harness.checkpoint.export import export_final
 from harness.checkpoint.store import Checkpointer
 from harness.config import Config, describe, load_config, preflight
 from harness.data import loaders
+from harness.distributed import collectives
 from harness.encode import embedding_settings
 from harness.errors import HarnessError, one_line
 from harness.evaluation import Evaluator
@@ -176,9 +176,10 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
         side.log.write_eval(state.step, final_eval)
     final_dir = None
     if job.cfg.train.save_final:
+        settings = embedding_settings(job.cfg.loss.mode, job.cfg.model, job.cfg.data,
+                                      job.data.stats.get("embedding", {}).get("instructions"))
         final_dir = export_final(job.accelerator, job.model, job.tokenizer, job.out / "final",
-                                 extra={"harness.json": embedding_settings(
-                                     job.cfg.loss.mode, job.cfg.model, job.cfg.data, job.data.stats.get("embedding", {}).get("instructions"))},
+                                 extra={"harness.json": settings},
                                  random_base=job.cfg.model.name_or_path is None or job.cfg.model.random_init)
         job.say(f"[harness] final model: {final_dir}")
     side.log.logger.close()
@@ -382,16 +383,8 @@ def _main(args: argparse.Namespace) -> int:
     try:
         preflight.refuse_fsdp()
         cfg = load_config(args.config, args.overrides)
-        done = None if cfg.train.overwrite else finished.finished_run(cfg.train.output_dir)
-        asks = finished.more_steps(cfg.train, done) if done is not None else None
-        if done is not None and asks is None:  # a finished run stays finished: nothing is started or rewritten
-            if os.environ.get("RANK", "0") == "0":
-                print(finished.describe_finished(cfg.train.output_dir, done), flush=True)
+        if finished.nothing_to_do(cfg.train):  # a finished run stays finished, unless more steps are asked of it
             return 0
-        if asks is not None:  # more steps asked of a finished run: it goes on from its last checkpoint
-            line = finished.continue_finished(cfg.train.output_dir, done, asks)
-            if os.environ.get("RANK", "0") == "0":
-                print(line, flush=True)
         run_auto_batch(cfg, run) if cfg.train.micro_batch_size == "auto" else run(cfg)
     except HarnessError as e:
         # every process stops with the same error (those of one process are agreed before they are raised): the

@@ -192,6 +192,38 @@ def test_task_file_without_verifiable_answers(tmp_path):
         question_loader(cfg.rl, cfg.rft, cfg.train.grad_accum, cfg.data.shuffle, world=1)
 
 
+def test_rollouts_train_on_the_tokens_sampled():
+    """A generation batch's training rows hold the tokens the engine drew, not the answer text re-tokenized (which
+    drops special tokens and the whitespace the text is stripped of, may merge tokens otherwise, and appended an EOS
+    that was never sampled). Reference: transformers' greedy generate() on the same random model (a temperature of
+    1e-6 makes the engine's draw the argmax: the other tokens' probabilities underflow to 0 in fp32)."""
+    from accelerate import Accelerator
+
+    from harness import model as model_lib
+    from harness.config import load_config
+    from harness.rft.tasks import build_task
+    from harness.rl.rollout import Rollouts
+
+    cfg = load_config("configs/grpo-tiny.yaml", [*TINY, "rl.num_generations=2", "rft.max_new_tokens=12",
+                                                 "rft.temperature=1e-6"])
+    torch.manual_seed(0)
+    tok = model_lib.load_run_tokenizer(cfg)
+    model = model_lib.build_model(cfg.model, tok).float().eval()
+    task = build_task(cfg.rft)
+    ro = Rollouts(cfg, Accelerator(cpu=True), model, tok, task, 64, 0, lambda m: None)
+    ro.generate([torch.tensor([0, 1, 2])], step=1)
+    differs = 0
+    for item in ro.items:
+        prompt = torch.tensor([item["prompt"]])
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=12,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, prompt.shape[1]:].tolist()
+        drawn = out[:out.index(tok.eos_token_id) + 1] if tok.eos_token_id in out else out
+        assert item["answers"] == [drawn, drawn]  # both samples are the argmax
+        text = tok.decode([t for t in drawn if t != tok.eos_token_id], skip_special_tokens=True).strip()
+        differs += tok(text, add_special_tokens=False)["input_ids"] != [t for t in drawn if t != tok.eos_token_id]
+    assert differs  # (this model's answers are ones that re-tokenizing would have changed)
+
+
 # ----------------------------------------------------------------------------------------------- runs
 
 from harness_launch import ROOT, metrics, run_train  # noqa: E402

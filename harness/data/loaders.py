@@ -199,7 +199,7 @@ def micro_batches(accelerator, loader, pos: dict):
             loader.dataset.set_epoch(pos["epoch"])
         skip = pos["batches"]
         for batch in (accelerator.skip_first_batches(loader, skip) if skip else loader):
-            if real is not None and "labels" in batch:
+            if real is not None and isinstance(batch, dict) and "labels" in batch:  # (rl: a tensor of question ids)
                 batch = without_padding(batch, real(pos["batches"]))
             pos["batches"] += 1
             yield batch

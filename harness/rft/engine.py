@@ -115,6 +115,7 @@ class ContinuousEngine:
         _, self.heads, self.head_dim = attention_heads(c)  # the cache holds key/value heads
         self.vocab = c.vocab_size
         self.cache: Optional[SlotCache] = None  # kept between generate() calls: the compiled step reads it in place
+        self.last_ids: list[list[list[int]]] = []  # the last generate() call's sampled token ids (EOS kept), as results
 
     @property
     def model(self):
@@ -206,6 +207,7 @@ class ContinuousEngine:
         cache = self._slot_cache(max(map(len, ids), default=0) + self.max_new_tokens)
         sizes = self._sizes(cache)
         results: list[list] = [[None] * n for _ in prompts]
+        self.last_ids = [[[] for _ in range(n)] for _ in prompts]  # what was sampled (loss.mode=rl trains on these)
         left = [n] * len(prompts)  # samples of each prompt not yet ended
         waiting = [(i, j) for i in range(len(prompts)) for j in range(n)]
         waiting.reverse()  # pop() takes the next in order
@@ -221,6 +223,7 @@ class ContinuousEngine:
             st.lengths.append(len(s.tokens))
             st.used_slot_steps += len(s.tokens) - 1  # the first token comes from the prefill
             results[s.i][s.j] = tok.decode([t for t in s.tokens if t != eos], skip_special_tokens=True).strip()
+            self.last_ids[s.i][s.j] = list(s.tokens)
             left[s.i] -= 1
             if left[s.i] == 0 and on_done is not None:
                 on_done(s.i, results[s.i])

@@ -147,11 +147,6 @@ class Rollouts:
         """The question in the model's chat template, ending where the answer starts (as `rft generate` asks)."""
         return self.tok.apply_chat_template(self.task.messages(q), add_generation_prompt=True, tokenize=False)
 
-    def completion_ids(self, text: str) -> list[int]:
-        """The answer's tokens (the engine returns text: re-tokenized) and EOS unless it reached rft.max_new_tokens."""
-        ids = self.tok(text, add_special_tokens=False)["input_ids"][:self.r.max_new_tokens]
-        return ids + [self.tok.eos_token_id] if len(ids) < self.r.max_new_tokens else ids
-
     def step_batches(self, questions, step: int, unlogged) -> list[dict]:
         """The micro-batches of optimizer step `step`: a new generation batch every rl.iterations steps (the next
         grad_accum question micro-batches of `questions`), else the current one again."""
@@ -182,9 +177,11 @@ class Rollouts:
             self.engine.model = model
             # one engine call per question, seeded by the step and the question: the same answers whatever the
             # process count (the engine takes one seed per call)
-            texts = [self.engine.generate([t], G, self.r.temperature, self.r.top_p,
-                                          seed=(self.r.seed * 1_000_003 + step) * 100_003 + i)[0]
-                     for t, i in zip(texts_in, index)]
+            texts, sampled = [], []
+            for t, i in zip(texts_in, index):
+                texts.append(self.engine.generate([t], G, self.r.temperature, self.r.top_p,
+                                                  seed=(self.r.seed * 1_000_003 + step) * 100_003 + i)[0])
+                sampled.append(self.engine.last_ids[0])  # the tokens drawn (EOS kept): what the loss scores
             model.train(was)
         rewards = torch.tensor([[score(self.reward, self.rl.reward, q, t) for t in answers]
                                 for q, answers in zip(flat, texts)], dtype=torch.float32, device=dev).view(-1)
@@ -193,8 +190,8 @@ class Rollouts:
             every = accelerator.gather(rewards)
             adv = (rewards - rewards.view(-1, G).mean(1).repeat_interleave(G)) / (every.std() + 1e-4)
         items, at = [], 0
-        for q, p, answers in zip(flat, prompts, texts):
-            items.append({"prompt": p, "answers": [self.completion_ids(t) for t in answers],
+        for p, answers in zip(prompts, sampled):
+            items.append({"prompt": p, "answers": answers,
                           "rewards": rewards[at:at + G].tolist(), "advantages": adv[at:at + G].tolist()})
             at += G
         per = len(picked[0])

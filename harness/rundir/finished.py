@@ -5,6 +5,7 @@ config asks for more steps than the run planned; then it continues from its last
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -27,9 +28,9 @@ def finished_run(output_dir: str | Path) -> Optional[dict]:
 
 
 def more_steps(t, rep: dict) -> Optional[str]:
-    """What in the train section `t` (cfg.train) asks the finished run of report `rep` for more steps than it planned (e.g. "train.max_steps=6
-    (it planned 3)"), or None: its rerun has nothing to do. With train.max_steps=-1, more epochs than its config.yaml
-    names."""
+    """What in the train section `t` (cfg.train) asks the finished run of report `rep` for more steps than it planned
+    (e.g. "train.max_steps=6 (it planned 3)"), or None: its rerun has nothing to do. With train.max_steps=-1, more
+    epochs than its config.yaml names."""
     planned = rep.get("planned_steps") or 0
     if t.max_steps > 0:
         return f"train.max_steps={t.max_steps} (it planned {planned})" if t.max_steps > max(planned, rep["steps"]) \
@@ -68,3 +69,16 @@ def describe_finished(output_dir: str | Path, rep: dict) -> str:
     return (f"[harness] {out} holds a finished run (step {rep.get('steps')}/{rep.get('planned_steps')}"
             f"{', stopped by its time budget' if rep['stopped_by'] else ''}): {final}report {out / 'report.json'}, "
             f"metrics {out / 'metrics.jsonl'}; nothing to do (train.overwrite=true trains it again)")
+
+
+def nothing_to_do(t) -> bool:
+    """train.py's first question (`t`: cfg.train): True when the folder holds a finished run that the config asks
+    nothing more of (said once, by the main process: nothing is started or rewritten). When it asks for more steps,
+    that is said and the run goes on from the finished run's last checkpoint (False)."""
+    done = None if t.overwrite else finished_run(t.output_dir)
+    asks = more_steps(t, done) if done is not None else None
+    line = None if done is None else describe_finished(t.output_dir, done) if asks is None else \
+        continue_finished(t.output_dir, done, asks)
+    if line is not None and os.environ.get("RANK", "0") == "0":
+        print(line, flush=True)
+    return done is not None and asks is None

@@ -9,6 +9,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from harness.errors import HarnessError
+
 
 # ----------------------------------------------------------------------------------------------- pure arithmetic
 
@@ -43,6 +45,11 @@ class Calibration:
     optimizer_s_per_step: float  # clip + optimizer step + zero_grad, part of s_per_step
     world_size: int = 1
     source: str = ""
+    # loss.mode=rl: a generation batch's seconds (part of s_per_step: gen_s_per_batch / steps_per_generation a step),
+    # every steps_per_generation (rl.iterations) steps; and the training passes' seconds per step (part of s_per_step)
+    gen_s_per_batch: float = 0.0
+    steps_per_generation: int = 1
+    rl_train_s_per_step: float = 0.0
 
 
 def estimate(steps: int, cal: Calibration, evals: int, save_every_steps: int = 0, save_every_minutes: float = 0.0,
@@ -50,10 +57,13 @@ def estimate(steps: int, cal: Calibration, evals: int, save_every_steps: int = 0
     """Seconds per phase and in total for a run of `steps` optimizer steps.
 
     work_ratio scales the compute per step (another max_len or packing); opt_steps_ratio scales the optimizer cost
-    per step (unchanged unless accumulation changes what a step holds)."""
-    compute = cal.s_per_step - cal.optimizer_s_per_step
+    per step (unchanged unless accumulation changes what a step holds). loss.mode=rl: the steps without generation,
+    plus ceil(steps / rl.iterations) generation batches (the first step of each makes one)."""
+    gen_share = cal.gen_s_per_batch / cal.steps_per_generation
+    compute = cal.s_per_step - cal.optimizer_s_per_step - gen_share
     per_step = compute * work_ratio + cal.optimizer_s_per_step * opt_steps_ratio
-    train = steps * per_step
+    generations = math.ceil(steps / cal.steps_per_generation) if cal.gen_s_per_batch else 0
+    train = steps * per_step + generations * cal.gen_s_per_batch
     saves = count_saves(steps, save_every_steps, train, save_every_minutes)
     phases = {
         "startup_s": cal.startup_s,
@@ -64,7 +74,7 @@ def estimate(steps: int, cal: Calibration, evals: int, save_every_steps: int = 0
         "export_s": cal.export_s,
     }
     return {"steps": steps, "s_per_step": per_step, "optimizer_s_per_step": cal.optimizer_s_per_step * opt_steps_ratio,
-            "evals": evals, "checkpoints": saves, **phases, "total_s": sum(phases.values())}
+            "generations": generations, "generation_s": generations * cal.gen_s_per_batch, "evals": evals, "checkpoints": saves, **phases, "total_s": sum(phases.values())}
 
 
 def padded_positions(lengths: list[int], micro_batch: int, seed: int) -> int:
@@ -111,3 +121,14 @@ def largest_fitting(lo: int, hi: int, total_for: Callable[[int], float], window_
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if total_for(mid) <= window_s else (lo, mid)
     return lo
+
+
+def steady_rate(records: list[dict], settle: int) -> tuple[float, float]:
+    """(steady seconds per step after `settle`, extra seconds of the first `settle` steps) from metrics records
+    that carry step and elapsed_s; elapsed_s at step `settle` and at the last record."""
+    timed = {r["step"]: r["elapsed_s"] for r in records if "elapsed_s" in r and "loss" in r}
+    last = max(timed)
+    if settle not in timed or last <= settle:
+        raise HarnessError(f"calibration logged steps {sorted(timed)}: need step {settle} and a later one")
+    s = (timed[last] - timed[settle]) / (last - settle)
+    return s, max(0.0, timed[settle] - settle * s)

@@ -13,7 +13,8 @@ the training run finds it and records estimate against actual in report.json):
     (`schedule_steps` in harness/data/loaders.py, which the run uses);
  3. throughput: a calibration run of W + N optimizer steps of this very config through the real entry point (its
     own subprocess, on the hardware at hand), or a previous run's report.json: steady seconds per step, the extra
-    time of the first W steps (compilation, warm caches), start-up, one evaluation, one checkpoint, the export;
+    time of the first W steps (compilation, warm caches), start-up, one evaluation, one checkpoint, the export
+    (loss.mode=rl: 1 + 2 generation batches, the seconds generating and training apart, harness/tools/rl_plan.py);
  4. estimate = start-up + warm-up extra + steps x s/step + evaluations + checkpoints + export;
  5. window = hours - safety margin (default 30 minutes): fits or not;
  6. when it does not fit, adjustments, each re-estimated with the same arithmetic and with its reason: fewer
@@ -43,7 +44,9 @@ from harness.config import Config, load_config
 from harness.errors import ConfigError, HarnessError
 from harness.data.loaders import epoch_steps, schedule_steps
 from harness.observe.timing import SETTLE_STEPS, config_fingerprint, fmt_s
-from harness.tools.plan_arithmetic import Calibration, count_evals, epoch_work, estimate, fits, largest_fitting
+from harness.tools.plan_arithmetic import (Calibration, count_evals, epoch_work, estimate, fits, largest_fitting,
+                                           steady_rate)
+from harness.tools.rl_plan import rl_rates
 
 MEASURE_STEPS = 50  # calibration steps that are timed (fewer: run-to-run noise of ±10% seen on a shared CPU)
 SAFETY_MARGIN_MIN = 30.0
@@ -52,8 +55,9 @@ SAFETY_MARGIN_MIN = 30.0
 # ----------------------------------------------------------------------------------------------- measurement
 
 
-def calibration_from_report(path: str | Path) -> tuple[Calibration, dict]:
-    """Costs from a finished run's report.json (its `timings` and metrics.jsonl beside it)."""
+def calibration_from_report(path: str | Path, iterations: int = 1) -> tuple[Calibration, dict]:
+    """Costs from a finished run's report.json (its `timings` and metrics.jsonl beside it; loss.mode=rl: generation
+    and training seconds from metrics.jsonl, generation batches every `iterations` (rl.iterations) steps)."""
     p = Path(path)
     try:
         rep = json.loads(p.read_text())
@@ -77,18 +81,14 @@ def calibration_from_report(path: str | Path) -> tuple[Calibration, dict]:
         world_size=rep.get("world_size", 1),
         source=str(p),
     )
+    metrics = p.parent / "metrics.jsonl"
+    records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
+    logged = [r["step"] for r in records if "gen_s_per_step" in r]
+    if logged:  # loss.mode=rl: after the warm-up steps (a logged step at a generation batch's end), else all
+        settle = max((s for s in logged if s <= SETTLE_STEPS and s % iterations == 0 and s < max(logged)), default=0)
+        cal.gen_s_per_batch, cal.rl_train_s_per_step, _ = rl_rates(records, settle, iterations)
+        cal.steps_per_generation = iterations
     return cal, rep
-
-
-def steady_rate(records: list[dict], settle: int) -> tuple[float, float]:
-    """(steady seconds per step after `settle`, extra seconds of the first `settle` steps) from metrics records
-    that carry step and elapsed_s; elapsed_s at step `settle` and at the last record."""
-    timed = {r["step"]: r["elapsed_s"] for r in records if "elapsed_s" in r and "loss" in r}
-    last = max(timed)
-    if settle not in timed or last <= settle:
-        raise HarnessError(f"calibration logged steps {sorted(timed)}: need step {settle} and a later one")
-    s = (timed[last] - timed[settle]) / (last - settle)
-    return s, max(0.0, timed[settle] - settle * s)
 
 
 def calibrate(config_path: Optional[str], overrides: list[str], cfg: Config, settle: int, steps: int,
@@ -116,6 +116,9 @@ def calibrate(config_path: Optional[str], overrides: list[str], cfg: Config, set
         records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
         cal, rep = calibration_from_report(run / "report.json")
         cal.s_per_step, cal.warmup_extra_s = steady_rate(records, settle)
+        if cfg.loss.mode == "rl":  # generation and training seconds of the same steady steps
+            cal.gen_s_per_batch, cal.rl_train_s_per_step, _ = rl_rates(records, settle, cfg.rl.iterations)
+            cal.steps_per_generation = cfg.rl.iterations
         if launcher:  # the launcher's own start-up comes before the training process starts
             cal.startup_s += max(0.0, wall - rep["timings"]["process_wall_s"])
         cal.source = f"calibration run of {total} steps ({wall:.1f} s wall)"
@@ -132,6 +135,11 @@ def analyse_data(cfg: Config) -> dict:
     from harness.model import load_run_tokenizer
 
     d, mode, out = cfg.data, cfg.loss.mode, {}
+    if mode == "rl":  # the stream is the rft task's train questions, answered during the run
+        from harness.rft.tasks import build_task
+
+        n = len(build_task(cfg.rft).split("train"))
+        return {"primary": "rl", "rl": {"questions": n, "items": n}}
     tok = load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
     if mode == "preference":  # a pair is two sequences (chosen, rejected) in one forward pass: both are counted
         from harness.data import chat, pairs
@@ -172,8 +180,10 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
     world = max(1, cal.world_size // t.sequence_parallel)  # data-parallel ranks: what the schedule divides by
     primary = data[data["primary"]]
     mb = t.emb_micro_batch_size if data["primary"] == "embedding" else t.micro_batch_size  # pairs: micro_batch_size
+    if data["primary"] == "rl":  # a micro-batch of questions (harness.rl.rollout.question_loader)
+        mb = max(1, cfg.rl.questions_per_step // (world * t.grad_accum))
     sched = schedule_steps(primary["items"], mb, world, t.grad_accum, t.max_steps, t.epochs)
-    has_eval = bool(cfg.data.eval_files or cfg.data.emb_eval_files)
+    has_eval = bool(cfg.data.eval_files or cfg.data.emb_eval_files) or cfg.loss.mode == "rl"  # rl: `rft test`
     window = hours * 3600 - margin_min * 60
 
     def run_estimate(steps: int, work_ratio: float = 1.0, opt_ratio: float = 1.0) -> dict:
@@ -190,6 +200,12 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
                      + (f"; packed into {gen['items']} rows of {gen['max_len']}" if gen["packing"] else ""))
     if "embedding" in data:
         lines.append(f"data: {data['embedding']['samples']} embedding queries (primary stream: it defines epochs)")
+    if "rl" in data:
+        r = cfg.rl
+        lines.append(f"data: {data['rl']['questions']} train questions of rft.task={cfg.rft.task}; a generation batch "
+                     f"every rl.iterations={r.iterations} step(s): rl.questions_per_step {r.questions_per_step} x "
+                     f"rl.num_generations {r.num_generations} = {r.questions_per_step * r.num_generations} answers of "
+                     f"up to rft.max_new_tokens {cfg.rft.max_new_tokens} tokens")
     pref = data.get("preference")
     if pref:
         lines.append(f"data: {pref['pairs']} preference pairs = {pref['sequences']} sequences (chosen and rejected "
@@ -204,11 +220,19 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
                  + (f"train.max_steps = {t.max_steps} steps" if t.max_steps > 0 else
                     f"{t.epochs:g} epoch(s) -> {sched['total_steps']} optimizer steps"))
     lines.append(f"throughput ({cal.source}): {cal.s_per_step:.4f} s per step steady ({cal.optimizer_s_per_step:.4f} s "
-                 f"of it in the optimizer), first {SETTLE_STEPS} steps +{cal.warmup_extra_s:.1f} s, start-up "
+                 f"of it in the optimizer), first {cal.steps_per_generation if cal.gen_s_per_batch else SETTLE_STEPS} "
+                 f"steps +{cal.warmup_extra_s:.1f} s, start-up "
                  f"{cal.startup_s:.1f} s, evaluation {cal.eval_s:.1f} s, checkpoint {cal.save_s:.1f} s, export "
                  f"{cal.export_s:.1f} s")
+    gen_part = ""
+    if cal.gen_s_per_batch:  # loss.mode=rl: the step split into generation and training
+        rest = cal.s_per_step - cal.gen_s_per_batch / cal.steps_per_generation - cal.rl_train_s_per_step
+        lines.append(f"rl step: generation {cal.gen_s_per_batch:.4f} s per generation batch (every "
+                     f"{cal.steps_per_generation} step(s)) + training passes {cal.rl_train_s_per_step:.4f} s + the "
+                     f"rest (optimizer, logging) {rest:.4f} s per step")
+        gen_part = f" + {base['generations']} generation batches x {cal.gen_s_per_batch:.4f} s"
     lines.append(f"estimate: start-up {base['startup_s']:.1f} + warm-up {base['warmup_extra_s']:.1f} + "
-                 f"{base['steps']} steps x {base['s_per_step']:.4f} s = {base['train_s']:.1f} + {base['evals']} "
+                 f"{base['steps']} steps x {base['s_per_step']:.4f} s{gen_part} = {base['train_s']:.1f} + {base['evals']} "
                  f"evaluations {base['eval_s']:.1f} + {base['checkpoints']} checkpoints {base['checkpoint_s']:.1f} + "
                  f"export {base['export_s']:.1f} = {base['total_s']:.1f} s ({fmt_s(base['total_s'])})")
     ok = fits(base["total_s"], window)
@@ -325,20 +349,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--from-report", help="take the throughput from this earlier run's report.json (no calibration)")
     p.add_argument("--launcher", help="launch the calibration like the real run, e.g. \"accelerate launch "
                                       "--config_file accelerate_configs/zero2.yaml --num_processes 8\"")
-    p.add_argument("--settle-steps", type=int, default=SETTLE_STEPS, help=argparse.SUPPRESS)
-    p.add_argument("--steps", type=int, default=MEASURE_STEPS, help=f"timed calibration steps (default {MEASURE_STEPS})")
+    p.add_argument("--settle-steps", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, default=None, help=f"timed calibration steps (default {MEASURE_STEPS}; "
+                   "loss.mode=rl: 2 x rl.iterations, two generation batches, after one)")
     p.add_argument("--out", help="plan.json path (default <train.output_dir>/plan.json)")
     return p.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    cfg = load_config(args.config, args.overrides)
+    rl = cfg.loss.mode == "rl"  # a step generates (every rl.iterations steps): a short calibration, in whole batches
+    args.settle_steps = args.settle_steps or (cfg.rl.iterations if rl else SETTLE_STEPS)
+    args.steps = args.steps if args.steps is not None else 2 * cfg.rl.iterations if rl else MEASURE_STEPS
     if args.hours <= 0 or args.margin_minutes < 0 or args.steps < 1:
         raise ConfigError("harness plan: --hours must be > 0, --margin-minutes >= 0 and --steps >= 1")
-    cfg = load_config(args.config, args.overrides)
     say = lambda m: print(f"[plan] {m}", flush=True)  # noqa: E731
     if args.from_report:
-        cal, rep = calibration_from_report(args.from_report)
+        cal, rep = calibration_from_report(args.from_report, cfg.rl.iterations if rl else 1)
     else:  # first, while this process is idle and light (threads left by tokenization here slowed the child ~10%)
         if args.steps % args.settle_steps and args.settle_steps % args.steps:
             args.steps = -(-args.steps // args.settle_steps) * args.settle_steps  # both logged: multiples of the log interval

@@ -31,6 +31,7 @@ class ModelShape:
     # quantizes under model.quantization)
     note: str = ""  # how the shape was obtained when not from the recipe as is (offline sizing)
     chunkable_head: bool = True  # the chunked loss can take the output head (chunked_loss.resolve_chunked_ce)
+    head_dim: int = 0  # per attention head (the config's head_dim, else hidden / heads: the KV cache's size)
 
     @property
     def frozen(self) -> int:
@@ -41,6 +42,7 @@ def model_shape(cfg: Config) -> ModelShape:
     """Parameter count and shape of the recipe's model, built on the meta device (nothing allocated)."""
     import torch
 
+    from harness.distributed.sequence import attention_heads
     from harness.model import build_model, load_tokenizer
 
     m = cfg.model
@@ -87,6 +89,7 @@ def model_shape(cfg: Config) -> ModelShape:
         linear_params=linear_params,
         note=note,
         chunkable_head=_chunkable_head(model),
+        head_dim=attention_heads(c)[2],
     )
 
 

@@ -40,6 +40,10 @@ frozen base is partitioned only under ZeRO-3, which refuses quantized weights (t
 A recipe with a hub model.name_or_path and the architecture in model.config (with model_type) is sized offline from
 model.config.
 
+loss.mode=rl (GRPO): the training pass is a micro-batch of sampled answers (rows of longest prompt +
+rft.max_new_tokens positions), and the generation engine's KV cache sits beside the training state, kept through the
+training pass (column gen); under ZeRO-3 the generation gathers the full weights. The arithmetic: harness/tools/rl_plan.py.
+
 It prints the table and ends with one line `choice: zero0|zero1|zero2|zero3|zero3_offload|none`; exit status 0
 when a stage fits, 3 when none does (the table says how many GPUs would be needed).
 
@@ -64,6 +68,7 @@ from typing import Optional
 from harness.config import Config, load_config, lora_config
 from harness.errors import HarnessError
 from harness.tools.sizing import GIB, ModelShape, activation_terms, model_shape, sp_sizes, with_overrides
+from harness.tools.state_bytes import QUANT_BYTES, frozen_bytes, host_bytes, weight_bytes  # noqa: F401 - (also here)
 OPTIONS = ["0", "1", "2", "3", "3-offload"]
 ACCELERATE_CONFIG = {"0": "multi_gpu", "1": "zero1", "2": "zero2", "3": "zero3", "3-offload": "zero3_offload"}
 
@@ -91,38 +96,13 @@ class Row:
     overhead: float
     host: float = 0.0
     supported: bool = True  # False: QLoRA under ZeRO-3 (bitsandbytes' weights cannot be partitioned)
+    generation: float = 0.0  # loss.mode=rl: the engine's KV cache, kept through the training pass (+ reference copy)
+    gen_peak: float = 0.0  # loss.mode=rl, while generating in place of extra + activations (harness/tools/rl_plan.py)
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optim + self.extra + self.activations + self.overhead
-
-
-# bytes per parameter of a frozen base Linear weight quantized by bitsandbytes (harness.lora.quantization_kwargs):
-# nf4 with double quantisation: 4 bits + an 8-bit absmax per block of 64 + an fp32 constant per 256 blocks;
-# LLM.int8: 1 byte (its fp32 scale per output row is left out)
-QUANT_BYTES = {"4bit": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
-
-
-def frozen_bytes(shape: ModelShape, quantization: str, w: float) -> float:
-    """Bytes of the frozen base: quantized Linear weights at QUANT_BYTES, everything else at w bytes."""
-    if quantization == "none":
-        return shape.frozen * w
-    return shape.linear_params * QUANT_BYTES[quantization] + (shape.frozen - shape.linear_params) * w
-
-
-def weight_bytes(option: str, weights: str) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer states) bytes per trained parameter for one option. `weights` is what the run's
-    parameters are stored in (harness.distributed.zero.planned_weights under DeepSpeed): fp32 (autocast over fp32 weights;
-    DeepSpeed's torch_autocast) 4 + 4 + Adam 8; 16-bit (DeepSpeed's bf16 / fp16 modes) 2 + 2 + fp32 master 4 + Adam 8.
-    Stage 0 is plain DDP, except with bf16 weights (train.weights=bf16 runs DeepSpeed without ZeRO)."""
-    half = weights == "bf16" if option == "0" else weights in ("bf16", "fp16")
-    return (2, 2, 12) if half else (4, 4, 8)
-
-
-def host_bytes(w: int) -> int:
-    """Host bytes per trained parameter under ZeRO-3 offload: the weights, fp32 gradients 4 and Adam 8, plus the fp32
-    master copy 4 when the weights are 16-bit."""
-    return w + 4 + 8 + (4 if w == 2 else 0)
+        return (self.weights + self.grads + self.optim + self.overhead + self.generation
+                + max(self.extra + self.activations, self.gen_peak))
 
 
 def state_row(option: str, shape: ModelShape, hw: Hardware, activations: float, overhead: float,
@@ -213,7 +193,7 @@ def _state_lines(cfg: Config, shape: ModelShape, hw: Hardware, weights: str) -> 
 
 
 def _table(cfg: Config, shape: ModelShape, hw: Hardware, w: int, usable: float, overhead_gb: float,
-           weights: str = "fp32") -> tuple[list[str], list[Row], Optional[str]]:
+           weights: str = "fp32", gen=None) -> tuple[list[str], list[Row], Optional[str]]:
     """Activation lines (w: bytes per activation value), the table rows and the lowest option that fits."""
     out = [f"activations ({'16-bit' if w == 2 else 'fp32'}, micro-batch {cfg.train.micro_batch_size}, "
            f"max_len {cfg.data.max_len}, gradient checkpointing {'on' if cfg.model.gradient_checkpointing else 'off'}):"]
@@ -222,9 +202,10 @@ def _table(cfg: Config, shape: ModelShape, hw: Hardware, w: int, usable: float, 
     out.append(f"fixed overhead per GPU (CUDA context, NCCL, workspaces): {overhead_gb:g} GiB; extra = DDP gradient "
                "buckets (stage 0) or the ZeRO-3 working set")
     rows = [state_row(o, shape, hw, act, overhead_gb * GIB, cfg.model.quantization, weights) for o in OPTIONS]
-    out.append("")
-    out.append(f"{'stage':<10}{'weights':>9}{'grads':>9}{'optim':>9}{'extra':>9}{'activ':>9}{'overhead':>9}"
-               f"{'total':>9}  GiB per GPU")
+    for r in rows if gen else ():  # loss.mode=rl: the generation's cache beside the training state
+        gen.apply(r, weight_bytes(r.option.split("-")[0], weights)[0])
+    out += ["", f"{'stage':<10}{'weights':>9}{'grads':>9}{'optim':>9}{'extra':>9}{'activ':>9}"
+            + (f"{'gen':>9}" if gen else "") + f"{'overhead':>9}{'total':>9}  GiB per GPU"]
     choice = None
     for r in rows:
         if not r.supported:
@@ -240,8 +221,9 @@ def _table(cfg: Config, shape: ModelShape, hw: Hardware, w: int, usable: float, 
             fits = fits and host_ok
             if not host_ok:
                 note += " too big"
-        out.append(f"{r.option:<10}" + "".join(f"{x / GIB:>9.1f}" for x in
-                   (r.weights, r.grads, r.optim, r.extra, r.activations, r.overhead, r.total)) + f"  {note}")
+        out.append(f"{r.option:<10}" + "".join(f"{x / GIB:>9.1f}" for x in (
+            r.weights, r.grads, r.optim, r.extra, r.activations, *((r.generation,) if gen else ()), r.overhead, r.total))
+            + f"  {note}")
         if fits and choice is None and not (r.option == "0" and cfg.train.sequence_parallel > 1):
             choice = r.option  # (sequence parallelism runs under ZeRO 1-3)
     return out, rows, choice
@@ -291,15 +273,25 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
         f"vocab {shape.vocab}",
     ]
     out += _state_lines(cfg, shape, hw, weights)
-    table, rows, choice = _table(cfg, shape, hw, w, usable, overhead_gb, weights)
+    gen = None
+    if cfg.loss.mode == "rl":  # the training pass is the answers' rows; the generation's cache sits beside it
+        from harness.model import load_run_tokenizer
+        from harness.tools import rl_plan
+
+        tokenizer = load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
+        gen = rl_plan.GenerationPlan(cfg.rl, cfg.rft, cfg.train, shape, rl_plan.prompt_tokens(cfg.rft, tokenizer),
+                                     hw.world)
+        out += gen.lines(weight_bytes("3", weights)[0])
+        cfg = rl_plan.training_view(cfg, hw.world, gen.memory(w).width)
+    table, rows, choice = _table(cfg, shape, hw, w, usable, overhead_gb, weights, gen)
     out += table
     proposal: Optional[str] = None
     proposal_args: tuple = ()
     if choice not in OPTIONS[:4]:
         # what makes a stage 0-3 fit without CPU offload, cheapest first (docstring: "Proposals")
-        for sp, ckpt in _proposals(cfg, shape, hw, w, usable, overhead_gb, weights):
+        for sp, ckpt in _proposals(cfg, shape, hw, w, usable, overhead_gb, weights, gen):
             trial = with_overrides(cfg, sp, ckpt)
-            _, t_rows, t_choice = _table(trial, shape, hw, w, usable, overhead_gb, weights)
+            _, t_rows, t_choice = _table(trial, shape, hw, w, usable, overhead_gb, weights, gen)
             if t_choice not in OPTIONS[:4]:
                 continue
             r = t_rows[OPTIONS.index(t_choice)]
@@ -325,7 +317,9 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
             f"{hw.gpus_per_node}): " + ("16 x P" if shape.trainable is None else f"16 x T + {wd} x F")
             + f" = {states / GIB:.1f} GiB over {room:.1f} GiB left per GPU"
             if need else "the activations alone exceed a GPU: lower train.micro_batch_size or data.max_len, set "
-            "model.gradient_checkpointing=true, or share each row over GPUs (train.sequence_parallel)"
+            "model.gradient_checkpointing=true, or share each row over GPUs (train.sequence_parallel)" if gen is None
+            else "the answers' activations and the KV cache exceed a GPU: raise train.grad_accum (fewer answers a "
+            "micro-batch), set model.gradient_checkpointing=true, cap the cache with rft.kv_cache_gb"
             if rows[3].supported else
             "quantized weights are not partitioned (no ZeRO-3): lower train.micro_batch_size or data.max_len, or use "
             "a larger GPU"))
@@ -342,14 +336,14 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
 
 
 def _proposals(cfg: Config, shape: ModelShape, hw: Hardware, w: int, usable: float, overhead_gb: float,
-               weights: str) -> list[tuple[int, bool]]:
+               weights: str, gen=None) -> list[tuple[int, bool]]:
     """(sequence_parallel, checkpointing) to try, cheapest first. A row of data.max_len tokens that does not fit a
     GPU even one to a micro-batch is a long-sequence problem: sequence parallelism (no recomputation, an all-to-all
     inside each node) comes before activation checkpointing (the forward computed twice: about a third more
     compute), and both last. Where one row fits (the micro-batch is what is too large), checkpointing alone: a
     smaller train.micro_batch_size is the other way, and the "no stage fits" line says so."""
     ckpt = not cfg.model.gradient_checkpointing  # (already on: nothing to add)
-    sizes = sp_sizes(cfg, shape, hw.gpus_per_node)
+    sizes = sp_sizes(cfg, shape, hw.gpus_per_node) if gen is None else []  # (loss.mode=rl: no sequence parallelism)
     if sizes:
         one_row = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1))
         if _table(one_row, shape, hw, w, usable, overhead_gb, weights)[2] in OPTIONS[:4]:
