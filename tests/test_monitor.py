@@ -202,11 +202,11 @@ def test_run_cost_so_far_and_projected_on_fixed_inputs():
 
 def test_plan_cost_and_of_run_read_the_config(monkeypatch):
     per_gpu = load_config(DEFAULT, ["train.price_per_hour=2.5", "train.price_unit=gpu"])
-    assert cost.plan_cost(3.0, per_gpu, n_gpus=8) == pytest.approx(60.0)
+    assert cost.plan_cost(3.0, per_gpu.train, n_gpus=8) == pytest.approx(60.0)
     per_machine = load_config(DEFAULT, ["train.price_per_hour=2.5"])
     assert per_machine.train.price_unit == "machine"
-    assert cost.plan_cost(3.0, per_machine, n_gpus=8) == pytest.approx(7.5)
-    assert cost.plan_cost(3.0, load_config(DEFAULT), n_gpus=8) is None
+    assert cost.plan_cost(3.0, per_machine.train, n_gpus=8) == pytest.approx(7.5)
+    assert cost.plan_cost(3.0, load_config(DEFAULT).train, n_gpus=8) is None
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # 16 processes, 8 per machine: two machines
     assert cost.of_run(per_machine.train, 16, 3600, 0.0)["so_far"] == pytest.approx(5.0)
     assert cost.of_run(per_gpu.train, 16, 3600, 0.0)["so_far"] == pytest.approx(40.0)

@@ -41,14 +41,14 @@ def run_cost(elapsed_s: float, eta_s: Optional[float], price_per_hour: float, pr
             "price_unit": price_unit, "gpus": n_gpus, "machines": n_machines}
 
 
-def plan_cost(hours: float, cfg, n_gpus: int, n_machines: int = 1) -> Optional[float]:
-    """Cost of `hours` of wall time for a run with config `cfg` (harness.config.Config; reads train.price_per_hour
-    and train.price_unit) on `n_gpus` GPUs over `n_machines` machines; None when no price is set.
+def plan_cost(hours: float, t, n_gpus: int, n_machines: int = 1) -> Optional[float]:
+    """Cost of `hours` of wall time for a run with train section `t` (cfg.train: price_per_hour, price_unit) on
+    `n_gpus` GPUs over `n_machines` machines; None when no price is set.
 
     For `harness plan`: call it with the plan's estimated hours, and again with each adjustment's hours, e.g.
-    `plan_cost(3.5, cfg, n_gpus=8)` -> 3.5 * 8 * price for price_unit gpu, 3.5 * price for price_unit machine;
+    `plan_cost(3.5, cfg.train, n_gpus=8)` -> 3.5 * 8 * price for price_unit gpu, 3.5 * price for price_unit machine;
     `format_cost(plan_cost(...))` gives the printable amount ("" when None)."""
-    rate = hourly_rate(cfg.train.price_per_hour, cfg.train.price_unit, n_gpus, n_machines)
+    rate = hourly_rate(t.price_per_hour, t.price_unit, n_gpus, n_machines)
     return None if rate is None else rate * hours
 
 
@@ -68,8 +68,9 @@ def progress_text(cost: Optional[dict]) -> str:
 
 
 def of_run(t, world: int, elapsed_s: float, eta_s: Optional[float]) -> Optional[dict]:
-    """`run_cost` for a run with train section `t` (cfg.train: price_per_hour, price_unit) on `world` processes (one per GPU); machines = world / processes per
-    machine (LOCAL_WORLD_SIZE, set by the launcher; 1 machine without it)."""
+    """`run_cost` for a run with train section `t` (cfg.train: price_per_hour, price_unit) on `world` processes (one
+    per GPU); machines = world / processes per machine (LOCAL_WORLD_SIZE, set by the launcher; 1 machine without
+    it)."""
     machines = max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world) or world))
     return run_cost(elapsed_s, eta_s, t.price_per_hour, t.price_unit, world, machines)
 

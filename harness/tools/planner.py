@@ -241,7 +241,7 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
                     f"does NOT fit: {fmt_s(base['total_s'] - window)} too long"))
     from harness.observe.cost import format_cost, plan_cost
 
-    price = lambda est: plan_cost(est["total_s"] / 3600, cfg, n_gpus=cal.world_size)  # noqa: E731 - None without a price
+    price = lambda est: plan_cost(est["total_s"] / 3600, cfg.train, n_gpus=cal.world_size)  # noqa: E731 - None without a price
     base["cost"] = price(base)
     if base["cost"] is not None:
         lines.append(f"cost: {base['total_s'] / 3600:.3f} h x {cfg.train.price_per_hour:g} per {cfg.train.price_unit} per "
