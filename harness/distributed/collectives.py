@@ -52,12 +52,7 @@ def on_main(accelerator, fn: Callable):
         except Exception as e:
             broadcast(accelerator, ("bug", one_line(e)))
             raise
-    outcome = broadcast(accelerator, outcome)
-    if outcome[0] == "error":
-        raise outcome[1](outcome[2])
-    if outcome[0] == "bug":
-        raise HarnessError(f"the main process failed ({outcome[1]}); see its traceback")
-    return outcome[1]
+    return _received(broadcast(accelerator, outcome))[1]
 
 
 @contextlib.contextmanager
@@ -82,12 +77,18 @@ def main_first(accelerator):
             raise
         broadcast(accelerator, ("ok",))
         return
-    outcome = broadcast(accelerator, None)
+    _received(broadcast(accelerator, None))
+    yield
+
+
+def _received(outcome: tuple) -> tuple:
+    """The main process's outcome on every process: ("ok", ...) returned; its HarnessError raised again here; any
+    other exception (its traceback stays on the main process) as a one-line error."""
     if outcome[0] == "error":
         raise outcome[1](outcome[2])
     if outcome[0] == "bug":
         raise HarnessError(f"the main process failed ({outcome[1]}); see its traceback")
-    yield
+    return outcome
 
 
 def share_by_size(items: list[tuple[str, int]], world: int) -> list[list[str]]:
