@@ -207,10 +207,11 @@ def test_rollouts_train_on_the_tokens_sampled():
     cfg = load_config("configs/grpo-tiny.yaml", [*TINY, "rl.num_generations=2", "rft.max_new_tokens=12",
                                                  "rft.temperature=1e-6"])
     torch.manual_seed(0)
-    tok = model_lib.load_run_tokenizer(cfg)
+    tok = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
     model = model_lib.build_model(cfg.model, tok).float().eval()
     task = build_task(cfg.rft)
-    ro = Rollouts(cfg, Accelerator(cpu=True), model, tok, task, 64, 0, lambda m: None)
+    ro = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, Accelerator(cpu=True), model, tok, task, 64, 0,
+                  lambda m: None)
     ro.generate([torch.tensor([0, 1, 2])], step=1)
     differs = 0
     for item in ro.items:
