@@ -225,6 +225,59 @@ def test_rollouts_train_on_the_tokens_sampled():
     assert differs  # (this model's answers are ones that re-tokenizing would have changed)
 
 
+# ----------------------------------------------------------------------------------------------- another layout
+
+
+def test_a_saved_generation_batch_is_shared_out_in_the_new_layout():
+    """Process r's k-th micro-batch of a generation batch was the batch's (k x processes + r)-th: the saved items go
+    back in the batch's order and each process of the new layout takes the micro-batches it would have drawn."""
+    from harness.rl.rollout import share
+
+    two = {"items": [["q0", "q2"], ["q1", "q3"]], "world": 2, "per": 1}  # 2 processes x 2 micro-batches of 1
+    assert share(two, 1, 0, 2, 4) == (["q0", "q1", "q2", "q3"], "")  # 1 process x micro-batches q0 q1 | q2 q3
+    assert [share(two, 4, r, 1, 4)[0] for r in range(4)] == [["q0"], ["q1"], ["q2"], ["q3"]]
+    one = {"items": [["q0", "q1", "q2", "q3"]], "world": 1, "per": 2}  # 1 process x 2 micro-batches of 2
+    assert [share(one, 2, r, 2, 4)[0] for r in range(2)] == [["q0", "q2"], ["q1", "q3"]]  # 2 x 2 micro-batches of 1
+    assert share({"items": [["q0", "q1"], ["q2", "q3"]], "world": 2}, 2, 1, 2, 4)[0] == ["q2", "q3"]  # no `per`
+    assert share({"items": [[], []], "world": 2, "per": 0}, 1, 0, 2, 4) == ([], "")  # no batch yet
+    mine, why = share(two, 1, 0, 2, 8)  # rl.questions_per_step changed: the batch cannot continue
+    assert mine == [] and "has 4 questions, rl.questions_per_step is 8" in why
+
+
+def test_an_rl_resume_on_another_process_count_keeps_the_questions_a_step(tmp_path):
+    """fit: rl.questions_per_step questions a generation batch on any process count, the accumulation the fewest
+    that keeps the checkpoint's questions a micro-batch (or fewer); the data position converted by questions read."""
+    from pathlib import Path
+
+    from harness.checkpoint import layout as elastic, resume
+    from harness.config import load_config
+    from harness.errors import ConfigError
+
+    step = tmp_path / "checkpoints" / "step-1"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("{}")
+    saved = {"processes": 2, "micro_batch_size": 8, "emb_micro_batch_size": 8, "grad_accum": 1, "zero_stage": None}
+    (step / "harness_state.json").write_text(json.dumps({"step": 1, "streams": {}, "layout": {**saved,
+                                                                                               "questions": 4}}))
+    cfg = load_config(str(ROOT / "configs/grpo-tiny.yaml"),
+                      [*TINY, f"train.output_dir={tmp_path}", "rl.questions_per_step=4", "train.grad_accum=1"])
+    planned = resume.plan(cfg, 1)  # 2 questions a micro-batch x 2
+    assert planned.cfg.train.grad_accum == 2 and planned.cfg.train.micro_batch_size == cfg.train.micro_batch_size
+    assert planned.resize.describe() == "2 -> 1 process(es), train.grad_accum 1 -> 2, global batch 4 questions kept"
+    assert resume.plan(cfg, 4).resize.describe() == ("2 -> 4 process(es), questions a micro-batch 2 -> 1, global "
+                                                     "batch 4 questions kept")
+    with pytest.raises(ConfigError, match=r"'rl.questions_per_step'.*resume on 1, 2, 4 process\(es\)"):
+        resume.plan(cfg, 3)
+    after = elastic.Layout(1, 8, 8, 2, questions=4)
+    for state in ({"streams": {"gen": {"epoch": 0, "batches": 1, "samples": 4}}, "layout": {**saved, "questions": 4}},
+                  # a checkpoint of a harness that counted `samples` with train.micro_batch_size (16) and no questions
+                  {"streams": {"gen": {"epoch": 0, "batches": 1, "samples": 16}}, "layout": saved}):
+        moved, resize, line = elastic.carry_over(Path("ck"), state, after, ("gen",), {"gen": 400}, False)
+        assert moved == {"gen": {"epoch": 0, "batches": 2}}  # 4 questions read: 2 micro-batches of 2
+        assert "layout changed: 2 -> 1 process(es), train.grad_accum 1 -> 2, global batch 4 questions kept" in line
+        assert "data position by rows read (gen 4 rows of epoch 0)" in line
+
+
 # ----------------------------------------------------------------------------------------------- runs
 
 from harness_launch import ROOT, metrics, run_train  # noqa: E402
@@ -317,3 +370,37 @@ def test_kill_9_mid_batch_then_the_same_command_equals_uninterrupted(one_process
     assert got[4]["reward"] == ref[4]["reward"] and got[4]["completion_length"] == ref[4]["completion_length"]
     assert got[4]["loss"] == pytest.approx(ref[4]["loss"], rel=1e-6, abs=1e-9)
     assert got[4]["clip_fraction"] == ref[4]["clip_fraction"]
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero2"])
+def test_two_processes_stopped_mid_batch_resume_on_one_as_uninterrupted(one_process, tmp_path, stage):
+    """2 processes (DDP; ZeRO-2 in the extended tier: its optimizer state through a universal checkpoint) with 2
+    questions each stop after step 1, the first of two steps on its generation batch; the same
+    command on 1 process goes on with train.grad_accum 1 -> 2 (2 questions a micro-batch as before: the 4 questions
+    a step kept). Step 2 trains on the saved batch (answers, advantages, old log-probs gathered from both processes,
+    taken in the new layout), step 3 draws the next 4 questions from the data position converted by questions read
+    (4: two micro-batches of 2 on 1 process, not the 1 each process had read), and steps 2-4 equal the uninterrupted
+    1-process run's: the same rewards and answer lengths (the same questions and answers: a wrong position or saved
+    batch would change them) and losses within 1e-5 relative (as test_two_processes_equal_one: the same sums in
+    another order and micro-batch split, fp32 ~1e-7)."""
+    from harness_launch import report
+
+    args = [*RUN, f"train.output_dir={tmp_path}"]
+    config = str(ROOT / "configs/grpo-tiny.yaml")
+    first = run_train([*args, "train.stop_at_step=1"], nproc=2, accel=stage, config=config, extra_env=ENV, timeout=900)
+    assert "stopped (stop_at_step) at step 1/4" in first.stdout, first.stdout[-3000:]
+    second = run_train(args, accel=None if stage == "ddp" else stage, config=config, extra_env=ENV, timeout=900)
+    said = second.stdout
+    assert ("layout changed: 2 -> 1 process(es), train.grad_accum 1 -> 2, global batch 4 questions kept; data position "
+            "by rows read (gen 4 rows of epoch 0)") in said, said[-3000:]
+    assert "no generation batch to continue" not in said
+    rep = report(tmp_path)
+    assert rep["world_size"] == 1 and rep["grad_accum"] == 2 and rep["resumed_from"].endswith("step-1")
+    ref = {m["step"]: m for m in metrics(one_process[0]) if "reward" in m}
+    got = {m["step"]: m for m in metrics(tmp_path) if "reward" in m}
+    assert sorted(got) == [1, 2, 3, 4]
+    scale = max(abs(m["loss"]) for m in ref.values())
+    for s in (2, 3, 4):
+        assert got[s]["reward"] == pytest.approx(ref[s]["reward"], rel=1e-6), s
+        assert got[s]["completion_length"] == ref[s]["completion_length"], s
+        assert abs(got[s]["loss"] - ref[s]["loss"]) <= 1e-5 * scale, (s, got[s]["loss"], ref[s]["loss"])

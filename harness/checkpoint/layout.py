@@ -41,6 +41,7 @@ class Layout:
     zero_stage: Optional[int] = None
     weights: Optional[str] = None  # the trained parameters' dtype (train.weights): fp32, bf16, fp16; None: unrecorded
     sequence_parallel: int = 1  # processes per sequence-parallel group (checkpoints before it: 1)
+    questions: Optional[int] = None  # loss.mode=rl: rl.questions_per_step, the question stream's global batch
 
     @property
     def world(self) -> int:
@@ -48,6 +49,8 @@ class Layout:
         return self.processes * self.sequence_parallel
 
     def micro(self, stream: str) -> int:
+        if stream == "gen" and self.questions:  # loss.mode=rl: questions a micro-batch (harness/rl/rollout.py)
+            return self.questions // (self.processes * self.grad_accum)
         return self.emb_micro_batch_size if stream == "emb" else self.micro_batch_size
 
     def global_batch(self, stream: str) -> int:
@@ -56,24 +59,37 @@ class Layout:
     def as_dict(self) -> dict:
         return {"processes": self.processes, "micro_batch_size": self.micro_batch_size,
                 "emb_micro_batch_size": self.emb_micro_batch_size, "grad_accum": self.grad_accum,
-                "zero_stage": self.zero_stage, "weights": self.weights, "sequence_parallel": self.sequence_parallel}
+                "zero_stage": self.zero_stage, "weights": self.weights, "sequence_parallel": self.sequence_parallel,
+                **({"questions": self.questions} if self.questions else {})}
 
 
 def streams_of(loss_mode: str) -> tuple[str, ...]:
-    return {"generative": ("gen",), "embedding": ("emb",), "preference": ("gen",)}.get(loss_mode, ("emb", "gen"))
+    return {"generative": ("gen",), "embedding": ("emb",), "preference": ("gen",), "rl": ("gen",)}.get(
+        loss_mode, ("emb", "gen"))
 
 
-def layout_of(t, world: int, zero_stage: Optional[int] = None, weights: Optional[str] = None) -> Layout:
+def rl_questions(loss, rl) -> Optional[int]:
+    """rl.questions_per_step for loss.mode=rl (the question stream's global batch), else None (cfg.loss, cfg.rl)."""
+    return rl.questions_per_step if loss.mode == "rl" else None
+
+
+def layout_of(t, world: int, zero_stage: Optional[int] = None, weights: Optional[str] = None,
+              questions: Optional[int] = None) -> Layout:
     """The layout of `world` launched processes (data-parallel ranks: world / train.sequence_parallel; `t`:
-    cfg.train)."""
+    cfg.train; questions: `rl_questions`)."""
     sp = t.sequence_parallel
     return Layout(max(1, world // sp), t.micro_batch_size, t.emb_micro_batch_size, t.grad_accum, zero_stage, weights,
-                  sp)
+                  sp, questions)
 
 
-def saved_layout(saved: Optional[dict]) -> Optional[Layout]:
-    """The layout a checkpoint was written with (its loop state's `layout`; None where it cannot be read)."""
-    return Layout(**saved["layout"]) if saved and saved.get("layout") else None
+def saved_layout(saved: Optional[dict], questions: Optional[int] = None) -> Optional[Layout]:
+    """The layout a checkpoint was written with (its loop state's `layout`; None where it cannot be read).
+    `questions` (loss.mode=rl): taken for a checkpoint of a harness that did not record them (rl.questions_per_step
+    as configured now)."""
+    if not (saved and saved.get("layout")):
+        return None
+    layout = Layout(**saved["layout"])
+    return replace(layout, questions=questions) if questions and not layout.questions else layout
 
 
 @dataclass
@@ -107,13 +123,17 @@ class Resize:
             parts.append(f"train.grad_accum {b.grad_accum} -> {a.grad_accum}")
         for s in self.streams:
             key = "train.emb_micro_batch_size" if s == "emb" else "train.micro_batch_size"
+            if s == "gen" and a.questions:
+                key = "questions a micro-batch"
             if b.micro(s) != a.micro(s):
                 parts.append(f"{key} {b.micro(s)} -> {a.micro(s)}")
-        kept = [f"{a.global_batch(s)} {'queries' if s == 'emb' else 'sequences'}" for s in self.streams]
+        kept = [f"{a.global_batch(s)} {unit(s, a)}" for s in self.streams]
         same = all(a.global_batch(s) == b.global_batch(s) for s in self.streams)
-        # another process count changes the batch only through train.global_batch_size; the same count through the
-        # config's micro-batch sizes and accumulation (named above)
-        why = ", train.global_batch_size" if b.processes != a.processes else ""
+        # another process count changes the batch only through train.global_batch_size (loss.mode=rl:
+        # rl.questions_per_step, on any count); the same count through the config's micro-batch sizes and
+        # accumulation (named above)
+        why = ", rl.questions_per_step" if a.questions else ", train.global_batch_size" if b.processes != a.processes \
+            else ""
         parts.append(f"global batch {' + '.join(kept)} " + ("kept" if same else
                      "(was " + " + ".join(str(b.global_batch(s)) for s in self.streams) + f"{why})"))
         was, now = self.contrastive_batch(b), self.contrastive_batch(a)
@@ -130,14 +150,23 @@ class Resize:
                    if "emb" in self.streams else {})}
 
 
-def fit(t, loss_mode: str, gather_negatives: bool, path: Path, before: Optional[Layout], world: int):
+def unit(stream: str, layout: Layout) -> str:
+    return "queries" if stream == "emb" else "questions" if layout.questions else "sequences"
+
+
+def fit(t, loss_mode: str, gather_negatives: bool, path: Path, before: Optional[Layout], world: int,
+        questions: Optional[int] = None):
     """(train section, Resize or None) for an attempt of `world` processes resuming checkpoint `path` written in the
     layout `before`: under another number of data-parallel processes (world / train.sequence_parallel), a config whose
     train.grad_accum (and where it must, micro-batch sizes) keep the checkpoint's global batch (train.global_batch_size, when set, is the batch asked for instead).
     train.micro_batch_size=auto chooses its own split of train.global_batch_size. `t`: cfg.train; loss_mode,
-    gather_negatives: loss.mode, loss.gather_negatives."""
+    gather_negatives: loss.mode, loss.gather_negatives; questions: `rl_questions` (loss.mode=rl: `fit_questions`)."""
     launched, world = world, max(1, world // t.sequence_parallel)  # from here: data-parallel ranks
-    if before is None or before.processes == world or t.micro_batch_size == "auto":
+    if before is None or before.processes == world:
+        return t, None
+    if questions:
+        return fit_questions(t, path, before, world, questions)
+    if t.micro_batch_size == "auto":
         return t, None
     streams = streams_of(loss_mode)
     targets = {s: before.global_batch(s) for s in streams}
@@ -151,6 +180,29 @@ def fit(t, loss_mode: str, gather_negatives: bool, path: Path, before: Optional[
     train = replace(t, grad_accum=accum, micro_batch_size=micro.get("gen", t.micro_batch_size),
                     emb_micro_batch_size=micro.get("emb", t.emb_micro_batch_size))
     return train, Resize(path, before, layout_of(train, launched), streams, gather_negatives)
+
+
+def fit_questions(t, path: Path, before: Layout, world: int, questions: int):
+    """fit for loss.mode=rl: the generation batch is rl.questions_per_step questions on any process count; the
+    accumulation is the fewest that splits them into whole micro-batches of at most the checkpoint's questions a
+    micro-batch (the answers' training pass known to fit), and of at most what this config's train.grad_accum gives
+    on `world` processes where that is smaller."""
+    before = before if before.questions else replace(before, questions=questions)
+    cap = before.micro("gen")
+    if questions % (world * t.grad_accum) == 0:
+        cap = min(cap, questions // (world * t.grad_accum))
+    accum = choose_accum({"gen": questions}, {"gen": cap}, world)
+    if accum is None:
+        counts = [p for p in range(1, 2 * max(world, before.processes) + 1)
+                  if choose_accum({"gen": questions}, {"gen": cap}, p) is not None]
+        raise ConfigError(f"config key 'rl.questions_per_step': the run's {questions} questions a generation batch "
+                          f"({path.name}: {before.micro('gen')} a micro-batch x accumulation {before.grad_accum} x "
+                          f"{before.processes} process(es)) do not split into whole micro-batches of at most {cap} "
+                          f"questions x accumulation x {world} process(es); resume on "
+                          f"{', '.join(map(str, counts)) or 'the original number of'} process(es), or change "
+                          f"rl.questions_per_step knowingly")
+    train = replace(t, grad_accum=accum)
+    return train, Resize(path, before, layout_of(train, world, questions=questions), ("gen",))  # (rl: no SP)
 
 
 def choose_accum(targets: dict, caps: dict, world: int) -> Optional[int]:
@@ -211,7 +263,12 @@ def carry_over(path: Path, saved: dict, after: Layout, streams: tuple, sizes: di
                gather_negatives: bool = False) -> tuple[dict, Optional[Resize], str]:
     """After loading checkpoint `path` (loop state `saved`) into the layout `after`: (each stream's position in
     `after`, the Resize when the layout changed (else None), what the resume line adds)."""
-    before = saved_layout(saved)
+    before = saved_layout(saved, after.questions)
+    if after.questions and before is not None and not saved["layout"].get("questions"):
+        # loss.mode=rl, a checkpoint of a harness that counted its `samples` with train.micro_batch_size: from
+        # `batches` and the questions a micro-batch instead
+        saved = {**saved, "streams": {n: {k: v for k, v in p.items() if k != "samples"}
+                                      for n, p in saved["streams"].items()}}
     moved, notes = positions(saved["streams"], before, after, sizes)
     if before is None or (before.processes, before.grad_accum, before.sequence_parallel) == (
             after.processes, after.grad_accum, after.sequence_parallel) and all(

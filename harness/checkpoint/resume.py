@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 from harness.checkpoint import datafiles
 from harness.checkpoint.layout import (Resize, carry_over, check_same_engine, check_same_weights, fit,
-                                       layout_of, needs_universal, saved_layout)
+                                       layout_of, needs_universal, rl_questions, saved_layout)
 from harness.checkpoint.manifest import MARKER, STATE_FILE, Verification, verify_checkpoint
 from harness.checkpoint.store import checkpoints_root, is_complete, list_checkpoints, step_of
 from harness.checkpoint.universal import load_universal, repair_universal_load, universal_view
@@ -80,7 +80,9 @@ def plan(cfg, world: int) -> Plan:
     target, saved = newest_target(cfg.train)
     if target is None:
         return Plan(cfg, None, target, saved)
-    train, resize = fit(cfg.train, cfg.loss.mode, cfg.loss.gather_negatives, target, saved_layout(saved), world)
+    questions = rl_questions(cfg.loss, cfg.rl)
+    train, resize = fit(cfg.train, cfg.loss.mode, cfg.loss.gather_negatives, target, saved_layout(saved, questions),
+                        world, questions)
     return Plan(cfg if train is cfg.train else replace(cfg, train=train), resize, target, saved)
 
 
@@ -120,7 +122,8 @@ def restore(start: Start, accelerator, t, zero_stage: Optional[int], weights: st
     loaded on every process, its data position in this attempt's layout, this config's optim.lr: `new_peak_lr`) or
     step 0's. `t`: cfg.train; quantized: model.quantization is not none; gather_negatives: loss.gather_negatives;
     peak_lr: optim.lr."""
-    layout = layout_of(t, accelerator.num_processes, zero_stage, weights)
+    questions = rl_questions(start.plan.cfg.loss, start.plan.cfg.rl)  # loss.mode=rl: rl.questions_per_step
+    layout = layout_of(t, accelerator.num_processes, zero_stage, weights, questions)
     if start.path is None:
         return Resumed(LoopState(streams={n: {"epoch": 0, "batches": 0} for n in streams}, layout=layout.as_dict(),
                                  data_files=start.data_files, seed=t.seed), None, None)

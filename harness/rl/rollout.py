@@ -115,6 +115,27 @@ def gathered_for_generation(accelerator, model, zero_stage: int):
             offload._register_deepspeed_module(offload.module)
 
 
+def share(state: dict, world: int, rank: int, accum: int, questions: int) -> tuple[list, str]:
+    """(process `rank`'s items of a saved generation batch in a layout of `world` processes x `accum` micro-batches,
+    why there are none where the batch cannot continue). A saving process r's k-th micro-batch of `per` questions
+    was the batch's (k x processes + r)-th (accelerate deals a loader's batches to the processes in turn): the
+    items are put back in the batch's order, and each process takes the micro-batches it would have drawn in the
+    new layout (rank r: the (k x world + r)-th ones), as an uninterrupted run of that layout holds them. A
+    checkpoint without `per` (an older harness, which refused another process count) is split as it was saved."""
+    parts, saved_world, per = state["items"], state.get("world", len(state["items"])), state.get("per")
+    ordered = [it for k in range(len(parts[0]) // per) for r in range(saved_world)
+               for it in parts[r][k * per:(k + 1) * per]] if per else [it for part in parts for it in part]
+    if not ordered:
+        return [], ""
+    if len(ordered) != questions:
+        return [], (f"the checkpoint's generation batch has {len(ordered)} questions, rl.questions_per_step is "
+                    f"{questions}")
+    if not per:  # each process its part, as saved (the same process count)
+        return ordered[rank * questions // world:(rank + 1) * questions // world], ""
+    n = questions // (world * accum)
+    return [it for k in range(accum) for it in ordered[(k * world + rank) * n:(k * world + rank + 1) * n]], ""
+
+
 class Rollouts:
     """The generation batches of a run (see the module docstring): `step_batches(questions, step)` gives the step's
     grad_accum training micro-batches; `evaluate()` the greedy accuracy on the task's test split."""
@@ -142,6 +163,7 @@ class Rollouts:
         self.current: list = []  # the generation batch's micro-batches (on the device)
         self.figures = StepSums()  # its rewards and lengths, logged with every step trained on it
         self.items: list = []  # the same as questions: prompt, answers, rewards, advantages, old / reference log-probs
+        self.dropped = ""  # why a checkpoint's half-used generation batch could not continue (`share`)
 
     def prompt_text(self, q: Question) -> str:
         """The question in the model's chat template, ending where the answer starts (as `rft generate` asks)."""
@@ -152,8 +174,8 @@ class Rollouts:
         grad_accum question micro-batches of `questions`), else the current one again."""
         if (step - 1) % self.rl.iterations == 0 or not self.current:
             if (step - 1) % self.rl.iterations:
-                self.say(f"[harness] rl: no generation batch to continue at step {step} (a checkpoint without "
-                         f"one): a new one starts here")
+                self.say(f"[harness] rl: no generation batch to continue at step {step} "
+                         f"({self.dropped or 'a checkpoint without one'}): a new one starts here")
             picked = [next(questions) for _ in range(self.accum)]
             t0 = time.perf_counter()
             self.current, self.figures = self.generate(picked, step)
@@ -233,23 +255,21 @@ class Rollouts:
 
     # ---- saved with each checkpoint (accelerate's register_for_checkpointing): the half-used generation batch
     def state_dict(self) -> dict:
-        """Every process's items of the current generation batch, in process order (collective)."""
+        """Every process's items of the current generation batch, in process order, and the questions a micro-batch
+        (`per`) that place them in the batch's question order (collective)."""
         from accelerate.utils import gather_object
 
         world = self.accelerator.num_processes
-        return {"items": gather_object([self.items]) if world > 1 else [self.items], "world": world}
+        return {"items": gather_object([self.items]) if world > 1 else [self.items], "world": world,
+                "per": len(self.items) // self.accum}
 
     def load_state_dict(self, state: dict) -> None:
-        """This process's share of the saved generation batch, in grad_accum micro-batches again."""
-        world, rank, accum = self.accelerator.num_processes, self.accelerator.process_index, self.accum
-        if state.get("world", world) != world:  # the question stream's position would not carry over: refused
-            raise HarnessError(f"loss.mode=rl: the checkpoint was written by {state['world']} process(es), this run "
-                               f"has {world}; resuming on another process count is not supported yet for rl: "
-                               f"launch {state['world']} process(es)")
-        everything = [it for part in state["items"] for it in part]
-        if not everything:
+        """This process's share of the saved generation batch (`share`: in this run's layout, which may have
+        another process count and accumulation), in grad_accum micro-batches again."""
+        world, accum = self.accelerator.num_processes, self.accum
+        mine, self.dropped = share(state, world, self.accelerator.process_index, accum, self.rl.questions_per_step)
+        if not mine:
             return
-        mine = everything[rank * len(everything) // world:(rank + 1) * len(everything) // world]
         per = len(mine) // accum
         self.items = mine
         self.current = [self.batch(mine[k:k + per]) for k in range(0, len(mine), per)]
