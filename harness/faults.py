@@ -12,6 +12,9 @@ with neither variable set nothing here does anything.
                                   counted across attempts (tests/test_elastic.py)
     HARNESS_FAULT_SIGNAL_AT=lock  the process sends itself SIGTERM as soon as its run lock file exists, before the
                                   lock's holder is written (tests/test_runlock.py: a stop in that instant)
+    HARNESS_FAULT_PAUSE=4         the loop waits (300 s) before it reads optimizer step 4's batches: a test's kill -9
+                                  lands after the checkpoint of step 3 and before anything of step 4, however fast
+                                  the steps are (tests/test_rl.py)
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ _NAN = _parse(os.environ.get("HARNESS_FAULT_NAN", ""))
 _DROP = {int(s) for s in os.environ.get("HARNESS_FAULT_DROP", "").split(",") if s.strip()}
 _TRACE = os.environ.get("HARNESS_TRACE_ROWS")
 _SIGNAL_AT = os.environ.get("HARNESS_FAULT_SIGNAL_AT")
+_PAUSE = {int(s) for s in os.environ.get("HARNESS_FAULT_PAUSE", "").split(",") if s.strip()}
 
 
 def signal_at(place: str) -> None:
@@ -42,6 +46,14 @@ def signal_at(place: str) -> None:
         import signal
 
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def pause(step: int) -> None:
+    """HARNESS_FAULT_PAUSE names optimizer step `step` (1-based): wait here, before the step reads its batches."""
+    if step in _PAUSE:
+        import time
+
+        time.sleep(300)
 
 
 def _matches(rule, step: int, micro: int, rank: int) -> bool:

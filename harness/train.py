@@ -80,6 +80,7 @@ def train_loop(job: Job, state: LoopState, side: SideWork) -> Optional[str]:
     while state.step < side.stop.stop_at:
         # ---- one optimizer step: `grad_accum` micro-batches of each stream (the step's trained-token count is
         # needed before its first backward pass), then train_step
+        faults.pause(state.step + 1)  # test hook: a kill -9 between two steps
         t_step = time.perf_counter()
         gen = [next(streams["gen"]) for _ in range(job.accum)] if "gen" in streams else [None] * job.accum
         emb = [next(streams["emb"]) for _ in range(job.accum)] if "emb" in streams else [None] * job.accum

@@ -339,8 +339,8 @@ def test_two_processes_equal_one(one_process, tmp_path, stage):
 
 
 def test_kill_9_mid_batch_then_the_same_command_equals_uninterrupted(one_process, tmp_path):
-    """kill -9 once the checkpoint of step 3 is complete (step 3 is the first of two on the generation batch of step
-    3): the same command again resumes there with the saved half-used batch (answers, advantages, old log-probs)
+    """kill -9 once the checkpoint of step 3 is complete, the run waiting before step 4 (step 3 is the first of two on
+    the generation batch of step 3): the same command again resumes there with the saved half-used batch (answers, advantages, old log-probs)
     and step 4 equals the uninterrupted run's: the same answers and rewards, and the same loss within 1e-6
     relative (the same weights, optimizer state and rows, the old log-probs saved in fp32 as computed: the same
     arithmetic in the same order, so in practice bit-equal; 1e-6 allows a different summation order of a kernel)."""
@@ -352,7 +352,9 @@ def test_kill_9_mid_batch_then_the_same_command_equals_uninterrupted(one_process
 
     out, _ = one_process
     args = [*RUN, "train.save_every_steps=1", f"train.output_dir={tmp_path}"]
-    env = {**os.environ, **ENV, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # the victim waits before step 4 (harness/faults.py): without it a fast machine finished step 4 and its checkpoint
+    # before the kill landed (the 50 ms poll below), and the resume no longer started mid-batch
+    env = {**os.environ, **ENV, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HARNESS_FAULT_PAUSE": "4"}
     proc = subprocess.Popen([sys.executable, "-m", "harness.train", "--config", str(ROOT / "configs/grpo-tiny.yaml"),
                              *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
