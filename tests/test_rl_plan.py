@@ -52,9 +52,9 @@ def test_kv_cache_arithmetic_by_hand_and_as_the_engine_sizes_it():
     assert engine.slot_bytes(32) == 8192 and engine.plan_slots(32) == 32
 
 
-def test_rl_training_rows():
+def test_rl_micro_batch_rows():
     cfg = load_config("configs/grpo-tiny.yaml", ["train.grad_accum=2", "rl.questions_per_step=16"])  # x 16 answers
-    assert rl_plan.training_rows(cfg.rl, cfg.train, 2) == 4 * 16  # 16 / (2 processes x 2 micro-batches) x 16
+    assert rl_plan.micro_batch_rows(cfg.rl, cfg.train, 2) == 4 * 16  # 16 / (2 processes x 2 micro-batches) x 16
 
 
 def test_zero_plan_names_the_generation_cache():

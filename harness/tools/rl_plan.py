@@ -76,17 +76,17 @@ def generation_memory(rl, rft, layers: int, kv_heads: int, head_dim: int, vocab:
                             math.ceil(100 * rollout / GIB) / 100)
 
 
-def training_rows(rl, train, world: int) -> int:
+def micro_batch_rows(rl, train, world: int) -> int:
     """Rows of a training micro-batch: rl.questions_per_step / (processes x grad_accum) questions x their answers."""
     return max(1, rl.questions_per_step // max(1, world * train.grad_accum)) * rl.num_generations
 
 
 def training_view(cfg, world: int, width: int):
     """The recipe as the activation arithmetic (harness.tools.sizing.activation_terms) reads a generative pass: a
-    micro-batch of training_rows rows of `width` positions, the output head always in chunks."""
+    micro-batch of micro_batch_rows rows of `width` positions, the output head always in chunks."""
     return dataclasses.replace(
         cfg, loss=dataclasses.replace(cfg.loss, mode="generative", chunked_ce=True),
-        train=dataclasses.replace(cfg.train, micro_batch_size=training_rows(cfg.rl, cfg.train, world)),
+        train=dataclasses.replace(cfg.train, micro_batch_size=micro_batch_rows(cfg.rl, cfg.train, world)),
         data=dataclasses.replace(cfg.data, max_len=width))
 
 
@@ -134,7 +134,7 @@ class GenerationPlan:
                    "(extra + activations) and (decode logits + gathered weights)")
         out.append(f"training pass: {rl.questions_per_step} questions / ({self.world} processes x grad_accum "
                    f"{self.train.grad_accum}) x {rl.num_generations} answers = "
-                   f"{training_rows(rl, self.train, self.world)} rows of {m.width} positions per micro-batch")
+                   f"{micro_batch_rows(rl, self.train, self.world)} rows of {m.width} positions per micro-batch")
         return out
 
 
