@@ -1,6 +1,13 @@
 """GPU check: the ~1B recipe on one CUDA GPU, one row per variant: tokens/s, MFU, memory, GPU busy share, losses.
 
-The next GPU visit (issue 45; 15 minutes of device time, its start included), one command of at most 9 minutes, its
+The next GPU visit (issue 57; docs/benchmarks.md "The next GPU visit"), one command of at most 9 minutes, its
+variants in the issue's order (the engine on the mixed workload, ours then transformers'; GRPO on gpu-1b; GritLM
+compiled and eager; ZeRO-3 compiled; fp8), each under its own cap (PRESET_CAPS), each row appended as its variant ends:
+
+    bash scripts/gpu_wheels.sh --install && timeout -s INT 540 python3 scripts/gpu_check.py --preset visit \
+      --budget-min 8.8 --out /tmp/gc --bench-out "$OUT/gpu-$(date -u +%F).json"
+
+The visit before (issue 45; 15 minutes of device time, its start included), one command of at most 9 minutes, its
 variants in the issue's order, each with its own time cap (rows appended to docs/bench/gpu-<UTC date>.json as each
 variant ends):
 
@@ -129,6 +136,12 @@ LOSS_STEPS = (20, 40, 100)  # loss_at: the logged interval means at these steps
 TOKENS_PER_ROW = 2048  # configs/gpu-1b.yaml data.max_len (packed rows)
 # DeepSpeed knobs for the bisection of the ZeRO loss gap: each a patch of the shipped ds_configs/zero2.json
 LONG_LENGTHS = (8192, 16384, 32768, 65536)
+# issue 57: GRPO on the random ~1B (the arithmetic task's prompts; a random model's answers run to max_new_tokens)
+RL_1B = ("loss.mode=rl", "rl.questions_per_step=8", "rl.num_generations=16", "rl.loss_type=dapo", "rl.beta=0.0",
+         "rft.max_new_tokens=256", "train.log_every=1", "train.micro_batch_size=8", "data.packing=false")
+# issue 57 / 52: the engine's mixed-length workload (answers from 1 to max_new_tokens: `harness rft bench --mixed`)
+MIXED_WORKLOAD = ("rft.max_new_tokens=512", "rft.stop_strings=[Question,'###']")
+BENCH_MIXED: tuple = ()  # harness rft bench's flag for that workload (issue 52's bench)
 
 
 def long_rows(n: int) -> tuple:
@@ -157,6 +170,7 @@ class Variant:
     processes: int = 1  # GPUs (accelerate --num_processes): 2 for the sequence-parallel variants
     tokens_per_row: int = 2048  # data.max_len of the variant (packed rows), for the estimate
     cap_s: Optional[float] = None  # its own time cap (start-up included); None: `cap_s` from the estimate
+    cpu_overrides: tuple = ()  # --cpu-smoke: after the others (a workload sized for a GPU, cut to a CPU's)
 
 
 def _train(accel: str, overrides: tuple, **kw) -> Variant:
@@ -259,7 +273,21 @@ VARIANTS: dict[str, Variant] = {
                                 note="harness rft bench --engines static,continuous with rft.compile=false (the "
                                      "eager step: is compilation worth it on CUDA?); not in the preset"),
 }
-RFT_ENGINE_CAP_S = {"rft_engine_ours": 300, "rft_engine_transformers": 240, "rft_engine_eager": 200}  # s, at most
+# issue 57 (`visit`): GRPO on gpu-1b, 8 questions x 16 answers a step, generation and training seconds apart
+# (metrics.jsonl's gen_s_per_step / train_s_per_step); the engine compiled (rft.compile null), the training pass eager
+# (compile with loss.mode=rl is not what this row measures)
+VARIANTS["grpo_1b"] = _train("single_gpu", EAGER + RL_1B, tok_s=4000, tokens_per_row=512, cap_s=75, startup_s=45,
+                             cpu_overrides=("rl.questions_per_step=2", "rl.num_generations=4", "rft.max_new_tokens=16"),
+                             note="loss.mode=rl (GRPO, dapo, beta 0) on the random ~1B: 8 questions x 16 answers, "
+                                  "up to 256 new tokens; gen and train seconds per step")
+# issue 57: the engine issue's mixed-length workload on gpu-1b (answers up to 512 tokens, two stop strings, 256 in
+# flight), the continuous engine compiled (CUDA graphs), then transformers' continuous batching, each under its cap
+for _name, _engine, _note in (("visit_engine", "continuous", "rft.engine=continuous, compiled step with CUDA graphs"),
+                              ("visit_engine_tf", "transformers", "rft.engine=transformers (continuous batching)")):
+    VARIANTS[_name] = Variant("rft", (f"rft.engine={_engine}", *MIXED_WORKLOAD), startup_s=100 if _engine ==
+                              "continuous" else 75, note=_note + "; mixed answer lengths up to 512, two stop strings")
+RFT_ENGINE_CAP_S = {"rft_engine_ours": 300, "rft_engine_transformers": 240, "rft_engine_eager": 200,
+                    "visit_engine": 100, "visit_engine_tf": 75}  # s, at most
 ALIASES = {"regional": "plain", "eager": "plain_eager", "zero3_regional": "zero3"}  # names of the 2026-11-23 rows
 PRESETS = {  # name: (variants, steps)
     "curve": (["plain", "zero1", "zero2", "zero3"], 100),
@@ -275,6 +303,15 @@ PRESETS = {  # name: (variants, steps)
     "bf16w": (["plain", "plain_bf16w", "plain_bf16w_mb16"], 100),
     "rft_plan": (["rft_generate", "plan_300", "rft_bench"], 300),
     "rft_engine": (["rft_engine_ours", "rft_engine_transformers"], 0),  # issue 46
+    # issue 57: one visit of at most 9 minutes, in the issue's order, each variant under its own cap (the caps add up
+    # to 525 s): the engine on the mixed workload (ours compiled, transformers'), GRPO's generation and training
+    # seconds, GritLM compiled and eager, ZeRO-3 compiled's step 1, fp8's loss at step 20
+    "visit": (["visit_engine", "visit_engine_tf", "grpo_1b:3", "gritlm:100", "gritlm_eager:30", "zero3:20", "fp8:20"],
+              100),
+}
+PRESET_CAPS = {  # a preset's own caps (s), where its call must fit a window: they win over the variants' cap_s
+    "visit": {"visit_engine": 100, "visit_engine_tf": 75, "grpo_1b": 75, "gritlm": 130, "gritlm_eager": 60,
+              "zero3": 45, "fp8": 40},
     "rft_engine39": (["rft_generate", "rft_generate_static", "rft_bench_mixed"], 0),
     "qlora": (["qlora", "qlora_eager", "qlora_mb16", "qlora_profile"], 40),
     "fp8": (["plain", "fp8", "plain_eager", "fp8_eager"], 100),
@@ -311,6 +348,11 @@ def cap_s(name: str, steps: int) -> float:
     of the variants after it."""
     v = VARIANTS[name]
     return v.cap_s if v.cap_s is not None else 1.5 * estimate_s(name, steps) + 60
+
+
+def own_cap(preset: Optional[str], name: str, steps: int) -> float:
+    """The cap a variant runs under in this call: its preset's (PRESET_CAPS), else its own (cap_s)."""
+    return PRESET_CAPS.get(preset or "", {}).get(name) or cap_s(name, steps)
 
 
 def parse_names(text: str, steps: int) -> list[tuple[str, int]]:
@@ -360,8 +402,10 @@ def launch_configs(name: str, accel: str, patch: Optional[dict], out_root: Path,
     return folder / f"{name}.yaml", ds
 
 
-def launch_env(deepspeed: bool) -> dict:
+def launch_env(deepspeed: bool, cpu: bool = False) -> dict:
     env = dict(os.environ)
+    if cpu:  # --cpu-smoke: train.precision=fp8 through torchao's emulation (a CPU has no float8 matmul)
+        env.setdefault("HARNESS_FP8_EMULATE", "1")
     if deepspeed:  # DeepSpeed on a CPU runs only without it (docs: cpu-distributed traps; a DDP run otherwise)
         env.pop("ACCELERATE_USE_CPU", None)
     # dynamo says why each recompile happened (the guard that failed) in the variant's log; unbuffered, so that those
@@ -529,7 +573,7 @@ def training_row(name: str, run: Path, rep: dict, recs: list[dict]) -> dict:
     return {
         "variant": name, "steps": rep.get("steps"), "precision": rep.get("precision"),
         "weights": rep.get("weights"), "zero_stage": rep.get("zero_stage"),
-        "compile": {"mode": "none"} if not comp else {
+        "compile": {"mode": "none" if rep else None} if not comp else {
             "mode": comp.get("mode"), "cold_compile_s": comp.get("cold_compile_s"),
             "recompiles": comp.get("recompiles_after_first_step"),
             "recompile_limit_hits": len(comp.get("recompile_limit_hit") or []),
@@ -550,8 +594,28 @@ def training_row(name: str, run: Path, rep: dict, recs: list[dict]) -> dict:
         "gpu_util_mean": util.get("gpu_util", {}).get("mean"), "gpu_util_p10": util.get("gpu_util", {}).get("p10"),
         "cpu_util_mean": util.get("cpu_util", {}).get("mean"),
         "gpu_mem_used_max_gb": util.get("gpu_mem_gb", {}).get("max"),
-        "compile_report": comp, "utilisation": rep.get("utilisation"),
+        "compile_report": comp, "utilisation": rep.get("utilisation"), **rl_figures(run, steady),
     }
+
+
+def rl_figures(run: Path, steady: list[dict]) -> dict:
+    """loss.mode=rl (grpo_1b): generation and training seconds per step apart, and the generation's new tokens/s
+    (the step's answers x their mean length / generation seconds), medians over the log intervals after the first."""
+    if not steady or "gen_s_per_step" not in steady[-1]:
+        return {}
+    import yaml
+
+    rl = (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("rl") or {}
+    answers = rl.get("questions_per_step", 0) * rl.get("num_generations", 0)
+
+    def med(key: str):
+        vals = [r[key] for r in steady if r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+
+    gen_s, length = med("gen_s_per_step"), med("completion_length")
+    return {"rl": {"gen_s_per_step": gen_s, "train_s_per_step": med("train_s_per_step"), "completion_length": length,
+                   "answers_per_step": answers, "reward": med("reward"),
+                   "gen_tokens_per_s": answers * length / gen_s if gen_s and length else None}}
 
 
 def train_command(name: str, v: Variant, steps: int, out_root: Path, extra: list[str], cpu: bool,
@@ -566,7 +630,7 @@ def train_command(name: str, v: Variant, steps: int, out_root: Path, extra: list
     patch = deep_merge(v.ds_patch or {}, ds_patch or {}) if v.accel.startswith("zero") else None
     accel_yaml, ds = launch_configs(name, v.accel, patch, out_root, cpu)
     args = [f"train.output_dir={out_root / name}", f"train.max_steps={steps}", "train.resume=null",
-            "train.monitor_interval_s=1", *overrides, *extra]
+            "train.monitor_interval_s=1", *overrides, *(v.cpu_overrides if cpu else ()), *extra]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accel_yaml), "--num_processes",
            str(v.processes), str(ROOT / "harness" / "train.py"), "--config", str(ROOT / "configs" / recipe), *args]
     return cmd, accel_yaml, {"json": ds, "patch": patch} if ds else None, args
@@ -604,10 +668,14 @@ def run_variant(name: str, steps: int, out_root: Path, extra: list[str], cpu: bo
     run = out_root / name
     shutil.rmtree(run, ignore_errors=True)  # a fresh run: a finished one in the folder would not run again
     log = out_root / f"{name}.log"
-    res = launch(cmd, log, cpu, timeout_s, launch_env(v.accel.startswith("zero")), limit)
+    res = launch(cmd, log, cpu, timeout_s, launch_env(v.accel.startswith("zero"), cpu), limit)
     seen = {"log": str(log), "recompile_log": recompile_reasons(res["output"])}
     if "error" in res:  # stopped at its cap, or failed: how far it got and what recompiled, beside its log
-        return {**head, **seen, "error": res["error"], "capped": res["rc"] is None, "cap_s": timeout_s,
+        recs, partial = metric_rows(run), {}
+        if res["rc"] is None and recs:  # at its cap: what the log intervals it finished measured (steady figures)
+            rep = json.loads((run / "report.json").read_text()) if (run / "report.json").is_file() else {}
+            partial = training_row(name, run, rep, recs)
+        return {**partial, **head, **seen, "error": res["error"], "capped": res["rc"] is None, "cap_s": timeout_s,
                 "reached_step": reached_step(res["output"]), "launch_s": res["seconds"]}
     rep = json.loads((run / "report.json").read_text())
     row = training_row(name, run, rep, metric_rows(run))
@@ -699,12 +767,17 @@ def run_rft_bench(name: str, out_root: Path, extra: list[str], cpu: bool, timeou
            "--questions", "32" if mixed and not cpu else "2", "--engines",
            "static,continuous" if mixed else "one,static,continuous", "--json", str(result), *over]
     if name in RFT_ENGINE_CAP_S:  # issue 46: one engine beside static, 256 in flight, under its own cap
-        timeout_s = min(timeout_s, RFT_ENGINE_CAP_S[name])
+        timeout_s = timeout_s if cpu else min(timeout_s, RFT_ENGINE_CAP_S[name])
         cmd[cmd.index("--questions") + 1] = "8" if cpu else "64"
-        cmd[cmd.index("--engines") + 1] = "static," + ("transformers" if name == "rft_engine_transformers" else
+        cmd[cmd.index("--engines") + 1] = "static," + ("transformers" if name in ("rft_engine_transformers", "visit_engine_tf") else
                                                          "continuous")
         cmd += ["--repeats", "3", "rft.micro_batch_sequences=256", "rft.questions_per_batch=16",
                 *([] if cpu else ["rft.oversample=16"])]
+        if name.startswith("visit_engine"):  # issue 57: the engine alone (no static beside it) on the mixed workload
+            cmd[cmd.index("--engines") + 1] = cmd[cmd.index("--engines") + 1].removeprefix("static,")
+            cmd += [*BENCH_MIXED, *(["rft.max_new_tokens=16"] if cpu else [])]
+            if cpu:  # the code path, not the figures: one small round
+                cmd[cmd.index("--questions") + 1], cmd[cmd.index("--repeats") + 1] = "2", "1"
     head = {"command": shlex.join(cmd), "note": VARIANTS[name].note, "gpu": gpu_name(), "seed": SEED_FIGURES}
     res = launch(cmd, out_root / f"{name}.log", cpu, timeout_s)
     if "error" in res:
@@ -714,7 +787,7 @@ def run_rft_bench(name: str, out_root: Path, extra: list[str], cpu: bool, timeou
     best = ways[-1] if ways else {}
     return point5_row(name, {**head, "ways": ways, "sequences_per_s": best.get("sequences_per_s"),
                              "tokens_per_s": best.get("new_tokens_per_s"), "gpu_util": best.get("gpu_busy"),
-                             "greedy": bench["greedy"], "settings": bench["settings"], "launch_s": res["seconds"],
+                             "greedy": bench.get("greedy"), "settings": bench["settings"], "launch_s": res["seconds"],
                              "utilisation_whole_launch": res["whole"]})
 
 
@@ -828,6 +901,10 @@ def print_table(rows: list[dict]) -> None:
             p = r["plan"]
             print(f"  plan: estimated {p['estimated_s'] or nan:.1f} s, actual {p['actual_s'] or nan:.1f} s "
                   f"({p['error_pct'] or nan:+.1f}%)")
+        if r.get("rl"):
+            g = r["rl"]
+            print(f"  rl: generation {g['gen_s_per_step'] or nan:.2f} s/step ({g['gen_tokens_per_s'] or nan:,.0f} "
+                  f"new tokens/s), training {g['train_s_per_step'] or nan:.2f} s/step")
         if r.get("sequences_per_s") is not None:
             print(f"  rft: {r['sequences_per_s']:.1f} sequences/s, tokens/s {r.get('tokens_per_s')}, "
                   f"batch {json.dumps(r.get('batch'))}")
@@ -857,7 +934,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.list:
         for p, (vs, st) in PRESETS.items():
-            est = sum(estimate_s(n, own) for n, own in parse_names(",".join(vs), st))
+            est = sum(min(estimate_s(n, own), own_cap(p, n, own)) for n, own in parse_names(",".join(vs), st))
             print(f"--preset {p:<14} {st:>4} steps  ~{fmt_min(est):>8}  {','.join(vs)}")
         for name, v in VARIANTS.items():
             patch = f" ds_patch {json.dumps(v.ds_patch)}" if v.ds_patch else ""
@@ -887,8 +964,10 @@ def main() -> int:
         print("gpu_check: no CUDA GPU here; run it on a GPU machine (or --cpu-smoke to check the script)",
               file=sys.stderr)
         return 2
-    est = sum(estimate_s(n, st) for n, st in plan)
-    each = ", ".join(f"{n} x {st} steps {estimate_s(n, st):.0f} s (cap {cap_s(n, st):.0f} s)" for n, st in plan)
+    # a variant runs at most its cap: a preset sized by caps (visit) is estimated by them
+    est = sum(min(estimate_s(n, st), own_cap(args.preset, n, st)) for n, st in plan)
+    each = ", ".join(f"{n} x {st} steps {estimate_s(n, st):.0f} s (cap {own_cap(args.preset, n, st):.0f} s)"
+                     for n, st in plan)
     print(f"gpu_check: {len(names)} variant(s); estimated on one H100: {fmt_min(est)}: {each}", flush=True)
     if args.budget_min and not args.cpu_smoke and est > 60 * args.budget_min:
         print(f"gpu_check: estimated {fmt_min(est)} > --budget-min {args.budget_min:g}: split the variants over two "
@@ -916,7 +995,7 @@ def main() -> int:
         ds_version = None
     call = {"id": f"{now:%H%M%S}-{os.getpid()}", "started": now.isoformat(timespec="seconds"), "device": device,
             "argv": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), "preset": args.preset, "variants": names,
-            "steps": steps, "plan": [[n, st, cap_s(n, st)] for n, st in plan], "estimate_s": est, "commit": commit,
+            "steps": steps, "plan": [[n, st, own_cap(args.preset, n, st)] for n, st in plan], "estimate_s": est, "commit": commit,
             "torch": torch.__version__,
             "transformers": transformers.__version__, "accelerate": accelerate.__version__, "deepspeed": ds_version,
             "overrides": args.overrides, "ds_patch": ds_patch}
@@ -926,7 +1005,7 @@ def main() -> int:
         left = 60 * args.budget_min - (time.time() - t0) if args.budget_min else 3600.0
         if args.cpu_smoke:  # a CPU is far slower than the H100 the estimates and caps are sized for
             left = max(left, 600.0)
-        own = args.cap_s or (600.0 if args.cpu_smoke else cap_s(name, own_steps))
+        own = args.cap_s or (600.0 if args.cpu_smoke else own_cap(args.preset, name, own_steps))
         cap, limit = (own, f"the variant's cap of {own:.0f} s") if own < left else (left, "the call's --budget-min")
         if left < 30:
             row = {"variant": name, "error": f"skipped: {args.budget_min:g} min of the call spent"}

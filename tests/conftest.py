@@ -111,6 +111,8 @@ EXTENDED = {
     "test_gritlm::test_cached_representations_match_the_full_batch[1-None-4]",  # 2-zero3-2
     *(f"test_families::test_generative_zero3_packing[{f}]" for f in ("gemma2", "gpt2")),  # llama's; every family's
     # packing is checked in-process by test_packing_isolates_documents
+    "test_gpu_findings::test_the_visit_preset_runs_on_a_cpu",  # ~5 min of launches; test_the_visit_preset_fits_one_
+    # call_in_the_issues_order checks its plan and every variant's overrides, test_monitor's smoke the script's path
 }
 
 

@@ -126,3 +126,74 @@ def test_gpu_check_reads_recompile_reasons_and_the_step_reached(monkeypatch):
     assert gc.reached_step(log) == 10 and gc.reached_step("no step yet") is None
     assert gc.parse_names("gritlm:100,eager,zero3:20", 40) == [("gritlm", 100), ("plain_eager", 40), ("zero3", 20)]
     assert gc.cap_s("zero3", 20) == 1.5 * gc.estimate_s("zero3", 20) + 60
+
+
+def test_the_visit_preset_fits_one_call_in_the_issues_order(monkeypatch):
+    """Issue 57's `--preset visit`: one call of at most 9 minutes (the device's 15 minutes hold the machine's start and
+    the wheels' install too), its variants in the issue's order, each under a cap of its own that sums under the call's
+    --budget-min (8.8 min), and every variant's overrides accepted by the config loader on the GPU recipe (a renamed
+    key would otherwise be found on a rented GPU)."""
+    gc = _gpu_check(monkeypatch)
+    names, steps = gc.PRESETS["visit"]
+    plan = gc.parse_names(",".join(names), steps)
+    assert [n for n, _ in plan] == ["visit_engine", "visit_engine_tf", "grpo_1b", "gritlm", "gritlm_eager", "zero3",
+                                    "fp8"]
+    assert dict(plan)["grpo_1b"] == 3 and dict(plan)["gritlm"] == 100 and dict(plan)["zero3"] == dict(plan)["fp8"] == 20
+    caps = [gc.own_cap("visit", n, st) for n, st in plan]
+    assert sum(caps) <= 8.8 * 60 < 9 * 60
+    assert sum(min(gc.estimate_s(n, st), c) for (n, st), c in zip(plan, caps)) <= sum(caps)
+    assert gc.own_cap(None, "gritlm", 100) == gc.cap_s("gritlm", 100)  # other presets keep the variants' caps
+    for name, st in plan:
+        v = gc.VARIANTS[name]
+        if v.accel == "rft":
+            over = [o for o in v.overrides]
+            assert gc.check_overrides("rft-tiny.yaml", over) is None, name
+        else:
+            args = [f"train.max_steps={st}", *v.overrides, *v.cpu_overrides]
+            assert gc.check_overrides("gpu-1b.yaml", [a for a in args if "{base}" not in a]) is None, name
+    assert "--preset visit" in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
+def test_a_capped_variant_keeps_the_steady_figures_it_measured(monkeypatch, tmp_path):
+    """A variant stopped at its cap (the launch timed out) still gives the steady tokens/s of the log intervals it
+    finished, from metrics.jsonl, beside `capped` and the step reached; a GRPO run's rows carry generation and training
+    seconds apart."""
+    gc = _gpu_check(monkeypatch)
+    recs = [{"step": s, "loss": 1.0, "elapsed_s": 10.0 * s, "tokens": 1000 * s, "gen_s_per_step": 6.0 + s,
+             "train_s_per_step": 2.0, "completion_length": 100.0} for s in (1, 2, 3)]
+
+    def launch(*args, **kwargs):  # the run writes its config and three log lines, then its cap stops it
+        run = tmp_path / "grpo_1b"
+        run.mkdir()
+        (run / "config.yaml").write_text("rl:\n  questions_per_step: 8\n  num_generations: 16\n")
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return {"rc": None, "output": "[harness] step 3/100 loss 1.0", "seconds": 75.0, "error": "timed out"}
+
+    monkeypatch.setattr(gc, "launch", launch)
+    monkeypatch.setattr(gc, "train_command", lambda *a, **k: (["x"], tmp_path / "a.yaml", None, []))
+    (tmp_path / "a.yaml").write_text("")
+    monkeypatch.setattr(gc, "check_overrides", lambda *a: None)
+    row = gc.run_variant("grpo_1b", 100, tmp_path, [], True, 75.0)
+    assert row["capped"] and row["reached_step"] == 3 and "timed out" in row["error"]
+    assert row["steady_from_step"] == 2 and row["steady_tokens_per_s"] == 100.0  # (3000 - 1000) / (30 - 10)
+    assert row["rl"]["gen_s_per_step"] == 8.5 and row["rl"]["train_s_per_step"] == 2.0  # medians after the first
+    assert row["rl"]["gen_tokens_per_s"] == 128 * 100.0 / 8.5
+
+
+@pytest.mark.slow
+def test_the_visit_preset_runs_on_a_cpu(tmp_path):
+    """`gpu_check.py --cpu-smoke --preset visit`: every variant of the visit runs its own code path on this CPU (the
+    tiny default recipe; the engine bench on a random copy, GRPO, GritLM compiled and eager, ZeRO-3 under DeepSpeed's
+    CPU accelerator, fp8 emulated), each writing its row as it ends. Extended tier: about 5 minutes."""
+    bench = tmp_path / "gpu-day.json"
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu-smoke", "--preset", "visit", "--steps", "2",
+                           "--out", str(tmp_path / "runs"), "--bench-out", str(bench)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    rows = json.loads(bench.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["visit_engine", "visit_engine_tf", "grpo_1b", "gritlm", "gritlm_eager",
+                                            "zero3", "fp8"]
+    assert not [r for r in rows if "error" in r]
+    assert rows[0]["tokens_per_s"] > 0 and rows[1]["tokens_per_s"] > 0
+    assert rows[2]["rl"]["gen_s_per_step"] > 0 and rows[2]["rl"]["train_s_per_step"] > 0
+    assert rows[3]["compile"]["mode"] == "regional" and rows[5]["zero_stage"] == 3 and rows[6]["precision"] == "fp8"
