@@ -157,3 +157,16 @@ def test_the_metric_is_checked_before_step_1():
         load_config(DEFAULT, [*base, "train.eval_prompts=[3]"])
     cfg = load_config(DEFAULT, [*base, "train.early_stopping.patience=3"])  # metric: eval_loss by default
     assert cfg.train.early_stopping == {"patience": 3} and DIRECTIONS["eval_loss"] is False
+
+
+def test_two_processes_answer_on_the_main_process_without_deadlock(uninterrupted, tmp_path):
+    """2 processes (DDP): the main process generates while the other waits at the barrier; the answers are logged
+    once per evaluation, and the step-0 answers (the same initial weights) equal the one-process run's."""
+    out = tmp_path / "run"
+    run_train([f"train.output_dir={out}", *TINY, "train.max_steps=4", "train.eval_every=2", "train.report_to=[]",
+               "train.eval_prompts=['What is 3 + 4?', {text: The cat}]", "train.eval_prompts_max_new_tokens=4"],
+              nproc=2, timeout=900)
+    rows = {r["step"]: r["eval_samples"] for r in records(out) if "eval_samples" in r}
+    assert sorted(rows) == [0, 2, 4] and len([r for r in records(out) if "eval_samples" in r]) == 3
+    one = {r["step"]: r["eval_samples"] for r in records(uninterrupted) if "eval_samples" in r}
+    assert rows[0] == one[0]
