@@ -151,8 +151,11 @@ class Evaluator:
         self.last: tuple = (None, {})  # (step, results) of the latest evaluation
 
     def due(self, step: int) -> bool:
-        """Every `train.eval_every` steps; the last step's evaluation is the final one, after the loop."""
-        return bool(self.every) and step % self.every == 0 and step != self.total_steps
+        """Every `train.eval_every` steps; the last step's evaluation is the final one, after the loop, unless the
+        evaluations are ranked (`best`): then it is the loop's, so that the checkpoint of the last step holds its
+        ranking (a longer rerun continues from it) and keep_best checkpoints it like any other."""
+        return bool(self.every) and (step % self.every == 0 and step != self.total_steps or
+                                     step == self.total_steps and self.best is not None)
 
     def final(self, step: int) -> tuple[dict, bool]:
         """(the results of the evaluation of `step`, whether it is new: not the loop's, already logged)."""

@@ -183,7 +183,7 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
     final_dir = export_model(job, "final") if job.cfg.train.save_final else None
     if final_dir:
         job.say(f"[harness] final model: {final_dir}")
-    if best_is_final and job.cfg.train.keep_best:  # (no checkpoint to keep: none is written after this one)
+    if best_is_final and job.cfg.train.keep_best:  # the time budget's stop step: its checkpoint is written
         job.say(f"[harness] best {side.best.metric} {side.best.value:.4f} at the last step: {export_model(job, 'best')}")
     side.log.logger.close()
     timings.export_s = time.time() - t_loop_end - (timings.eval_s - eval_before_final)

@@ -159,14 +159,24 @@ def test_the_metric_is_checked_before_step_1():
     assert cfg.train.early_stopping == {"patience": 3} and DIRECTIONS["eval_loss"] is False
 
 
-def test_two_processes_answer_on_the_main_process_without_deadlock(uninterrupted, tmp_path):
+def test_two_processes_answer_on_the_main_process_and_keep_the_best_to_the_planned_end(uninterrupted, tmp_path):
     """2 processes (DDP): the main process generates while the other waits at the barrier; the answers are logged
-    once per evaluation, and the step-0 answers (the same initial weights) equal the one-process run's."""
+    once per evaluation, and the step-0 answers (the same initial weights) equal the one-process run's. keep_best
+    without patience (ranking only) to the planned end: the last step's evaluation is the loop's, once, and its
+    ranking is in the last checkpoint; best/ is written by both processes' export."""
     out = tmp_path / "run"
     run_train([f"train.output_dir={out}", *TINY, "train.max_steps=4", "train.eval_every=2", "train.report_to=[]",
-               "train.eval_prompts=['What is 3 + 4?', {text: The cat}]", "train.eval_prompts_max_new_tokens=4"],
-              nproc=2, timeout=900)
+               "train.keep_best=true", "train.eval_prompts=['What is 3 + 4?', {text: The cat}]",
+               "train.eval_prompts_max_new_tokens=4"], nproc=2, timeout=900)
     rows = {r["step"]: r["eval_samples"] for r in records(out) if "eval_samples" in r}
     assert sorted(rows) == [0, 2, 4] and len([r for r in records(out) if "eval_samples" in r]) == 3
     one = {r["step"]: r["eval_samples"] for r in records(uninterrupted) if "eval_samples" in r}
     assert rows[0] == one[0]
+    evals = {r["step"]: r["eval_loss"] for r in records(out) if "eval_loss" in r}
+    assert len([r for r in records(out) if "eval_loss" in r]) == len(evals) == 3  # 0, 2, 4: none twice
+    rep = report(out)
+    best_step = min((2, 4), key=evals.get)
+    assert rep["stopped_by"] is None and rep["steps"] == 4 and rep["best"]["step"] == best_step
+    assert (out / "best" / "model.safetensors").is_file() and (out / "final" / "model.safetensors").is_file()
+    state = json.loads((out / "checkpoints" / "step-4" / "harness_state.json").read_text())
+    assert state["best"]["step"] == best_step and state["best"]["value"] == evals[best_step]

@@ -215,6 +215,9 @@ def test_evaluation_log_and_checkpoint_cadences_are_independent():
     job.cfg.train.eval_every = 0
     never = Evaluator(job, on_done=print, on_samples=print)
     assert due_steps(never, 8) == []
+    job.cfg.train.eval_every = 3
+    ranked = Evaluator(job, on_done=print, on_samples=print, best=BestMetric("eval_loss", False, 2, 0.0))
+    assert due_steps(ranked, 8) == [3, 6, 8]  # ranked: the last step's evaluation is the loop's (its checkpoint's)
 
 
 def test_time_based_checkpoint_is_due_after_its_minutes(monkeypatch):
