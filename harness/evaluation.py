@@ -1,5 +1,6 @@
 """Evaluation during training: the held-out generative loss (data.eval_files) and retrieval recall@1 / MRR
-(data.emb_eval_files), before the first step of a fresh run, every `train.eval_every` steps and at the end.
+(data.emb_eval_files), before the first step of a fresh run, every `train.eval_every` steps and at the end; with
+train.eval_prompts, the model's greedy answers to a few prompts at each of them (`PromptAnswers`).
 
 Every process takes part in every evaluation (under ZeRO-3 each forward needs all of them); the results are reduced
 over processes, so every process returns the same numbers.
@@ -75,22 +76,110 @@ def evaluate_retrieval(accelerator, model, objective, eval_set: dict, batch_size
 ENCODE_BATCH_FACTOR = 4
 
 
+class PromptAnswers:
+    """train.eval_prompts: greedy answers of the model as it is now, through the continuous engine
+    (harness/rft/engine.py; model.generate where it cannot serve the model), on the main process alone: under
+    ZeRO-3 every process takes part in gathering the weights (rl/rollout.py's gathered_for_generation), then waits
+    for the main process at a barrier. Returns [{"prompt", "answer"}] on the main process, [] on the others."""
+
+    def __init__(self, accelerator, model, tokenizer, prompts: list, max_new_tokens: int, zero_stage: int, say):
+        self.accelerator, self.model, self.tok, self.zero_stage, self.say = accelerator, model, tokenizer, zero_stage, say
+        self.max_new_tokens = max_new_tokens
+        self.shown = [p["text"] if isinstance(p, dict) else p for p in prompts]  # as the user wrote them
+        self.texts = [p["text"] if isinstance(p, dict) else tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False) for p in prompts]
+        self.engine = None  # built on first use, on the main process
+
+    def answer(self) -> list[dict]:
+        from harness.rl.rollout import gathered_for_generation  # (the rl package: loaded only when asked for)
+
+        acc, answers = self.accelerator, []
+        with gathered_for_generation(acc, self.model, self.zero_stage) as model:
+            if acc.is_main_process:
+                was = model.training
+                model.eval()
+                try:
+                    answers = self._generate(model)
+                finally:
+                    model.train(was)
+        acc.wait_for_everyone()
+        return [{"prompt": p, "answer": a} for p, a in zip(self.shown, answers)]
+
+    def _generate(self, model) -> list[str]:
+        from harness.rft.engine import ContinuousEngine, servable
+
+        if self.engine is None:
+            why = servable(model)
+            if why is None:
+                self.engine = ContinuousEngine(model, self.tok, self.max_new_tokens, len(self.texts), say=self.say)
+            else:
+                self.engine = "static"
+                self.say(f"[harness] train.eval_prompts: the continuous engine cannot serve {why}: model.generate")
+        if self.engine != "static":
+            self.engine.model = model
+            return [group[0] for group in self.engine.generate(self.texts, 1, greedy=True)]
+        return static_greedy(model, self.tok, self.texts, self.max_new_tokens)
+
+
+@torch.no_grad()
+def static_greedy(model, tok, texts: list[str], max_new_tokens: int) -> list[str]:
+    """Greedy answers through model.generate, the prompts left-padded in one batch (as rft's static engine)."""
+    ids = tok(texts, add_special_tokens=False)["input_ids"]
+    width, dev = max(map(len, ids)), next(model.parameters()).device
+    input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids], device=dev)
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=dev)
+    out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    return [t.strip() for t in tok.batch_decode(out[:, width:], skip_special_tokens=True)]
+
+
 class Evaluator:
     """The run's evaluations: `due(step)` says when (every train.eval_every steps), `run(step)` evaluates what the
-    job has eval data for (`job.data.gen_eval`, `job.data.emb_eval`); `on_done(seconds)` after each."""
+    job has eval data for (`job.data.gen_eval`, `job.data.emb_eval`) and answers train.eval_prompts
+    (`on_samples(step, rows)`); `on_done(seconds)` after each; `best` (stopping.BestMetric: train.early_stopping,
+    keep_best) ranks each. `final(step)` is the run's last evaluation: the loop's own when it was of that step (an
+    early stop), else a new one."""
 
-    def __init__(self, job, on_done: Callable[[float], None]):
-        self.job, self.on_done = job, on_done
-        self.every, self.total_steps = job.cfg.train.eval_every, job.total_steps
-        self.encode_batch = job.cfg.train.emb_micro_batch_size * ENCODE_BATCH_FACTOR
+    def __init__(self, job, on_done: Callable[[float], None], on_samples: Callable[[int, list], None], best=None):
+        self.job, self.on_done, self.on_samples, self.best = job, on_done, on_samples, best
+        t = job.cfg.train
+        self.every, self.total_steps = t.eval_every, job.total_steps
+        self.encode_batch = t.emb_micro_batch_size * ENCODE_BATCH_FACTOR
+        self.prompts = PromptAnswers(job.accelerator, job.model, job.tokenizer, t.eval_prompts,
+                                     t.eval_prompts_max_new_tokens, job.zero["zero_stage"], job.say) \
+            if t.eval_prompts else None
+        self.last: tuple = (None, {})  # (step, results) of the latest evaluation
 
     def due(self, step: int) -> bool:
-        """Every `train.eval_every` steps; the last step's evaluation is the final one, after the loop."""
-        return bool(self.every) and step % self.every == 0 and step != self.total_steps
+        """Every `train.eval_every` steps; the last step's evaluation is the final one, after the loop, unless the
+        evaluations are ranked (`best`): then it is the loop's, so that the checkpoint of the last step holds its
+        ranking (a longer rerun continues from it) and keep_best checkpoints it like any other."""
+        return bool(self.every) and (step % self.every == 0 and step != self.total_steps or
+                                     step == self.total_steps and self.best is not None)
+
+    def final(self, step: int) -> tuple[dict, bool]:
+        """(the results of the evaluation of `step`, whether it is new: not the loop's, already logged)."""
+        if self.last[0] == step:
+            return self.last[1], False
+        return self.run(step), True
 
     def run(self, step: int) -> dict:
         """{"eval_loss", "eval_recall_at_1", "eval_mrr"} for the eval data the run has ({} without any)."""
-        t, results, job = time.perf_counter(), {}, self.job
+        t = time.perf_counter()
+        results = self._metrics(step)
+        if self.best is not None:
+            self.best.observe(step, results)
+        if self.prompts is not None:
+            rows = self.prompts.answer()
+            if rows:
+                self.on_samples(step, rows)
+        if results or self.prompts is not None:
+            self.on_done(time.perf_counter() - t)
+        self.last = (step, results)
+        return results
+
+    def _metrics(self, step: int) -> dict:
+        results, job = {}, self.job
         if job.data.gen_eval is not None and job.cfg.loss.mode == "preference":
             from harness.preference import evaluate_preference
 
@@ -107,5 +196,4 @@ class Evaluator:
             results.update(eval_recall_at_1=r["recall_at_1"], eval_mrr=r["mrr"])
         if results:
             job.say(f"[harness] eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
-            self.on_done(time.perf_counter() - t)
         return results

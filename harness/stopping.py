@@ -5,6 +5,8 @@
     stop_at_step  train.stop_at_step reached: checkpoint, exit 0 (planned pauses, tests)
     nonfinite     too many non-finite gradients in a row (train.max_nonfinite_skips): the last good state is saved
     write_failed  a metrics record could not be written (a full disk): a checkpoint where there is room, one line
+    early_stopping  train.early_stopping.patience evaluations in a row did not improve on the best: checkpoint and
+                  the final export (the run is finished)
 
 A training process started by a launcher (accelerate launch, torchrun, deepspeed: LOCAL_RANK is set) watches the
 launcher: torch's launcher starts its workers in process sessions of their own, so a `kill -9` of the launcher (or
@@ -33,6 +35,7 @@ import torch
 
 SIGNAL, TIME_BUDGET, STOP_AT_STEP, NONFINITE = "signal", "time_budget", "stop_at_step", "nonfinite"
 WRITE_FAILED = "write_failed"  # metrics.jsonl could not be written (a full disk): checkpoint if possible, one line
+EARLY_STOPPING = "early_stopping"  # the evaluations stopped improving (train.early_stopping): checkpoint, export
 EARLY_WITHOUT_EXPORT = (SIGNAL, STOP_AT_STEP)  # the attempt ends with a checkpoint only; a later one continues
 
 
@@ -46,12 +49,17 @@ class StopFlags:
     write_failed: bool = False  # the main process could not write a metrics record (a full disk)
 
 
-def stop_reason(flags: StopFlags, step: int, stop_at: int, total_steps: int, nonfinite: bool) -> Optional[str]:
-    """Why the attempt stops after `step`, or None to go on (the planned last step ends the loop by itself)."""
+def stop_reason(flags: StopFlags, step: int, stop_at: int, total_steps: int, nonfinite: bool,
+                patience_spent: bool = False) -> Optional[str]:
+    """Why the attempt stops after `step`, or None to go on (the planned last step ends the loop by itself). Early
+    stopping comes before a signal: the run is finished, and a pause saved with the patience spent would resume
+    for one more step."""
     if nonfinite:
         return NONFINITE
     if flags.write_failed:
         return WRITE_FAILED
+    if patience_spent:
+        return EARLY_STOPPING
     if flags.signal:
         return SIGNAL
     if flags.window_closing:
@@ -61,11 +69,57 @@ def stop_reason(flags: StopFlags, step: int, stop_at: int, total_steps: int, non
     return None
 
 
-class StopDecision:
-    """The per-step stop decision of a run: signal handling, the time window and train.stop_at_step."""
+class BestMetric:
+    """The run's evaluations ranked by one metric (train.early_stopping.metric, `higher`: its direction): the best
+    value and its step, and `bad`, the evaluations since that did not beat it by more than `min_delta`. `patience`
+    of them in a row (> 0) spend the patience: the run stops (train.early_stopping). Evaluations after step 0 count
+    (the step-0 baseline is the untrained model). `saved`: LoopState.best, the state a checkpoint holds, so that a
+    resumed run stops where the uninterrupted one would. Every process sees the same evaluation results (reduced
+    over processes), so every process takes the same decision without a collective."""
 
-    def __init__(self, accelerator, stop_at: int, total_steps: int, deadline: Optional[float]):
+    def __init__(self, metric: str, higher: bool, patience: int, min_delta: float, saved: Optional[dict] = None):
+        self.metric, self.higher, self.patience, self.min_delta = metric, higher, patience, min_delta
+        saved = saved if saved and saved.get("metric") == metric else {}
+        self.value: Optional[float] = saved.get("value")
+        self.step: Optional[int] = saved.get("step")
+        self.bad: int = saved.get("bad", 0)
+
+    def observe(self, step: int, results: dict) -> bool:
+        """After the evaluation of `step`: whether it is the new best (the patience count starts again)."""
+        value = results.get(self.metric)
+        if step == 0 or value is None or not math.isfinite(value):
+            return False
+        gain = (value - self.value if self.higher else self.value - value) if self.value is not None else math.inf
+        if gain > self.min_delta:
+            self.value, self.step, self.bad = float(value), step, 0
+            return True
+        self.bad += 1
+        return False
+
+    @property
+    def spent(self) -> bool:
+        return self.patience > 0 and self.bad >= self.patience
+
+    def state(self) -> dict:
+        return {"metric": self.metric, "value": self.value, "step": self.step, "bad": self.bad}
+
+    def describe(self) -> str:
+        return (f"{self.metric} did not improve on {self.value:.4f} (step {self.step}) by more than {self.min_delta} "
+                f"in {self.bad} evaluations")
+
+    def report(self, best_dir) -> dict:
+        """report.json's `best`: the metric, its best value and step, the evaluations since; `dir`: best/ (keep_best)."""
+        return {**self.state(), "dir": str(best_dir) if best_dir is not None and self.step is not None else None}
+
+
+class StopDecision:
+    """The per-step stop decision of a run: signal handling, the time window, train.stop_at_step and the
+    evaluations' patience (`best`: train.early_stopping, None without it)."""
+
+    def __init__(self, accelerator, stop_at: int, total_steps: int, deadline: Optional[float],
+                 best: Optional[BestMetric] = None):
         self.accelerator, self.stop_at, self.total_steps, self.deadline = accelerator, stop_at, total_steps, deadline
+        self.best = best
         self.signals = StopSignals()
 
     def agree(self, save_due: bool, step_s: float, save_cost_s: float, write_failed: bool = False) -> StopFlags:
@@ -77,7 +131,11 @@ class StopDecision:
         return StopFlags(*(bool(v) for v in self.accelerator.reduce(local, "max").tolist()))
 
     def reason(self, flags: StopFlags, step: int, nonfinite: bool) -> Optional[str]:
-        return stop_reason(flags, step, self.stop_at, self.total_steps, nonfinite)
+        return stop_reason(flags, step, self.stop_at, self.total_steps, nonfinite, self.patience_spent())
+
+    def patience_spent(self) -> bool:
+        """train.early_stopping's patience is spent (also when a run resumes from the checkpoint of that step)."""
+        return self.best is not None and self.best.spent
 
     def close(self) -> None:
         self.signals.restore()

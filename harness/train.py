@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import time
 import warnings
+from pathlib import Path
 from typing import Optional
 
 from harness import faults
@@ -38,7 +39,7 @@ from harness.config import Config, describe, load_config, preflight
 from harness.data import loaders
 from harness.distributed import collectives
 from harness.encode import embedding_settings
-from harness.errors import HarnessError, one_line
+from harness.errors import HarnessError
 from harness.evaluation import Evaluator
 from harness.observe import metrics, monitor, reporting
 from harness.observe.profiling import StepProfiler
@@ -46,8 +47,9 @@ from harness.observe.timing import SETTLE_STEPS, BudgetTracker
 from harness.rundir import finished
 from harness.speed.buckets import warm_run
 from harness.state import LoopState, StepSums, UnloggedSums
-from harness.stopping import (EARLY_WITHOUT_EXPORT, NONFINITE, TIME_BUDGET, WRITE_FAILED, NonfiniteGuard, StopDecision,
-                              exit_now, finite, stop_handlers, watch_launcher)
+from harness.config.best import DIRECTIONS, early_stopping_config
+from harness.stopping import (EARLY_STOPPING, EARLY_WITHOUT_EXPORT, NONFINITE, TIME_BUDGET, WRITE_FAILED, BestMetric,
+                              NonfiniteGuard, StopDecision, exit_now, finite, stop_handlers, watch_launcher)
 
 # DeepSpeed still calls collectives that torch deprecated; the warning repeats every step and says nothing to users.
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
@@ -115,7 +117,7 @@ def train_loop(job: Job, state: LoopState, side: SideWork) -> Optional[str]:
             side.checkpointer.save(side.state_to_save(state))
         if stopped_by:
             return stopped_by
-    return None
+    return EARLY_STOPPING if side.stop.patience_spent() else None  # resumed from the early stop's checkpoint
 
 
 def train_step(job: Job, step: int, gen_batches: list, emb_batches: list, unlogged: UnloggedSums):
@@ -169,26 +171,27 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
     if stopped_by == TIME_BUDGET:
         job.say(f"[harness] time budget of {job.cfg.train.time_budget_hours} h nearly used: stopping at step "
                 f"{state.step}/{job.total_steps} with a checkpoint and the final export")
+    if stopped_by == EARLY_STOPPING:
+        job.say(f"[harness] early stopping at step {state.step}/{job.total_steps}: {side.best.describe()}")
     final_checkpoint(job, state, side)
     t_loop_end, eval_before_final = time.time(), timings.eval_s
     compiled = job.compile.report(train_time, state.step - side.start_step, job.say) if job.compile else None
-    final_eval = side.evaluator.run(state.step)
-    if final_eval:
+    final_eval, new = side.evaluator.final(state.step)  # the loop's evaluation of this step (an early stop), or new
+    if final_eval and new:
         side.log.write_eval(state.step, final_eval)
-    final_dir = None
-    if job.cfg.train.save_final:
-        settings = embedding_settings(job.cfg.loss.mode, job.cfg.model, job.cfg.data,
-                                      job.data.stats.get("embedding", {}).get("instructions"))
-        final_dir = export_final(job.accelerator, job.model, job.tokenizer, job.out / "final",
-                                 extra={"harness.json": settings},
-                                 random_base=job.cfg.model.name_or_path is None or job.cfg.model.random_init)
+    best_is_final = new and side.best is not None and side.best.step == state.step
+    final_dir = export_model(job, "final") if job.cfg.train.save_final else None
+    if final_dir:
         job.say(f"[harness] final model: {final_dir}")
+    if best_is_final and job.cfg.train.keep_best:  # the time budget's stop step: its checkpoint is written
+        job.say(f"[harness] best {side.best.metric} {side.best.value:.4f} at the last step: {export_model(job, 'best')}")
     side.log.logger.close()
     timings.export_s = time.time() - t_loop_end - (timings.eval_s - eval_before_final)
     timings.process_wall_s = time.time() - job.t_process
     report = reporting.final_report(job, state, side.log, stopped_by, train_time, {
         "compile": compiled, "eval": final_eval, "eval_at_start": side.eval_at_start,
-        "final_dir": str(final_dir) if final_dir else None, "micro_batch_auto": auto_batch})
+        "final_dir": str(final_dir) if final_dir else None, "micro_batch_auto": auto_batch,
+        "best": side.best.report(job.out / "best" if job.cfg.train.keep_best else None) if side.best else None})
     # report.json (the run is finished), the model card, summary.md; a full disk: one line saying what is intact
     failed = side.log.logger.failed
     collectives.on_main(job.accelerator, lambda: reporting.write_run_end(job, report, final_dir, failed))
@@ -199,6 +202,15 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
             f"{state.first_loss if state.first_loss is not None else float('nan'):.4f} -> "
             f"{side.log.last.get('loss', float('nan')):.4f}; report {job.out / 'report.json'}")
     return report
+
+
+def export_model(job: Job, name: str) -> Path:
+    """<output_dir>/<name>/ (final/, best/): the model as it is now in HF format (LoRA: the adapter and merged/;
+    embedding modes: a sentence-transformers model), harness.json, the tokenizer (collective)."""
+    settings = embedding_settings(job.cfg.loss.mode, job.cfg.model, job.cfg.data,
+                                  job.data.stats.get("embedding", {}).get("instructions"))
+    return export_final(job.accelerator, job.model, job.tokenizer, job.out / name, extra={"harness.json": settings},
+                        random_base=job.cfg.model.name_or_path is None or job.cfg.model.random_init)
 
 
 def final_checkpoint(job: Job, state: LoopState, side: SideWork) -> None:
@@ -242,14 +254,15 @@ def nonfinite_error(job: Job, state: LoopState, side: SideWork) -> HarnessError:
 
 class SideWork:
     """The loop's once-in-a-while work, each part deciding for itself when it is due: the log line (`log`), the
-    evaluation (`evaluator`), checkpoints (`checkpointer`), the stop decision (`stop`, `nonfinite`); and the
-    training clock (`meter`), which leaves the time of evaluations and checkpoints out of each log interval."""
+    evaluation (`evaluator`), checkpoints (`checkpointer`), the stop decision (`stop`, `nonfinite`), the best
+    evaluation (`best`: train.early_stopping's patience, train.keep_best's checkpoint and best/); and the training
+    clock (`meter`), which leaves the time of evaluations and checkpoints out of each log interval."""
 
     def __init__(self, job: Job, state: LoopState, opened: contextlib.ExitStack):
         accelerator, t = job.accelerator, job.cfg.train
         self.job, self.start_step = job, state.step
         if t.report_to:
-            self._start_trackers()
+            monitor.init_trackers(accelerator, job.cfg, job.resume_from)
         logger = metrics.MetricsLogger(accelerator, job.out, resume_step=state.step if job.resume_from else None,
                                        unwritten=state.unwritten)
         state.unwritten = []
@@ -259,33 +272,21 @@ class SideWork:
         budget = BudgetTracker(job.t_process, t.time_budget_hours) if t.time_budget_hours else None
         self.log = reporting.StepLog(job, logger, self.bar, budget, state.step)
         stop_at = t.stop_at_step if 0 < t.stop_at_step < job.total_steps else job.total_steps
-        self.stop = StopDecision(accelerator, stop_at, job.total_steps, budget.deadline if budget else None)
+        es = early_stopping_config(job.cfg)
+        self.best = BestMetric(es.metric, DIRECTIONS[es.metric], es.patience, es.min_delta, state.best) \
+            if t.early_stopping or t.keep_best else None
+        self.stop = StopDecision(accelerator, stop_at, job.total_steps, budget.deadline if budget else None, self.best)
         opened.callback(self.stop.close)
         self.nonfinite = NonfiniteGuard(t.max_nonfinite_skips, job.is_deepspeed, job.say)
-        self.evaluator = Evaluator(job, self._evaluated)
+        self.evaluator = Evaluator(job, self._evaluated, logger.log_samples, self.best)
         self.checkpointer = Checkpointer(accelerator, job.out, t.save_every_steps, t.save_every_minutes,
-                                         t.save_total_limit, job.say, self._saved, job.epoch_rows)
+                                         t.save_total_limit, job.say, self._saved, job.epoch_rows, self.best,
+                                         (lambda: export_model(job, "best")) if t.keep_best else None)
         # this process's sums since the last log line; rank 0 carries what the resumed checkpoint had not logged
         self.profiler = StepProfiler(t.profile_steps, job.out, state.step, accelerator.is_main_process, job.say)
         opened.callback(self.profiler.close)
         self.unlogged = UnloggedSums(accelerator.device, state.unlogged if accelerator.is_main_process else None)
         self.eval_at_start: Optional[dict] = None
-
-    def _start_trackers(self) -> None:
-        """train.report_to's trackers (their first files: the main process). A tracker that cannot write them (a full
-        disk under tensorboard's event file) stops every process with one line."""
-        job, failure = self.job, None
-        try:
-            monitor.init_trackers(job.accelerator, job.cfg)
-        except OSError as e:
-            where = f"tensorboard in {job.out / 'tensorboard'}" if "tensorboard" in job.cfg.train.report_to else \
-                f"the trackers {', '.join(job.cfg.train.report_to)}"
-            kept = f" (the checkpoint {job.resume_from} is intact)" if job.resume_from else ""
-            failure = (f"could not start {where} ({one_line(e)}): nothing is lost, no step of this attempt ran{kept}; "
-                       f"free some space, then run the same command again")
-        failed = [f for f in collectives.all_gather(job.accelerator, failure) if f]
-        if failed:
-            raise HarnessError(failed[0])
 
     @property
     def meter(self) -> Optional[metrics.Throughput]:
@@ -320,6 +321,7 @@ class SideWork:
     def state_to_save(self, state: LoopState) -> dict:
         """The loop state for a checkpoint, with every process's unlogged sums folded in (collective)."""
         state.unwritten = list(self.log.logger.unwritten)  # (the main process's; a full disk kept them out)
+        state.best = self.best.state() if self.best is not None else {}
         return state.to_save(self.meter.elapsed(), self.unlogged.total(self.job.accelerator, reset=False))
 
     def _evaluated(self, seconds: float) -> None:

@@ -60,6 +60,17 @@ def test_rotation_keeps_newest_and_removes_stale_incomplete(tmp_path):
     assert store.rotate(tmp_path, keep=0) == []  # keep all
 
 
+def test_rotation_and_make_room_leave_the_kept_best_checkpoint(tmp_path):
+    """train.keep_best: the best evaluation's checkpoint stays beyond the limit (and is not what a short disk frees)."""
+    for s in (1, 2, 3, 4):
+        make_ckpt(tmp_path, s)
+    kept = store.checkpoints_root(tmp_path) / "step-2"
+    store.rotate(tmp_path, keep=1, kept=kept)
+    assert [s for s, _ in store.list_checkpoints(tmp_path)[0]] == [2, 4]
+    store.rotate(tmp_path, keep=1)  # another best: the old one goes at the next rotation
+    assert [s for s, _ in store.list_checkpoints(tmp_path)[0]] == [4]
+
+
 def test_resolve_resume(tmp_path):
     assert resume.resolve_resume(tmp_path, "auto") == (None, [])
     assert resume.resolve_resume(tmp_path, None) == (None, [])

@@ -15,7 +15,8 @@ from harness.checkpoint import resume, store
 from harness.evaluation import Evaluator
 from harness.observe.reporting import StepLog, losses_of
 from harness.state import LoopState, StepSums, UnloggedSums
-from harness.stopping import NONFINITE, SIGNAL, STOP_AT_STEP, TIME_BUDGET, NonfiniteGuard, StopFlags, stop_reason
+from harness.stopping import (EARLY_STOPPING, NONFINITE, SIGNAL, STOP_AT_STEP, TIME_BUDGET, BestMetric, NonfiniteGuard,
+                              StopFlags, stop_reason)
 
 
 @pytest.fixture
@@ -87,6 +88,51 @@ def test_stop_decision_truth_table(signal, window, nonfinite, step):
     assert stop_reason(flags, step, stop_at=10, total_steps=20, nonfinite=nonfinite) == expected
 
 
+@pytest.mark.parametrize("signal,nonfinite", list(itertools.product([False, True], [False, True])))
+def test_spent_patience_beats_a_signal_not_a_nonfinite_step(signal, nonfinite):
+    """train.early_stopping: the run is finished; a pause saved with the patience spent would train one step more."""
+    flags = StopFlags(signal=signal)
+    expected = NONFINITE if nonfinite else EARLY_STOPPING
+    assert stop_reason(flags, 5, stop_at=5, total_steps=20, nonfinite=nonfinite, patience_spent=True) == expected
+
+
+def test_best_metric_counts_evaluations_without_improvement():
+    """Lower is better for a loss, higher for recall; an improvement beats the best by more than min_delta; the
+    step-0 baseline and a missing or non-finite value are not evaluations; the state goes through a checkpoint."""
+    loss = BestMetric("eval_loss", higher=False, patience=2, min_delta=0.1, saved=None)
+    assert loss.observe(0, {"eval_loss": 1.0}) is False and loss.value is None  # the baseline
+    assert loss.observe(2, {"eval_loss": 5.0}) and (loss.value, loss.step, loss.bad) == (5.0, 2, 0)
+    assert not loss.observe(4, {"eval_loss": 4.95}) and loss.bad == 1  # better, but by less than min_delta
+    assert not loss.observe(5, {"eval_loss": float("nan")}) and loss.bad == 1
+    saved = json.loads(json.dumps(loss.state()))  # harness_state.json
+    again = BestMetric("eval_loss", higher=False, patience=2, min_delta=0.1, saved=saved)
+    assert loss.observe(6, {"eval_loss": 4.7}) and again.observe(6, {"eval_loss": 4.7})  # 0.3 better: the best
+    for m in (loss, again):
+        assert not m.observe(8, {"eval_loss": 4.8}) and not m.spent
+        assert not m.observe(10, {"eval_loss": 4.65}) and m.spent and (m.step, m.bad) == (6, 2)
+    recall = BestMetric("eval_recall_at_1", higher=True, patience=1, min_delta=0.0, saved={"metric": "eval_loss",
+                                                                                        "value": 1.0, "step": 3})
+    assert recall.value is None  # another metric's saved state is not this one's
+    assert recall.observe(1, {"eval_recall_at_1": 0.5}) and not recall.observe(2, {"eval_recall_at_1": 0.5})
+    assert recall.spent
+    never = BestMetric("eval_loss", higher=False, patience=0, min_delta=0.0)  # keep_best alone: ranks, never stops
+    for step in range(1, 6):
+        never.observe(step, {"eval_loss": 1.0})
+    assert never.bad == 4 and not never.spent
+
+
+def test_keep_best_checkpoints_a_new_best_and_rotation_keeps_it(tmp_path):
+    best = BestMetric("eval_loss", higher=False, patience=0, min_delta=0.0)
+    ckpt = store.Checkpointer(None, tmp_path, every_steps=0, every_minutes=0, keep=1, say=print, on_saved=print,
+                              best=best, export_best=lambda: tmp_path / "best")
+    best.observe(2, {"eval_loss": 3.0})
+    assert ckpt.due(2, forced=False) and not ckpt.due(3, forced=False)
+    assert ckpt.kept() == tmp_path / "checkpoints" / "step-2"
+    plain = store.Checkpointer(None, tmp_path, every_steps=0, every_minutes=0, keep=1, say=print, on_saved=print,
+                               best=best)  # early stopping without keep_best: no checkpoint of its own
+    assert not plain.due(2, forced=False) and plain.kept() is None
+
+
 def test_stop_at_step_equal_to_the_planned_end_is_no_early_stop():
     assert stop_reason(StopFlags(), 20, stop_at=20, total_steps=20, nonfinite=False) is None
 
@@ -155,9 +201,9 @@ def due_steps(obj, total: int) -> list[int]:
 
 def test_evaluation_log_and_checkpoint_cadences_are_independent():
     """train.max_steps=8, log_every=2, eval_every=3, save_every_steps=3: each on its own steps."""
-    job = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(log_every=2, eval_every=3, emb_micro_batch_size=1)),
-                          total_steps=8)
-    evaluator = Evaluator(job, on_done=print)
+    job = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(log_every=2, eval_every=3, emb_micro_batch_size=1,
+                                                                    eval_prompts=[])), total_steps=8)
+    evaluator = Evaluator(job, on_done=print, on_samples=print)
     log = StepLog(job, logger=None, bar=None, budget=None, start_step=0)
     ckpt = store.Checkpointer(None, None, every_steps=3, every_minutes=0, keep=0, say=print, on_saved=print)
     assert due_steps(evaluator, 8) == [3, 6]  # the last step's evaluation is the final one, after the loop
@@ -167,8 +213,11 @@ def test_evaluation_log_and_checkpoint_cadences_are_independent():
     seven = StepLog(SimpleNamespace(cfg=job.cfg, total_steps=7), logger=None, bar=None, budget=None, start_step=0)
     assert due_steps(seven, 7) == [2, 4, 6, 7]  # and always at the last step
     job.cfg.train.eval_every = 0
-    never = Evaluator(job, on_done=print)
+    never = Evaluator(job, on_done=print, on_samples=print)
     assert due_steps(never, 8) == []
+    job.cfg.train.eval_every = 3
+    ranked = Evaluator(job, on_done=print, on_samples=print, best=BestMetric("eval_loss", False, 2, 0.0))
+    assert due_steps(ranked, 8) == [3, 6, 8]  # ranked: the last step's evaluation is the loop's (its checkpoint's)
 
 
 def test_time_based_checkpoint_is_due_after_its_minutes(monkeypatch):

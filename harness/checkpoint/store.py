@@ -51,9 +51,11 @@ def list_checkpoints(output_dir: str | Path) -> tuple[list[tuple[int, Path]], li
     return sorted(complete), sorted(incomplete)
 
 
-def save_checkpoint(accelerator, output_dir: str | Path, loop_state: dict, keep: int) -> Path:
+def save_checkpoint(accelerator, output_dir: str | Path, loop_state: dict, keep: int,
+                    kept: Optional[Path] = None) -> Path:
     """Write checkpoints/step-N on every rank (collective), then the loop state, then the COMPLETE marker: the manifest
     of every file, read back from disk (the hashing split between the processes), written last and atomically.
+    `kept`: a checkpoint that rotation leaves beyond `keep` (train.keep_best: the best evaluation's).
 
     Before writing, `make_room` checks the free space (and may remove what rotation would remove anyway). A write that
     fails on any process (e.g. ENOSPC) ends in the same HarnessError on every process: the partial folder, which
@@ -66,7 +68,7 @@ def save_checkpoint(accelerator, output_dir: str | Path, loop_state: dict, keep:
         if path.exists():
             shutil.rmtree(path)  # a leftover of a crash at this same step: never mix two saves in one folder
         root.mkdir(parents=True, exist_ok=True)
-        make_room(output_dir, path, keep, say=accelerator.print)
+        make_room(output_dir, path, keep, say=accelerator.print, kept=kept)
 
     on_main(accelerator, prepare)
     failure = None
@@ -91,7 +93,7 @@ def save_checkpoint(accelerator, output_dir: str | Path, loop_state: dict, keep:
             (path / (MARKER + ".tmp")).unlink(missing_ok=True)
             shutil.rmtree(path, ignore_errors=True)
             raise HarnessError(_write_failure(e, path)) from e
-        rotate(output_dir, keep, protect=path)
+        rotate(output_dir, keep, protect=path, kept=kept)
 
     on_main(accelerator, finish)
     return path
@@ -139,7 +141,8 @@ def _agree(accelerator, failure: Optional[BaseException], path: Path) -> None:
     raise HarnessError(message)
 
 
-def make_room(output_dir: str | Path, path: Path, keep: int, say: Callable = print) -> None:
+def make_room(output_dir: str | Path, path: Path, keep: int, say: Callable = print,
+              kept: Optional[Path] = None) -> None:
     """Before writing checkpoint `path`: make sure the checkpoints folder has free space for one the size of the
     newest complete checkpoint (nothing to compare with before the first), else raise a one-line HarnessError naming
     the folder, the space needed and the space free, with nothing deleted but garbage.
@@ -169,7 +172,7 @@ def make_room(output_dir: str | Path, path: Path, keep: int, say: Callable = pri
     if free < need and keep > 0 and older:
         anchor = older[-1][1]
         after = sorted([*complete, (step_of(path), path)])
-        doomed = [p for s, p in after[:-keep] if s < step_of(anchor)]  # beyond the limit once `path` exists
+        doomed = [p for s, p in after[:-keep] if s < step_of(anchor) and not _same(p, kept)]  # beyond the limit
         reclaim = sum(checkpoint_size(p) for p in doomed)
         if doomed and free + reclaim >= need:
             check = verify_checkpoint(anchor)
@@ -191,16 +194,20 @@ def make_room(output_dir: str | Path, path: Path, keep: int, say: Callable = pri
             + ": free some space or lower train.save_total_limit, then continue with train.resume=auto")
 
 
-def rotate(output_dir: str | Path, keep: int, protect: Optional[Path] = None) -> list[Path]:
+def _same(path: Path, other: Optional[Path]) -> bool:
+    return other is not None and path.name == Path(other).name
+
+
+def rotate(output_dir: str | Path, keep: int, protect: Optional[Path] = None, kept: Optional[Path] = None) -> list[Path]:
     """Delete complete checkpoints beyond the newest `keep` (0: keep all) and incomplete folders older than the
     newest complete one; returns what was deleted. Never deleted: `protect` (the checkpoint just written, which is
     not always the newest: a resume that fell back past a damaged checkpoint leaves that newer folder until the run
-    overwrites it), and, when none of the kept checkpoints has a manifest, the newest one that has (a verifiable
-    checkpoint is never given up for unverifiable ones of an older harness)."""
+    overwrites it), `kept` (train.keep_best: the best evaluation's checkpoint), and, when none of the kept
+    checkpoints has a manifest, the newest one that has (a verifiable checkpoint is never given up for unverifiable
+    ones of an older harness)."""
     complete, incomplete = list_checkpoints(output_dir)
     doomed = [p for _, p in complete[:-keep]] if keep > 0 else []
-    if protect is not None:
-        doomed = [p for p in doomed if p.name != Path(protect).name]
+    doomed = [p for p in doomed if not _same(p, protect) and not _same(p, kept)]
     kept = [p for _, p in complete if p not in doomed]
     if doomed and not any(has_manifest(p) for p in kept):
         spare = next((p for p in reversed(doomed) if has_manifest(p)), None)
@@ -219,12 +226,15 @@ class Checkpointer:
     `train.save_every_minutes` have passed (a fact every process agrees on, see harness/stopping.py), and when the
     attempt stops early. Knows what its last save cost (the time window keeps room for one more). The data position
     is saved with `samples` (rows of the epoch read by all processes in the loop state's `layout`: what a resume
-    under another layout converts; epoch_rows: rows an epoch per stream)."""
+    under another layout converts; epoch_rows: rows an epoch per stream). train.keep_best (`best`, the run's
+    stopping.BestMetric, and `export_best`, which writes best/): a step whose evaluation is the new best is due, its
+    checkpoint is exported to best/ and kept beyond train.save_total_limit while it is the best."""
 
     def __init__(self, accelerator, output_dir: Path, every_steps: int, every_minutes: float, keep: int,
-                 say: Callable[[str], None], on_saved: Callable[[float], None], epoch_rows: Optional[dict] = None):
+                 say: Callable[[str], None], on_saved: Callable[[float], None], epoch_rows: Optional[dict] = None,
+                 best=None, export_best: Optional[Callable[[], Path]] = None):
         self.accelerator, self.output_dir, self.keep, self.say, self.on_saved = accelerator, output_dir, keep, say, on_saved
-        self.epoch_rows = epoch_rows
+        self.epoch_rows, self.best, self.export_best = epoch_rows, best, export_best
         self.every_steps, self.every_minutes = every_steps, every_minutes
         self.last_save = time.time()
         self.last_step: Optional[int] = None  # the step of this attempt's latest checkpoint
@@ -235,7 +245,14 @@ class Checkpointer:
         return self.every_minutes > 0 and time.time() - self.last_save >= 60 * self.every_minutes
 
     def due(self, step: int, forced: bool) -> bool:
-        return forced or bool(self.every_steps and step % self.every_steps == 0)
+        return forced or bool(self.every_steps and step % self.every_steps == 0) or self._new_best(step)
+
+    def _new_best(self, step: int) -> bool:
+        return self.export_best is not None and self.best.step == step
+
+    def kept(self) -> Optional[Path]:
+        """The checkpoint that rotation keeps beyond train.save_total_limit: the best evaluation's (keep_best)."""
+        return self.folder(self.best.step) if self.export_best is not None and self.best.step else None
 
     def folder(self, step: int) -> Path:
         """Where the checkpoint of `step` is (or would be) written."""
@@ -251,7 +268,7 @@ class Checkpointer:
         if self.epoch_rows is not None:
             layout = Layout(**loop_state["layout"])
             loop_state = {**loop_state, "streams": samples_read(loop_state["streams"], layout, self.epoch_rows)}
-        return save_checkpoint(self.accelerator, self.output_dir, loop_state, self.keep)
+        return save_checkpoint(self.accelerator, self.output_dir, loop_state, self.keep, self.kept())
 
     def save(self, loop_state: dict) -> Path:
         t = time.time()
@@ -260,4 +277,7 @@ class Checkpointer:
         self.cost_s = self.last_save - t
         self.on_saved(self.cost_s)
         self.say(f"[harness] checkpoint: {path} ({self.cost_s:.1f}s)")
+        if self._new_best(loop_state["step"]):  # the same weights, exported (its time is the export's own)
+            self.say(f"[harness] best {self.best.metric} {self.best.value:.4f} at step {self.best.step}: "
+                     f"{self.export_best()}")
         return path

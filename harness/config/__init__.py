@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import yaml
 
+from harness.config.best import EARLY_STOPPING_HELP, EarlyStoppingConfig
 from harness.config.coerce import coerce, section_fields, type_name, unknown
 from harness.config.sections import (NO_RESUME, SECTIONS, Config, DataConfig, LoraConfig, LossConfig, ModelConfig, OptimConfig,
                                      RftConfig, RlConfig, TrainConfig, lora_config)
@@ -160,4 +161,9 @@ def describe() -> str:
                 for k in dataclasses.fields(LoraConfig):
                     ktp = type_name(typing.get_type_hints(LoraConfig)[k.name])
                     lines.append(f"    lora.{k.name} ({ktp}, default {k.default!r}): {k.metadata.get('help', '')}")
+            if (section, f.name) == ("train", "early_stopping"):  # the keys of the train.early_stopping mapping
+                for k in dataclasses.fields(EarlyStoppingConfig):
+                    ktp = type_name(typing.get_type_hints(EarlyStoppingConfig)[k.name])
+                    lines.append(f"    early_stopping.{k.name} ({ktp}, default {k.default!r}): "
+                                 f"{EARLY_STOPPING_HELP[k.name]}")
     return "\n".join(lines)

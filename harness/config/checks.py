@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from harness.config.best import early_stopping_config
 from harness.config.sections import NO_RESUME, Config, lora_config
 from harness.errors import ConfigError
 
@@ -72,6 +73,8 @@ def validate(cfg: Config) -> None:
                           f"train.resume={t.resume}")
     check_data_sources(cfg)
     check_sequence_parallel(cfg)
+    check_eval_prompts(cfg.train)
+    early_stopping_config(cfg)  # a known metric this run logs, evaluations during training
     for key, v in {"data.train_group_size": d.train_group_size, "data.query_max_len": d.query_max_len,
                    "data.passage_max_len": d.passage_max_len, "train.emb_micro_batch_size": t.emb_micro_batch_size,
                    "loss.grad_cache_chunks": cfg.loss.grad_cache_chunks,
@@ -98,6 +101,18 @@ def validate(cfg: Config) -> None:
     check_rl(cfg)
     check_model(cfg.model)
     check_data(d)
+
+
+def check_eval_prompts(t) -> None:
+    """train.eval_prompts: strings or {text: ...} mappings; train.eval_prompts_max_new_tokens >= 1."""
+    for i, p in enumerate(t.eval_prompts):
+        if not (isinstance(p, str) and p.strip()) and not (isinstance(p, dict) and set(p) == {"text"}
+                                                          and isinstance(p["text"], str) and p["text"].strip()):
+            raise ConfigError(f"config key 'train.eval_prompts[{i}]': expected a prompt (a non-empty string, or "
+                              f"{{text: ...}} continued as it is), got {p!r}")
+    if t.eval_prompts_max_new_tokens < 1:
+        raise ConfigError(f"config key 'train.eval_prompts_max_new_tokens': must be >= 1, got "
+                          f"{t.eval_prompts_max_new_tokens}")
 
 
 def check_data(d) -> None:

@@ -227,6 +227,19 @@ class TrainConfig:
     log_every: int = _f(10, "Log metrics every N optimizer steps (and always at the last step).")
     eval_every: int = _f(0, "Evaluate (eval files, retrieval) every N steps; 0: only at the end.")
     eval_at_start: bool = _f(True, "Also evaluate before the first step of a fresh run (the step-0 baseline).")
+    early_stopping: dict = _f({}, "Stop when the evaluations stop improving (keys below, harness/config/best.py), "
+                                  "e.g. {metric: eval_loss, patience: 3, min_delta: 0.01}: the attempt ends with "
+                                  "a checkpoint and the final export (report.json stopped_by: early_stopping). The "
+                                  "best value and the patience count are saved with every checkpoint. {}: off.")
+    keep_best: bool = _f(False, "Keep the best evaluation's model (ranked by train.early_stopping.metric, default "
+                                "eval_loss): an evaluation that improves on the best is checkpointed (that "
+                                "checkpoint is kept beyond train.save_total_limit while it is the best) and exported "
+                                "to <output_dir>/best/, in final/'s format.")
+    eval_prompts: list = _f([], "Prompts answered greedily at each evaluation (the continuous engine; the static "
+                                "model.generate where it cannot serve the model), logged to metrics.jsonl "
+                                "(eval_samples) and the trackers' text tab. A string is a user turn in the run's chat "
+                                "template; {text: ...} is continued as it is (plain-text training).")
+    eval_prompts_max_new_tokens: int = _f(64, "New tokens at most per train.eval_prompts answer.")
     report_to: list = _f(["tensorboard"], "accelerate trackers to log to (tensorboard, wandb, mlflow, ...; "
                                           "installed separately except tensorboard); [] for none.")
     tracker_project: Optional[str] = _f(None, "The wandb project and the mlflow experiment (tensorboard writes to "

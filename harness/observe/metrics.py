@@ -142,6 +142,16 @@ class MetricsLogger:
         if not self.trackers_failed:
             self._track(scalars, record.get("step"))
 
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        """train.eval_prompts' answers of the evaluation of `step`: one metrics.jsonl record {step, eval_samples:
+        [{prompt, answer}]} and a markdown table in the trackers' text tab (tensorboard's TEXT, as eval/samples)."""
+        self.log({"step": step, "eval_samples": rows})
+        if not self.trackers_failed:
+            cell = lambda text: text.replace("|", "\\|").replace("\n", "<br>")  # noqa: E731 - one table cell
+            table = "| prompt | answer |\n|---|---|\n" + "".join(f"| {cell(r['prompt'])} | {cell(r['answer'])} |\n"
+                                                              for r in rows)
+            self._track({"eval/samples": table}, step)
+
     def _track(self, scalars: dict, step) -> None:
         """accelerator.log, one tracker at a time (as accelerate does, main process only), so that a write that fails
         (tensorboard's event file on a full disk) is named and stops the run like a metrics.jsonl write (`failed`)."""

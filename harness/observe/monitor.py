@@ -329,14 +329,28 @@ def flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def init_trackers(accelerator, cfg) -> None:
+def init_trackers(accelerator, cfg, resume_from: Optional[Path] = None) -> None:
     """Starts the trackers named in train.report_to with `tracker_settings`; the run config (`flat`) is logged as
-    hyper-parameters."""
-    t = cfg.train
+    hyper-parameters. A tracker that cannot write its first files (a full disk under tensorboard's event file, on
+    the main process) stops every process with one line (collective); `resume_from`: the checkpoint it names intact."""
+    from harness.distributed import collectives
+    from harness.errors import HarnessError, one_line
+
+    t, failure = cfg.train, None
     project, init_kwargs = tracker_settings(t.output_dir, t.tracker_project, t.tracker_entity, t.run_name)
     if "tensorboard" in t.report_to or "all" in t.report_to:
         quiet_event_writer_thread()
-    accelerator.init_trackers(project, config=flat(cfg.to_dict()), init_kwargs=init_kwargs)
+    try:
+        accelerator.init_trackers(project, config=flat(cfg.to_dict()), init_kwargs=init_kwargs)
+    except OSError as e:
+        where = f"tensorboard in {Path(t.output_dir) / 'tensorboard'}" if "tensorboard" in t.report_to else \
+            f"the trackers {', '.join(t.report_to)}"
+        kept = f" (the checkpoint {resume_from} is intact)" if resume_from else ""
+        failure = (f"could not start {where} ({one_line(e)}): nothing is lost, no step of this attempt ran{kept}; "
+                   f"free some space, then run the same command again")
+    failed = [f for f in collectives.all_gather(accelerator, failure) if f]
+    if failed:
+        raise HarnessError(failed[0])
 
 
 def quiet_event_writer_thread() -> None:

@@ -114,7 +114,8 @@ def epoch_of(job, state: LoopState) -> float:
 def final_report(job, state: LoopState, log: StepLog, stopped_by: Optional[str], train_time_s: float,
                  sections: dict) -> dict:
     """report.json, section by section: the run's set-up, its progress, losses and evaluations, the batch, where the
-    time went, utilisation and cost. `sections`: compile, eval, eval_at_start, final_dir, micro_batch_auto."""
+    time went, utilisation and cost. `sections`: compile, eval, eval_at_start, final_dir, micro_batch_auto, best
+    (train.early_stopping / keep_best: the best evaluation, best/)."""
     cfg, timings, last = job.cfg, job.timings, log.last
     setup = {"world_size": job.world, "sequence_parallel": cfg.train.sequence_parallel,
              "data_parallel_size": job.dp_world, "distributed_type": job.accelerator.distributed_type.value, **job.zero,
@@ -135,7 +136,8 @@ def final_report(job, state: LoopState, log: StepLog, stopped_by: Optional[str],
                 "tokens_per_s": state.tokens / max(trained_s, 1e-9)}
     results = {"first_loss": state.first_loss, "final_loss": last.get("loss"), "final_loss_gen": last.get("loss_gen"),
                "final_loss_emb": last.get("loss_emb"), "eval_at_start": sections["eval_at_start"],
-               "eval": sections["eval"], "data": job.data.stats, "final_dir": sections["final_dir"],
+               "eval": sections["eval"], "best": sections.get("best"), "data": job.data.stats,
+               "final_dir": sections["final_dir"],
                "hardware": job.record.env}
     batch = {"flop_dims": list(job.objective.flop_dims), "micro_batch_size": cfg.train.micro_batch_size,
              "grad_accum": job.accum, "global_batch_size": cfg.train.micro_batch_size * job.accum * job.dp_world, "micro_batch_auto": sections["micro_batch_auto"]}
