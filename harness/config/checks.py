@@ -304,6 +304,9 @@ def check_streaming(cfg: Config) -> None:
         (cfg.train.micro_batch_size == "auto", "train.micro_batch_size", "auto tries the data's longest batch first: "
                                                                          "with data.streaming=true give a number"),
         (cfg.train.sequence_parallel > 1, "train.sequence_parallel", "not supported with data.streaming=true"),
+        (cfg.train.resume_changed_data, "train.resume_changed_data", "a stream resumes at its sources' positions, "
+                                                                     "which changed files no longer have: not "
+                                                                     "supported with data.streaming=true"),
     ]
     for bad, key, why in refusals:
         if bad:

@@ -109,8 +109,6 @@ class GlobalStream:
             self._new_epoch()
 
     def _new_epoch(self) -> None:
-        if self.rows == 0 and not self.ready and not self.pending:
-            raise ConfigError("data.train_files: no record to train on")
         self.epoch, self.current, self.drained = self.epoch + 1, 0, False
         for c in self.cursors:
             c.new_pass()
