@@ -238,3 +238,18 @@ def test_two_processes_killed_or_stopped_resume_on_two_or_one(tmp_path):
     assert rows_by_step(t1, t2) == rows_by_step(trace)
     got = losses(moved)
     assert sorted(got) == sorted(want) and all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
+
+
+@pytest.mark.parametrize("override, line", [
+    ("data.eval_split=10", "config key 'data.eval_split': a stream never holds the whole data"),
+    ("data.max_len=auto", "config key 'data.max_len': auto measures every sample first"),
+    ("loss.mode=embedding", "config key 'loss.mode': data.streaming=true streams generative data only"),
+    ("train.resume_changed_data=true", "config key 'train.resume_changed_data': a stream resumes at its sources'"),
+])
+def test_what_needs_the_whole_data_is_refused_in_one_line(override, line):
+    from harness.config import load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT, ["data.streaming=true", "train.max_steps=5", override])
+    assert str(e.value).startswith(line) and "\n" not in str(e.value)
+    load_config(DEFAULT, ["data.streaming=true", "train.max_steps=5", "data.shuffle_buffer=0"])

@@ -166,7 +166,7 @@ def streamed_loaders(d: DataConfig, t: TrainConfig, accelerator, tokenizer, comm
         rows = data_lib.load_generative_rows(d.eval_files, d.cache_dir, "data.eval_files")
         ds, _ = data_lib.tokenize_dataset(rows, tokenizer, d.max_len)
         evaluation = DataLoader(ds, batch_size=t.micro_batch_size, shuffle=False, collate_fn=padded, **common)
-    return train, evaluation, {"streaming": True, "epoch_samples": size}
+    return train, evaluation, {"streamed_sources": len(train.stream.cursors), "epoch_samples": size or "unknown"}
 
 
 def epoch_size(loader) -> int:
