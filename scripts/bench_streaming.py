@@ -62,13 +62,60 @@ def train(out: Path, overrides: list[str]) -> dict:
     return {**got, "tokens_per_s": report.get("tokens_per_s"), "steps": report.get("steps")}
 
 
+def data_only(steps: int) -> dict:
+    """CPU seconds (process time, which the machine's load does not inflate as much as wall time) to make the
+    default job's micro-batches: streamed (read, tokenize, collate as training does) and cached (the tokenized
+    data set built first, then its DataLoader), in this process, no model."""
+    from torch.utils.data import DataLoader
+
+    from harness.config import load_config
+    from harness.data import samples, streaming
+    from harness.model import load_tokenizer
+
+    cfg = load_config(ROOT / "configs/default.yaml", ["data.streaming=true", f"train.max_steps={steps}"])
+    tok = load_tokenizer(cfg.model)
+    collate = samples.GenerativeCollator(tok.pad_token_id)
+    t0 = time.process_time()
+    rows = samples.load_generative_rows(cfg.data.train_files)
+    ds, _ = samples.tokenize_dataset(rows, tok, cfg.data.max_len)
+    prepared = time.process_time() - t0
+    loader = iter(DataLoader(ds, batch_size=cfg.train.micro_batch_size, shuffle=True, collate_fn=collate))
+    t0 = time.process_time()
+    for _ in range(min(steps, len(ds) // cfg.train.micro_batch_size)):
+        next(loader)
+    cached = (time.process_time() - t0) / min(steps, len(ds) // cfg.train.micro_batch_size)
+
+    class Acc:  # what build_stream reads of the accelerator
+        print, device = staticmethod(lambda *a: None), None
+
+    stream = streaming.build_stream(cfg.data, cfg.train, Acc, tok, cfg.data.max_len, collate, 1, 0)
+    batches = stream.batches({"epoch": 0, "batches": 0})
+    t0 = time.process_time()
+    next(batches)
+    first = time.process_time() - t0
+    t0 = time.process_time()
+    for _ in range(steps):
+        next(batches)
+    streamed = (time.process_time() - t0) / steps
+    return {"cached_prepare_cpu_s": prepared, "cached_batch_cpu_s": cached, "streamed_first_batch_cpu_s": first,
+            "streamed_batch_cpu_s": streamed, "batches": steps}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--records", type=int, default=20000, help="N: the smaller file's records (the larger: 10 N)")
     ap.add_argument("--steps", type=int, default=20, help="steps of each speed run")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--data-only", action="store_true", help="only the data pipelines' CPU time per micro-batch")
     a = ap.parse_args()
+    if a.data_only:
+        got = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_avg": os.getloadavg(),
+               **data_only(a.steps)}
+        print(json.dumps(got, indent=1))
+        if a.json:
+            a.json.write_text(json.dumps(got, indent=1) + "\n")
+        return
     rows: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
                   "load_avg_at_start": os.getloadavg(), "size": [], "speed": []}
     with tempfile.TemporaryDirectory() as tmp:

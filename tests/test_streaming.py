@@ -172,6 +172,24 @@ def losses(run: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in metrics(run) if "loss" in m}
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
 def killed_before_step_4(out: Path, nproc: int, extra: list[str]) -> None:
     """The run waits before step 4 (HARNESS_FAULT_PAUSE) once the checkpoint of step 3 is complete: kill -9."""
     env = {**os.environ, **ENV, "HARNESS_FAULT_PAUSE": "4"}
@@ -191,7 +209,11 @@ def killed_before_step_4(out: Path, nproc: int, extra: list[str]) -> None:
     marker, t0 = out / "checkpoints" / "step-3" / "COMPLETE", time.time()
     while not marker.exists() and proc.poll() is None and time.time() - t0 < 900:
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
+    for pid in [*descendants(proc.pid), proc.pid]:  # torch's launcher starts its workers in sessions of their own
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()
     assert marker.exists() and not (out / "checkpoints" / "step-4").exists()
 
