@@ -233,7 +233,6 @@ def test_kill_9_mid_epoch_resumes_to_the_uninterrupted_losses(tmp_path):
     assert losses(got) == want  # 0.0 difference
 
 
-@pytest.mark.extended
 def test_two_processes_killed_or_stopped_resume_on_two_or_one(tmp_path):
     """Two processes (DDP), shuffled and packed: killed before step 4 and resumed on two, losses within 1e-6 of the
     uninterrupted two-process run (the same rows and reductions; 1e-6 allows another summation order of a kernel);
