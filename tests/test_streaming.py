@@ -86,6 +86,8 @@ def test_a_restored_stream_continues_exactly(tmp_path, pack):
     t.restore(torch.load(buf, weights_only=False))
     assert [t.next() for _ in range(90)] == want
     assert head != want[:37]
+    assert stream_of(entries).epoch_size() is None  # JSON lines: counted only by reading
+    assert stream_of(entries[1:]).epoch_size() == 30 and stream_of(entries[1:], pack=64).epoch_size() is None
     m = stream_of(entries, buffer=0)
     drawn = Counter(m._record()["origin"].split(":")[0].rsplit(".", 1)[-1] for _ in range(600))
     assert 0.6 < drawn["jsonl"] / 600 < 0.73  # weight 2 of 3, sources read again when they end

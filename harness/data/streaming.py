@@ -64,8 +64,10 @@ class GlobalStream:
         saved data sets, hub splits); None otherwise (JSON lines; packed rows, whose count depends on the lengths)."""
         if self.pack_len is not None:
             return None
-        sizes = [c.size() for c in self.cursors]
-        return None if any(s is None for s in sizes) else sum(sizes)
+        if not hasattr(self, "_size"):  # asked once (a hub split's size is a request)
+            sizes = [c.size() for c in self.cursors]
+            self._size = None if any(s is None for s in sizes) else sum(sizes)
+        return self._size
 
     # ---- records: mixing and the shuffle buffer
     def _read(self) -> Optional[dict]:
