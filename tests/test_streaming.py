@@ -276,3 +276,20 @@ def test_what_needs_the_whole_data_is_refused_in_one_line(override, line):
         load_config(DEFAULT, ["data.streaming=true", "train.max_steps=5", override])
     assert str(e.value).startswith(line) and "\n" not in str(e.value)
     load_config(DEFAULT, ["data.streaming=true", "train.max_steps=5", "data.shuffle_buffer=0"])
+
+
+def test_a_bad_record_met_in_training_stops_in_one_line_with_the_checkpoints_intact(tmp_path):
+    """Record 90 has no assistant turn: the stream reaches it during step 16 (chunks of 64 records, 4 a step, no
+    shuffle buffer), after the checkpoint of step 15; the run stops with the cached path's line, that checkpoint
+    intact."""
+    lines = (ROOT / "data/sample/gen.jsonl").read_text().splitlines()[:100]
+    lines[89] = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+    data = tmp_path / "gen.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    proc = run_train([*FAST, "data.streaming=true", "train.max_steps=20", "data.shuffle_buffer=0",
+                      "train.micro_batch_size=4", f"data.train_files=[{data}]", "train.eval_at_start=false",
+                      "train.save_every_steps=5", f"train.output_dir={out}"], check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert f"harness: error: {data}:90: field 'messages' has no assistant turn" in proc.stderr
+    assert (out / "checkpoints" / "step-15" / "COMPLETE").exists() and not (out / "checkpoints" / "step-20").exists()
