@@ -279,7 +279,7 @@ def test_what_needs_the_whole_data_is_refused_in_one_line(override, line):
 
 
 def test_a_bad_record_met_in_training_stops_in_one_line_with_the_checkpoints_intact(tmp_path):
-    """Record 90 has no assistant turn: the stream reaches it during step 16 (chunks of 64 records, 4 a step, no
+    """Record 90 has no assistant turn: the stream reaches it at step 17 (chunks of 64 records, 4 a step, no
     shuffle buffer), after the checkpoint of step 15; the run stops with the cached path's line, that checkpoint
     intact."""
     lines = (ROOT / "data/sample/gen.jsonl").read_text().splitlines()[:100]
