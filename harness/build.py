@@ -152,7 +152,7 @@ def build_run(cfg: Config, opened: contextlib.ExitStack) -> tuple[Job, LoopState
 
 def epoch_rows(data: loaders.RunData, streams: tuple) -> dict:
     """Rows (packed rows, query groups) an epoch per training stream."""
-    return {n: len(data.loader(n).dataset) for n in streams}
+    return {n: loaders.epoch_size(data.loader(n)) for n in streams}
 
 
 def weights_dtype(model) -> str:
@@ -286,13 +286,19 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
             f"{sequence.install_attention(sp, model, cfg.train.micro_batch_size)}, groups of {sp.size} consecutive "
             f"processes, each 1/{sp.size} of every row's positions")
     dp = sp.dp_size if sp else world
-    schedule = loaders.schedule_steps(len(primary.dataset), primary.batch_size, dp, cfg.train.grad_accum,
+    schedule = loaders.schedule_steps(loaders.epoch_size(primary), primary.batch_size, dp, cfg.train.grad_accum,
                                       cfg.train.max_steps, cfg.train.epochs)  # harness plan's arithmetic too
     # The schedule acts on the raw optimizer's param groups, which DeepSpeed's ZeRO optimizers keep using. It is not
     # prepared (accelerate would step it once per process) but stepped once per optimizer step, and checkpointed.
     scheduler = optim.build_scheduler(optimizer, cfg.optim, schedule["total_steps"])
     accelerator.register_for_checkpointing(scheduler)
-    model, optimizer, *prepared = accelerator.prepare(model, optimizer, *[data.loader(n) for n in streams])
+    # a data.streaming loader deals its own slices (harness/data/streaming.py) and is checkpointed with its state
+    streamed = {n: data.loader(n) for n in streams if hasattr(data.loader(n), "batches")}
+    model, optimizer, *prepared = accelerator.prepare(model, optimizer, *[data.loader(n) for n in streams
+                                                                          if n not in streamed])
+    prepared = [streamed[n] if n in streamed else prepared.pop(0) for n in streams]
+    for stream in streamed.values():
+        accelerator.register_for_checkpointing(stream)
     if sp is not None:  # the group's processes read the same rows: loaders sharded over the data-parallel ranks
         mine = sequence.dp_loaders(accelerator, sp, [data.loader(n) for n in streams])
         accelerator._dataloaders = [d for d in accelerator._dataloaders if d not in prepared] + mine
@@ -345,7 +351,8 @@ def longest_micro_batch(data: loaders.RunData) -> int:
     for loader in (data.gen, data.gen_eval):
         if loader is None:
             continue
-        width = getattr(loader.collate_fn, "width", None) or max(loader.dataset["length"], default=0)
+        width = (getattr(loader.collate_fn, "width", None) or getattr(loader, "max_len", None)
+                 or max(loader.dataset["length"], default=0))
         most = max(most, loader.batch_size * width)
     return most
 
@@ -372,5 +379,6 @@ def describe_batch(cfg: Config, world: int, built: Built, streams: tuple, say: C
     say(f"[harness] model: {built.parameters / 1e6:.2f}M parameters ({', '.join(f'{h / 1e6:.2f}M' for h in held)}"
         f" held per rank); global batch per step: {' + '.join(parts)} = micro-batch x accumulation {accum} x "
         f"{world} {'data-parallel ' if t.sequence_parallel > 1 else ''}process(es)"
-        f"{sp_note}; {s['steps_per_epoch']} steps/epoch of {streams[0]} data; {s['total_steps']} steps "
-        f"({s['total_steps'] / s['steps_per_epoch']:.2f} epochs)")
+        f"{sp_note}; " + (f"{s['steps_per_epoch']} steps/epoch of {streams[0]} data; {s['total_steps']} steps "
+                          f"({s['total_steps'] / s['steps_per_epoch']:.2f} epochs)" if s["steps_per_epoch"] < 1 << 40
+                          else f"{s['total_steps']} steps (train.max_steps; a streamed epoch of unknown size)"))

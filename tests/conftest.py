@@ -113,6 +113,7 @@ EXTENDED = {
     # packing is checked in-process by test_packing_isolates_documents
     "test_gpu_findings::test_the_visit_preset_runs_on_a_cpu",  # ~5 min of launches; test_the_visit_preset_fits_one_
     # call_in_the_issues_order checks its plan and every variant's overrides, test_monitor's smoke the script's path
+    "test_streaming::test_two_processes_killed_or_stopped_resume_on_two_or_one",  # 6 launches; the 1-process kill's
 }
 
 

@@ -35,6 +35,7 @@ def validate(cfg: Config) -> None:
     for key, v in positive.items():
         if v < 1:
             raise ConfigError(f"config key '{key}': must be >= 1, got {v}")
+    check_streaming(cfg)
     if t.max_steps == 0 or t.max_steps < -1:
         raise ConfigError(f"config key 'train.max_steps': must be -1 (use epochs) or >= 1, got {t.max_steps}")
     if t.max_steps == -1 and t.epochs <= 0:
@@ -299,3 +300,29 @@ def check_sequence_parallel(cfg: Config) -> None:
     if heads and heads % n:
         raise ConfigError(f"config key 'train.sequence_parallel': {n} does not divide the model's {heads} "
                           f"attention heads; use a divisor of {heads}")
+
+
+def check_streaming(cfg: Config) -> None:
+    """data.streaming (docs/streaming.md): generative data only, and nothing that needs the whole data before step 1."""
+    d = cfg.data
+    if d.shuffle_buffer < 0:
+        raise ConfigError(f"config key 'data.shuffle_buffer': must be >= 0, got {d.shuffle_buffer}")
+    if not d.streaming:
+        return
+    refusals = [
+        (cfg.loss.mode != "generative", "loss.mode", f"data.streaming=true streams generative data only; "
+                                                     f"loss.mode={cfg.loss.mode} reads cached data"),
+        (d.eval_split is not None, "data.eval_split", "a stream never holds the whole data to hold records out of: "
+                                                      "with data.streaming=true give data.eval_files"),
+        (d.max_len == "auto", "data.max_len", "auto measures every sample first: with data.streaming=true give a "
+                                              "number"),
+        (cfg.train.micro_batch_size == "auto", "train.micro_batch_size", "auto tries the data's longest batch first: "
+                                                                         "with data.streaming=true give a number"),
+        (cfg.train.sequence_parallel > 1, "train.sequence_parallel", "not supported with data.streaming=true"),
+        (cfg.train.resume_changed_data, "train.resume_changed_data", "a stream resumes at its sources' positions, "
+                                                                     "which changed files no longer have: not "
+                                                                     "supported with data.streaming=true"),
+    ]
+    for bad, key, why in refusals:
+        if bad:
+            raise ConfigError(f"config key '{key}': {why}")

@@ -124,6 +124,14 @@ class DataConfig:
                                        "Text before an embedded text that has an instruction.")
     emb_plain_template: str = _f("<|embed|>\n", "Text before an embedded text without instruction.")
     shuffle: bool = _f(True, "Shuffle the training samples each epoch (seeded by train.seed and the epoch).")
+    streaming: bool = _f(False, "Generative data read, tokenized and packed as training goes instead of cached "
+                                "whole before step 1 (docs/streaming.md): memory and start-up independent of the "
+                                "data's size; the stream's state is in every checkpoint (exact resume, also on "
+                                "another process count with the global batch kept). train.max_steps is required "
+                                "when an epoch's size is unknown (JSON lines, packing).")
+    shuffle_buffer: int = _f(10000, "data.streaming with data.shuffle: records in the seeded shuffle buffer (each "
+                                    "record leaves from a random slot; larger mixes more, holds more in memory and in "
+                                    "each checkpoint).")
     num_workers: int = _f(0, "DataLoader worker processes.")
     pin_memory: Union[bool, Literal["auto"]] = _f("auto", "Pin host memory for faster copies (auto: on with a GPU).")
     prefetch_factor: int = _f(2, "Batches each worker prepares ahead (with num_workers > 0).")

@@ -93,7 +93,9 @@ def build_loaders(d: DataConfig, t: TrainConfig, mode: str, pooling: str, accele
     if d.num_workers > 0:
         common.update(prefetch_factor=d.prefetch_factor, persistent_workers=d.persistent_workers)
     with main_first(accelerator):  # rank 0 validates and tokenizes; the others read its cache (or get its error)
-        if mode in ("generative", "unified"):
+        if mode == "generative" and d.streaming:  # read, tokenized and packed as training goes
+            out.gen, out.gen_eval, out.stats["generative"] = streamed_loaders(d, t, accelerator, tokenizer, common)
+        elif mode in ("generative", "unified"):
             rows, held = training_rows(d, t.seed, "generative", accelerator.print)
             max_len = resolve_max_len(d, rows, tokenizer, accelerator.print)
             ds, st = data_lib.tokenize_dataset(rows, tokenizer, max_len)
@@ -139,6 +141,40 @@ def build_loaders(d: DataConfig, t: TrainConfig, mode: str, pooling: str, accele
                 out.emb_eval = data_lib.retrieval_eval_set(rows, tokenizer, d.query_max_len, d.passage_max_len,
                                                            fmt)
     return out
+
+
+def streamed_loaders(d: DataConfig, t: TrainConfig, accelerator, tokenizer, common: dict):
+    """data.streaming: (the training StreamLoader, the cached eval loader or None, stats) (`d`: cfg.data, `t`:
+    cfg.train). The stream is read by every data-parallel process (harness.data.streaming)."""
+    from torch.utils.data import DataLoader
+
+    from harness.data import streaming
+
+    cuda = torch.cuda.is_available()
+    padded = data_lib.GenerativeCollator(tokenizer.pad_token_id,
+                                         widths=data_lib.Widths(8 if cuda else 1, d.pad_buckets, d.max_len))
+    collate = data_lib.PackedCollator(tokenizer.pad_token_id, d.max_len) if d.packing else padded
+    train = streaming.build_stream(d, t, accelerator, tokenizer, d.max_len, collate, accelerator.num_processes,
+                                   accelerator.process_index)
+    size = train.epoch_size()
+    streaming.needs_max_steps(size, t.max_steps, d.packing)
+    accelerator.print(f"[harness] data.streaming: {len(train.stream.cursors)} source(s), "
+                      f"{'an epoch of ' + str(size) + ' samples' if size else 'epoch size unknown'}, shuffle buffer "
+                      f"{train.stream.capacity if d.shuffle else 0} records{', packed' if d.packing else ''}")
+    evaluation = None
+    if d.eval_files:
+        rows = data_lib.load_generative_rows(d.eval_files, d.cache_dir, "data.eval_files")
+        ds, _ = data_lib.tokenize_dataset(rows, tokenizer, d.max_len)
+        evaluation = DataLoader(ds, batch_size=t.micro_batch_size, shuffle=False, collate_fn=padded, **common)
+    return train, evaluation, {"streamed_sources": len(train.stream.cursors), "epoch_samples": size or "unknown"}
+
+
+def epoch_size(loader) -> int:
+    """Rows (packed rows, query groups) an epoch of a training loader; a stream of unknown size counts as endless
+    (its schedule is train.max_steps)."""
+    if hasattr(loader, "epoch_size"):
+        return loader.epoch_size() or 1 << 62
+    return len(loader.dataset)
 
 
 def embedding_buckets(d: DataConfig, mode: str, accelerator, ds) -> Optional[tuple]:
@@ -192,6 +228,9 @@ def micro_batches(accelerator, loader, pos: dict):
     """Endless stream of micro-batches across epochs; pos = {"epoch", "batches"} is kept current. A resumed epoch
     skips the micro-batches it has already seen (same seeded order and groups: exactly the same data). Generative
     and pair batches come without the rows accelerate pads an epoch's last round with (`real_rows`)."""
+    if hasattr(loader, "batches"):  # data.streaming: the stream keeps its own position (and checkpoints it)
+        yield from loader.batches(pos)
+        return
     real = real_rows(loader)
     while True:
         loader.set_epoch(pos["epoch"])

@@ -82,21 +82,30 @@ def read_jsonl(path: str) -> Iterator[tuple[int, dict]]:
         return
     n = 0
     for lineno, raw in _raw_lines(path):
-        line = _decode(raw, f"{path}:{lineno}")
-        if not line.strip():
+        obj = json_line(raw, path, lineno)
+        if obj is None:
             continue
-        try:
-            obj = json.loads(line.rstrip("\r\n"))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: invalid JSON, column {e.colno}: {e.msg}") from None
-        except (ValueError, RecursionError) as e:
-            raise DataError(f"{path}:{lineno}: {json_beyond_limits(e)}") from None
-        if not isinstance(obj, dict):
-            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
         n += 1
         yield lineno, obj
     if n == 0:
         raise DataError(f"{path}: file is empty (no records)")
+
+
+def json_line(raw: bytes, path: str, lineno: int) -> Optional[dict]:
+    """One line of a JSON lines file as its object (None: a blank line); anything else is a DataError naming
+    `path:lineno` (the cached reader and data.streaming's share it)."""
+    line = _decode(raw, f"{path}:{lineno}")
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line.rstrip("\r\n"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{lineno}: invalid JSON, column {e.colno}: {e.msg}") from None
+    except (ValueError, RecursionError) as e:
+        raise DataError(f"{path}:{lineno}: {json_beyond_limits(e)}") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 def _read_json_array(path: str) -> Iterator[tuple[int, dict]]:
@@ -178,12 +187,14 @@ def _offline() -> bool:
         os.environ.get(k, "").upper() in ("1", "ON", "YES", "TRUE") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
-def load_hub_dataset(source: Source, what: str, cache_dir: Optional[str]):
-    """A hub data set via datasets.load_dataset(path, subset, split=split or "train"); one line if unavailable."""
+def load_hub_dataset(source: Source, what: str, cache_dir: Optional[str], streaming: bool = False):
+    """A hub data set via datasets.load_dataset(path, subset, split=split or "train"); one line if unavailable.
+    streaming: an IterableDataset read as it goes (data.streaming), nothing downloaded ahead."""
     datasets = _quiet_datasets()
     split = source.split or "train"
     try:
-        return datasets.load_dataset(source.path, source.subset, split=split, cache_dir=cache_dir)
+        return datasets.load_dataset(source.path, source.subset, split=split, cache_dir=cache_dir,
+                                     streaming=streaming)
     except Exception as e:  # noqa: BLE001 - offline, missing, private, no network: one line naming the id
         flag = next((k for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(k)), "HF_HUB_OFFLINE")
         chain, seen = [], e
