@@ -31,7 +31,7 @@ from typing import Optional
 
 from harness import faults
 from harness.auto_batch import memory_trial, run_auto_batch
-from harness.build import Job, build_run
+from harness.build import Job, build_run, check_machine
 from harness.checkpoint.export import export_final
 from harness.checkpoint.store import Checkpointer
 from harness.config import Config, describe, load_config, preflight
@@ -384,6 +384,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         preflight.refuse_fsdp()
         cfg = load_config(args.config, args.overrides)
+        check_machine(cfg)  # all of the config is checked before the run folder is looked at
         if finished.nothing_to_do(cfg.train):  # a finished run stays finished, unless more steps are asked of it
             return 0
         run_auto_batch(cfg, run) if cfg.train.micro_batch_size == "auto" else run(cfg)

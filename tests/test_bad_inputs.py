@@ -185,9 +185,18 @@ def test_the_table_is_large_enough():
     assert len(CASES) >= 47 and len({c[0] for c in CASES}) == len(CASES)
 
 
+FINISHED = json.dumps({"steps": 5, "planned_steps": 5, "stopped_by": None, "final_dir": None})
+
+
 @pytest.mark.parametrize("name, files, argv, status, line", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_gives_one_line(name, files, argv, status, line, tmp_path, capsys, monkeypatch):
+    """A `train` case without its own train.output_dir trains into a temporary folder that holds a finished run (never
+    the repository's runs/): the config and its overrides are checked before the run folder is looked at, so a
+    finished run does not answer a bad override with "nothing to do"."""
     monkeypatch.chdir(ROOT)
+    if argv[0] == "train" and not any(a.startswith("train.output_dir=") for a in argv):
+        argv = [*argv[:2], "train.output_dir={d}/finished", *argv[2:]]
+        files = {**files, "finished/report.json": FINISHED}
     for item in [a for a in argv if a.startswith("env:")]:  # env:NAME=value: an environment variable for the case
         name, _, value = item[4:].partition("=")
         monkeypatch.setenv(name, _fill(value, tmp_path))
