@@ -34,7 +34,7 @@ from harness.auto_batch import memory_trial, run_auto_batch
 from harness.build import Job, build_run, check_machine
 from harness.checkpoint.export import export_final
 from harness.checkpoint.store import Checkpointer
-from harness.config import Config, describe, load_config, preflight
+from harness.config import Config, describe, load_config, preflight, recipe_args
 from harness.data import loaders
 from harness.distributed import collectives
 from harness.encode import embedding_settings
@@ -344,10 +344,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="harness train",
         description="Train a language model. Precedence: defaults < --config file < section.key=value overrides.",
     )
-    p.add_argument("--config", help="run recipe (YAML), e.g. configs/default.yaml")
-    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.max_steps=20")
+    recipe_args.add(p)
     p.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
-    return p.parse_args(argv)
+    return recipe_args.resolve(p.parse_args(argv), p, required=False)
 
 
 class StoppedOutsideTheLoop(BaseException):
