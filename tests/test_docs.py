@@ -315,3 +315,13 @@ def test_offline_cpu_blocks_run(doc, tmp_path):
                               text=True, timeout=600)
         assert proc.returncode == 0, (f"{doc.relative_to(ROOT)}:{line}: exit {proc.returncode}\n{text}\n"
                                       f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}")
+
+
+def test_ci_runs_the_readme_commands_in_order():
+    """.ci/run is what a new user does in a fresh clone: the README's command 1 (train the default job, which leaves a
+    finished runs/default), then command 2 (the tests), in that order."""
+    first = blocks(ROOT / "README.md")[0][2]
+    readme = [" ".join(c) for c in commands(first)]
+    ci = [" ".join(c) for c in commands((ROOT / ".ci" / "run").read_text())]
+    steps = [ci.index(c, ci.index(readme[i - 1]) + 1 if i else 0) for i, c in enumerate(readme)]
+    assert len(readme) == 4 and steps == sorted(steps), (readme, ci)
