@@ -369,8 +369,9 @@ def describe_batch(cfg: Config, world: int, built: Built, streams: tuple, say: C
     parts = []
     if cfg.loss.mode == "rl":
         parts.append(f"{cfg.rl.questions_per_step} questions x {cfg.rl.num_generations} answers")
-    elif "gen" in built.loaders:
-        parts.append(f"{t.micro_batch_size * accum * world} sequences")
+    elif "gen" in built.loaders:  # preference rows are pairs (chosen and rejected: twice the sequences)
+        n = t.micro_batch_size * accum * world
+        parts.append(f"{n} {'pair' if cfg.loss.mode == 'preference' else 'sequence'}{'s' if n != 1 else ''}")
     if "emb" in built.loaders:
         contrastive = t.emb_micro_batch_size * (world if cfg.loss.gather_negatives else 1)
         parts.append(f"{t.emb_micro_batch_size * accum * world} queries x {cfg.data.train_group_size} passages "

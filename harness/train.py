@@ -193,11 +193,9 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
     failed = side.log.logger.failed
     collectives.on_main(job.accelerator, lambda: reporting.write_run_end(job, report, final_dir, failed))
     if report["plan"]:
-        job.say(f"[harness] plan: estimated {report['plan']['estimated_s']:.1f}s, actual "
-                f"{report['plan']['actual_s']:.1f}s ({report['plan']['error_pct']:+.1f}%)")
-    job.say(f"[harness] done: step {state.step}, {train_time:.1f}s this attempt, loss "
-            f"{state.first_loss if state.first_loss is not None else float('nan'):.4f} -> "
-            f"{side.log.last.get('loss', float('nan')):.4f}; report {job.out / 'report.json'}")
+        job.say(f"[harness] {reporting.plan_line(report['plan'])}")
+    job.say(f"[harness] done: step {state.step}, {train_time:.1f}s this attempt, "
+            f"{reporting.loss_change(state.first_loss, side.log.last.get('loss'))}; report {job.out / 'report.json'}")
     return report
 
 
