@@ -389,11 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     dest.parent.mkdir(parents=True, exist_ok=True)
     from harness.files import write_json
     from harness.rundir.finished import finished_run
-
-    if not args.out and finished_run(cfg.train.output_dir) is not None:
-        say(f"{cfg.train.output_dir} holds a finished run: plan.json is written beside its report, and `harness train` "
-            f"with this config has nothing to do there (a new train.output_dir, or train.overwrite=true, trains it)")
-
+    if not args.out and finished_run(cfg.train.output_dir) is not None:  # (a train there would have nothing to do)
+        say(f"{cfg.train.output_dir} holds a finished run: plan.json is written beside its report")
     write_json(dest, plan)
     verdict = "fits" if plan["fits"] else "does not fit"
     fitting = [a for a in plan["adjustments"] if a["fits"]]
