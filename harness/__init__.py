@@ -4,4 +4,31 @@ Train the default job:  python -m harness.train --config configs/default.yaml
 See README.md for the quickstarts and docs/multi-gpu.md for CPU, single-GPU, multi-GPU and multi-node launches.
 """
 
+import logging
+
 __version__ = "0.1.0"
+
+# Start-up noise of the libraries the harness imports, said on every command and meaningless to its users: each
+# (logger, text) is one known message, dropped on that library logger alone; every other message of those libraries,
+# and all of the harness's own, is left as it is.
+QUIET = {
+    "torchao": ("Failed to load ",),  # its CUDA-only .so files (mxfp8, cutlass) on a machine they do not load on
+    "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),  # torchao's register_constant
+    "transformers.integrations.hub_kernels": ("`kernels` is either not installed",),  # the `pip install kernels` notice
+    "DeepSpeed": ("Setting accelerator to CPU",),  # DeepSpeed's import on a machine without a GPU
+    "accelerate.utils.other": ("Removed shared tensor",),  # tied weights saved once, as intended
+}
+
+
+class _KnownNoise(logging.Filter):
+    def __init__(self, texts: tuple):
+        super().__init__()
+        self.texts = texts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(t in message for t in self.texts)
+
+
+for _name, _texts in QUIET.items():
+    logging.getLogger(_name).addFilter(_KnownNoise(_texts))

@@ -162,6 +162,22 @@ def weights_dtype(model) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
+def check_machine(cfg: Config) -> str:
+    """What this machine and this launch refuse in a config that loaded: the precision (returned, resolved), fp8, the
+    attention kernel, sequence parallelism's launch, the DeepSpeed JSONs. One-line ConfigErrors; train.py checks
+    them before it looks at the run folder, so a finished run still rejects a bad override."""
+    precision = hardware.resolve_precision(cfg.train.precision)
+    if precision == "fp8":
+        from harness.speed.float8 import check_fp8
+
+        check_fp8(cfg.model.quantization)
+    hardware.check_attention(cfg.model.attn_implementation)
+    sequence.check_launch(cfg.train.sequence_parallel, processes.launched_world(), processes.deepspeed_wanted(cfg.train),
+                          processes.cpu_forced())
+    processes.check_deepspeed_configs(cfg.train)
+    return precision
+
+
 def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
     """Precision, the Accelerator, the output folder's lock, the resume target, the compiler's start-up, the sampler
     (config.yaml and environment.json are written by build_run once the data and the model are built)."""
@@ -173,18 +189,11 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
     plan = resume.plan(cfg, processes.launched_world())
     cfg = plan.cfg
     out = Path(cfg.train.output_dir)
-    precision = hardware.resolve_precision(cfg.train.precision)
-    if precision == "fp8":
-        from harness.speed.float8 import check_fp8
-
-        check_fp8(cfg.model.quantization)
+    precision = check_machine(cfg)
     compute = hardware.compute_precision(precision)  # fp8: bf16 outside the float8 Linear layers
     # bf16 weights: DeepSpeed's fp32 master copies
     train, weights_note = processes.route_weights(cfg.train, cfg.model.quantization, compute)
     cfg = replace(cfg, train=train)
-    hardware.check_attention(cfg.model.attn_implementation)
-    sequence.check_launch(cfg.train.sequence_parallel, processes.launched_world(), processes.deepspeed_wanted(cfg.train),
-                          processes.cpu_forced())
     compile_mode = resolve_compile(cfg.train.compile, torch.cuda.is_available())
     compile_mode, compile_note = sequence.compile_mode(cfg.train.sequence_parallel, cfg.train.compile, compile_mode)
     trackers = monitor.tracker_list(cfg.train.report_to, cfg.train.output_dir)  # tensorboard: <output_dir>/tensorboard
@@ -367,8 +376,9 @@ def describe_batch(cfg: Config, world: int, built: Built, streams: tuple, say: C
     parts = []
     if cfg.loss.mode == "rl":
         parts.append(f"{cfg.rl.questions_per_step} questions x {cfg.rl.num_generations} answers")
-    elif "gen" in built.loaders:
-        parts.append(f"{t.micro_batch_size * accum * world} sequences")
+    elif "gen" in built.loaders:  # preference rows are pairs (chosen and rejected: twice the sequences)
+        n = t.micro_batch_size * accum * world
+        parts.append(f"{n} {'pair' if cfg.loss.mode == 'preference' else 'sequence'}{'s' if n != 1 else ''}")
     if "emb" in built.loaders:
         contrastive = t.emb_micro_batch_size * (world if cfg.loss.gather_negatives else 1)
         parts.append(f"{t.emb_micro_batch_size * accum * world} queries x {cfg.data.train_group_size} passages "

@@ -1,6 +1,7 @@
 """The `harness` command.
 
-    harness train FILE [section.key=value ...]    train (same loop as python -m harness.train --config FILE)
+    harness train FILE [section.key=value ...]    train (same loop as python -m harness.train --config FILE); every
+                                                  command that takes a recipe takes FILE or --config FILE
     harness train --help-config                   every config key with its default and help
     harness env                                   print the environment report (versions, devices)
     harness data-check SOURCE ...                 validate data sources (paths, hub ids, '{path: x, format: y}'):
@@ -28,6 +29,7 @@ import json
 import sys
 from pathlib import Path
 
+from harness.config import recipe_args
 from harness.errors import ConfigError, HarnessError
 
 
@@ -36,11 +38,11 @@ def _train(args: argparse.Namespace) -> int:
 
     if args.help_config:
         return train.main(["--help-config"])
-    if args.file is None:
+    if args.config is None:
         print("harness train: a recipe is needed, e.g. harness train configs/default.yaml (every key: harness train "
               "--help-config)", file=sys.stderr)
         return 2
-    return train.main(["--config", args.file, *args.overrides])
+    return train.main(["--config", args.config, *args.overrides])
 
 
 def _env(args: argparse.Namespace) -> int:
@@ -189,11 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="harness", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="train from a recipe")
-    t.add_argument("file", nargs="?", help="run recipe (YAML)")
-    t.add_argument("overrides", nargs="*", help="section.key=value")
+    t = sub.add_parser("train", help="train from a recipe (FILE or --config FILE)")
+    recipe_args.add(t)
     t.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
-    t.set_defaults(fn=_train)
+    t.set_defaults(fn=_train, parser=t)
 
     e = sub.add_parser("env", help="environment report")
     e.set_defaults(fn=_env)
@@ -242,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"harness: error: {err}", file=sys.stderr)
             return err.exit_code
     args = build_parser().parse_args(argv)
+    if args.command == "train":
+        recipe_args.resolve(args, args.parser, required=False)
     try:
         return args.fn(args)
     except HarnessError as err:

@@ -32,10 +32,10 @@ from typing import Optional
 
 from harness import faults
 from harness.auto_batch import memory_trial, run_auto_batch
-from harness.build import Job, build_run
+from harness.build import Job, build_run, check_machine
 from harness.checkpoint.export import export_final
 from harness.checkpoint.store import Checkpointer
-from harness.config import Config, describe, load_config, preflight
+from harness.config import Config, describe, load_config, preflight, recipe_args
 from harness.data import loaders
 from harness.distributed import collectives
 from harness.encode import embedding_settings
@@ -196,11 +196,9 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
     failed = side.log.logger.failed
     collectives.on_main(job.accelerator, lambda: reporting.write_run_end(job, report, final_dir, failed))
     if report["plan"]:
-        job.say(f"[harness] plan: estimated {report['plan']['estimated_s']:.1f}s, actual "
-                f"{report['plan']['actual_s']:.1f}s ({report['plan']['error_pct']:+.1f}%)")
-    job.say(f"[harness] done: step {state.step}, {train_time:.1f}s this attempt, loss "
-            f"{state.first_loss if state.first_loss is not None else float('nan'):.4f} -> "
-            f"{side.log.last.get('loss', float('nan')):.4f}; report {job.out / 'report.json'}")
+        job.say(f"[harness] {reporting.plan_line(report['plan'])}")
+    job.say(f"[harness] done: step {state.step}, {train_time:.1f}s this attempt, "
+            f"{reporting.loss_change(state.first_loss, side.log.last.get('loss'))}; report {job.out / 'report.json'}")
     return report
 
 
@@ -346,10 +344,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="harness train",
         description="Train a language model. Precedence: defaults < --config file < section.key=value overrides.",
     )
-    p.add_argument("--config", help="run recipe (YAML), e.g. configs/default.yaml")
-    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.max_steps=20")
+    recipe_args.add(p)
     p.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
-    return p.parse_args(argv)
+    return recipe_args.resolve(p.parse_args(argv), p, required=False)
 
 
 class StoppedOutsideTheLoop(BaseException):
@@ -386,6 +383,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         preflight.refuse_fsdp()
         cfg = load_config(args.config, args.overrides)
+        check_machine(cfg)  # all of the config is checked before the run folder is looked at
         if finished.nothing_to_do(cfg.train):  # a finished run stays finished, unless more steps are asked of it
             return 0
         run_auto_batch(cfg, run) if cfg.train.micro_batch_size == "auto" else run(cfg)

@@ -87,6 +87,9 @@ case $NUM_NODES in '' | *[!0-9]* | 0) die "NUM_NODES must be a number >= 1, got 
 LAUNCH=("$PYTHON" -m accelerate.commands.launch)
 if [ "$GPUS" -eq 0 ]; then
   [ "$NUM_NODES" -eq 1 ] || die "no GPU found on this node, but NUM_NODES=$NUM_NODES"
+  if [ "${SP:-1}" -gt 1 ]; then  # one CPU process cannot hold a group of SP; DeepSpeed on the CPU needs no --cpu
+    die "--sp $SP needs $SP processes under DeepSpeed, and without a GPU this script runs ONE CPU process; on a CPU: $PYTHON -m accelerate.commands.launch --config_file accelerate_configs/zero3.yaml --num_processes $SP harness/train.py --config $CONFIG ${ARGS[*]} (docs/long-context.md)"
+  fi
   say "no GPU found (nvidia-smi/CUDA_VISIBLE_DEVICES/NUM_GPUS): falling back to ONE CPU process; --zero is ignored"
   CMD=("${LAUNCH[@]}" --config_file accelerate_configs/cpu.yaml harness/train.py --config "$CONFIG")
 else

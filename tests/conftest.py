@@ -18,6 +18,22 @@ import pytest  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def _runs_tree() -> dict:
+    runs = REPO_ROOT / "runs"
+    return {str(p.relative_to(runs)): p.stat().st_mtime_ns for p in runs.rglob("*")} if runs.is_dir() else {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def repository_runs_untouched():
+    """Tests train into temporary folders: the repository's runs/ (the README's command 1 leaves runs/default there
+    before the tests run) is neither written nor changed by them."""
+    before = _runs_tree()
+    yield
+    after = _runs_tree()
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"the tests wrote into the repository's runs/: {changed[:10]}"
+
+
 @pytest.fixture
 def repo_root() -> Path:
     """The repository root (where configs/ and harness/ live)."""

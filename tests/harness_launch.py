@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -126,3 +127,12 @@ def update_rel_diff(a: dict, b: dict, start: dict) -> float:
     num = sum(((a[k].double() - b[k].double()) ** 2).sum() for k in a)
     den = sum(((b[k].double() - start[k].double()) ** 2).sum() for k in a)
     return float((num / den).sqrt())
+
+
+def third_party_lines(text: str) -> list[str]:
+    """Lines of a run's output that the harness did not write: not `[harness] ...`, `harness: error: ...`, the
+    summary table (`| ...`), or a progress bar. A library's warning at start-up or later (torchao's "Failed to load
+    ... .so", torch's register_constant, DeepSpeed's accelerator line) is one of these."""
+    own = ("[harness]", "harness:", "|")
+    return [ln for ln in text.replace("\r", "\n").splitlines()
+            if ln.strip() and not ln.startswith(own) and not re.search(r"\d+%\|.*\|", ln)]

@@ -185,9 +185,18 @@ def test_the_table_is_large_enough():
     assert len(CASES) >= 47 and len({c[0] for c in CASES}) == len(CASES)
 
 
+FINISHED = json.dumps({"steps": 5, "planned_steps": 5, "stopped_by": None, "final_dir": None})
+
+
 @pytest.mark.parametrize("name, files, argv, status, line", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_gives_one_line(name, files, argv, status, line, tmp_path, capsys, monkeypatch):
+    """A `train` case without its own train.output_dir trains into a temporary folder that holds a finished run (never
+    the repository's runs/): the config and its overrides are checked before the run folder is looked at, so a
+    finished run does not answer a bad override with "nothing to do"."""
     monkeypatch.chdir(ROOT)
+    if argv[0] == "train" and not any(a.startswith("train.output_dir=") for a in argv):
+        argv = [*argv[:2], "train.output_dir={d}/finished", *argv[2:]]
+        files = {**files, "finished/report.json": FINISHED}
     for item in [a for a in argv if a.startswith("env:")]:  # env:NAME=value: an environment variable for the case
         name, _, value = item[4:].partition("=")
         monkeypatch.setenv(name, _fill(value, tmp_path))
@@ -238,3 +247,29 @@ def test_two_processes_print_the_error_once(tmp_path):
     assert proc.returncode != 0 and "[rank1]: Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [ln for ln in proc.stderr.splitlines() if "harness: error:" in ln]
     assert errors == [f"harness: error: config key 'train.resume': {tmp_path}/ck is not a folder"], proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("command", [["train"], ["plan"], ["bench"], ["zero-plan"], ["rft", "test"],
+                                     ["rft", "generate"]])
+def test_every_command_takes_the_recipe_as_file_or_config(command, capsys, monkeypatch):
+    """One rule (harness/config/recipe_args.py): FILE or --config FILE, the overrides after either; the same bad
+    override gives the same one line both ways, and a recipe given twice is refused."""
+    monkeypatch.chdir(ROOT)
+    extra = {"plan": ["--hours", "1"], "zero-plan": ["--gpus", "1", "--gpu-mem-gb", "24"]}.get(command[0], [])
+    for recipe in (["configs/dpo-tiny.yaml"], ["--config", "configs/dpo-tiny.yaml"]):
+        assert cli.main([*command, *recipe, "train.max_step=3", *extra]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            "harness: error: unknown config key 'train.max_step' (did you mean 'max_steps'?)"]
+    with pytest.raises(SystemExit) as e:
+        cli.main([*command, "configs/default.yaml", "--config", "configs/dpo-tiny.yaml", *extra])
+    assert e.value.code == 2 and "the recipe is given twice" in capsys.readouterr().err
+
+
+def test_train_entry_point_takes_the_recipe_as_file_or_config(capsys, monkeypatch):
+    """python -m harness.train (and accelerate launch harness/train.py) follows the same rule."""
+    from harness import train
+
+    monkeypatch.chdir(ROOT)
+    for recipe in (["configs/default.yaml"], ["--config", "configs/default.yaml"]):
+        assert train.main([*recipe, "train.bogus=1"]) == 2
+        assert capsys.readouterr().err.strip() == "harness: error: unknown config key 'train.bogus'"

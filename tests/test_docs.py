@@ -8,6 +8,12 @@
   `harness SUBCOMMAND` must exist, a `configs/*.yaml`, `scripts/*` or `launch/*` path must exist, and a recipe with
   `section.key=value` overrides given to `harness train`, `launch/train.sh`, `harness data-check --config`,
   `harness plan`, `harness zero-plan` or `harness.train --config` must load and pass the config checks.
+* Every `harness ...` and `python -m harness.train` / `accelerate launch harness/train.py` command is parsed by the
+  command's own argument parser (nothing runs): a documented command that no longer parses fails.
+* A `launch/*.sh` command in a plain `bash` block runs with `--dry-run` on this machine (no GPU: the CPU fallback) and
+  must exit 0. A block that needs a GPU box or the hub says so in its info string, `bash gpu` or `bash hub`; its
+  launch commands get the checks above only. Those four (`bash`, `bash offline-cpu`, `bash gpu`, `bash hub`) are
+  the only info strings a block with a harness or launch command may have.
 """
 
 from __future__ import annotations
@@ -50,6 +56,11 @@ def blocks(path: Path) -> list[tuple[int, str, str]]:
 def commands(text: str) -> list[list[str]]:
     """The commands of a bash block: continuation lines joined, comments dropped, split on ;, && and |, with
     leading VAR=value assignments removed."""
+    return [cmd for _, cmd in commands_with_env(text)]
+
+
+def commands_with_env(text: str) -> list[tuple[dict, list[str]]]:
+    """commands(), each with its leading VAR=value assignments."""
     joined = re.sub(r"\\\n\s*", " ", text)
     out = []
     for line in joined.splitlines():
@@ -60,10 +71,12 @@ def commands(text: str) -> list[list[str]]:
         cmd: list[str] = []
         for w in [*words, ";"]:
             if w in (";", "&&", "||", "|"):
+                env = {}
                 while cmd and re.match(r"^[A-Z_][A-Z0-9_]*=", cmd[0]):
-                    cmd.pop(0)
+                    name, _, value = cmd.pop(0).partition("=")
+                    env[name] = value
                 if cmd:
-                    out.append(cmd)
+                    out.append((env, cmd))
                 cmd = []
             else:
                 cmd.append(w)
@@ -104,6 +117,8 @@ def check_command(cmd: list[str], known: set[str]) -> list[str]:
     if train_py and name != "harness":
         if asks_help:
             return problems
+        problems += parse_problems(["train", *words[words.index("harness/train.py" if "harness/train.py" in words
+                                                               else "harness.train") + 1:]])
         recipe = words[words.index("--config") + 1] if "--config" in words[:-1] else None
         recipe = recipe if recipe and recipe.endswith((".yaml", ".yml")) else None  # not a placeholder (RECIPE)
         return problems + validate(recipe, recipe_and_overrides(words)[1])
@@ -111,6 +126,8 @@ def check_command(cmd: list[str], known: set[str]) -> list[str]:
         sub = next((w for w in words if not w.startswith("-")), None)
         if sub is None or sub not in known:
             return problems + [f"unknown subcommand: harness {sub} (known: {', '.join(sorted(known))})"]
+        if not asks_help:
+            problems += parse_problems(words)
         if sub in RECIPE_COMMANDS and not asks_help:
             recipe, overrides = recipe_and_overrides(words)
             if recipe is not None:
@@ -119,6 +136,54 @@ def check_command(cmd: list[str], known: set[str]) -> list[str]:
         recipe, overrides = recipe_and_overrides(words)
         problems += validate(recipe, overrides) if recipe else ["launch/train.sh without a recipe"]
     return problems
+
+
+class _Parsed(Exception):
+    """Raised by the first argument parser to finish: the command parsed, nothing more runs."""
+
+
+def parse_problems(argv: list[str]) -> list[str]:
+    """`harness ARGV` through the command's own argument parser, stopped once it has parsed (nothing runs): [] or
+    the parser's complaint. harness train is parsed by harness.train's parser (the recipe rule included)."""
+    import argparse
+    import contextlib
+    import io
+
+    from harness import cli, train
+
+    depth = [0]
+    originals = {m: getattr(argparse.ArgumentParser, m) for m in ("parse_args", "parse_known_args",
+                                                                  "parse_intermixed_args")}
+
+    def stop_after(method):
+        def parse(self, *a, **kw):
+            depth[0] += 1
+            try:
+                result = originals[method](self, *a, **kw)
+            finally:
+                depth[0] -= 1
+            if depth[0] == 0:
+                raise _Parsed()
+            return result
+        return parse
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            if argv[0] == "train":
+                train.parse_args(argv[1:])
+                return []
+            with pytest.MonkeyPatch.context() as mp:
+                for m in originals:
+                    mp.setattr(argparse.ArgumentParser, m, stop_after(m))
+                cli.main(argv)
+        return [f"harness {argv[0]} ran past its argument parser (give it an argparse parser)"]
+    except _Parsed:
+        return []
+    except SystemExit as e:
+        if e.code:
+            return [f"does not parse: harness {' '.join(argv)}: {err.getvalue().strip().splitlines()[-1:]}"]
+    return []
 
 
 def validate(recipe: str | None, overrides: list[str]) -> list[str]:
@@ -145,6 +210,51 @@ def test_every_documented_command_names_what_exists():
     assert not problems, "\n".join(problems)
 
 
+MARKERS = ("bash", "bash offline-cpu", "bash gpu", "bash hub")
+
+
+def is_ours(cmd: list[str]) -> bool:
+    return (os.path.basename(cmd[0]) == "harness" or cmd[0].startswith("launch/") or "harness/train.py" in cmd
+            or "harness.train" in cmd or "harness.cli" in cmd)
+
+
+def test_every_block_with_a_harness_command_is_marked_as_it_is_checked():
+    """A block with a harness or launch command is run (offline-cpu), dry-run / parsed (plain bash) or marked as
+    needing a GPU box or the hub."""
+    wrong = [f"{doc.relative_to(ROOT)}:{line}: ```{info}" for doc in DOCS for line, info, text in blocks(doc)
+             if info.split(" ")[0] in ("bash", "sh", "shell", "console") and info not in MARKERS
+             and any(is_ours(c) for c in commands(text))]
+    assert not wrong, "mark these blocks with one of " + ", ".join(MARKERS) + ":\n" + "\n".join(wrong)
+
+
+def test_launch_commands_of_plain_blocks_dry_run(tmp_path):
+    """Each launch/*.sh command of a plain `bash` block, with --dry-run, on this machine: exit 0 (all at once: each
+    is a shell and a Python start-up)."""
+    repo = repo_copy(tmp_path / "repo")
+    env = {**{k: v for k, v in os.environ.items() if k not in ("NUM_GPUS", "GPU_MEM_GB", "NUM_NODES", "NODE_RANK")},
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", "HF_HUB_OFFLINE": "1",
+           "PYTHON": sys.executable, "PERSIST_DIR": "none", "CUDA_VISIBLE_DEVICES": ""}
+    runs = []
+    for doc in DOCS:
+        for line, info, text in blocks(doc):
+            if info != "bash":
+                continue
+            for extra, cmd in commands_with_env(text):
+                if cmd[0].startswith("launch/"):
+                    argv = [cmd[0], "--dry-run", *[w for w in cmd[1:] if w != "--dry-run"]]
+                    runs.append((f"{doc.relative_to(ROOT)}:{line}", argv, subprocess.Popen(
+                        ["bash", *argv], cwd=repo, env={**env, **extra}, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True)))
+    assert len(runs) >= 10
+    failed = []
+    for where, argv, proc in runs:
+        out, _ = proc.communicate(timeout=300)
+        if proc.returncode:
+            failed.append(f"{where}: {' '.join(argv)}: exit {proc.returncode}\n{out[-1500:]}")
+    assert not failed, "\n".join(failed)
+    assert not (repo / "runs").exists()  # a dry run starts nothing and writes nothing
+
+
 def test_the_checker_catches_a_renamed_key_subcommand_and_recipe():
     """The checker itself: each of these is what a rename in the code leaves behind in the docs."""
     known = subcommands()
@@ -159,6 +269,14 @@ def test_the_checker_catches_a_renamed_key_subcommand_and_recipe():
                                               "configs/default.yaml", "train.max_step=5"], known)[0]
     assert "train.max_step" in check_command([".venv/bin/python", "-m", "harness.train", "--config",
                                               "configs/default.yaml", "train.max_step=5"], known)[0]
+    assert check_command(["harness", "train", "--config", "configs/dpo-tiny.yaml", "train.max_steps=5"], known) == []
+    assert check_command(["harness", "plan", "--config", "configs/default.yaml", "--hours", "1"], known) == []
+    assert "does not parse" in check_command(["harness", "train", "--fast", "configs/default.yaml"], known)[0]
+    assert "does not parse" in check_command(["harness", "plan", "configs/default.yaml", "--days", "1"], known)[0]
+    assert "does not parse" in check_command(["harness", "rft", "generate", "configs/rft-tiny.yaml", "--stop", "x"],
+                                             known)[0]
+    assert "does not parse" in check_command([".venv/bin/python", "-m", "harness.train", "--cfg",
+                                              "configs/default.yaml"], known)[0]
     assert commands("NUM_GPUS=1 launch/train.sh \\\n  --dry-run configs/default.yaml  # comment\nls | head") == [
         ["launch/train.sh", "--dry-run", "configs/default.yaml"], ["ls"], ["head"]]
 
@@ -197,3 +315,13 @@ def test_offline_cpu_blocks_run(doc, tmp_path):
                               text=True, timeout=600)
         assert proc.returncode == 0, (f"{doc.relative_to(ROOT)}:{line}: exit {proc.returncode}\n{text}\n"
                                       f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}")
+
+
+def test_ci_runs_the_readme_commands_in_order():
+    """.ci/run is what a new user does in a fresh clone: the README's command 1 (train the default job, which leaves a
+    finished runs/default), then command 2 (the tests), in that order."""
+    first = blocks(ROOT / "README.md")[0][2]
+    readme = [" ".join(c) for c in commands(first)]
+    ci = [" ".join(c) for c in commands((ROOT / ".ci" / "run").read_text())]
+    steps = [ci.index(c, ci.index(readme[i - 1]) + 1 if i else 0) for i, c in enumerate(readme)]
+    assert len(readme) == 4 and steps == sorted(steps), (readme, ci)

@@ -206,6 +206,18 @@ def test_cpu_fallback_says_so():
         "--config configs/default.yaml")
 
 
+def test_cpu_fallback_refuses_sequence_parallel_and_names_the_cpu_form():
+    """--sp 2 without a GPU: one CPU process cannot hold a group of 2, so the dry run already stops with the form that
+    works on a CPU (the ZeRO-3 accelerate config, 2 processes) instead of starting a run that fails."""
+    r = sh("train.sh", "--dry-run", "--sp", "2", "configs/default.yaml", "train.max_steps=5", CUDA_VISIBLE_DEVICES="")
+    assert r.returncode == 2 and "dry run" not in r.stdout
+    assert r.stderr.strip() == (
+        f"train.sh: error: --sp 2 needs 2 processes under DeepSpeed, and without a GPU this script runs ONE CPU "
+        f"process; on a CPU: {sys.executable} -m accelerate.commands.launch --config_file accelerate_configs/zero3.yaml "
+        f"--num_processes 2 harness/train.py --config configs/default.yaml train.max_steps=5 train.sequence_parallel=2 "
+        f"(docs/long-context.md)")
+
+
 @pytest.mark.parametrize("args, env, message", [
     (["--zero", "5", "configs/default.yaml"], {}, "train.sh: error: --zero must be 0, 1, 2, 3, 3-offload or auto, got '5'"),
     (["configs/nope.yaml"], {}, "train.sh: error: config file not found: configs/nope.yaml (paths are relative to the "

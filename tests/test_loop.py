@@ -291,3 +291,16 @@ def test_the_run_closes_what_it_opened_however_it_ends(tmp_path, monkeypatch, ho
         assert (out / "metrics.jsonl").read_text().count('"loss"') == (1 if how == "step raises" else 2)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_the_end_of_run_lines_say_what_they_mean():
+    """A plan line says which way the estimate was off (`+3.8%` read as a slower run); a run that logged one loss
+    says it once (`loss 7.0288 -> 7.0288` for a 5-step run)."""
+    from harness.observe.reporting import loss_change, plan_line
+
+    assert plan_line({"estimated_s": 132.7, "actual_s": 127.9, "error_pct": 3.75}) == (
+        "plan: estimated 132.7s of training, actual 127.9s (the estimate 3.8% over)")
+    assert plan_line({"estimated_s": 100.0, "actual_s": 110.0, "error_pct": -9.09}).endswith("(the estimate 9.1% under)")
+    assert plan_line({"estimated_s": 100.0, "actual_s": 100.0, "error_pct": 0.0}).endswith("(as estimated)")
+    assert loss_change(7.0288, 7.0288) == "loss 7.0288" and loss_change(6.3712, 0.9) == "loss 6.3712 -> 0.9000"
+    assert loss_change(None, None) == "loss nan"

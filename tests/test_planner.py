@@ -194,6 +194,11 @@ def test_plan_then_train_records_accuracy(tmp_path, repo_root):
                             "--out", str(tmp_path / "again.json")],
                            cwd=repo_root, capture_output=True, text=True, env=env, timeout=600)
     assert again.returncode == 0 and json.loads((tmp_path / "again.json").read_text())["fits"], again.stdout
+    # without --out, the plan goes into the finished run's folder: said, with what a train there would do
+    into = subprocess.run([sys.executable, "-m", "harness.cli", "plan", *args, "--hours", "1", "--from-report",
+                           str(out / "report.json")], cwd=repo_root, capture_output=True, text=True, env=env, timeout=600)
+    assert into.returncode == 0, into.stderr[-3000:]
+    assert f"[plan] {out} holds a finished run: plan.json is written beside its report" in into.stdout
 
 
 def test_largest_fitting_bisection():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,8 @@ import yaml
 
 from harness.config import load_config
 from harness.optim import lr_lambda
-from harness_launch import FAST, ROOT, final_weights, max_abs_diff, metrics, rel_close, report, run_train
+from harness_launch import (FAST, ROOT, final_weights, max_abs_diff, metrics, rel_close, report, run_train,
+                            third_party_lines)
 
 
 def test_lr_schedule_warmup_then_cosine_to_min():
@@ -29,10 +31,26 @@ def test_lr_schedule_warmup_then_cosine_to_min():
     assert [lin(s) for s in (0, 5, 10)] == pytest.approx([1.0, 0.5, 0.0])
 
 
+def test_the_libraries_start_up_quietly():
+    """torchao's "Failed to load ... .so" (its CUDA-only ops), torch's register_constant warnings for torchao's Enums
+    and DeepSpeed's "Setting accelerator to CPU" were printed by every command: importing them after harness prints
+    nothing, while a warning of the same libraries that the harness does not know of still gets through."""
+    code = ("import logging, harness, torchao, deepspeed, accelerate.utils.other\n"
+            "logging.getLogger('torchao').warning('another torchao warning')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert third_party_lines(proc.stdout + proc.stderr) == ["another torchao warning"], proc.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_default_job_trains_exports_and_reports(tmp_path):
     out = tmp_path / "run"
-    run_train([f"train.output_dir={out}", "train.max_steps=40", "train.log_every=10", "train.progress_bar=false"])
+    proc = run_train([f"train.output_dir={out}", "train.max_steps=40", "train.log_every=10",
+                      "train.progress_bar=false"])
+    # from start to `done`, only the harness speaks: no library's start-up warnings (harness/__init__.py's QUIET)
+    assert "[harness] done" in proc.stdout
+    assert third_party_lines(proc.stdout + proc.stderr) == []
     # outputs of the contract
     for name in ("config.yaml", "metrics.jsonl", "report.json", "final/model.safetensors", "final/tokenizer.json"):
         assert (out / name).is_file(), name

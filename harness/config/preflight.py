@@ -53,21 +53,24 @@ def early_check(argv: list[str]) -> None:
     here through `report`. Anything argparse refuses, and --help-config, is left to the entry point."""
     import argparse
 
+    from harness.config import recipe_args
+
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--config")
+    recipe_args.add(p)
     p.add_argument("--help-config", action="store_true")
     p.add_argument("-h", "--help", action="store_true")
     try:
-        args, overrides = p.parse_known_args(argv)
+        args, unknown = p.parse_known_args(argv)
+        recipe_args.resolve(args, None, required=False)
     except SystemExit:
         return
-    if args.help or args.help_config or any(o.startswith("-") for o in overrides):
+    if args.help or args.help_config or unknown or any(o.startswith("-") for o in args.overrides):
         return
     try:
         refuse_fsdp()
         from harness.config import load_config
 
-        load_config(args.config, overrides)
+        load_config(args.config, args.overrides)
     except HarnessError as e:
         code = report(e)
         sys.stdout.flush()

@@ -87,6 +87,18 @@ def check_launcher_ds_config() -> None:
         check_ds_config(Path(name))
 
 
+def check_deepspeed_configs(t: TrainConfig) -> Optional[Path]:
+    """The launcher's DeepSpeed JSON and train.deepspeed's (`t`: cfg.train), and that both are not given: one-line
+    ConfigErrors. Returns train.deepspeed's JSON (None: unset)."""
+    check_launcher_ds_config()
+    if not t.deepspeed:
+        return None
+    if launcher_uses_deepspeed():
+        raise ConfigError("config key 'train.deepspeed': the accelerate launcher already configures DeepSpeed; drop "
+                          "train.deepspeed or launch without a DeepSpeed accelerate config")
+    return resolve_ds_config(t.deepspeed)
+
+
 def deepspeed_wanted(t: TrainConfig) -> Optional[str]:
     """Why this run should be DeepSpeed (None: it should not): the launcher's accelerate config, or train.deepspeed
     (`t`: cfg.train)."""
@@ -160,14 +172,8 @@ def make_accelerator(t: TrainConfig, max_grad_norm: float, shapes_vary: bool, mi
     )
 
     plugin = None
-    check_launcher_ds_config()
-    if t.deepspeed:
-        if launcher_uses_deepspeed():
-            raise ConfigError(
-                "config key 'train.deepspeed': the accelerate launcher already configures DeepSpeed; "
-                "drop train.deepspeed or launch without a DeepSpeed accelerate config"
-            )
-        path = resolve_ds_config(t.deepspeed)
+    path = check_deepspeed_configs(t)
+    if path is not None:
         ensure_single_process_env()
         plugin = DeepSpeedPlugin(hf_ds_config=str(path))
     handlers = process_group_kwargs()

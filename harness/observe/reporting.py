@@ -183,3 +183,19 @@ def write_run_end(job, report: dict, final_dir: Optional[Path], failed: Optional
         summary.finish_run(out, job.say, intact=", ".join(
             ([f"final model {final_dir}"] if final_dir else []) + [f"report {out / 'report.json'}"]
             + ([f"checkpoint {saved[-1][1]}"] if saved else [])))
+
+
+def plan_line(plan: dict) -> str:
+    """The plan against the run (report.json's plan): which way the estimate was off, in words."""
+    err = plan["error_pct"]
+    off = f"the estimate {abs(err):.1f}% {'over' if err > 0 else 'under'}" if round(err, 1) else "as estimated"
+    return f"plan: estimated {plan['estimated_s']:.1f}s of training, actual {plan['actual_s']:.1f}s ({off})"
+
+
+def loss_change(first: Optional[float], last: Optional[float]) -> str:
+    """`loss A -> B` from the first logged training loss to the last; one figure when only one was logged (a run
+    shorter than train.log_every logs its last step alone)."""
+    nan = float("nan")
+    if first is None or last is None or first == last:
+        return f"loss {last if last is not None else first if first is not None else nan:.4f}"
+    return f"loss {first:.4f} -> {last:.4f}"

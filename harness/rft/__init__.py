@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from harness.config import recipe_args
 from harness.errors import HarnessError
 
 
@@ -28,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("train", "train on the kept examples"), ("test", "held-out accuracy"),
                        ("bench", "generation engines side by side")):
         s = sub.add_parser(name, help=text)
-        s.add_argument("file", help="run recipe (YAML) with an rft: section")
-        s.add_argument("overrides", nargs="*", help="section.key=value")
+        recipe_args.add(s)  # the recipe (YAML) with an rft: section
+        s.set_defaults(parser=s)
         if name in ("generate", "test", "bench"):
             s.add_argument("--model", help="model folder (default: model.name_or_path); a LoRA final/ uses merged/")
         if name == "generate":
@@ -48,22 +49,23 @@ def main(argv: list[str] | None = None) -> int:
     if stray:
         p.error(f"unrecognized arguments: {' '.join(stray)}")
     args.overrides = [*args.overrides, *rest]
+    recipe_args.resolve(args, args.parser)
     try:
         if args.command == "train":
             from harness import train
             from harness.config import load_config
 
-            cfg = load_config(args.file, args.overrides)
+            cfg = load_config(args.config, args.overrides)
             data = Path(cfg.rft.output_dir) / "rft.jsonl"
             if not data.is_file():
-                raise HarnessError(f"{data}: no generated examples; run `harness rft generate {args.file}` first")
+                raise HarnessError(f"{data}: no generated examples; run `harness rft generate {args.config}` first")
             files = list(cfg.data.train_files)
             files += [] if str(data) in map(str, files) else [str(data)]
             print(f"[rft] training on {', '.join(files)}")
-            return train.main(["--config", args.file, *args.overrides, f"data.train_files={json.dumps(files)}"])
+            return train.main(["--config", args.config, *args.overrides, f"data.train_files={json.dumps(files)}"])
         from harness.config import load_config
 
-        cfg = load_config(args.file, args.overrides)
+        cfg = load_config(args.config, args.overrides)
         if args.command == "sft-data":
             from harness.rft.tasks import ArithmeticTask, build_task
 

@@ -129,7 +129,8 @@ def _run(r, model: Optional[str], acc, stop_after: int) -> Optional[dict]:
         say(f"[rft] done: {stats['questions_covered']}/{stats['questions']} questions covered, "
             f"{stats['kept_examples']} examples kept ({stats['questions_with_kept']} questions with at least one)"
             f"{pairs}, success rate {stats['success_rate']:.1%}, answer rate {stats['answer_rate']:.1%}, "
-            f"{stats['duplicates_dropped']} duplicate answers dropped, {stats['sequences_per_s']:.1f} sequences/s "
-            f"-> {out / OUTPUT}")
+            f"{stats['duplicates_dropped']} duplicate answers dropped, "
+            + (f"{stats['sequences_per_s']:.1f} sequences/s" if seqs else "nothing sampled this time (every question's "
+               "answers were in the shards)") + f" -> {out / OUTPUT}")
     acc.wait_for_everyone()
     return stats

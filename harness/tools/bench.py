@@ -57,7 +57,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-from harness.config import SECTIONS, load_config
+from harness.config import SECTIONS, load_config, recipe_args
 from harness.errors import ConfigError, HarnessError
 from harness.tools.bench_loops import peak_memory_gb, result, run_raw, run_trainer
 from harness.tools.bench_report import TRAINERS, format_table, headline_ratios, ratio_lines, summarise
@@ -307,8 +307,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="harness bench",
         description="Tokens/s and step time of the harness, a minimal PyTorch loop and transformers.Trainer on "
                     "the same model, data and settings (interleaved rounds, one subprocess each).")
-    p.add_argument("config", help="run recipe (YAML), e.g. configs/default.yaml")
-    p.add_argument("overrides", nargs="*", help="section.key=value, as for harness train")
+    recipe_args.add(p)
     p.add_argument("--steps", type=int, default=40, help="measured optimizer steps (default 40)")
     p.add_argument("--warmup", type=int, default=10, help="optimizer steps before the clock starts (default 10)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of all contenders (default 2)")
@@ -323,7 +322,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="torch threads in every run (default: this process's, %(default)s)")
     p.add_argument("--timeout", type=float, default=None, help="seconds allowed per run (default: none)")
     p.add_argument("--worker", choices=["raw", *TRAINERS], help=argparse.SUPPRESS)
-    args = p.parse_intermixed_args(argv)
+    args = recipe_args.resolve(p.parse_intermixed_args(argv), p)
     if args.steps < 1 or args.warmup < 1 or args.rounds < 1 or args.threads < 1:
         p.error("--steps, --warmup, --rounds and --threads must be >= 1")
     bad = [c for c in args.contenders if c not in CONTENDERS]

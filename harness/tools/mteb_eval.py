@@ -129,11 +129,15 @@ def _cuda() -> bool:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 2
-    data = argv[1] if len(argv) > 1 else str(Path(__file__).resolve().parents[2] / "data" / "sample" / "emb_eval.jsonl")
-    for name, scores in evaluate(argv[0], data).items():
+    import argparse
+
+    p = argparse.ArgumentParser(prog="harness mteb", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("final", help="a run's final/ folder (the embedder)")
+    p.add_argument("data", nargs="?", default=str(Path(__file__).resolve().parents[2] / "data" / "sample" /
+                                                  "emb_eval.jsonl"), help="embedding JSONL (default: the sample's)")
+    args = p.parse_args(argv)
+    for name, scores in evaluate(args.final, args.data).items():
         print(f"{name}: " + "  ".join(f"{k}={v:.4f}" for k, v in scores.items()))
     return 0
 

@@ -40,7 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Optional
 
-from harness.config import Config, load_config
+from harness.config import Config, load_config, recipe_args
 from harness.errors import ConfigError, HarnessError
 from harness.data.loaders import epoch_steps, schedule_steps
 from harness.observe.timing import SETTLE_STEPS, config_fingerprint, fmt_s
@@ -341,8 +341,7 @@ def propose(cfg: Config, data: dict, sched: dict, base: dict, run_estimate, wind
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="harness plan", description="Fit a run into a wall-clock window from measured "
                                 "throughput; prints numbered derivations and writes plan.json.")
-    p.add_argument("config", help="run recipe (YAML)")
-    p.add_argument("overrides", nargs="*", help="section.key=value, as for harness train")
+    recipe_args.add(p)
     p.add_argument("--hours", type=float, required=True, help="the window (e.g. the rental's remaining hours)")
     p.add_argument("--margin-minutes", type=float, default=SAFETY_MARGIN_MIN,
                    help=f"safety margin kept free at the end of the window (default {SAFETY_MARGIN_MIN:g})")
@@ -353,7 +352,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help=f"timed calibration steps (default {MEASURE_STEPS}; "
                    "loss.mode=rl: 2 x rl.iterations, two generation batches, after one)")
     p.add_argument("--out", help="plan.json path (default <train.output_dir>/plan.json)")
-    return p.parse_intermixed_args(argv)
+    return recipe_args.resolve(p.parse_intermixed_args(argv), p)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,7 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     dest = Path(args.out) if args.out else Path(cfg.train.output_dir) / "plan.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
     from harness.files import write_json
-
+    from harness.rundir.finished import finished_run
+    if not args.out and finished_run(cfg.train.output_dir) is not None:  # (a train there would have nothing to do)
+        say(f"{cfg.train.output_dir} holds a finished run: plan.json is written beside its report")
     write_json(dest, plan)
     verdict = "fits" if plan["fits"] else "does not fit"
     fitting = [a for a in plan["adjustments"] if a["fits"]]

@@ -65,7 +65,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from harness.config import Config, load_config, lora_config
+from harness.config import Config, load_config, lora_config, recipe_args
 from harness.errors import HarnessError
 from harness.tools.sizing import GIB, ModelShape, activation_terms, model_shape, sp_sizes, with_overrides
 from harness.tools.state_bytes import QUANT_BYTES, frozen_bytes, host_bytes, weight_bytes  # noqa: F401 - (also here)
@@ -361,8 +361,7 @@ def _host_mem_gb() -> Optional[float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="harness zero-plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", help="run recipe (YAML)")
-    p.add_argument("overrides", nargs="*", help="section.key=value")
+    recipe_args.add(p)
     p.add_argument("--gpus", type=int, default=None, help="GPUs per node (default: the GPUs torch sees)")
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument("--gpu-mem-gb", type=float, default=None, help="memory per GPU in GiB (default: GPU 0's)")
@@ -371,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--margin", type=float, default=0.10, help="share of GPU memory kept free (default 0.10)")
     p.add_argument("--overhead-gb", type=float, default=2.0, help="fixed GiB per GPU for the CUDA context, NCCL, "
                    "workspaces (default 2)")
-    args = p.parse_intermixed_args(argv)
+    args = recipe_args.resolve(p.parse_intermixed_args(argv), p)
     try:
         if args.gpus is None or args.gpu_mem_gb is None:
             import torch
