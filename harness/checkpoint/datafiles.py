@@ -57,6 +57,8 @@ def compare(saved: dict, now: dict) -> list[str]:
 
 
 def describe(old: dict, new: dict) -> str:
+    if "settings" in old or "settings" in new:  # the arithmetic task (rft/tasks.py task_fingerprint)
+        return f"{old.get('settings')} -> {new.get('settings')}"
     if old["size"] != new["size"]:
         return f"{old['size']} -> {new['size']} bytes"
     return f"same size, {old['ends'][:8]} -> {new['ends'][:8]} at its first or last 64 KiB"
