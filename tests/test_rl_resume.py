@@ -1,0 +1,89 @@
+"""loss.mode=rl resumed with changed settings (issue 55): the task's questions fingerprinted like training files, a
+changed rl setting taken with one line and a resumed_changes record, a half-used generation batch that cannot
+continue dropped with one line, another model refused. One stopped run (checkpoints of step 1, the middle of a
+generation batch, and step 2, its end), resumed in copies of its folder.
+
+    .venv/bin/python -m pytest tests/test_rl_resume.py
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from harness_launch import ROOT, report, run_train
+from test_rl import ENV, RUN
+
+CONFIG = str(ROOT / "configs/grpo-tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rl-stopped")
+    run_train([*RUN, f"train.output_dir={out}", "train.save_every_steps=1", "train.stop_at_step=2"], config=CONFIG,
+              extra_env=ENV)
+    assert (out / "checkpoints" / "step-1").is_dir() and (out / "checkpoints" / "step-2").is_dir()
+    return out
+
+
+def resume(stopped, tmp_path, changes: list, step: int = 2, check: bool = False):
+    out = tmp_path / "run"
+    shutil.copytree(stopped, out)
+    return out, run_train([*RUN, f"train.output_dir={out}", f"train.resume={out / 'checkpoints' / f'step-{step}'}",
+                           *changes], config=CONFIG, extra_env=ENV, check=check)
+
+
+def error_line(proc) -> str:
+    err = proc.stderr
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert proc.returncode != 0 and "Traceback" not in err and lines[-1].startswith("harness: error: "), err[-3000:]
+    return lines[-1]
+
+
+def test_the_task_fingerprint_covers_what_makes_the_questions(tmp_path):
+    """Fault 2 in process: the fingerprints compared on resume (checkpoint/datafiles.py) hold the rl task's."""
+    from harness.checkpoint import datafiles
+    from harness.config import load_config
+
+    def changes(a: list, b: list) -> list:
+        fp = [datafiles.fingerprints(c.data, "rl", c.rft) for c in (load_config(CONFIG, a), load_config(CONFIG, b))]
+        return datafiles.compare(*fp)
+
+    assert changes([], []) == []
+    assert changes([], ["rft.task_seed=1"]) == ["rft.task: arithmetic changed (rft.num_train_questions=400, "
+                                                "rft.num_test_questions=200, rft.num_sft_questions=300, "
+                                                "rft.max_operand=12, rft.task_seed=0 -> rft.num_train_questions=400, "
+                                                "rft.num_test_questions=200, rft.num_sft_questions=300, "
+                                                "rft.max_operand=12, rft.task_seed=1)"]
+    assert changes([], ["rft.max_operand=11"]) and changes([], ["rft.num_train_questions=100"])
+    task = tmp_path / "q.jsonl"
+    task.write_text('{"question": "What is 1 + 1?", "answer": 2}\n')
+    before = datafiles.fingerprints(load_config(CONFIG, []).data, "rl", load_config(CONFIG, [f"rft.task={task}"]).rft)
+    task.write_text('{"question": "What is 2 + 2?", "answer": 4}\n' + task.read_text())
+    after = datafiles.fingerprints(load_config(CONFIG, []).data, "rl", load_config(CONFIG, [f"rft.task={task}"]).rft)
+    assert datafiles.compare(before, after) == [f"rft.task: {task} changed (44 -> 88 bytes)"]
+    del before["rft.task"]  # a checkpoint of an older harness: no task to compare
+    assert datafiles.compare(before, after) == []
+
+
+@pytest.mark.parametrize("change", ["rft.task_seed=1", "jsonl"])
+def test_another_task_is_refused(stopped, tmp_path, change):
+    """Fault 2: resumed with another task (the arithmetic task's seed, a JSONL task edited in place), the run
+    continued the old question stream's position in another question set, silently. Now one line naming it."""
+    if change == "jsonl":  # a JSONL task run, its file then edited in place
+        task = tmp_path / "task.jsonl"
+        task.write_text("".join(f'{{"question": "What is {i} + 1?", "answer": {i + 1}}}\n' for i in range(12)))
+        out = tmp_path / "jsonl"
+        run_train([*RUN, f"train.output_dir={out}", f"rft.task={task}", "rft.test_file=null", "train.eval_every=0",
+                   "train.stop_at_step=1"], config=CONFIG, extra_env=ENV)
+        task.write_text('{"question": "What is 9 x 9?", "answer": 81}\n' + task.read_text())
+        proc = run_train([*RUN, f"train.output_dir={out}", f"rft.task={task}", "rft.test_file=null",
+                          "train.eval_every=0"], config=CONFIG, extra_env=ENV, check=False)
+        line = error_line(proc)
+        assert f"(rft.task: {task} changed (" in line, line
+        return
+    out, proc = resume(stopped, tmp_path, [change])
+    line = error_line(proc)
+    assert line.startswith("harness: error: the training data changed since ") and "(rft.task: arithmetic " \
+        "changed (" in line and "train.resume_changed_data=true" in line, line
