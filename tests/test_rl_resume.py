@@ -87,3 +87,19 @@ def test_another_task_is_refused(stopped, tmp_path, change):
     line = error_line(proc)
     assert line.startswith("harness: error: the training data changed since ") and "(rft.task: arithmetic " \
         "changed (" in line and "train.resume_changed_data=true" in line, line
+
+
+def test_a_reward_that_fails_on_process_1_only_is_one_line_from_the_main_process(tmp_path):
+    """Fault 3: under 2 processes a reward that raised on one process lost its cause: no `harness: error:` line, the
+    other process a raw traceback (8 harness frames, gloo's `Connection closed by peer`). Now the failing process's
+    line, naming the question, is printed once by the main process, and no traceback shows a harness frame."""
+    import re
+
+    proc = run_train([*RUN, f"train.output_dir={tmp_path}", "rl.reward=rl_rewards:raises_on_rank_1",
+                      "train.max_steps=1"], nproc=2, config=CONFIG, extra_env=ENV, check=False, timeout=900)
+    said = proc.stdout + proc.stderr
+    errors = [ln for ln in said.splitlines() if "harness: error:" in ln]
+    assert proc.returncode != 0 and len(errors) == 1, said[-4000:]
+    assert re.fullmatch(r"harness: error: config key 'rl.reward': rl_rewards:raises_on_rank_1 raised ValueError: no "
+                        r"score on process 1 \(question train-\d+\)", errors[0]), errors
+    assert not re.search(r'File ".*/harness/', said), said[-4000:]

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from harness.distributed.collectives import agreed
 from harness.errors import ConfigError, HarnessError, one_line
 from harness.rft.engine import ContinuousEngine, servable
 from harness.rft.tasks import Question, Task, build_task
@@ -147,7 +148,7 @@ class Rollouts:
         self.accelerator, self.model, self.tok, self.task = accelerator, model, tokenizer, task
         self.chunk_size, self.zero_stage, self.say = chunk_size, zero_stage, say
         self.questions = task.split("train")
-        self.reward = load_reward(rl.reward, task)
+        self.reward = agreed(accelerator, lambda: load_reward(rl.reward, task))  # (failing on any process: one line)
         unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
         why = servable(unwrapped)
         if why is not None:
@@ -205,8 +206,10 @@ class Rollouts:
                                                   seed=(self.r.seed * 1_000_003 + step) * 100_003 + i)[0])
                 sampled.append(self.engine.last_ids[0])  # the tokens drawn (EOS kept): what the loss scores
             model.train(was)
-        rewards = torch.tensor([[score(self.reward, self.rl.reward, q, t) for t in answers]
-                                for q, answers in zip(flat, texts)], dtype=torch.float32, device=dev).view(-1)
+        # (a reward that fails on any process: its line raised on every process, printed once by the main one)
+        rewards = torch.tensor(agreed(accelerator, lambda: [[score(self.reward, self.rl.reward, q, t) for t in answers]
+                                                           for q, answers in zip(flat, texts)]),
+                               dtype=torch.float32, device=dev).view(-1)
         adv, _ = rl_loss.advantages(rewards, G, self.rl.scale_rewards)
         if self.rl.scale_rewards == "batch":  # the whole step's std, as TRL's (its batch is every process's)
             every = accelerator.gather(rewards)
