@@ -641,3 +641,36 @@ def test_a_resume_on_changed_data_is_refused_in_one_line_or_starts_a_new_epoch(t
         "from_step": 3}
     saved = json.loads((out / "checkpoints/step-4" / store.STATE_FILE).read_text())
     assert saved["data_files"]["data.train_files"][0][1]["size"] == data.stat().st_size  # the new data's, from now on
+
+
+def test_a_checkpoint_past_a_file_size_limit_is_one_line_with_its_errno_and_the_steps_kept(tmp_path):
+    """Issue 55, fault 6: a checkpoint write that fails on a file-size limit (EFBIG) or a quota (EDQUOT) with free
+    disk was a raw traceback: torch.save drops the errno ("unexpected pos ... vs ..."), so the failure was taken for a
+    bug. Now one line with the errno found again (RLIMIT_FSIZE here; a probe write for a quota), the partial folder
+    removed and the steps kept named."""
+    import resource
+
+    import torch
+    from accelerate import Accelerator
+
+    from harness.checkpoint.store import list_checkpoints, save_checkpoint
+    from harness.errors import HarnessError
+
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(64, 64)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()  # the optimizer's state: twice the weights
+    save_checkpoint(acc, tmp_path, {"step": 1}, 2)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20000, hard))  # the weights fit, the optimizer's torch.save does not
+    try:
+        with pytest.raises(HarnessError) as e:
+            save_checkpoint(acc, tmp_path, {"step": 2}, 2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(e.value) == (f"could not write checkpoint {tmp_path}/checkpoints/step-2 ([Errno 27] File too large: "
+                            f"this process's file-size limit (ulimit -f) is 19.5 KiB); the partial folder is removed "
+                            f"(never marked complete); steps 1-1 are kept (step-1, the newest complete checkpoint: a "
+                            f"resume continues after it)")
+    assert [s for s, _ in list_checkpoints(tmp_path)[0]] == [1] and not list_checkpoints(tmp_path)[1]
