@@ -103,3 +103,13 @@ def test_a_reward_that_fails_on_process_1_only_is_one_line_from_the_main_process
     assert re.fullmatch(r"harness: error: config key 'rl.reward': rl_rewards:raises_on_rank_1 raised ValueError: no "
                         r"score on process 1 \(question train-\d+\)", errors[0]), errors
     assert not re.search(r'File ".*/harness/', said), said[-4000:]
+
+
+def test_changed_settings_in_the_middle_of_a_batch_start_a_new_one(stopped, tmp_path):
+    """Fault 4: resumed in the middle of a generation batch (step 1 of 2) with another rl.num_generations and
+    rl.beta: a raw traceback (a tensor size mismatch; "rl.beta > 0 needs the reference log-probs"), and at
+    num_generations 2 the message called both intact checkpoints damaged. Now the saved batch, which cannot
+    continue, is dropped with one line and a new one is sampled."""
+    out, proc = resume(stopped, tmp_path, ["rl.num_generations=2", "rl.beta=0.1"], step=1, check=True)
+    assert ("[harness] rl: no generation batch to continue at step 2 (rl.num_generations changed since: it has 4 "
+            "answers a question): a new one starts here") in proc.stdout, proc.stdout[-3000:]

@@ -137,6 +137,22 @@ def share(state: dict, world: int, rank: int, accum: int, questions: int) -> tup
     return [it for k in range(accum) for it in ordered[(k * world + rank) * n:(k * world + rank + 1) * n]], ""
 
 
+def unfit(state: dict, rl) -> str:
+    """Why a saved generation batch cannot continue under this config's `rl` (cfg.rl) settings ("" when it can): its
+    answers a question are not rl.num_generations, or it lacks the log-probs rl.beta > 0 (reference) or
+    rl.iterations > 1 (old) needs (settings changed on resume: checkpoint/settings.py records them)."""
+    items = [it for part in state["items"] for it in part]
+    if not items:
+        return ""
+    if len(items[0]["answers"]) != rl.num_generations:
+        return f"rl.num_generations changed since: it has {len(items[0]['answers'])} answers a question"
+    if rl.beta and "ref_logps" not in items[0]:
+        return "rl.beta changed since: it has no reference log-probs"
+    if rl.iterations > 1 and "old_logps" not in items[0]:
+        return "rl.iterations changed since: it has no old log-probs"
+    return ""
+
+
 class Rollouts:
     """The generation batches of a run (see the module docstring): `step_batches(questions, step)` gives the step's
     grad_accum training micro-batches; `evaluate()` the greedy accuracy on the task's test split."""
@@ -271,7 +287,8 @@ class Rollouts:
         another process count and accumulation), in grad_accum micro-batches again."""
         world, accum = self.accelerator.num_processes, self.accum
         mine, self.dropped = share(state, world, self.accelerator.process_index, accum, self.rl.questions_per_step)
-        if not mine:
+        self.dropped = self.dropped or unfit(state, self.rl)
+        if not mine or self.dropped:
             return
         per = len(mine) // accum
         self.items = mine
