@@ -116,6 +116,7 @@ class LoopState:
     layout: dict = field(default_factory=dict)  # how the global batch was split (checkpoint.layout.Layout)
     data_files: dict = field(default_factory=dict)  # the training files' fingerprints (checkpoint/datafiles.py)
     seed: Optional[int] = None  # the train.seed the run started with (None: a checkpoint before it was recorded)
+    settings: dict = field(default_factory=dict)  # what the run trained with beyond its files (checkpoint/settings.py)
 
     @classmethod
     def from_saved(cls, saved: dict) -> "LoopState":

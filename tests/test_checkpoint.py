@@ -674,3 +674,18 @@ def test_a_checkpoint_past_a_file_size_limit_is_one_line_with_its_errno_and_the_
                             f"(never marked complete); steps 1-1 are kept (step-1, the newest complete checkpoint: a "
                             f"resume continues after it)")
     assert [s for s, _ in list_checkpoints(tmp_path)[0]] == [1] and not list_checkpoints(tmp_path)[1]
+
+
+def test_a_resume_with_another_max_len_is_refused_as_changed_data(tmp_path):
+    """Issue 55, fault 10: data.max_len changed on resume was accepted without a line, though it decides the rows the
+    data position counts (rows cut, packed). Now it is a change of the training data: refused in one line naming
+    it (train.resume_changed_data=true: the new rows from a new epoch, as for changed files)."""
+    out = tmp_path / "run"
+    args = [f"train.output_dir={out}", "train.max_steps=4", *FAST]
+    run_train([*args, "train.stop_at_step=1"])
+    refused = run_train([*args, "data.max_len=96"], check=False)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    line = refused.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"harness: error: the training data changed since {out}/checkpoints/step-1 was written "
+                           f"(data.max_len: "), line
+    assert "-> 96 (it decides the rows the data position counts)" in line and "train.resume_changed_data=true" in line

@@ -113,3 +113,30 @@ def test_changed_settings_in_the_middle_of_a_batch_start_a_new_one(stopped, tmp_
     out, proc = resume(stopped, tmp_path, ["rl.num_generations=2", "rl.beta=0.1"], step=1, check=True)
     assert ("[harness] rl: no generation batch to continue at step 2 (rl.num_generations changed since: it has 4 "
             "answers a question): a new one starts here") in proc.stdout, proc.stdout[-3000:]
+    assert report(out)["resumed_changes"]["rl.num_generations"]["from_step"] == 2
+
+
+def test_changed_settings_at_a_batch_boundary_are_said_and_recorded(stopped, tmp_path):
+    """Faults 2 and 5: at a generation batch's boundary (step 2 of rl.iterations 2), another task with
+    train.resume_changed_data=true trains the new questions from a new epoch; a changed rl.num_generations, rl.reward
+    or rl.beta was taken with no line and no record (a changed optim.lr gets both): now each has its line and its
+    resumed_changes record."""
+    out, proc = resume(stopped, tmp_path, ["rft.task_seed=1", "train.resume_changed_data=true",
+                                           "rl.num_generations=2", "rl.reward=verifier", "rl.beta=0.1"], check=True)
+    changes = report(out)["resumed_changes"]
+    assert changes["data"]["from_epoch"] == 1 and changes["data"]["from_step"] == 3, changes
+    assert changes["rl.num_generations"] == {"from": 4, "to": 2, "from_step": 3}, changes
+    assert changes["rl.reward"] == {"from": "rl_rewards:digits", "to": "verifier", "from_step": 3}, changes
+    assert changes["rl.beta"] == {"from": 0.0, "to": 0.1, "from_step": 3}, changes
+    assert "[harness] rl.num_generations changed since " in proc.stdout and ": 4 -> 2, applied from step 3" in \
+        proc.stdout, proc.stdout[-3000:]
+
+
+def test_another_model_is_refused(stopped, tmp_path):
+    """Fault 9: model.name_or_path changed on resume was ignored (the checkpoint's weights continued)."""
+    other = tmp_path / "other-model"
+    other.mkdir()
+    out, proc = resume(stopped, tmp_path, [f"model.name_or_path={other}"])
+    line = error_line(proc)
+    assert line.startswith(f"harness: error: config key 'model.name_or_path': the run to resume ({out}/checkpoints/"
+                           f"step-2) trained None, this config names '{other}'"), line
