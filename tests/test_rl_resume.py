@@ -140,3 +140,15 @@ def test_another_model_is_refused(stopped, tmp_path):
     line = error_line(proc)
     assert line.startswith(f"harness: error: config key 'model.name_or_path': the run to resume ({out}/checkpoints/"
                            f"step-2) trained None, this config names '{other}'"), line
+
+
+def test_a_bad_test_file_is_one_line_before_step_1(tmp_path):
+    """Fault 7: a JSONL task's missing (or empty, or bad) rft.test_file was found after the last step, when the final
+    evaluation started: no final/, no report.json, the run's time spent. Now read with the task, before step 1."""
+    task = tmp_path / "task.jsonl"
+    task.write_text("".join(f'{{"question": "What is {i} + 1?", "answer": {i + 1}}}\n' for i in range(8)))
+    (tmp_path / "empty.jsonl").write_text("\n")
+    proc = run_train([*RUN, f"train.output_dir={tmp_path / 'run'}", f"rft.task={task}",
+                      f"rft.test_file={tmp_path / 'empty.jsonl'}"], config=CONFIG, extra_env=ENV, check=False)
+    assert error_line(proc) == f"harness: error: {tmp_path / 'empty.jsonl'}: no questions"
+    assert "step 1" not in proc.stdout and not (tmp_path / "run" / "metrics.jsonl").exists(), proc.stdout[-3000:]

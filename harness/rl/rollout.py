@@ -164,6 +164,10 @@ class Rollouts:
         self.accelerator, self.model, self.tok, self.task = accelerator, model, tokenizer, task
         self.chunk_size, self.zero_stage, self.say = chunk_size, zero_stage, say
         self.questions = task.split("train")
+        # the test split read now, not after the last step: a bad rft.test_file is one line before any training
+        self.test = None if getattr(task, "files", {}).get("test", "") is None else task.split("test")
+        if self.test is None:
+            say("[harness] rl: the JSONL task has no rft.test_file: no eval_accuracy in this run")
         self.reward = agreed(accelerator, lambda: load_reward(rl.reward, task))  # (failing on any process: one line)
         unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
         why = servable(unwrapped)
@@ -313,8 +317,9 @@ class Rollouts:
         """eval_accuracy and eval_answer_rate: greedy answers to the task's test split, every world-th question on
         each process, counted over all."""
         accelerator = self.accelerator
-        test = self.task.split("test")
-        mine = test[accelerator.process_index::accelerator.num_processes]
+        if self.test is None:
+            return {}
+        mine = self.test[accelerator.process_index::accelerator.num_processes]
         with gathered_for_generation(accelerator, self.model, self.zero_stage) as model:
             was = model.training
             model.eval()
