@@ -152,3 +152,24 @@ def test_a_bad_test_file_is_one_line_before_step_1(tmp_path):
                       f"rft.test_file={tmp_path / 'empty.jsonl'}"], config=CONFIG, extra_env=ENV, check=False)
     assert error_line(proc) == f"harness: error: {tmp_path / 'empty.jsonl'}: no questions"
     assert "step 1" not in proc.stdout and not (tmp_path / "run" / "metrics.jsonl").exists(), proc.stdout[-3000:]
+
+
+def test_prompts_and_answers_past_the_context_are_refused_before_step_1(tmp_path):
+    """Fault 8: prompts longer than the model's context, and rft.max_new_tokens past it, were sampled and trained on
+    silently (the tiny model's context: 128 positions)."""
+    from harness.errors import ConfigError
+    from harness.rft.tasks import check_context
+
+    with pytest.raises(ConfigError, match=r"'rft.max_new_tokens': 128 answer tokens do not fit the model's context of "
+                                          r"128 positions"):
+        check_context({"a": 5}, 128, 128)
+    with pytest.raises(ConfigError, match=r"question b's prompt has 100 tokens, and with 40 answer tokens it exceeds "
+                                          r"the model's context of 128 positions \(max_position_embeddings\); lower "
+                                          r"rft.max_new_tokens to 28 or less"):
+        check_context({"a": 5, "b": 100}, 40, 128)
+    check_context({"a": 5, "b": 100}, 28, 128)
+    proc = run_train([*RUN, f"train.output_dir={tmp_path / 'run'}", "rft.max_new_tokens=120"], config=CONFIG,
+                     extra_env=ENV, check=False)
+    line = error_line(proc)
+    assert line.startswith("harness: error: config key 'rft.max_new_tokens': question ") and \
+        "with 120 answer tokens it exceeds the model's context of 128 positions" in line, line

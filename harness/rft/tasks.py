@@ -216,6 +216,23 @@ def task_fingerprint(rft) -> list:
     return [rft.task, fingerprint(rft.task)]
 
 
+def check_context(lengths: dict, max_new_tokens: int, context: Optional[int]) -> None:
+    """Before any sampling: every prompt (`lengths`: {qid: prompt tokens}) and rft.max_new_tokens answer tokens fit
+    the model's context (`context`: its max_position_embeddings; None: unknown, not checked). Past it the positions
+    have no trained embedding (or none at all): the answers would be sampled, scored and trained on silently."""
+    if not context:
+        return
+    if max_new_tokens >= context:
+        raise ConfigError(f"config key 'rft.max_new_tokens': {max_new_tokens} answer tokens do not fit the model's "
+                          f"context of {context} positions (max_position_embeddings) after a prompt; lower it")
+    qid, longest = max(lengths.items(), key=lambda kv: kv[1], default=(None, 0))
+    if longest + max_new_tokens > context:
+        raise ConfigError(f"config key 'rft.max_new_tokens': question {qid}'s prompt has {longest} tokens, and with "
+                          f"{max_new_tokens} answer tokens it exceeds the model's context of {context} positions "
+                          f"(max_position_embeddings); lower rft.max_new_tokens to {context - longest} or less, or "
+                          f"shorten the question")
+
+
 def build_task(rft) -> Task:
     """The task named by the config section `rft` (harness.config.RftConfig)."""
     if rft.task == "arithmetic":

@@ -27,7 +27,7 @@ import torch
 from harness.distributed.collectives import agreed
 from harness.errors import ConfigError, HarnessError, one_line
 from harness.rft.engine import ContinuousEngine, servable
-from harness.rft.tasks import Question, Task, build_task
+from harness.rft.tasks import Question, Task, build_task, check_context
 from harness.rl import loss as rl_loss
 from harness.rl.batch import completion_logps, completion_mask, rows
 from harness.state import StepSums
@@ -173,6 +173,10 @@ class Rollouts:
         why = servable(unwrapped)
         if why is not None:
             raise HarnessError(f"loss.mode=rl generates with the continuous engine, which cannot serve {why}")
+        config = unwrapped.config  # every prompt and its answer within the context, checked before step 1
+        check_context({q.qid: len(tokenizer(self.prompt_text(q), add_special_tokens=False)["input_ids"])
+                       for q in [*self.questions, *(self.test or [])]}, self.r.max_new_tokens,
+                      getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None))
         self.engine = ContinuousEngine(unwrapped, tokenizer, self.r.max_new_tokens, self.r.micro_batch_sequences,
                                        self.r.kv_cache_gb, tuple(self.r.stop_strings), say)
         self.reference = None
