@@ -299,6 +299,20 @@ def test_save_refused_when_the_last_checkpoint_would_not_fit(tmp_path, monkeypat
     assert all(verify_checkpoint(p).ok for p in older)
 
 
+def test_save_refused_with_one_checkpoint_does_not_advise_a_lower_limit(tmp_path, monkeypatch):
+    """Issue 55: at train.save_total_limit 1 (or with one checkpoint) the refusal advised lowering the limit, which
+    cannot help: the checkpoint continued from stays until the new one is complete, so two must fit."""
+    acc = FakeAccelerator()
+    older = save(acc, tmp_path, 2, keep=1)
+    monkeypatch.setattr(store.shutil, "disk_usage", Usage(checkpoint_size(older) - 1))
+    with pytest.raises(HarnessError) as e:
+        save(acc, tmp_path, 4, keep=1)
+    assert "lower train.save_total_limit" not in str(e.value)
+    assert str(e.value).endswith("older checkpoints are intact: free some space (the checkpoint continued from stays "
+                                 "until the new one is complete: room for two is needed, whatever "
+                                 "train.save_total_limit), then continue with train.resume=auto"), str(e.value)
+
+
 def test_short_space_removes_what_rotation_would_remove_only_when_the_newest_verifies(tmp_path, monkeypatch):
     """save_total_limit=2 with room for 2 checkpoints, not 3: the oldest goes before the save instead of after it,
     but only while the checkpoint the run continues from verifies."""

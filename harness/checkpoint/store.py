@@ -191,7 +191,9 @@ def make_room(output_dir: str | Path, path: Path, keep: int, say: Callable = pri
             f"not enough disk space for checkpoint {path.name} in {root}: about {human_bytes(need)} needed (the size "
             f"of {newest.name}), {human_bytes(free)} free; older checkpoints are intact"
             + (f" (removed only {', '.join(removed)})" if removed else "")
-            + ": free some space or lower train.save_total_limit, then continue with train.resume=auto")
+            + (": free some space or lower train.save_total_limit" if len(complete) > 1 else
+               ": free some space (the checkpoint continued from stays until the new one is complete: room for two "
+               "is needed, whatever train.save_total_limit)") + ", then continue with train.resume=auto")
 
 
 def rotate(output_dir: str | Path, keep: int, protect: Optional[Path] = None) -> list[Path]:
