@@ -110,7 +110,7 @@ def choose(p: Plan, accelerator, out: Path, zero_stage: Optional[int], weights: 
     files = on_main(accelerator, lambda: datafiles.fingerprints(cfg.data, cfg.loss.mode, cfg.rft))  # (128 KiB a file)
     changes = datafiles.compare(saved["data_files"], files) if path is not None and saved and \
         saved.get("data_files") else []
-    now = settings.current(cfg)
+    now = settings.current(cfg.model, cfg.data, cfg.loss.mode, {"rl": cfg.rl, "rft": cfg.rft})
     changed = settings.compare((saved or {}).get("settings") or {}, now) if path is not None else {}
     settings.check_model(path, changed)
     changes += settings.data_changes(changed)

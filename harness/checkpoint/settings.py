@@ -10,7 +10,8 @@ and compared on resume (issue 55): a resume takes this config, so a changed valu
   report.json's resumed_changes (as optim.lr); a half-used generation batch they cannot continue is dropped by
   harness/rl/rollout.py (`Rollouts.load_state_dict`), which says so.
 
-    current(cfg) -> {key: value}; compare(saved, now) -> {key: (old, new)} (keys a checkpoint lacks are not compared)
+    current(cfg.model, cfg.data, cfg.loss.mode, {"rl": cfg.rl, "rft": cfg.rft}) -> {key: value}
+    compare(saved, now) -> {key: (old, new)} (keys a checkpoint lacks are not compared)
 """
 
 from __future__ import annotations
@@ -23,21 +24,22 @@ RL_KEYS = ("rl.num_generations", "rl.reward", "rl.beta", "rl.iterations", "rl.lo
            "rl.epsilon", "rl.epsilon_high", "rft.temperature", "rft.top_p", "rft.max_new_tokens")
 
 
-def current(cfg) -> dict:
-    """This run's values of the compared settings (the whole config: the settings of several sections)."""
-    name = None if cfg.model.random_init else cfg.model.name_or_path
+def current(model, data, loss_mode: str, sections: dict) -> dict:
+    """This run's values of the compared settings (`model`, `data`: cfg.model, cfg.data; sections: {"rl": cfg.rl,
+    "rft": cfg.rft})."""
+    name = None if model.random_init else model.name_or_path
     if name is not None and Path(name).exists():  # a local folder: the same one however it is written
         name = str(Path(name).resolve())
     out = {"model.name_or_path": name}
-    if cfg.loss.mode == "rl":
+    if loss_mode == "rl":
         for key in RL_KEYS:
             section, name = key.split(".")
-            value = getattr(getattr(cfg, section), name)
+            value = getattr(sections[section], name)
             out[key] = value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
     else:
-        out["data.max_len"] = cfg.data.max_len
-        if cfg.data.max_len == "auto":
-            out["data.max_len_percentile"] = cfg.data.max_len_percentile
+        out["data.max_len"] = data.max_len
+        if data.max_len == "auto":
+            out["data.max_len_percentile"] = data.max_len_percentile
     return out
 
 
