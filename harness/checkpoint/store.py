@@ -10,9 +10,9 @@ train.resume=auto (resume.py) falls back to the newest checkpoint that verifies,
 wrong.
 
 Disk space: a save first compares the free space of the checkpoints folder with the size of the newest checkpoint
-(`make_room`); a write that fails for lack of space (ENOSPC), on a quota (EDQUOT) or a file-size limit (EFBIG: torch.save
-drops the errno, harness/files.py's `write_cause` finds it again) is a one-line HarnessError on every process, naming
-the steps kept; its partial folder (never marked complete) removed.
+(`make_room`); a write that fails for lack of space (ENOSPC), on a quota (EDQUOT) or a file-size limit (EFBIG:
+torch.save drops the errno, harness/files.py's `write_cause` finds it again) is a one-line HarnessError on every
+process, naming the steps kept; its partial folder (never marked complete) removed.
 """
 
 from __future__ import annotations
