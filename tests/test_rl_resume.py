@@ -1,7 +1,8 @@
-"""loss.mode=rl resumed with changed settings (issue 55): the task's questions fingerprinted like training files, a
-changed rl setting taken with one line and a resumed_changes record, a half-used generation batch that cannot
-continue dropped with one line, another model refused. One stopped run (checkpoints of step 1, the middle of a
-generation batch, and step 2, its end), resumed in copies of its folder.
+"""loss.mode=rl against changed settings and bad input (issue 55): resumed with changed settings (the task's questions
+fingerprinted like training files, a changed rl setting taken with one line and a resumed_changes record, a half-used
+generation batch that cannot continue dropped with one line, another model refused), from one stopped run
+(checkpoints of step 1, the middle of a generation batch, and step 2, its end) resumed in copies of its folder; a
+reward failing on one of 2 processes, a bad rft.test_file and prompts past the context, each one line.
 
     .venv/bin/python -m pytest tests/test_rl_resume.py
 """
