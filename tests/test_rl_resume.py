@@ -52,11 +52,9 @@ def test_the_task_fingerprint_covers_what_makes_the_questions(tmp_path):
         return datafiles.compare(*fp)
 
     assert changes([], []) == []
-    assert changes([], ["rft.task_seed=1"]) == ["rft.task: arithmetic changed (rft.num_train_questions=400, "
-                                                "rft.num_test_questions=200, rft.num_sft_questions=300, "
-                                                "rft.max_operand=12, rft.task_seed=0 -> rft.num_train_questions=400, "
-                                                "rft.num_test_questions=200, rft.num_sft_questions=300, "
-                                                "rft.max_operand=12, rft.task_seed=1)"]
+    assert changes([], ["rft.task_seed=1"]) == ["rft.task: arithmetic changed (rft.task_seed 0 -> 1)"]
+    assert changes([], ["rft.max_operand=11", "rft.num_train_questions=100"]) == [
+        "rft.task: arithmetic changed (rft.num_train_questions 400 -> 100, rft.max_operand 12 -> 11)"]
     assert changes([], ["rft.max_operand=11"]) and changes([], ["rft.num_train_questions=100"])
     task = tmp_path / "q.jsonl"
     task.write_text('{"question": "What is 1 + 1?", "answer": 2}\n')

@@ -63,8 +63,11 @@ def compare(saved: dict, now: dict) -> list[str]:
 
 
 def describe(old: dict, new: dict) -> str:
-    if "settings" in old or "settings" in new:  # the arithmetic task (rft/tasks.py task_fingerprint)
-        return f"{old.get('settings')} -> {new.get('settings')}"
+    if "settings" in old or "settings" in new:  # the arithmetic task (rft/tasks.py task_fingerprint): what differs
+        a, b = (dict(kv.split("=", 1) for kv in str(fp.get("settings", "")).split(", ") if "=" in kv)
+                for fp in (old, new))
+        return ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in [*a, *(k for k in b if k not in a)]
+                         if a.get(k) != b.get(k))
     if old["size"] != new["size"]:
         return f"{old['size']} -> {new['size']} bytes"
     return f"same size, {old['ends'][:8]} -> {new['ends'][:8]} at its first or last 64 KiB"
