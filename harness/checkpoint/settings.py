@@ -36,7 +36,7 @@ def current(model, data, loss_mode: str, sections: dict) -> dict:
             section, name = key.split(".")
             value = getattr(sections[section], name)
             out[key] = value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
-    else:
+    elif loss_mode in ("generative", "unified", "preference"):  # (embedding rows: data.query/passage_max_len)
         out["data.max_len"] = data.max_len
         if data.max_len == "auto":
             out["data.max_len_percentile"] = data.max_len_percentile
