@@ -138,7 +138,9 @@ def test_another_model_is_refused(stopped, tmp_path):
     out, proc = resume(stopped, tmp_path, [f"model.name_or_path={other}"])
     line = error_line(proc)
     assert line.startswith(f"harness: error: config key 'model.name_or_path': the run to resume ({out}/checkpoints/"
-                           f"step-2) trained None, this config names '{other}'"), line
+                           f"step-2) trained a random init (null), this config names '{other}'; the checkpoint's "
+                           f"weights would continue and '{other}' be ignored: rerun with "
+                           f"model.name_or_path=null, "), line
 
 
 def test_a_bad_test_file_is_one_line_before_step_1(tmp_path):

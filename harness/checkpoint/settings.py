@@ -52,11 +52,11 @@ def check_model(path: Path, changed: dict) -> None:
     """Another model.name_or_path than the checkpoint's run: refused (its weights would continue, the named model
     ignored)."""
     if "model.name_or_path" in changed:
-        was, now = changed["model.name_or_path"]
-        raise ConfigError(f"config key 'model.name_or_path': the run to resume ({path}) trained {was!r}, this config "
-                          f"names {now!r}; the checkpoint's weights would continue and {now!r} be ignored: rerun with "
-                          f"model.name_or_path={was}, or train {now!r} in another train.output_dir (or start over "
-                          f"with train.overwrite=true)")
+        was, now = (repr(v) if v is not None else "a random init (null)" for v in changed["model.name_or_path"])
+        raise ConfigError(f"config key 'model.name_or_path': the run to resume ({path}) trained {was}, this config "
+                          f"names {now}; the checkpoint's weights would continue and {now} be ignored: rerun with "
+                          f"model.name_or_path={changed['model.name_or_path'][0] or 'null'}, or train {now} in another "
+                          f"train.output_dir (or start over with train.overwrite=true)")
 
 
 def data_changes(changed: dict) -> list[str]:
