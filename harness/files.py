@@ -13,6 +13,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from harness.errors import one_line
+
 NEARLY_FULL = 64 << 20  # free bytes below which a failed write is taken for a full disk (see `disk_full`)
 
 
@@ -70,6 +72,37 @@ def disk_full(exc: BaseException, folder: Path) -> bool:
         return free_bytes(folder) < NEARLY_FULL
     except OSError:
         return False
+
+
+def lost_errno(exc: BaseException) -> bool:
+    """A failed write whose exception lost the OS error: torch.save's zip writer says only 'unexpected pos ... vs ...'
+    or 'PytorchStreamWriter failed writing file' (its errno, EFBIG, EDQUOT or ENOSPC, is dropped)."""
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in ("unexpected pos", "failed writing file"))
+
+
+def write_cause(exc: BaseException, folder: Path) -> str:
+    """The cause of a failed write into `folder`, with its errno where the exception lost it (`lost_errno`): the
+    process's file-size limit (RLIMIT_FSIZE: EFBIG), or the error a small probe write into the folder gets now (a
+    quota: EDQUOT; a full disk: ENOSPC); else the exception's own words."""
+    if not lost_errno(exc):
+        return one_line(exc)
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        return (f"[Errno {errno.EFBIG}] {os.strerror(errno.EFBIG)}: this process's file-size limit (ulimit -f) is "
+                f"{human_bytes(limit)}")
+    probe = Path(folder) / ".write-probe"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * (1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return f"[Errno {e.errno}] {e.strerror}"
+    finally:
+        probe.unlink(missing_ok=True)
+    return f"{one_line(exc)}: torch.save names no cause, and a 1 MiB write there works now"
 
 
 def json_beyond_limits(exc: BaseException) -> str:

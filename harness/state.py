@@ -117,6 +117,7 @@ class LoopState:
     data_files: dict = field(default_factory=dict)  # the training files' fingerprints (checkpoint/datafiles.py)
     seed: Optional[int] = None  # the train.seed the run started with (None: a checkpoint before it was recorded)
     best: dict = field(default_factory=dict)  # the best evaluation and the patience count (stopping.BestMetric)
+    settings: dict = field(default_factory=dict)  # what the run trained with beyond its files (checkpoint/settings.py)
 
     @classmethod
     def from_saved(cls, saved: dict) -> "LoopState":

@@ -8,3 +8,12 @@ def digits(question, text: str) -> float:
 
 def raises(question, text: str) -> float:
     raise ValueError("no score for this answer")
+
+
+def raises_on_rank_1(question, text: str) -> float:
+    """Fails on process 1 only, on a sampled answer (the start-up check's "The answer is 0." passes)."""
+    import os
+
+    if os.environ.get("RANK") == "1" and text != "The answer is 0.":
+        raise ValueError("no score on process 1")
+    return digits(question, text)

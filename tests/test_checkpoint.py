@@ -310,6 +310,20 @@ def test_save_refused_when_the_last_checkpoint_would_not_fit(tmp_path, monkeypat
     assert all(verify_checkpoint(p).ok for p in older)
 
 
+def test_save_refused_with_one_checkpoint_does_not_advise_a_lower_limit(tmp_path, monkeypatch):
+    """Issue 55: at train.save_total_limit 1 (or with one checkpoint) the refusal advised lowering the limit, which
+    cannot help: the checkpoint continued from stays until the new one is complete, so two must fit."""
+    acc = FakeAccelerator()
+    older = save(acc, tmp_path, 2, keep=1)
+    monkeypatch.setattr(store.shutil, "disk_usage", Usage(checkpoint_size(older) - 1))
+    with pytest.raises(HarnessError) as e:
+        save(acc, tmp_path, 4, keep=1)
+    assert "lower train.save_total_limit" not in str(e.value)
+    assert str(e.value).endswith("older checkpoints are intact: free some space (the checkpoint continued from stays "
+                                 "until the new one is complete: room for two is needed, whatever "
+                                 "train.save_total_limit), then continue with train.resume=auto"), str(e.value)
+
+
 def test_short_space_removes_what_rotation_would_remove_only_when_the_newest_verifies(tmp_path, monkeypatch):
     """save_total_limit=2 with room for 2 checkpoints, not 3: the oldest goes before the save instead of after it,
     but only while the checkpoint the run continues from verifies."""
@@ -652,3 +666,51 @@ def test_a_resume_on_changed_data_is_refused_in_one_line_or_starts_a_new_epoch(t
         "from_step": 3}
     saved = json.loads((out / "checkpoints/step-4" / store.STATE_FILE).read_text())
     assert saved["data_files"]["data.train_files"][0][1]["size"] == data.stat().st_size  # the new data's, from now on
+
+
+def test_a_checkpoint_past_a_file_size_limit_is_one_line_with_its_errno_and_the_steps_kept(tmp_path):
+    """Issue 55, fault 6: a checkpoint write that fails on a file-size limit (EFBIG) or a quota (EDQUOT) with free
+    disk was a raw traceback: torch.save drops the errno ("unexpected pos ... vs ..."), so the failure was taken for a
+    bug. Now one line with the errno found again (RLIMIT_FSIZE here; a probe write for a quota), the partial folder
+    removed and the steps kept named."""
+    import resource
+
+    import torch
+    from accelerate import Accelerator
+
+    from harness.checkpoint.store import list_checkpoints, save_checkpoint
+    from harness.errors import HarnessError
+
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(64, 64)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()  # the optimizer's state: twice the weights
+    save_checkpoint(acc, tmp_path, {"step": 1}, 2)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20000, hard))  # the weights fit, the optimizer's torch.save does not
+    try:
+        with pytest.raises(HarnessError) as e:
+            save_checkpoint(acc, tmp_path, {"step": 2}, 2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(e.value) == (f"could not write checkpoint {tmp_path}/checkpoints/step-2 ([Errno 27] File too large: "
+                            f"this process's file-size limit (ulimit -f) is 19.5 KiB); the partial folder is removed "
+                            f"(never marked complete); steps 1-1 are kept (step-1, the newest complete checkpoint: a "
+                            f"resume continues after it)")
+    assert [s for s, _ in list_checkpoints(tmp_path)[0]] == [1] and not list_checkpoints(tmp_path)[1]
+
+
+def test_a_resume_with_another_max_len_is_refused_as_changed_data(tmp_path):
+    """Issue 55, fault 10: data.max_len changed on resume was accepted without a line, though it decides the rows the
+    data position counts (rows cut, packed). Now it is a change of the training data: refused in one line naming
+    it (train.resume_changed_data=true: the new rows from a new epoch, as for changed files)."""
+    out = tmp_path / "run"
+    args = [f"train.output_dir={out}", "train.max_steps=4", *FAST]
+    run_train([*args, "train.stop_at_step=1"])
+    refused = run_train([*args, "data.max_len=96"], check=False)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    line = refused.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"harness: error: the training data changed since {out}/checkpoints/step-1 was written "
+                           f"(data.max_len: "), line
+    assert "-> 96 (it decides the rows the data position counts)" in line and "train.resume_changed_data=true" in line

@@ -441,3 +441,12 @@ def test_compile_auto_resolves_by_hardware():
     assert shapes_vary("unified", packing=True) and shapes_vary("embedding", packing=False)
     assert shapes_vary("generative", packing=False) and not shapes_vary("generative", packing=True)
     assert resolve_pin_memory("auto", cuda=False) is False and resolve_pin_memory(True, cuda=True) is True
+
+
+def test_a_stop_string_yaml_reads_as_a_mapping_is_taken_as_written():
+    """Issue 55: `rft.stop_strings=[Question:]` (YAML reads `Question:` as the mapping {Question: null}) was refused
+    as "non-empty strings needed"; it is the text `Question:`."""
+    from harness.config import load_config
+
+    cfg = load_config("configs/rft-tiny.yaml", ["rft.stop_strings=[Question:, 'Q2:', 'Answer']"])
+    assert cfg.rft.stop_strings == ["Question:", "Q2:", "Answer"]

@@ -157,3 +157,25 @@ def test_an_error_while_sampling_is_printed_on_its_own_line(model_dir, tmp_path,
     assert "rft generate" in err  # the bar was drawn (tqdm writes to a pipe as well)
     said = [x for x in err.split("\n") if "harness: error:" in x]
     assert len(said) == 1 and said[0].startswith("harness: error: rft.kv_cache_gb: "), err[-2000:]
+
+
+def test_a_jsonl_task_edited_between_two_runs_is_refused(model_dir, tmp_path, capsys):
+    """Issue 55, fault 1: a JSONL question's id is its line; `rft generate` stopped, its task edited in place (8
+    questions inserted at the top), rerun: it said `28/28 questions covered` though the new questions were never
+    sampled and the shifted old ones were sampled again under new ids (the shards' settings kept only the path).
+    The task file is now fingerprinted with the settings: the rerun is one line naming it, and nothing is sampled."""
+    task = tmp_path / "task.jsonl"
+    task.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": i + 1}) + "\n" for i in range(20)))
+    out = tmp_path / "gen"
+    args = ["generate", RECIPE, *overrides(model_dir, out), f"rft.task={task}", "--stop-after", "1"]
+    assert rft_main(args) == 0
+    done = len(gen.read_shards(out / gen.SHARDS))
+    assert done == 4
+    task.write_text("".join(json.dumps({"question": f"What is {i} x 2?", "answer": i * 2}) + "\n" for i in range(8))
+                    + task.read_text())
+    assert rft_main(args) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"harness: error: config key 'rft.task': {task} changed since the shards in "
+                           f"{out / gen.SHARDS} were sampled ("), line
+    assert "put the file back, or use another rft.output_dir" in line
+    assert len(gen.read_shards(out / gen.SHARDS)) == done

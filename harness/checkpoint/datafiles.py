@@ -15,15 +15,19 @@ from pathlib import Path
 
 from harness.data import sources
 from harness.files import fingerprint
+from harness.rft.tasks import task_fingerprint
 
 KEYS = {"embedding": ("emb_train_files",), "unified": ("train_files", "emb_train_files")}  # other modes: train_files
 
 
-def fingerprints(d, loss_mode: str) -> dict:
+def fingerprints(d, loss_mode: str, rft=None) -> dict:
     """Every local training data file of the streams of `loss_mode` (`d`: cfg.data) with its fingerprint, by config
     key (files of a folder and of a save_to_disk dataset, sorted; a hub id has none). A missing file is the data's own
-    one-line error."""
+    one-line error. loss.mode=rl (`rft`: cfg.rft): its questions' source too, as `rft.task` (rft/tasks.py
+    task_fingerprint: a JSONL task's file, or the arithmetic task's settings)."""
     out = {}
+    if loss_mode == "rl" and rft is not None:
+        out["rft.task"] = [task_fingerprint(rft)]
     for key in KEYS.get(loss_mode, ("train_files",)):
         what = f"data.{key}"
         files = []
@@ -43,6 +47,8 @@ def compare(saved: dict, now: dict) -> list[str]:
     are matched by content, so the same data under another path (moved, copied) is no change."""
     out = []
     for key in sorted(set(saved) | set(now)):
+        if key == "rft.task" and key not in saved:  # a checkpoint of an older harness: its task is not known
+            continue
         before, after = saved.get(key, []), now.get(key, [])
         if [fp for _, fp in before] == [fp for _, fp in after]:
             continue
@@ -57,6 +63,11 @@ def compare(saved: dict, now: dict) -> list[str]:
 
 
 def describe(old: dict, new: dict) -> str:
+    if "settings" in old or "settings" in new:  # the arithmetic task (rft/tasks.py task_fingerprint): what differs
+        a, b = (dict(kv.split("=", 1) for kv in str(fp.get("settings", "")).split(", ") if "=" in kv)
+                for fp in (old, new))
+        return ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in [*a, *(k for k in b if k not in a)]
+                         if a.get(k) != b.get(k))
     if old["size"] != new["size"]:
         return f"{old['size']} -> {new['size']} bytes"
     return f"same size, {old['ends'][:8]} -> {new['ends'][:8]} at its first or last 64 KiB"

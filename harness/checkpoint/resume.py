@@ -6,7 +6,8 @@
   processes (harness/checkpoint/layout.py's `fit`: the accumulation and DeepSpeed's batch settings follow it);
 - `choose(plan, accelerator, ...)`: the checkpoint verified and agreed by every process (`resolve_resume`), refused
   when it lies past the schedule, was written under another engine or weights dtype, or on other training data
-  (harness/checkpoint/datafiles.py; train.resume_changed_data=true: the new data from a new epoch); a ZeRO
+  (harness/checkpoint/datafiles.py; train.resume_changed_data=true: the new data from a new epoch) or another model
+  (harness/checkpoint/settings.py: data.max_len counts as data; rl's settings are taken, said and recorded); a ZeRO
   checkpoint of another process count is set up to load through its universal view (harness/checkpoint/universal.py);
 - `restore(start, ...)`: the accelerate state loaded (`load_resumable`: with train.resume=auto a checkpoint that
   fails to load is passed over for an older one) and the loop state, its data position carried over to this layout;
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
-from harness.checkpoint import datafiles
+from harness.checkpoint import datafiles, settings
 from harness.checkpoint.layout import (Resize, carry_over, check_same_engine, check_same_weights, fit,
                                        layout_of, needs_universal, rl_questions, saved_layout)
 from harness.checkpoint.manifest import MARKER, STATE_FILE, Verification, verify_checkpoint
@@ -57,6 +58,8 @@ class Start:
     incomplete: list  # incomplete checkpoint folders passed over
     data_files: dict = field(default_factory=dict)  # this run's training files' fingerprints (datafiles.py)
     data_changes: list = field(default_factory=list)  # how they differ from the checkpoint's (resume_changed_data)
+    settings: dict = field(default_factory=dict)  # this run's compared settings (checkpoint/settings.py)
+    changed: dict = field(default_factory=dict)  # those that differ from the checkpoint's: {key: (old, new)}
 
     @property
     def notes(self) -> list[str]:
@@ -104,15 +107,19 @@ def choose(p: Plan, accelerator, out: Path, zero_stage: Optional[int], weights: 
         universal = needs_universal(before, accelerator.num_processes, zero_stage)
     if universal:
         load_universal(accelerator)
-    files = on_main(accelerator, lambda: datafiles.fingerprints(cfg.data, cfg.loss.mode))  # (read once: 128 KiB a file)
+    files = on_main(accelerator, lambda: datafiles.fingerprints(cfg.data, cfg.loss.mode, cfg.rft))  # (128 KiB a file)
     changes = datafiles.compare(saved["data_files"], files) if path is not None and saved and \
         saved.get("data_files") else []
+    now = settings.current(cfg.model, cfg.data, cfg.loss.mode, {"rl": cfg.rl, "rft": cfg.rft})
+    changed = settings.compare((saved or {}).get("settings") or {}, now) if path is not None else {}
+    settings.check_model(path, changed)
+    changes += settings.data_changes(changed)
     if changes and not cfg.train.resume_changed_data:
         raise DataError(f"the training data changed since {path} was written ({'; '.join(changes)}): its data "
                         f"position counts rows of the old data; put the old data back, set "
                         f"train.resume_changed_data=true to train the new data from the start of a new epoch, or "
                         f"train it in another train.output_dir")
-    return Start(p, path, saved, universal, incomplete, files, changes)
+    return Start(p, path, saved, universal, incomplete, files, changes, now, changed)
 
 
 def restore(start: Start, accelerator, t, zero_stage: Optional[int], weights: str, streams: tuple, epoch_rows: dict,
@@ -126,7 +133,7 @@ def restore(start: Start, accelerator, t, zero_stage: Optional[int], weights: st
     layout = layout_of(t, accelerator.num_processes, zero_stage, weights, questions)
     if start.path is None:
         return Resumed(LoopState(streams={n: {"epoch": 0, "batches": 0} for n in streams}, layout=layout.as_dict(),
-                                 data_files=start.data_files, seed=t.seed), None, None)
+                                 data_files=start.data_files, seed=t.seed, settings=start.settings), None, None)
     if t.max_steps <= 0:
         past_the_schedule(start.path, start.saved, total_steps)
     path, saved = load_resumable(accelerator, Path(t.output_dir), start.path, t.resume == "auto",
@@ -136,7 +143,7 @@ def restore(start: Start, accelerator, t, zero_stage: Optional[int], weights: st
         saved = {**saved, "streams": {n: {"epoch": int(p["epoch"]) + bool(p.get("samples") or p["batches"]),
                                           "batches": 0, "samples": 0} for n, p in saved["streams"].items()}}
     state = LoopState.from_saved(saved)
-    state.data_files = start.data_files
+    state.data_files, state.settings = start.data_files, start.settings
     # accelerate's micro-step counter (load_state restores the saved attempt's) decides which micro-step ends an
     # accumulation (step % train.grad_accum == 0): count it in this attempt's layout, or a resume with another
     # accumulation (1 -> 2 at step 3: counter 3) steps the optimizer after the first micro-batch of each step
@@ -153,6 +160,7 @@ def restore(start: Start, accelerator, t, zero_stage: Optional[int], weights: st
         say(f"[harness] the training data changed since {path} ({'; '.join(start.data_changes)}); "
             f"train.resume_changed_data=true: the new data from the start of epoch {epoch}, from step "
             f"{state.step + 1} (weights, optimizer and schedule continue)")
+    changes.update(settings.taken(start.changed, path, state.step + 1, say))  # rl's: taken, said, recorded
     lr = new_peak_lr(scheduler, peak_lr) if scheduler is not None else None
     if lr is not None:
         changes["optim.lr"] = {"from": lr[0], "to": lr[1], "from_step": state.step + 1}

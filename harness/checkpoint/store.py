@@ -10,8 +10,9 @@ train.resume=auto (resume.py) falls back to the newest checkpoint that verifies,
 wrong.
 
 Disk space: a save first compares the free space of the checkpoints folder with the size of the newest checkpoint
-(`make_room`); a write that fails for lack of space (ENOSPC) is a one-line HarnessError on every process, its partial
-folder (never marked complete) removed.
+(`make_room`); a write that fails for lack of space (ENOSPC), on a quota (EDQUOT) or a file-size limit (EFBIG:
+torch.save drops the errno, harness/files.py's `write_cause` finds it again) is a one-line HarnessError on every
+process, naming the steps kept; its partial folder (never marked complete) removed.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from harness.checkpoint.manifest import (MARKER, STATE_FILE, build_manifest, che
                                         has_manifest, verify_checkpoint, write_marker)
 from harness.distributed.collectives import all_gather, is_main, num_processes, on_main
 from harness.errors import HarnessError, one_line
-from harness.files import disk_full, free_bytes, human_bytes, write_json
+from harness.files import disk_full, free_bytes, human_bytes, lost_errno, write_cause, write_json
 from harness.rundir import checkpoints_root
 
 
@@ -102,10 +103,12 @@ def save_checkpoint(accelerator, output_dir: str | Path, loop_state: dict, keep:
 def _write_failure(exc: BaseException, path: Path) -> str:
     """The one-line message for a checkpoint write that failed with `exc` (the partial folder is being removed)."""
     root = path.parent
-    if not disk_full(exc, root):
-        return (f"could not write checkpoint {path} ({one_line(exc)}); the partial folder is removed "
-                f"(never marked complete), older checkpoints are intact")
     complete = [p for _, p in list_checkpoints(root.parent)[0] if p != path]
+    kept = (f"steps 1-{step_of(complete[-1])} are kept ({complete[-1].name}, the newest complete checkpoint: a resume "
+            f"continues after it)" if complete else "no step is kept (no complete checkpoint yet)")
+    if not disk_full(exc, root):
+        return (f"could not write checkpoint {path} ({write_cause(exc, root)}); the partial folder is removed "
+                f"(never marked complete); {kept}")
     need = (f"about {human_bytes(checkpoint_size(complete[-1]))} needed (the size of {complete[-1].name}), "
             if complete else "")
     try:
@@ -123,7 +126,7 @@ def _agree(accelerator, failure: Optional[BaseException], path: Path) -> None:
     others raise a one-line HarnessError."""
     mine = None
     if failure is not None:
-        bug = not (isinstance(failure, OSError) or disk_full(failure, path.parent))
+        bug = not (isinstance(failure, OSError) or lost_errno(failure) or disk_full(failure, path.parent))
         mine = (bug, _write_failure(failure, path) if not bug else one_line(failure))
     everyone = all_gather(accelerator, mine)
     failed = [(rank, f) for rank, f in enumerate(everyone) if f is not None]
@@ -191,7 +194,9 @@ def make_room(output_dir: str | Path, path: Path, keep: int, say: Callable = pri
             f"not enough disk space for checkpoint {path.name} in {root}: about {human_bytes(need)} needed (the size "
             f"of {newest.name}), {human_bytes(free)} free; older checkpoints are intact"
             + (f" (removed only {', '.join(removed)})" if removed else "")
-            + ": free some space or lower train.save_total_limit, then continue with train.resume=auto")
+            + (": free some space or lower train.save_total_limit" if len(complete) > 1 else
+               ": free some space (the checkpoint continued from stays until the new one is complete: room for two "
+               "is needed, whatever train.save_total_limit)") + ", then continue with train.resume=auto")
 
 
 def _same(path: Path, other: Optional[Path]) -> bool:

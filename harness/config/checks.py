@@ -210,6 +210,10 @@ def check_rft(r) -> None:
                                  "> 0 (or null: sized from free memory)")):
         if not ok:
             raise ConfigError(f"config key '{key}': out of range: must be {allowed}, got {v}")
+    # `rft.stop_strings=[Question:]`: YAML reads an unquoted `Question:` as the mapping {Question: null}; what was
+    # meant is the text, colon included
+    r.stop_strings = [f"{next(iter(s))}:" if isinstance(s, dict) and len(s) == 1 and next(iter(s.values())) is None
+                      and isinstance(next(iter(s)), str) else s for s in r.stop_strings]
     if any(not isinstance(s, str) or not s for s in r.stop_strings):
         raise ConfigError("config key 'rft.stop_strings': non-empty strings needed (an empty one would stop every answer at once)")
 

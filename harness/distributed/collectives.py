@@ -1,5 +1,6 @@
 """The collectives every part of the run calls, with or without an Accelerator (accelerator=None: tests, tools, one
 process): `on_main` (a function run on the main process, its result or its one-line error on every process),
+`agreed` (a function run on every process, the error of any raised on all),
 `main_first` (a block run by the main process first, then by the others, its error raised on every process),
 `broadcast`, `all_gather`, `spread` (work divided by size). They know nothing of the run's config.
 
@@ -53,6 +54,21 @@ def on_main(accelerator, fn: Callable):
             broadcast(accelerator, ("bug", one_line(e)))
             raise
     return _received(broadcast(accelerator, outcome))[1]
+
+
+def agreed(accelerator, fn: Callable):
+    """fn() on every process; a HarnessError raised on any process is raised on every one (one all-gather of the
+    outcomes; the lowest rank's), so that the main process prints it (config/preflight.py's `report`) instead of the
+    others dying in their next collective with gloo's `Connection closed by peer` traceback."""
+    result, error = None, None
+    try:
+        result = fn()
+    except HarnessError as e:
+        error = (type(e), str(e))
+    errors = [e for e in all_gather(accelerator, error) if e is not None]
+    if errors:
+        raise errors[0][0](errors[0][1])
+    return result
 
 
 @contextlib.contextmanager

@@ -17,7 +17,8 @@ from typing import Optional
 
 from harness.errors import ConfigError, HarnessError, one_line
 from harness.files import disk_full, write_json, write_text
-from harness.rft.tasks import Question, Task
+from harness.checkpoint.datafiles import describe
+from harness.rft.tasks import Question, Task, task_fingerprint
 
 SHARDS = "shards"
 OUTPUT = "rft.jsonl"
@@ -171,7 +172,8 @@ def generation_settings(r, model: Optional[str]) -> dict:
             "num_sft_questions": r.num_sft_questions, "max_operand": r.max_operand, "task_seed": r.task_seed,
             "tolerance": r.tolerance, "oversample": r.oversample, "temperature": r.temperature, "top_p": r.top_p,
             "max_new_tokens": r.max_new_tokens, "keep_per_question": r.keep_per_question,
-            **({"stop_strings": list(r.stop_strings)} if r.stop_strings else {})}
+            **({"stop_strings": list(r.stop_strings)} if r.stop_strings else {}),
+            "task_questions": task_fingerprint(r)[1]}  # a JSONL task edited in place: its ids are line numbers
 
 
 def check_settings(path: Path, settings: dict, write: bool = True) -> None:
@@ -185,7 +187,13 @@ def check_settings(path: Path, settings: dict, write: bool = True) -> None:
             raise HarnessError(f"{path} cannot be read ({one_line(e, 200)}): it records the settings the shards in "
                                f"{path.parent} were sampled with; restore it, or remove it to continue them with this "
                                f"config's settings, or use another rft.output_dir") from None
-        diff = [k for k in [*settings, *(k for k in old if k not in settings)] if old.get(k) != settings.get(k)]
+        diff = [k for k in [*settings, *(k for k in old if k not in settings)] if old.get(k) != settings.get(k)
+                and (k != "task_questions" or k in old)]  # (shards of an older harness: no fingerprint to compare)
+        if diff and diff[0] == "task_questions":
+            raise ConfigError(f"config key 'rft.task': {settings['task']} changed since the shards in {path.parent} "
+                              f"were sampled ({describe(old[diff[0]], settings[diff[0]])}): a JSONL question's id is "
+                              f"its line, so its questions would be taken for others; put the file back, or use "
+                              f"another rft.output_dir")
         if diff:
             key = "model.name_or_path (or --model)" if diff[0] == "model" else f"rft.{diff[0]}"
             raise ConfigError(f"config key '{key}': {path.parent.parent} was started with "

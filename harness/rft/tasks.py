@@ -12,6 +12,7 @@ after its last "The answer is" equals the reference within the tolerance. Two ta
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -22,6 +23,7 @@ from typing import Optional
 
 from harness.data.readers import text_lines
 from harness.errors import ConfigError, DataError
+from harness.files import fingerprint
 
 ANSWER_RE = re.compile(r"answer is\s*:?\s*(-?\d[\d,]*(?:\.\d+)?)", re.IGNORECASE)
 
@@ -197,6 +199,38 @@ def read_questions(path: str, prefix: str) -> list[Question]:
     if len({q.qid for q in out}) != len(out):
         raise DataError(f"{path}: question ids are not unique")
     return out
+
+
+def task_fingerprint(rft) -> list:
+    """The train questions' source as a training file's entry `[label, fingerprint]` (harness/files.py; compared as
+    checkpoint/datafiles.py compares them): a JSONL task's file (a question's id is its line: an edit anywhere shifts
+    them), or the arithmetic task's settings, which make its questions. `rft`: cfg.rft."""
+    if rft.task == "arithmetic":
+        made = (f"rft.num_train_questions={rft.num_train_questions}, rft.num_test_questions={rft.num_test_questions}, "
+                f"rft.num_sft_questions={rft.num_sft_questions}, rft.max_operand={rft.max_operand}, "
+                f"rft.task_seed={rft.task_seed}")
+        return ["arithmetic", {"size": 0, "ends": hashlib.blake2b(made.encode(), digest_size=16).hexdigest(),
+                               "settings": made}]
+    if not Path(rft.task).is_file():
+        raise DataError(f"{rft.task}: no such file")
+    return [rft.task, fingerprint(rft.task)]
+
+
+def check_context(lengths: dict, max_new_tokens: int, context: Optional[int]) -> None:
+    """Before any sampling: every prompt (`lengths`: {qid: prompt tokens}) and rft.max_new_tokens answer tokens fit
+    the model's context (`context`: its max_position_embeddings; None: unknown, not checked). Past it the positions
+    have no trained embedding (or none at all): the answers would be sampled, scored and trained on silently."""
+    if not context:
+        return
+    if max_new_tokens >= context:
+        raise ConfigError(f"config key 'rft.max_new_tokens': {max_new_tokens} answer tokens do not fit the model's "
+                          f"context of {context} positions (max_position_embeddings) after a prompt; lower it")
+    qid, longest = max(lengths.items(), key=lambda kv: kv[1], default=(None, 0))
+    if longest + max_new_tokens > context:
+        raise ConfigError(f"config key 'rft.max_new_tokens': question {qid}'s prompt has {longest} tokens, and with "
+                          f"{max_new_tokens} answer tokens it exceeds the model's context of {context} positions "
+                          f"(max_position_embeddings); lower rft.max_new_tokens to {context - longest} or less, or "
+                          f"shorten the question")
 
 
 def build_task(rft) -> Task:

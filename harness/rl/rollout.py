@@ -24,9 +24,10 @@ from typing import Callable
 
 import torch
 
+from harness.distributed.collectives import agreed
 from harness.errors import ConfigError, HarnessError, one_line
 from harness.rft.engine import ContinuousEngine, servable
-from harness.rft.tasks import Question, Task, build_task
+from harness.rft.tasks import Question, Task, build_task, check_context
 from harness.rl import loss as rl_loss
 from harness.rl.batch import completion_logps, completion_mask, rows
 from harness.state import StepSums
@@ -136,6 +137,22 @@ def share(state: dict, world: int, rank: int, accum: int, questions: int) -> tup
     return [it for k in range(accum) for it in ordered[(k * world + rank) * n:(k * world + rank + 1) * n]], ""
 
 
+def unfit(state: dict, rl) -> str:
+    """Why a saved generation batch cannot continue under this config's `rl` (cfg.rl) settings ("" when it can): its
+    answers a question are not rl.num_generations, or it lacks the log-probs rl.beta > 0 (reference) or
+    rl.iterations > 1 (old) needs (settings changed on resume: checkpoint/settings.py records them)."""
+    items = [it for part in state["items"] for it in part]
+    if not items:
+        return ""
+    if len(items[0]["answers"]) != rl.num_generations:
+        return f"rl.num_generations changed since: it has {len(items[0]['answers'])} answers a question"
+    if rl.beta and "ref_logps" not in items[0]:
+        return "rl.beta changed since: it has no reference log-probs"
+    if rl.iterations > 1 and "old_logps" not in items[0]:
+        return "rl.iterations changed since: it has no old log-probs"
+    return ""
+
+
 class Rollouts:
     """The generation batches of a run (see the module docstring): `step_batches(questions, step)` gives the step's
     grad_accum training micro-batches; `evaluate()` the greedy accuracy on the task's test split."""
@@ -147,11 +164,19 @@ class Rollouts:
         self.accelerator, self.model, self.tok, self.task = accelerator, model, tokenizer, task
         self.chunk_size, self.zero_stage, self.say = chunk_size, zero_stage, say
         self.questions = task.split("train")
-        self.reward = load_reward(rl.reward, task)
+        # the test split read now, not after the last step: a bad rft.test_file is one line before any training
+        self.test = None if getattr(task, "files", {}).get("test", "") is None else task.split("test")
+        if self.test is None:
+            say("[harness] rl: the JSONL task has no rft.test_file: no eval_accuracy in this run")
+        self.reward = agreed(accelerator, lambda: load_reward(rl.reward, task))  # (failing on any process: one line)
         unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
         why = servable(unwrapped)
         if why is not None:
             raise HarnessError(f"loss.mode=rl generates with the continuous engine, which cannot serve {why}")
+        config = unwrapped.config  # every prompt and its answer within the context, checked before step 1
+        check_context({q.qid: len(tokenizer(self.prompt_text(q), add_special_tokens=False)["input_ids"])
+                       for q in [*self.questions, *(self.test or [])]}, self.r.max_new_tokens,
+                      getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None))
         self.engine = ContinuousEngine(unwrapped, tokenizer, self.r.max_new_tokens, self.r.micro_batch_sequences,
                                        self.r.kv_cache_gb, tuple(self.r.stop_strings), say)
         self.reference = None
@@ -205,8 +230,10 @@ class Rollouts:
                                                   seed=(self.r.seed * 1_000_003 + step) * 100_003 + i)[0])
                 sampled.append(self.engine.last_ids[0])  # the tokens drawn (EOS kept): what the loss scores
             model.train(was)
-        rewards = torch.tensor([[score(self.reward, self.rl.reward, q, t) for t in answers]
-                                for q, answers in zip(flat, texts)], dtype=torch.float32, device=dev).view(-1)
+        # (a reward that fails on any process: its line raised on every process, printed once by the main one)
+        rewards = torch.tensor(agreed(accelerator, lambda: [[score(self.reward, self.rl.reward, q, t) for t in answers]
+                                                           for q, answers in zip(flat, texts)]),
+                               dtype=torch.float32, device=dev).view(-1)
         adv, _ = rl_loss.advantages(rewards, G, self.rl.scale_rewards)
         if self.rl.scale_rewards == "batch":  # the whole step's std, as TRL's (its batch is every process's)
             every = accelerator.gather(rewards)
@@ -268,7 +295,8 @@ class Rollouts:
         another process count and accumulation), in grad_accum micro-batches again."""
         world, accum = self.accelerator.num_processes, self.accum
         mine, self.dropped = share(state, world, self.accelerator.process_index, accum, self.rl.questions_per_step)
-        if not mine:
+        self.dropped = self.dropped or unfit(state, self.rl)
+        if not mine or self.dropped:
             return
         per = len(mine) // accum
         self.items = mine
@@ -293,8 +321,9 @@ class Rollouts:
         """eval_accuracy and eval_answer_rate: greedy answers to the task's test split, every world-th question on
         each process, counted over all."""
         accelerator = self.accelerator
-        test = self.task.split("test")
-        mine = test[accelerator.process_index::accelerator.num_processes]
+        if self.test is None:
+            return {}
+        mine = self.test[accelerator.process_index::accelerator.num_processes]
         with gathered_for_generation(accelerator, self.model, self.zero_stage) as model:
             was = model.training
             model.eval()
