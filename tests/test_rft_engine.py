@@ -327,3 +327,52 @@ def test_transformers_engine_cuts_at_the_token_that_completes_a_stop_string(setu
     got = cut_at_stop(ids, tok, ("is 12",))
     assert "is 12" in tok.decode(got) and "is 12" not in tok.decode(got[:-1]) and len(got) < len(ids)
     assert cut_at_stop(ids, tok, ("absent",)) == ids and cut_at_stop(ids, tok, ()) == ids
+
+
+GQA = {**TINY, "num_attention_heads": 4, "num_key_value_heads": 1}  # 4 query heads on 1 key/value head
+
+
+def test_the_compiled_step_of_a_grouped_query_model_reads_the_cache_without_repeating_its_heads(setup, monkeypatch):
+    """Issue 52 (1): under torch.compile transformers' SDPA integration repeats the cache's key/value heads
+    (repeat_kv: a copy of every layer's cache each step) over the cache's whole width. The step's graph now holds
+    no tensor of the query heads over the cache's columns, attends over the filled width bucket only, and gives
+    model.generate's greedy text."""
+    import torch._dynamo
+    from accelerate.utils import set_seed
+
+    from harness.model import build_model
+    from harness.rft import decode
+
+    _, tok, prompts, _ = setup
+    set_seed(1)
+    model = build_model(ModelConfig(config=dict(GQA)), tok).eval()
+    static = gen.Sampler(model, tok, max_new_tokens=NEW, micro=64).sample(prompts[:6], 1, greedy=True)
+
+    def graph_shapes():
+        shapes = []
+
+        def record(gm, example_inputs):  # a backend that keeps the shapes of every value in the graph
+            for node in gm.graph.nodes:
+                v = node.meta.get("example_value")
+                if isinstance(v, torch.Tensor):
+                    shapes.append(tuple(d if isinstance(d, int) else -1 for d in v.shape))
+            return gm.forward
+
+        torch._dynamo.reset()
+        e = ContinuousEngine(model, tok, NEW, max_slots=4, compile=True, kv_cache_gb=None)
+        e.step.fn = torch.compile(e.step._run, backend=record, fullgraph=True)
+        e._slot_cache(256)  # a wide cache (as a call with long prompts leaves it), of which ~50 columns are used
+        out = e.generate(prompts[:6], 1, greedy=True)
+        return out, shapes, e.cache.width
+
+    out, shapes, width = graph_shapes()
+    assert out == static
+    head_dim = GQA["hidden_size"] // 4
+    repeated = [s for s in shapes if len(s) >= 4 and 4 in s[1:3] and any(d >= 64 for d in s[2:]) and s[-1] == head_dim]
+    assert shapes and not repeated, repeated[:3]
+    attended = {s[-1] for s in shapes if len(s) == 4 and s[1:3] == (1, 1)}  # the masks [rows, 1, 1, columns]
+    assert width == 256 and 64 in attended and not {128, 256} & attended  # the bucket of 64 columns
+    # the same inspection finds the copy when transformers' own SDPA runs the step (what the check guards against)
+    monkeypatch.setattr(decode._Attention, "__enter__", lambda self: None)
+    out, shapes, _ = graph_shapes()
+    assert out == static and [s for s in shapes if len(s) >= 4 and 4 in s[1:3] and 64 in s[2:]]

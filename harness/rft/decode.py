@@ -95,6 +95,63 @@ def pick(logits: torch.Tensor, uniform: Optional[torch.Tensor], temperature: tor
     return got.clamp(max=logits.shape[-1] - 1)
 
 
+GROUPED = "harness_grouped_sdpa"  # the attention a decode step of an sdpa model runs (registered by `Step`)
+
+
+def grouped_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Attention of one query token per row over the slot cache for grouped-query models, without repeating the
+    cache's key/value heads: the query heads [rows, heads, 1, dim] are grouped as [rows, kv_heads, group, dim]
+    (heads h of kv head h // group, transformers' order) and SDPA runs on the cache's own [rows, kv_heads, width,
+    dim] (transformers' SDPA integration falls back to repeat_kv under torch.compile: a copy of every layer's cache
+    each step). Anything else (a prefill, one head a group, a softcap or a position bias) is transformers' SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or groups == 1 or kwargs.get("softcap") is not None or \
+            kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    rows, heads, _, dim = query.shape
+    q = query.reshape(rows, heads // groups, groups, dim)  # the mask [rows, 1, 1, width] broadcasts over both
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(rows, 1, heads, value.shape[-1]), None  # [rows, 1 token, heads, dim], as transformers'
+
+
+def _register_grouped() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GROUPED, grouped_attention)
+    AttentionMaskInterface.register(GROUPED, sdpa_mask)
+
+
+class _Attention:
+    """Within: the model's sdpa attention is `grouped_attention` (its config's implementation swapped, then
+    restored: the prefill and training keep transformers' own)."""
+
+    def __init__(self, model) -> None:
+        self.configs = [c for c in {id(c): c for c in (model.config, model.config.get_text_config())}.values()
+                        if c._attn_implementation == "sdpa"]
+
+    def __enter__(self):
+        for c in self.configs:
+            c._attn_implementation = GROUPED
+
+    def __exit__(self, *exc):
+        for c in self.configs:
+            c._attn_implementation = "sdpa"
+
+
+def width_buckets(width: int) -> list[int]:
+    """Columns a compiled step attends over: 64, 128, 256, ... (doubling) below `width`, then `width`; the step
+    runs the smallest that holds every running row's position (one graph per bucket)."""
+    sizes, w = [], 64
+    while w < width:
+        sizes.append(w)
+        w *= 2
+    return sizes + [width]
+
+
 class SlotCache:
     """Keys and values of every slot row (see the module docstring); `cur` and `pos` hold each row's next input token
     and its position, on the device. What a transformers attention layer calls: update(), get_seq_length()."""
@@ -107,7 +164,7 @@ class SlotCache:
         self.pos = torch.zeros(slots, dtype=torch.long, device=device)
         self.seed = torch.zeros(slots, dtype=torch.long, device=device)  # each row's sample's seed (`uniform`)
         self.slots, self.width = slots, width
-        self.attend = width  # columns a step attends over (eager: the used ones rounded up; compiled: all)
+        self.attend = width  # columns a step attends over (eager: the used ones rounded up; compiled: a bucket)
         self.at: Optional[torch.Tensor] = None  # the positions the running step writes (set by the step)
         self.static = False  # marked as a static address for CUDA graphs
 
@@ -157,6 +214,7 @@ class Step:
         self.model, self.cache_arg, self.keep, self.compiled, self.say = model, cache_arg, keep, compiled, say
         self.fn = self._run
         self.cuda = next(model.parameters()).device.type == "cuda"
+        _register_grouped()
         if compiled:
             import torch._dynamo
 
@@ -168,6 +226,10 @@ class Step:
         """`sample`: draw (each row's uniform number from its seed and the position of the token drawn), else
         argmax."""
         ids, positions, seeds = cache.cur[:n], cache.pos[:n], cache.seed[:n] if sample else None
+        with _Attention(self.model):
+            return self._call(cache, n, ids, positions, seeds, temperature, top_p)
+
+    def _call(self, cache: SlotCache, n: int, ids, positions, seeds, temperature, top_p) -> torch.Tensor:
         if self.compiled:
             try:
                 return self._compiled(cache, n, ids, positions, seeds, temperature, top_p)

@@ -32,7 +32,8 @@ import torch
 
 from harness.distributed.sequence import attention_heads
 from harness.errors import HarnessError
-from harness.rft.decode import PromptCache, SlotCache, Step, bucket_for, buckets, on, pick, sample_seed, uniform
+from harness.rft.decode import (PromptCache, SlotCache, Step, bucket_for, buckets, on, pick, sample_seed, uniform,
+                                width_buckets)
 
 
 def servable(model) -> Optional[str]:
@@ -253,11 +254,12 @@ class ContinuousEngine:
                     self._admit(cache, rows, waiting, ids, prompt_kv, n, pending, greedy, seed, temp, nucleus)
                     read(self.lag)
                 if rows:
-                    # compiled: a bucket of rows over all columns (fixed shapes); eager: the rows and columns in
-                    # use (32 at a time), which the same step computes with less padding
+                    # compiled: a bucket of rows over a bucket of columns (fixed shapes, a graph per pair);
+                    # eager: the rows and columns in use (32 at a time), the same step with less padding
                     b = bucket_for(len(rows), sizes) if self.compiled else len(rows)
-                    if not self.compiled:
-                        cache.attend = min(cache.width, -(-(max(s.pos for s in rows) + 1) // 32) * 32)
+                    used = max(s.pos for s in rows) + 1
+                    cache.attend = bucket_for(used, width_buckets(cache.width)) if self.compiled else \
+                        min(cache.width, -(-used // 32) * 32)
                     m = time.perf_counter()
                     picked = self.step(cache, b, not greedy, temp, nucleus)
                     cache.cur[:b] = picked
