@@ -376,3 +376,23 @@ def test_the_compiled_step_of_a_grouped_query_model_reads_the_cache_without_repe
     monkeypatch.setattr(decode._Attention, "__enter__", lambda self: None)
     out, shapes, _ = graph_shapes()
     assert out == static and [s for s in shapes if len(s) >= 4 and 4 in s[1:3] and 64 in s[2:]]
+
+
+def test_every_eos_id_of_the_generation_config_ends_an_answer(setup):
+    """Issue 52 (2): only the tokenizer's EOS stopped a sequence; generation_config.eos_token_id lists (Llama-3's
+    <|eot_id|>, Qwen's <|im_end|>) were ignored, so answers ran on to max_new_tokens."""
+    import copy
+
+    model, tok, prompts, static = setup
+    e = ContinuousEngine(model, tok, NEW, max_slots=4)
+    e.generate(prompts, 1, greedy=True)
+    long = [ids[0] for ids in e.last_ids if len(ids[0]) >= 12]
+    second = long[0][5]  # a token that a greedy answer draws in its middle
+    other = copy.deepcopy(model)
+    other.generation_config.eos_token_id = [tok.eos_token_id, second]
+    e = ContinuousEngine(other, tok, NEW, max_slots=4)
+    out = e.generate(prompts, 1, greedy=True)
+    assert out == gen.Sampler(other, tok, max_new_tokens=NEW, micro=64).sample(prompts, 1, greedy=True)
+    ended = [ids[0] for ids in e.last_ids if second in ids[0]]
+    assert ended and all(ids.index(second) == len(ids) - 1 for ids in ended)  # each stopped at the second id
+    assert len(ended[0]) < len(long[0]) and tok.eos_token_id in e.last_ids[0][0] + [tok.eos_token_id]

@@ -80,6 +80,14 @@ class Stats:
 
 
 
+def eos_ids(model, tokenizer) -> list[int]:
+    """The ids that end an answer: the tokenizer's EOS and every id of the model's generation_config.eos_token_id
+    (an int or a list: Llama-3's <|eot_id|>, Qwen's <|im_end|> and <|endoftext|>)."""
+    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    listed = listed if isinstance(listed, (list, tuple)) else [listed]
+    return list(dict.fromkeys(int(t) for t in [tokenizer.eos_token_id, *listed] if t is not None))
+
+
 def compile_default(setting: Optional[bool], model) -> bool:
     """rft.compile: null compiles the decode step on CUDA (CUDA graphs) and not on CPU (docs/rft.md)."""
     return next(model.parameters()).device.type == "cuda" if setting is None else bool(setting)
@@ -202,7 +210,7 @@ class ContinuousEngine:
         tok, dev, st = self.tok, self.device, self.stats
         temp = torch.tensor(float(temperature), device=dev)
         nucleus = torch.tensor(float(top_p), device=dev) if top_p < 1.0 and not greedy else None
-        eos = tok.eos_token_id  # as the static path, which passes the tokenizer's to generate()
+        eos = set(eos_ids(self.model, tok))  # as the static path, which passes the same list to generate()
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         cache = self._slot_cache(max(map(len, ids), default=0) + self.max_new_tokens)
         sizes = self._sizes(cache)
@@ -222,7 +230,7 @@ class ContinuousEngine:
             st.tokens += len(s.tokens)
             st.lengths.append(len(s.tokens))
             st.used_slot_steps += len(s.tokens) - 1  # the first token comes from the prefill
-            results[s.i][s.j] = tok.decode([t for t in s.tokens if t != eos], skip_special_tokens=True).strip()
+            results[s.i][s.j] = tok.decode([t for t in s.tokens if t not in eos], skip_special_tokens=True).strip()
             self.last_ids[s.i][s.j] = list(s.tokens)
             left[s.i] -= 1
             if left[s.i] == 0 and on_done is not None:
@@ -242,7 +250,7 @@ class ContinuousEngine:
                     if s is None or s.done:
                         continue
                     s.tokens.append(t)
-                    if t == eos or len(s.tokens) >= self.max_new_tokens or self._stopped(s.tokens):
+                    if t in eos or len(s.tokens) >= self.max_new_tokens or self._stopped(s.tokens):
                         finish(s)
                         ended.append(s)
             if ended:

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from harness.errors import ConfigError, HarnessError
-from harness.rft.engine import ContinuousEngine, Stats, compile_default, servable
+from harness.rft.engine import ContinuousEngine, Stats, compile_default, eos_ids, servable
 from harness.rft.tasks import Question, Task
 
 
@@ -112,10 +112,12 @@ class Sampler:
         kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         if self.stop_strings:
             kw.update(stop_strings=self.stop_strings, tokenizer=tok)
+        eos = eos_ids(self.model, tok)
         gen = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=self.max_new_tokens,
-                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **kw)
+                                  pad_token_id=tok.pad_token_id, eos_token_id=eos, **kw)
         self._count(gen[:, width:])
-        return [t.strip() for t in tok.batch_decode(gen[:, width:], skip_special_tokens=True)]
+        new = gen[:, width:].masked_fill(torch.isin(gen[:, width:], torch.tensor(eos, device=dev)), tok.pad_token_id)
+        return [t.strip() for t in tok.batch_decode(new, skip_special_tokens=True)]  # without the ending ids
 
     def _count(self, new: torch.Tensor) -> None:
         """New tokens per row (EOS included; the padding after a finished row not) and the slot-steps of the call."""
