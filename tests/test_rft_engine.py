@@ -396,3 +396,35 @@ def test_every_eos_id_of_the_generation_config_ends_an_answer(setup):
     ended = [ids[0] for ids in e.last_ids if second in ids[0]]
     assert ended and all(ids.index(second) == len(ids) - 1 for ids in ended)  # each stopped at the second id
     assert len(ended[0]) < len(long[0]) and tok.eos_token_id in e.last_ids[0][0] + [tok.eos_token_id]
+
+
+def test_stop_strings_decode_only_the_tokens_that_can_end_one(setup):
+    """Issue 52 (3): stop strings decoded every sequence's tail every step. Now a token is decoded with its tail
+    only if its text can end a stop string; the first token at which the text holds a stop string is found all
+    the same (texts with the stop strings, random token sequences)."""
+    from harness.rft.decode import StopStrings
+
+    _, tok, _, _ = setup
+    stops = ("is 12", "Question:")
+    g = torch.Generator().manual_seed(0)
+    seqs = [tok(t, add_special_tokens=False)["input_ids"] for t in (
+        "The answer is 12. Question: next", "this is 123 and", "No Question here", "Question:", "é is 12 ü")]
+    seqs += [torch.randint(0, len(tok), (40,), generator=g).tolist() for _ in range(20)]
+    seqs += [x + tok("is 12", add_special_tokens=False)["input_ids"] for x in seqs[5:10]]
+
+    def first(check, ids):
+        return next((k for k in range(len(ids)) if check(ids[:k + 1])), None)
+
+    m = StopStrings(tok, stops)
+    decoded = []
+    decode = tok.decode
+    whole = lambda ids: any(s in decode(ids, skip_special_tokens=True) for s in stops)  # noqa: E731
+    want = [first(whole, ids) for ids in seqs]
+    tok.decode = lambda *a, **k: decoded.append(1) or decode(*a, **k)
+    try:
+        got = [first(m, ids) for ids in seqs]
+    finally:
+        del tok.decode
+    assert got == want and sum(x is not None for x in want) >= 8
+    assert len(decoded) < 0.3 * sum(len(ids) if k is None else k + 1 for ids, k in zip(seqs, want))
+    assert StopStrings(tok, ("Answer: ",)).enders() is None  # ends in a space: every token decoded

@@ -271,3 +271,39 @@ def graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+class StopStrings:
+    """`stopped(tokens)`: whether a sequence's newest token completes one of `stop_strings` (the text keeps it). Only
+    a token that can end one (`enders`: its text holds a stop string's last character, or is not whole text on its
+    own) has the tail decoded: a few new tokens' text, not every sequence's every step."""
+
+    def __init__(self, tokenizer, stop_strings: tuple) -> None:
+        self.tok, self.strings = tokenizer, tuple(stop_strings)
+        self.longest = max(map(len, self.strings), default=0)
+        self._enders: Optional[frozenset] = None
+        self.decoded = False
+
+    def __call__(self, tokens: list[int]) -> bool:
+        if not self.strings:
+            return False
+        enders = self.enders()
+        if enders is not None and tokens[-1] not in enders:
+            return False
+        tail = self.tok.decode(tokens[-(self.longest + 2):], skip_special_tokens=True)
+        return any(s in tail for s in self.strings)
+
+    def enders(self) -> Optional[frozenset]:
+        """The token ids whose arrival can complete a stop string (decoded once): those whose text holds the last
+        character of a stop string, and those whose text alone is not what they add to a sequence (a partial UTF-8
+        character, empty text). None (decode at every token) when a stop string ends in whitespace, which a
+        tokenizer may add with the next token (SentencePiece's leading space)."""
+        if not self.decoded:
+            self.decoded = True
+            lasts = {x[-1] for x in self.strings}
+            if not any(c.isspace() for c in lasts):
+                texts = self.tok.batch_decode([[i] for i in range(len(self.tok))], skip_special_tokens=True)
+                self._enders = frozenset(i for i, t in enumerate(texts)
+                                         if not t or "\ufffd" in t or any(c in t for c in lasts))
+        return self._enders
+

@@ -32,8 +32,8 @@ import torch
 
 from harness.distributed.sequence import attention_heads
 from harness.errors import HarnessError
-from harness.rft.decode import (PromptCache, SlotCache, Step, bucket_for, buckets, on, pick, sample_seed, uniform,
-                                width_buckets)
+from harness.rft.decode import (PromptCache, SlotCache, Step, StopStrings, bucket_for, buckets, on, pick, sample_seed,
+                                uniform, width_buckets)
 
 
 def servable(model) -> Optional[str]:
@@ -113,6 +113,7 @@ class ContinuousEngine:
                  stop_strings: tuple = (), say: Callable = print, compile: bool = False) -> None:
         self.model, self.tok, self.max_new_tokens, self.say = model, tokenizer, max_new_tokens, say
         self.max_slots, self.kv_cache_gb, self.stop_strings = max_slots, kv_cache_gb, tuple(stop_strings)
+        self.stopped = StopStrings(tokenizer, self.stop_strings)
         self.stats = Stats()
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
@@ -250,7 +251,7 @@ class ContinuousEngine:
                     if s is None or s.done:
                         continue
                     s.tokens.append(t)
-                    if t in eos or len(s.tokens) >= self.max_new_tokens or self._stopped(s.tokens):
+                    if t in eos or len(s.tokens) >= self.max_new_tokens or self.stopped(s.tokens):
                         finish(s)
                         ended.append(s)
             if ended:
@@ -378,10 +379,3 @@ class ContinuousEngine:
         self.max_slots = slots
         self.say(f"[rft] out of memory: {slots} sequences in flight at most; the sequences in flight start again")
         return self._slot_cache(width)
-
-    def _stopped(self, tokens: list[int]) -> bool:
-        if not self.stop_strings:
-            return False
-        longest = max(map(len, self.stop_strings))
-        tail = self.tok.decode(tokens[-(longest + 2):], skip_special_tokens=True)
-        return any(s in tail for s in self.stop_strings)
