@@ -428,3 +428,20 @@ def test_stop_strings_decode_only_the_tokens_that_can_end_one(setup):
     assert got == want and sum(x is not None for x in want) >= 8
     assert len(decoded) < 0.3 * sum(len(ids) if k is None else k + 1 for ids, k in zip(seqs, want))
     assert StopStrings(tok, ("Answer: ",)).enders() is None  # ends in a space: every token decoded
+
+
+def test_the_inverse_cdf_never_draws_a_masked_token_and_keeps_the_tiny_ones():
+    """Issue 52 (7): a draw whose u x total rounded to total returned the last token, masked by top-p or not; an
+    fp32 cumulative sum over a 128k vocabulary dropped every token under ~6e-8 near its end."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, -5.0, -6.0]])  # top-p 0.9 masks the last two
+    top = torch.tensor(0.9)
+    for u in (1.0, 1 - 2**-48, 0.0):
+        got = pick(logits, torch.tensor([[u]], dtype=torch.float64), torch.tensor(1.0), top)
+        assert int(got) in (0, 1, 2), (u, got)
+    assert int(pick(logits, torch.tensor([[1.0]], dtype=torch.float64), torch.tensor(1.0), None)) == 4
+    vocab = 128_000
+    big = torch.zeros(1, vocab)
+    big[0, -1] = -20.0  # the last token: probability e^-20 / 128k, about 1.6e-14 (fp32 cdf: no interval at all)
+    p_last = big.softmax(-1)[0, -1].double()
+    u = torch.tensor([[1 - float(p_last) / 2]], dtype=torch.float64)  # inside the last token's interval
+    assert int(pick(big, u, torch.tensor(1.0), None)) == vocab - 1

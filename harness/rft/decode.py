@@ -90,9 +90,13 @@ def pick(logits: torch.Tensor, uniform: Optional[torch.Tensor], temperature: tor
         drop = ordered.softmax(-1).cumsum(-1) <= 1 - top_p
         drop[..., -1:] = False
         logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    cdf = logits.softmax(-1).to(torch.float64).cumsum(-1)
+    probs = logits.softmax(-1)
+    cdf = probs.to(torch.float64).cumsum(-1)
     got = torch.searchsorted(cdf, uniform.to(torch.float64) * cdf[:, -1:], right=True)[:, 0]
-    return got.clamp(max=logits.shape[-1] - 1)
+    # u x total rounded up to total finds no token (or, clamped, the last, which top-p may have masked): the last
+    # token of positive probability instead
+    last = torch.where(probs > 0, torch.arange(probs.shape[-1], device=probs.device), 0).amax(-1)
+    return torch.minimum(got, last)
 
 
 GROUPED = "harness_grouped_sdpa"  # the attention a decode step of an sdpa model runs (registered by `Step`)
