@@ -445,3 +445,21 @@ def test_the_inverse_cdf_never_draws_a_masked_token_and_keeps_the_tiny_ones():
     p_last = big.softmax(-1)[0, -1].double()
     u = torch.tensor([[1 - float(p_last) / 2]], dtype=torch.float64)  # inside the last token's interval
     assert int(pick(big, u, torch.tensor(1.0), None)) == vocab - 1
+
+
+def test_the_cache_is_planned_once_and_reused_by_later_calls(setup, monkeypatch):
+    """Issue 52 (5): each generate() planned the cache again from the free memory of the moment, which the kept cache
+    (and training beside it) lowers: 209 -> 21 -> 2 slots in three calls, reallocated, graphs compiled again. Here
+    the plan falls call after call (what torch.cuda.mem_get_info gives then); the first plan's cache serves all."""
+    model, tok, prompts, static = setup
+    made = []
+    init = SlotCache.__init__
+    monkeypatch.setattr(SlotCache, "__init__", lambda self, *a: made.append(a[1]) or init(self, *a))
+    e = ContinuousEngine(model, tok, NEW, max_slots=8, compile=True)
+    plans = iter([5, 3, 2, 1])
+    e.plan_slots = lambda width: next(plans)  # the free memory falls at each reading
+    assert e.generate(prompts[:6], 1, greedy=True) == static[:6]
+    warm = graphs()
+    for _ in range(2):
+        assert e.generate(prompts[:6], 1, greedy=True) == static[:6]
+    assert made == [5] and e.cache.slots == 5 and graphs() == warm  # one cache, no recompilation

@@ -167,15 +167,17 @@ class ContinuousEngine:
         return slots
 
     def _slot_cache(self, width: int) -> SlotCache:
-        """The cache for sequences of `width` tokens: the one kept from the last call when it fits, else a new one
-        (compiled: widths rounded up to 64 columns, so that calls with similar prompts share it)."""
+        """The cache for sequences of `width` tokens: the one kept from the last call when it is wide enough, else a
+        new one (compiled: widths rounded up to 64 columns, so that calls with similar prompts share it). Planned
+        once and kept: a later call does not plan again from the free memory of the moment (which the kept cache
+        and what runs beside it lower: it shrank call after call, reallocated and captured its graphs again)."""
         if self.compiled:
             width = -(-width // 64) * 64
         c = self.cache
-        if c is not None and c.width >= width and c.slots == min(self.max_slots, self.plan_slots(c.width)):
+        if c is not None and c.width >= width and c.slots <= self.max_slots:
             return c
+        slots = self.plan_slots(width)  # (on CUDA the kept cache's bytes count as free: it is replaced)
         self.cache = None
-        slots = self.plan_slots(width)
         self.cache = SlotCache(self.layers, slots, self.heads, width, self.head_dim, self.dtype, self.device)
         return self.cache
 
