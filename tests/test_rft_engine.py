@@ -463,3 +463,18 @@ def test_the_cache_is_planned_once_and_reused_by_later_calls(setup, monkeypatch)
     for _ in range(2):
         assert e.generate(prompts[:6], 1, greedy=True) == static[:6]
     assert made == [5] and e.cache.slots == 5 and graphs() == warm  # one cache, no recompilation
+
+
+def test_no_queue_drain_when_the_tokens_are_read_one_step_behind(setup):
+    """Issue 52 (4): with slots refilled at mixed answer lengths the engine read step k-1's tokens right after an
+    admission, before step k was queued (88 of 242 steps drained the GPU queue). One step behind (lag 1, as on
+    CUDA), no step's tokens are read with no later step queued, admissions included; greedy text unchanged."""
+    model, tok, prompts, static = setup
+    e = ContinuousEngine(model, tok, NEW, max_slots=3)
+    e.lag = 1
+    assert e.generate(prompts, 1, greedy=True) == static
+    assert min(e.stats.lengths) < 10 and max(e.stats.lengths) == NEW and e.stats.steps > NEW  # rows refilled
+    assert e.stats.queue_drains == 0
+    e = ContinuousEngine(model, tok, NEW, max_slots=3)  # CPU: each step read at once, counted as drains
+    e.generate(prompts[:2], 1, greedy=True)
+    assert e.stats.queue_drains >= e.stats.steps and e.stats.host_ms_per_step() > 0

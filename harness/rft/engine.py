@@ -65,12 +65,15 @@ class Stats:
         self.seconds = 0.0
         self.lengths: list[int] = []  # new tokens of each sequence
         self.model_seconds = self.wait_seconds = 0.0  # in model calls (launches on CUDA), waiting for tokens
+        self.launches = False  # the model calls only launch work (CUDA): their time is the host's
+        self.queue_drains = 0  # tokens read with no later decode step queued while sequences were running
 
     def host_ms_per_step(self) -> Optional[float]:
-        """Host time per decode step outside the model calls and the waits for the device (the engine's own)."""
+        """Host time per decode step outside the waits for the device: the engine's own work and, on CUDA, the
+        model calls' launches (on CPU a model call computes: left out)."""
         if not self.steps or not self.model_seconds:
             return None
-        return 1000 * (self.seconds - self.model_seconds - self.wait_seconds) / self.steps
+        return 1000 * (self.seconds - self.wait_seconds - (0 if self.launches else self.model_seconds)) / self.steps
 
     def waste(self) -> float:
         return 1 - self.used_slot_steps / max(self.slot_steps, 1)
@@ -122,6 +125,7 @@ class ContinuousEngine:
         self.keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # the last position's logits only
         self.step = Step(model, self.cache_arg, self.keep, bool(compile), say)
         self.lag = 1 if self.device.type == "cuda" else 0  # steps queued before the picked tokens are read
+        self.stats.launches = self.device.type == "cuda"
         c = model.config.get_text_config()
         self.layers = c.num_hidden_layers
         _, self.heads, self.head_dim = attention_heads(c)  # the cache holds key/value heads
@@ -224,7 +228,7 @@ class ContinuousEngine:
         waiting.reverse()  # pop() takes the next in order
         prompt_kv: dict = {}  # prompt index -> (prefill, index in it) while some of its samples wait
         rows: list[_Seq] = []  # the sequences in flight, rows 0..len-1
-        pending: list = []  # (picked tokens, the sequences of their rows, event) not yet read
+        pending: list = []  # (picked tokens, the sequences of their rows, event, a decode step's) not yet read
         t0 = time.perf_counter()
 
         def finish(s: _Seq) -> None:
@@ -243,7 +247,9 @@ class ContinuousEngine:
             """Read the picked tokens of all but the last `upto` entries; finished sequences leave their rows."""
             ended = []
             while len(pending) > upto:
-                picked, seqs, event = pending.pop(0)
+                picked, seqs, event, _ = pending.pop(0)
+                if (waiting or rows) and not any(p[3] for p in pending):
+                    st.queue_drains += 1  # the device runs dry while the host reads: nothing queued behind
                 w = time.perf_counter()
                 if event is not None:
                     event.synchronize()
@@ -262,8 +268,8 @@ class ContinuousEngine:
         while waiting or rows or pending:
             try:
                 if waiting and len(rows) < cache.slots:
+                    # (not read here: step k+1 is queued first, behind the prefill, then step k is read)
                     self._admit(cache, rows, waiting, ids, prompt_kv, n, pending, greedy, seed, temp, nucleus)
-                    read(self.lag)
                 if rows:
                     # compiled: a bucket of rows over a bucket of columns (fixed shapes, a graph per pair);
                     # eager: the rows and columns in use (32 at a time), the same step with less padding
@@ -280,7 +286,7 @@ class ContinuousEngine:
                     st.steps += 1
                     for s in rows:
                         s.pos += 1
-                    pending.append(self._readable(picked, rows + [None] * (b - len(rows))))
+                    pending.append(self._readable(picked, rows + [None] * (b - len(rows)), step=True))
                 read(self.lag if rows else 0)  # on CUDA one step behind: the next step is queued before
             except torch.cuda.OutOfMemoryError:
                 cache = self._shrink(rows, waiting, pending, prompt_kv, ids)
@@ -294,15 +300,15 @@ class ContinuousEngine:
         sizes = buckets(cache.slots)
         return sizes[1:] if self.compiled and len(sizes) > 1 else sizes
 
-    def _readable(self, picked: torch.Tensor, seqs: list):
+    def _readable(self, picked: torch.Tensor, seqs: list, step: bool = False):
         """A pending entry: on CUDA the tokens copied to pinned host memory behind an event (no wait now)."""
         if self.device.type != "cuda":
-            return picked.clone(), seqs, None
+            return picked.clone(), seqs, None, step
         host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
         host.copy_(picked, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return host, seqs, event
+        return host, seqs, event, step
 
     def _admit(self, cache: SlotCache, rows: list, waiting: list, ids: list, prompt_kv: dict, n: int, pending: list,
                greedy: bool, seed, temp, nucleus) -> None:
