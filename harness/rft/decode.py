@@ -287,6 +287,7 @@ class StopStrings:
         self.longest = max(map(len, self.strings), default=0)
         self._enders: Optional[frozenset] = None
         self.decoded = False
+        self.enders()  # decoded now, with the engine, not within a generation's time
 
     def __call__(self, tokens: list[int]) -> bool:
         if not self.strings:
@@ -302,7 +303,7 @@ class StopStrings:
         character of a stop string, and those whose text alone is not what they add to a sequence (a partial UTF-8
         character, empty text). None (decode at every token) when a stop string ends in whitespace, which a
         tokenizer may add with the next token (SentencePiece's leading space)."""
-        if not self.decoded:
+        if not self.decoded and self.strings:
             self.decoded = True
             lasts = {x[-1] for x in self.strings}
             if not any(c.isspace() for c in lasts):
