@@ -8,7 +8,9 @@ writes land in free rows and nothing reads their tokens). The cache is one tenso
 head_dim] allocated once; every sequence starts at column 0 of its row and a step writes each row's column at its own
 position (the mask: columns <= position), so the same step, of the same shapes, runs again and again: with
 rft.compile it is compiled once (torch.compile, fullgraph; the batch dimension dynamic from the first step) and on
-CUDA captured as CUDA graphs, one per bucket (mode="reduce-overhead"). Picking the next token is part of the step:
+CUDA captured as CUDA graphs, one per bucket (mode="reduce-overhead"); compiled, a step attends over a width bucket
+(64, 128, 256, ... columns: `width_buckets`), and a grouped-query model's attention reads the cache's key/value heads
+as stored (`grouped_attention`, no repeat_kv). Picking the next token is part of the step:
 greedy (argmax) or sampled on the device, transformers' temperature and top-p warpers written as tensor operations
 followed by a draw by the inverse CDF (one uniform number a row, a hash of the row's sample seed and the position of
 the token drawn: `uniform`, so that a sample draws the same tokens whatever shares its batch).

@@ -9,8 +9,9 @@ prefilled together (one batched pass, each prompt once for all its samples); the
 first token and their keys and values are copied into the samples' slot rows. The decode step has fixed shapes
 (harness/rft/decode.py: batch buckets, a slot cache of fixed width, the next token picked on the device), so it can be
 compiled and, on CUDA, captured as CUDA graphs (rft.compile). The host reads the picked tokens one step behind: step
-t+1 is queued before step t's tokens are read, finished sequences are found there (EOS, max_new_tokens, a stop string
-in the decoded tail) and their rows refilled; a finished sequence is decoded once more, for nothing. Attention gets
+t+1 is queued before step t's tokens are read (admissions included), finished sequences are found there (an EOS id of
+the tokenizer or of generation_config, max_new_tokens, a stop string: decode.StopStrings) and their rows refilled; a
+finished sequence is decoded once more, for nothing. The slot cache is planned once per engine and kept. Attention gets
 an explicit 4D mask and explicit positions, so any transformers decoder whose layers call `cache.update(k, v,
 layer_idx)` and attend over all the positions returned is served; others fall back (`servable`).
 
