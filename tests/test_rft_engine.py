@@ -122,20 +122,64 @@ def test_a_prompt_is_prefilled_once_for_its_samples_and_seeded_samples_repeat(se
     assert e.generate(prompts, 1, temperature=0.7, top_p=1e-6, seed=1) == static
 
 
+def test_a_sample_draws_the_same_tokens_alone_batched_or_at_another_slot_count(setup):
+    """Per-sample seeds: sample (i, j)'s draws are a function of seed(i, j) and its token positions only, so the
+    same sample drawn alone, among other prompts, or with other slots (and rows moved under it) gives the same
+    tokens; greedy ignores the seed."""
+    model, tok, prompts, static = setup
+    qid = {p: k for k, p in enumerate(prompts)}  # a prompt's own id, whatever its index in the call
+    picked = [prompts[4], prompts[1], prompts[7]]
+
+    def seeded(these):
+        return lambda i, j: 1000 * qid[these[i]] + j
+
+    def draw(these, slots):
+        e = ContinuousEngine(model, tok, NEW, max_slots=slots)
+        e.generate(these, 3, temperature=1.0, seed=seeded(these))
+        return {(qid[p], j): e.last_ids[i][j] for i, p in enumerate(these) for j in range(3)}
+
+    together = draw(prompts, 5)  # all 12 prompts x 3 samples through 5 slots: rows refilled and moved
+    assert len({tuple(t) for t in together.values()}) > 20  # samples differ from one another
+    for slots in (1, 4, 16):
+        got = draw(picked, slots)
+        assert got == {k: together[k] for k in got}
+    alone = draw([prompts[7]], 2)
+    assert alone == {k: together[k] for k in alone}
+    e = ContinuousEngine(model, tok, NEW, max_slots=3)
+    assert e.generate(prompts[:4], 1, temperature=1.0, seed=5) != e.generate(prompts[:4], 1, temperature=1.0, seed=6)
+    assert e.generate(prompts, 1, greedy=True, seed=3) == static
+
+
+def test_the_device_draws_are_uniform_and_a_pure_function_of_seed_and_position():
+    from harness.rft.decode import sample_seed, uniform
+
+    seeds = torch.tensor([sample_seed(7, i, 0) for i in range(20000)])
+    u = uniform(seeds, torch.full((20000,), 33))
+    assert u.dtype == torch.float64 and u.shape == (20000, 1) and (u >= 0).all() and (u < 1).all()
+    # deciles within 0.01 of 0.1 each (4.7 standard deviations of a frequency at p = 0.1 over 20,000 draws)
+    assert torch.allclose(torch.histc(u, 10, 0, 1) / 20000, torch.full((10,), 0.1, dtype=torch.float64), atol=0.01)
+    assert len(set((u[:, 0] * 2**48).long().tolist())) == 20000  # 48 bits: no two alike
+    assert torch.equal(uniform(seeds[5:6], torch.tensor([33])), u[5:6])  # the same row alone
+    assert not torch.equal(uniform(seeds[:4], torch.full((4,), 34)), u[:4])  # the next position draws anew
+    big = torch.tensor([2**32 - 1, 0])  # the extreme seeds and counters stay in 32-bit lanes (no int64 overflow)
+    assert ((uniform(big, torch.tensor([2**31 - 1, 2**32 - 1])) - 0.5).abs() < 0.5).all()
+    assert sample_seed(lambda i, j: 10 * i + j, 2, 3) == sample_seed(lambda i, j: 23, 0, 0) != sample_seed(7, 2, 3)
+
+
 def test_the_device_pick_applies_transformers_warpers_then_draws_from_them():
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=g) * 3
     ref = TopPLogitsWarper(0.8)(None, TemperatureLogitsWarper(0.7)(None, logits.clone())).softmax(-1)
-    u = torch.rand(6, 1, generator=g)
+    u = torch.rand(6, 1, generator=g, dtype=torch.float64)
     got = pick(logits, u, torch.tensor(0.7), torch.tensor(0.8))
-    cdf = ref.cumsum(-1)  # the draw: the first token whose cumulative probability under transformers' warpers passes u
+    cdf = ref.double().cumsum(-1)  # the draw: the first token whose cumulative probability under transformers' warpers passes u
     assert torch.equal(got, (cdf <= u * cdf[:, -1:]).sum(-1)) and (ref.gather(1, got[:, None]) > 0).all()
     # a draw from softmax: frequencies of 20,000 draws of one row within 0.02 of the probabilities
     # (4 standard deviations of a frequency at p = 0.5 over 20,000 draws: 4 * sqrt(0.25 / 20000) = 0.014)
     p = torch.tensor([[0.0, 1.0, 2.0, -30.0]]).log_softmax(-1)
-    draws = pick(p.expand(20000, -1), torch.rand(20000, 1, generator=g), torch.tensor(1.0), None)
+    draws = pick(p.expand(20000, -1), torch.rand(20000, 1, generator=g, dtype=torch.float64), torch.tensor(1.0), None)
     assert torch.allclose(torch.bincount(draws, minlength=4) / 20000, p.exp()[0], atol=0.02)
 
 
@@ -283,3 +327,154 @@ def test_transformers_engine_cuts_at_the_token_that_completes_a_stop_string(setu
     got = cut_at_stop(ids, tok, ("is 12",))
     assert "is 12" in tok.decode(got) and "is 12" not in tok.decode(got[:-1]) and len(got) < len(ids)
     assert cut_at_stop(ids, tok, ("absent",)) == ids and cut_at_stop(ids, tok, ()) == ids
+
+
+GQA = {**TINY, "num_attention_heads": 4, "num_key_value_heads": 1}  # 4 query heads on 1 key/value head
+
+
+def test_the_compiled_step_of_a_grouped_query_model_reads_the_cache_without_repeating_its_heads(setup, monkeypatch):
+    """Issue 52 (1): under torch.compile transformers' SDPA integration repeats the cache's key/value heads
+    (repeat_kv: a copy of every layer's cache each step) over the cache's whole width. The step's graph now holds
+    no tensor of the query heads over the cache's columns, attends over the filled width bucket only, and gives
+    model.generate's greedy text."""
+    import torch._dynamo
+    from accelerate.utils import set_seed
+
+    from harness.model import build_model
+    from harness.rft import decode
+
+    _, tok, prompts, _ = setup
+    set_seed(1)
+    model = build_model(ModelConfig(config=dict(GQA)), tok).eval()
+    static = gen.Sampler(model, tok, max_new_tokens=NEW, micro=64).sample(prompts[:6], 1, greedy=True)
+
+    def graph_shapes():
+        shapes = []
+
+        def record(gm, example_inputs):  # a backend that keeps the shapes of every value in the graph
+            for node in gm.graph.nodes:
+                v = node.meta.get("example_value")
+                if isinstance(v, torch.Tensor):
+                    shapes.append(tuple(d if isinstance(d, int) else -1 for d in v.shape))
+            return gm.forward
+
+        torch._dynamo.reset()
+        e = ContinuousEngine(model, tok, NEW, max_slots=4, compile=True, kv_cache_gb=None)
+        e.step.fn = torch.compile(e.step._run, backend=record, fullgraph=True)
+        e._slot_cache(256)  # a wide cache (as a call with long prompts leaves it), of which ~50 columns are used
+        out = e.generate(prompts[:6], 1, greedy=True)
+        return out, shapes, e.cache.width
+
+    out, shapes, width = graph_shapes()
+    assert out == static
+    head_dim = GQA["hidden_size"] // 4
+    repeated = [s for s in shapes if len(s) >= 4 and 4 in s[1:3] and any(d >= 64 for d in s[2:]) and s[-1] == head_dim]
+    assert shapes and not repeated, repeated[:3]
+    attended = {s[-1] for s in shapes if len(s) == 4 and s[1:3] == (1, 1)}  # the masks [rows, 1, 1, columns]
+    assert width == 256 and 64 in attended and not {128, 256} & attended  # the bucket of 64 columns
+    # the same inspection finds the copy when transformers' own SDPA runs the step (what the check guards against)
+    monkeypatch.setattr(decode._Attention, "__enter__", lambda self: None)
+    out, shapes, _ = graph_shapes()
+    assert out == static and [s for s in shapes if len(s) >= 4 and 4 in s[1:3] and 64 in s[2:]]
+
+
+def test_every_eos_id_of_the_generation_config_ends_an_answer(setup):
+    """Issue 52 (2): only the tokenizer's EOS stopped a sequence; generation_config.eos_token_id lists (Llama-3's
+    <|eot_id|>, Qwen's <|im_end|>) were ignored, so answers ran on to max_new_tokens."""
+    import copy
+
+    model, tok, prompts, static = setup
+    e = ContinuousEngine(model, tok, NEW, max_slots=4)
+    e.generate(prompts, 1, greedy=True)
+    long = [ids[0] for ids in e.last_ids if len(ids[0]) >= 12]
+    second = long[0][5]  # a token that a greedy answer draws in its middle
+    other = copy.deepcopy(model)
+    other.generation_config.eos_token_id = [tok.eos_token_id, second]
+    e = ContinuousEngine(other, tok, NEW, max_slots=4)
+    out = e.generate(prompts, 1, greedy=True)
+    assert out == gen.Sampler(other, tok, max_new_tokens=NEW, micro=64).sample(prompts, 1, greedy=True)
+    ended = [ids[0] for ids in e.last_ids if second in ids[0]]
+    assert ended and all(ids.index(second) == len(ids) - 1 for ids in ended)  # each stopped at the second id
+    assert len(ended[0]) < len(long[0]) and tok.eos_token_id in e.last_ids[0][0] + [tok.eos_token_id]
+
+
+def test_stop_strings_decode_only_the_tokens_that_can_end_one(setup):
+    """Issue 52 (3): stop strings decoded every sequence's tail every step. Now a token is decoded with its tail
+    only if its text can end a stop string; the first token at which the text holds a stop string is found all
+    the same (texts with the stop strings, random token sequences)."""
+    from harness.rft.decode import StopStrings
+
+    _, tok, _, _ = setup
+    stops = ("is 12", "Question:")
+    g = torch.Generator().manual_seed(0)
+    seqs = [tok(t, add_special_tokens=False)["input_ids"] for t in (
+        "The answer is 12. Question: next", "this is 123 and", "No Question here", "Question:", "é is 12 ü")]
+    seqs += [torch.randint(0, len(tok), (40,), generator=g).tolist() for _ in range(20)]
+    seqs += [x + tok("is 12", add_special_tokens=False)["input_ids"] for x in seqs[5:10]]
+
+    def first(check, ids):
+        return next((k for k in range(len(ids)) if check(ids[:k + 1])), None)
+
+    m = StopStrings(tok, stops)
+    decoded = []
+    decode = tok.decode
+    whole = lambda ids: any(s in decode(ids, skip_special_tokens=True) for s in stops)  # noqa: E731
+    want = [first(whole, ids) for ids in seqs]
+    tok.decode = lambda *a, **k: decoded.append(1) or decode(*a, **k)
+    try:
+        got = [first(m, ids) for ids in seqs]
+    finally:
+        del tok.decode
+    assert got == want and sum(x is not None for x in want) >= 8
+    assert len(decoded) < 0.3 * sum(len(ids) if k is None else k + 1 for ids, k in zip(seqs, want))
+    assert StopStrings(tok, ("Answer: ",)).enders() is None  # ends in a space: every token decoded
+
+
+def test_the_inverse_cdf_never_draws_a_masked_token_and_keeps_the_tiny_ones():
+    """Issue 52 (7): a draw whose u x total rounded to total returned the last token, masked by top-p or not; an
+    fp32 cumulative sum over a 128k vocabulary dropped every token under ~6e-8 near its end."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, -5.0, -6.0]])  # top-p 0.9 masks the last two
+    top = torch.tensor(0.9)
+    for u in (1.0, 1 - 2**-48, 0.0):
+        got = pick(logits, torch.tensor([[u]], dtype=torch.float64), torch.tensor(1.0), top)
+        assert int(got) in (0, 1, 2), (u, got)
+    assert int(pick(logits, torch.tensor([[1.0]], dtype=torch.float64), torch.tensor(1.0), None)) == 4
+    vocab = 128_000
+    big = torch.zeros(1, vocab)
+    big[0, -1] = -20.0  # the last token: probability e^-20 / 128k, about 1.6e-14 (fp32 cdf: no interval at all)
+    p_last = big.softmax(-1)[0, -1].double()
+    u = torch.tensor([[1 - float(p_last) / 2]], dtype=torch.float64)  # inside the last token's interval
+    assert int(pick(big, u, torch.tensor(1.0), None)) == vocab - 1
+
+
+def test_the_cache_is_planned_once_and_reused_by_later_calls(setup, monkeypatch):
+    """Issue 52 (5): each generate() planned the cache again from the free memory of the moment, which the kept cache
+    (and training beside it) lowers: 209 -> 21 -> 2 slots in three calls, reallocated, graphs compiled again. Here
+    the plan falls call after call (what torch.cuda.mem_get_info gives then); the first plan's cache serves all."""
+    model, tok, prompts, static = setup
+    made = []
+    init = SlotCache.__init__
+    monkeypatch.setattr(SlotCache, "__init__", lambda self, *a: made.append(a[1]) or init(self, *a))
+    e = ContinuousEngine(model, tok, NEW, max_slots=8, compile=True)
+    plans = iter([5, 3, 2, 1])
+    e.plan_slots = lambda width: next(plans)  # the free memory falls at each reading
+    assert e.generate(prompts[:6], 1, greedy=True) == static[:6]
+    warm = graphs()
+    for _ in range(2):
+        assert e.generate(prompts[:6], 1, greedy=True) == static[:6]
+    assert made == [5] and e.cache.slots == 5 and graphs() == warm  # one cache, no recompilation
+
+
+def test_no_queue_drain_when_the_tokens_are_read_one_step_behind(setup):
+    """Issue 52 (4): with slots refilled at mixed answer lengths the engine read step k-1's tokens right after an
+    admission, before step k was queued (88 of 242 steps drained the GPU queue). One step behind (lag 1, as on
+    CUDA), no step's tokens are read with no later step queued, admissions included; greedy text unchanged."""
+    model, tok, prompts, static = setup
+    e = ContinuousEngine(model, tok, NEW, max_slots=3)
+    e.lag = 1
+    assert e.generate(prompts, 1, greedy=True) == static
+    assert min(e.stats.lengths) < 10 and max(e.stats.lengths) == NEW and e.stats.steps > NEW  # rows refilled
+    assert e.stats.queue_drains == 0
+    e = ContinuousEngine(model, tok, NEW, max_slots=3)  # CPU: each step read at once, counted as drains
+    e.generate(prompts[:2], 1, greedy=True)
+    assert e.stats.queue_drains >= e.stats.steps and e.stats.host_ms_per_step() > 0

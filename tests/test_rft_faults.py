@@ -179,3 +179,22 @@ def test_a_jsonl_task_edited_between_two_runs_is_refused(model_dir, tmp_path, ca
                            f"{out / gen.SHARDS} were sampled ("), line
     assert "put the file back, or use another rft.output_dir" in line
     assert len(gen.read_shards(out / gen.SHARDS)) == done
+
+
+def test_a_restarted_generation_draws_what_an_uninterrupted_one_would_and_another_seed_is_refused(model_dir, tmp_path,
+                                                                                                  capsys):
+    """Issue 55 (11): the continuous engine seeded a whole call from its first question, so a restart drew other
+    samples than an uninterrupted run, and a restart with another rft.seed mixed two seeds' samples silently. Each
+    answer is now seeded from rft.seed, its question's id and its index, and rft.seed is in the shards' settings."""
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert rft_main(["generate", RECIPE, *overrides(model_dir, whole)]) == 0
+    assert rft_main(["generate", RECIPE, "--stop-after", "1", *overrides(model_dir, parts)]) == 0
+    assert len(gen.read_shards(parts / gen.SHARDS)) == 4  # stopped after one batch of 4 questions
+    capsys.readouterr()
+    assert rft_main(["generate", RECIPE, *overrides(model_dir, parts), "rft.seed=1"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "config key 'rft.seed'" in line and "seed=0, now 1" in line, line
+    assert rft_main(["generate", RECIPE, *overrides(model_dir, parts)]) == 0
+    a, b = (sorted(gen.read_shards(d / gen.SHARDS), key=lambda x: x["qid"]) for d in (whole, parts))
+    assert len(a) == 8 and a == b and len({x for rec in a for x in rec["rejected"]}) > 8  # sampled, not greedy
+    assert json.loads((parts / gen.SHARDS / gen.SETTINGS).read_text())["seed"] == 0

@@ -342,7 +342,9 @@ class RftConfig:
     keep_per_question: int = _f(4, "Distinct verified answers kept per question at most.")
     output_dir: str = _f("runs/rft/generate", "`rft generate` folder: shards/ (append-only, per rank), rft.jsonl "
                                               "(the kept examples as chat records), stats.json.")
-    seed: int = _f(0, "Sampling seed (each batch is seeded from it and its first question).")
+    seed: int = _f(0, "Sampling seed: each answer is seeded from it, its question's id and its index "
+                      "(rft.engine=continuous: a restarted `rft generate` draws what an uninterrupted run would; "
+                      "static: each batch from its first question); recorded in the shards' settings.")
 
 
 @dataclass

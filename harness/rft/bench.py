@@ -85,6 +85,7 @@ def bench(r, model: Optional[str], questions: int = 32, repeats: int = 1,
                    "slot_waste": round(st.waste(), 3) if st.steps else None,  # transformers: not counted
                    "mean_batch": round(st.mean_batch(), 1) if st.steps else None,
                    "slots": getattr(e, "max_slots", None), "compiled_step": getattr(e, "compiled", None),
+                   "queue_drains": getattr(st, "queue_drains", None),
                    "host_ms_per_step": None if st.host_ms_per_step() is None else round(st.host_ms_per_step(), 3),
                    "model_ms_per_step": round(1000 * st.model_seconds / st.steps, 3) if st.model_seconds else None,
                    "gpu_busy": (busy.get("gpu_util") or {}).get("mean"),

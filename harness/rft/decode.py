@@ -8,9 +8,12 @@ writes land in free rows and nothing reads their tokens). The cache is one tenso
 head_dim] allocated once; every sequence starts at column 0 of its row and a step writes each row's column at its own
 position (the mask: columns <= position), so the same step, of the same shapes, runs again and again: with
 rft.compile it is compiled once (torch.compile, fullgraph; the batch dimension dynamic from the first step) and on
-CUDA captured as CUDA graphs, one per bucket (mode="reduce-overhead"). Picking the next token is part of the step:
+CUDA captured as CUDA graphs, one per bucket (mode="reduce-overhead"); compiled, a step attends over a width bucket
+(64, 128, 256, ... columns: `width_buckets`), and a grouped-query model's attention reads the cache's key/value heads
+as stored (`grouped_attention`, no repeat_kv). Picking the next token is part of the step:
 greedy (argmax) or sampled on the device, transformers' temperature and top-p warpers written as tensor operations
-followed by a draw by the inverse CDF (one uniform number a row from the run's seeded generator).
+followed by a draw by the inverse CDF (one uniform number a row, a hash of the row's sample seed and the position of
+the token drawn: `uniform`, so that a sample draws the same tokens whatever shares its batch).
 """
 
 from __future__ import annotations
@@ -36,13 +39,50 @@ def bucket_for(n: int, sizes: list[int]) -> int:
     return next(b for b in sizes if b >= n)
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
+    """x * m mod 2^32 for x in [0, 2^32) held in int64, without overflowing int64 (16-bit halves: < 2^49)."""
+    return ((x & 0xFFFF) * m + ((((x >> 16) * m) & 0xFFFF) << 16)) & _M32
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche hash (lowbias32, Wellons) on int64 lanes holding values in [0, 2^32): the shifts are
+    of non-negative values, so arithmetic and logical shifts agree."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """U[0, 1) per row as float64 [rows, 1], a pure function of the row's seed (int64 in [0, 2^32)) and counter
+    (its token's position): counter-based, computed on the device with fixed shapes (CUDA-graph safe), so that a
+    sample's draws do not depend on what shares its batch, its row, or the slot count. 48 bits: the high 32 from
+    the hash of (seed, counter), the low 16 from a second round."""
+    h = _mix(_mix(seeds & _M32) ^ _mix((counters + 0x9E3779B9) & _M32))
+    low = _mix(h ^ 0x85EBCA6B) >> 16
+    return ((h << 16) | low).to(torch.float64)[:, None] * 2.0**-48
+
+
+def sample_seed(seed, i: int, j: int) -> int:
+    """The 32-bit seed of sample j of prompt i: from `seed(i, j)` when seed is callable, else from (seed, i, j)."""
+    import hashlib
+
+    key = f"{seed(i, j)}" if callable(seed) else f"{seed},{i},{j}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "little")
+
+
 def pick(logits: torch.Tensor, uniform: Optional[torch.Tensor], temperature: torch.Tensor,
          top_p: Optional[torch.Tensor]) -> torch.Tensor:
     """The next token per row from fp32 logits [rows, vocab]: argmax when `uniform` is None, else the temperature
     warper (logits / t), the top-p warper (transformers' TopPLogitsWarper: the smallest set of most likely tokens
     whose probability reaches top_p, the most likely always kept) when top_p is given, then a draw from the
-    probabilities by their inverse CDF with `uniform` [rows, 1] ~ U[0, 1): the first token whose cumulative
-    probability passes u (a token of probability 0 has an empty interval and is never drawn). One random number a
+    probabilities by their inverse CDF with `uniform` [rows, 1] ~ U[0, 1) (float64, `uniform()`): the first token
+    whose cumulative probability passes u (a token of probability 0 has an empty interval and is never drawn; the
+    cumulative sum is in float64, where fp32's would drop tokens under ~6e-8 near its end). One random number a
     row, where the exponential race needs one per token (vocab x rows: 11 ms a step on this CPU at 256 x 32k)."""
     if uniform is None:
         return logits.argmax(-1)
@@ -52,9 +92,70 @@ def pick(logits: torch.Tensor, uniform: Optional[torch.Tensor], temperature: tor
         drop = ordered.softmax(-1).cumsum(-1) <= 1 - top_p
         drop[..., -1:] = False
         logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    cdf = logits.softmax(-1).cumsum(-1)
-    got = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)[:, 0]
-    return got.clamp(max=logits.shape[-1] - 1)
+    probs = logits.softmax(-1)
+    cdf = probs.to(torch.float64).cumsum(-1)
+    got = torch.searchsorted(cdf, uniform.to(torch.float64) * cdf[:, -1:], right=True)[:, 0]
+    # u x total rounded up to total finds no token (or, clamped, the last, which top-p may have masked): the last
+    # token of positive probability instead
+    last = torch.where(probs > 0, torch.arange(probs.shape[-1], device=probs.device), 0).amax(-1)
+    return torch.minimum(got, last)
+
+
+GROUPED = "harness_grouped_sdpa"  # the attention a decode step of an sdpa model runs (registered by `Step`)
+
+
+def grouped_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Attention of one query token per row over the slot cache for grouped-query models, without repeating the
+    cache's key/value heads: the query heads [rows, heads, 1, dim] are grouped as [rows, kv_heads, group, dim]
+    (heads h of kv head h // group, transformers' order) and SDPA runs on the cache's own [rows, kv_heads, width,
+    dim] (transformers' SDPA integration falls back to repeat_kv under torch.compile: a copy of every layer's cache
+    each step). Anything else (a prefill, one head a group, a softcap or a position bias) is transformers' SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or groups == 1 or kwargs.get("softcap") is not None or \
+            kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    rows, heads, _, dim = query.shape
+    q = query.reshape(rows, heads // groups, groups, dim)  # the mask [rows, 1, 1, width] broadcasts over both
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(rows, 1, heads, value.shape[-1]), None  # [rows, 1 token, heads, dim], as transformers'
+
+
+def _register_grouped() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GROUPED, grouped_attention)
+    AttentionMaskInterface.register(GROUPED, sdpa_mask)
+
+
+class _Attention:
+    """Within: the model's sdpa attention is `grouped_attention` (its config's implementation swapped, then
+    restored: the prefill and training keep transformers' own)."""
+
+    def __init__(self, model) -> None:
+        self.configs = [c for c in {id(c): c for c in (model.config, model.config.get_text_config())}.values()
+                        if c._attn_implementation == "sdpa"]
+
+    def __enter__(self):
+        for c in self.configs:
+            c._attn_implementation = GROUPED
+
+    def __exit__(self, *exc):
+        for c in self.configs:
+            c._attn_implementation = "sdpa"
+
+
+def width_buckets(width: int) -> list[int]:
+    """Columns a compiled step attends over: 64, 128, 256, ... (doubling) below `width`, then `width`; the step
+    runs the smallest that holds every running row's position (one graph per bucket)."""
+    sizes, w = [], 64
+    while w < width:
+        sizes.append(w)
+        w *= 2
+    return sizes + [width]
 
 
 class SlotCache:
@@ -67,8 +168,9 @@ class SlotCache:
         self.v = [self.kv[layer, 1] for layer in range(layers)]
         self.cur = torch.zeros(slots, dtype=torch.long, device=device)
         self.pos = torch.zeros(slots, dtype=torch.long, device=device)
+        self.seed = torch.zeros(slots, dtype=torch.long, device=device)  # each row's sample's seed (`uniform`)
         self.slots, self.width = slots, width
-        self.attend = width  # columns a step attends over (eager: the used ones rounded up; compiled: all)
+        self.attend = width  # columns a step attends over (eager: the used ones rounded up; compiled: a bucket)
         self.at: Optional[torch.Tensor] = None  # the positions the running step writes (set by the step)
         self.static = False  # marked as a static address for CUDA graphs
 
@@ -84,11 +186,13 @@ class SlotCache:
         return 0
 
     def move(self, src: list[int], dst: list[int], columns: int) -> None:
-        """Rows src -> dst (keys and values of their first `columns` columns, next token, position), one copy each."""
+        """Rows src -> dst (keys and values of their first `columns` columns, next token, position, seed), one copy
+        each."""
         s, d = (on(self.kv.device, x) for x in (src, dst))
         self.kv[:, :, d, :, :columns] = self.kv[:, :, s, :, :columns]
         self.cur[d] = self.cur[s]
         self.pos[d] = self.pos[s]
+        self.seed[d] = self.seed[s]
 
 
 class PromptCache:
@@ -116,6 +220,7 @@ class Step:
         self.model, self.cache_arg, self.keep, self.compiled, self.say = model, cache_arg, keep, compiled, say
         self.fn = self._run
         self.cuda = next(model.parameters()).device.type == "cuda"
+        _register_grouped()
         if compiled:
             import torch._dynamo
 
@@ -123,20 +228,26 @@ class Step:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.fn = torch.compile(self._run, fullgraph=True, mode="reduce-overhead" if self.cuda else None)
 
-    def __call__(self, cache: SlotCache, n: int, noise, temperature, top_p) -> torch.Tensor:
-        ids, positions = cache.cur[:n], cache.pos[:n]
+    def __call__(self, cache: SlotCache, n: int, sample: bool, temperature, top_p) -> torch.Tensor:
+        """`sample`: draw (each row's uniform number from its seed and the position of the token drawn), else
+        argmax."""
+        ids, positions, seeds = cache.cur[:n], cache.pos[:n], cache.seed[:n] if sample else None
+        with _Attention(self.model):
+            return self._call(cache, n, ids, positions, seeds, temperature, top_p)
+
+    def _call(self, cache: SlotCache, n: int, ids, positions, seeds, temperature, top_p) -> torch.Tensor:
         if self.compiled:
             try:
-                return self._compiled(cache, n, ids, positions, noise, temperature, top_p)
+                return self._compiled(cache, n, ids, positions, seeds, temperature, top_p)
             except torch.cuda.OutOfMemoryError:
                 raise
             except Exception as e:  # the step's writes are at fixed positions: running it again is the same step
                 self.say(f"[rft] rft.compile: the decode step did not compile ({type(e).__name__}: "
                          f"{(str(e).strip().splitlines() or [''])[0][:200]}); it runs eagerly")
                 self.compiled, self.fn = False, self._run
-        return self.fn(ids, positions, cache, noise, temperature, top_p)
+        return self.fn(ids, positions, cache, seeds, temperature, top_p)
 
-    def _compiled(self, cache: SlotCache, n: int, ids, positions, noise, temperature, top_p) -> torch.Tensor:
+    def _compiled(self, cache: SlotCache, n: int, ids, positions, seeds, temperature, top_p) -> torch.Tensor:
         if self.cuda and not cache.static:  # the cache stays put: CUDA graphs read and write it in place
             for t in (cache.kv, *cache.k, *cache.v):  # (the layers' views are the graph's inputs)
                 torch._dynamo.mark_static_address(t)
@@ -144,16 +255,19 @@ class Step:
         if n > 1:
             torch._dynamo.maybe_mark_dynamic(ids, 0)
             torch._dynamo.maybe_mark_dynamic(positions, 0)
+            if seeds is not None:
+                torch._dynamo.maybe_mark_dynamic(seeds, 0)
         if self.cuda:
             torch.compiler.cudagraph_mark_step_begin()
-        return self.fn(ids, positions, cache, noise, temperature, top_p)
+        return self.fn(ids, positions, cache, seeds, temperature, top_p)
 
-    def _run(self, ids, positions, cache: SlotCache, noise, temperature, top_p):
+    def _run(self, ids, positions, cache: SlotCache, seeds, temperature, top_p):
         at = positions.clamp(max=cache.attend - 1)  # padding rows: any column of their own free row
         cache.at = at
         mask = (torch.arange(cache.attend, device=ids.device)[None] <= at[:, None])[:, None, None]
         out = self.model(input_ids=ids[:, None], position_ids=at[:, None], attention_mask=mask, use_cache=True,
                          **self.keep, **{self.cache_arg: cache})
+        noise = None if seeds is None else uniform(seeds, positions + 1)  # the token drawn sits at position + 1
         return pick(out.logits[:, -1, :].to(dtype=torch.float32), noise, temperature, top_p)
 
 
@@ -163,3 +277,40 @@ def graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+class StopStrings:
+    """`stopped(tokens)`: whether a sequence's newest token completes one of `stop_strings` (the text keeps it). Only
+    a token that can end one (`enders`: its text holds a stop string's last character, or is not whole text on its
+    own) has the tail decoded: a few new tokens' text, not every sequence's every step."""
+
+    def __init__(self, tokenizer, stop_strings: tuple) -> None:
+        self.tok, self.strings = tokenizer, tuple(stop_strings)
+        self.longest = max(map(len, self.strings), default=0)
+        self._enders: Optional[frozenset] = None
+        self.decoded = False
+        self.enders()  # decoded now, with the engine, not within a generation's time
+
+    def __call__(self, tokens: list[int]) -> bool:
+        if not self.strings:
+            return False
+        enders = self.enders()
+        if enders is not None and tokens[-1] not in enders:
+            return False
+        tail = self.tok.decode(tokens[-(self.longest + 2):], skip_special_tokens=True)
+        return any(s in tail for s in self.strings)
+
+    def enders(self) -> Optional[frozenset]:
+        """The token ids whose arrival can complete a stop string (decoded once): those whose text holds the last
+        character of a stop string, and those whose text alone is not what they add to a sequence (a partial UTF-8
+        character, empty text). None (decode at every token) when a stop string ends in whitespace, which a
+        tokenizer may add with the next token (SentencePiece's leading space)."""
+        if not self.decoded and self.strings:
+            self.decoded = True
+            lasts = {x[-1] for x in self.strings}
+            if not any(c.isspace() for c in lasts):
+                texts = self.tok.batch_decode([[i] for i in range(len(self.tok))], skip_special_tokens=True)
+                self._enders = frozenset(i for i, t in enumerate(texts)
+                                         if not t or "\ufffd" in t or any(c in t for c in lasts))
+        return self._enders
+

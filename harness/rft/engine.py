@@ -9,15 +9,18 @@ prefilled together (one batched pass, each prompt once for all its samples); the
 first token and their keys and values are copied into the samples' slot rows. The decode step has fixed shapes
 (harness/rft/decode.py: batch buckets, a slot cache of fixed width, the next token picked on the device), so it can be
 compiled and, on CUDA, captured as CUDA graphs (rft.compile). The host reads the picked tokens one step behind: step
-t+1 is queued before step t's tokens are read, finished sequences are found there (EOS, max_new_tokens, a stop string
-in the decoded tail) and their rows refilled; a finished sequence is decoded once more, for nothing. Attention gets
+t+1 is queued before step t's tokens are read (admissions included), finished sequences are found there (an EOS id of
+the tokenizer or of generation_config, max_new_tokens, a stop string: decode.StopStrings) and their rows refilled; a
+finished sequence is decoded once more, for nothing. The slot cache is planned once per engine and kept. Attention gets
 an explicit 4D mask and explicit positions, so any transformers decoder whose layers call `cache.update(k, v,
 layer_idx)` and attend over all the positions returned is served; others fall back (`servable`).
 
 What is exact: greedy decoding gives the text that model.generate gives (the same argmax of the same model, computed
 on other batch shapes: tests/test_rft_engine.py); sampling draws from the same distribution as the static path
-(logits in fp32, transformers' temperature and top-p warpers, top-k off), with other random draws: a fixed seed gives
-the same samples run to run for the same settings and slot count, not the static path's samples.
+(logits in fp32, transformers' temperature and top-p warpers, top-k off), with other random draws: each sample's
+draws are a hash of its own seed and its token positions (decode.uniform), so a fixed seed gives the same samples run
+to run, alone or batched with other prompts, at any slot count (a restart draws what the uninterrupted run would), not
+the static path's samples.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import torch
 
 from harness.distributed.sequence import attention_heads
 from harness.errors import HarnessError
-from harness.rft.decode import PromptCache, SlotCache, Step, bucket_for, buckets, on, pick
+from harness.rft.decode import (PromptCache, SlotCache, Step, StopStrings, bucket_for, buckets, on, pick, sample_seed,
+                                uniform, width_buckets)
 
 
 def servable(model) -> Optional[str]:
@@ -62,12 +66,15 @@ class Stats:
         self.seconds = 0.0
         self.lengths: list[int] = []  # new tokens of each sequence
         self.model_seconds = self.wait_seconds = 0.0  # in model calls (launches on CUDA), waiting for tokens
+        self.launches = False  # the model calls only launch work (CUDA): their time is the host's
+        self.queue_drains = 0  # tokens read with no later decode step queued while sequences were running
 
     def host_ms_per_step(self) -> Optional[float]:
-        """Host time per decode step outside the model calls and the waits for the device (the engine's own)."""
+        """Host time per decode step outside the waits for the device: the engine's own work and, on CUDA, the
+        model calls' launches (on CPU a model call computes: left out)."""
         if not self.steps or not self.model_seconds:
             return None
-        return 1000 * (self.seconds - self.model_seconds - self.wait_seconds) / self.steps
+        return 1000 * (self.seconds - self.wait_seconds - (0 if self.launches else self.model_seconds)) / self.steps
 
     def waste(self) -> float:
         return 1 - self.used_slot_steps / max(self.slot_steps, 1)
@@ -75,6 +82,14 @@ class Stats:
     def mean_batch(self) -> float:
         return self.slot_steps / max(self.steps, 1)
 
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """The ids that end an answer: the tokenizer's EOS and every id of the model's generation_config.eos_token_id
+    (an int or a list: Llama-3's <|eot_id|>, Qwen's <|im_end|> and <|endoftext|>)."""
+    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    listed = listed if isinstance(listed, (list, tuple)) else [listed]
+    return list(dict.fromkeys(int(t) for t in [tokenizer.eos_token_id, *listed] if t is not None))
 
 
 def compile_default(setting: Optional[bool], model) -> bool:
@@ -102,6 +117,7 @@ class ContinuousEngine:
                  stop_strings: tuple = (), say: Callable = print, compile: bool = False) -> None:
         self.model, self.tok, self.max_new_tokens, self.say = model, tokenizer, max_new_tokens, say
         self.max_slots, self.kv_cache_gb, self.stop_strings = max_slots, kv_cache_gb, tuple(stop_strings)
+        self.stopped = StopStrings(tokenizer, self.stop_strings)
         self.stats = Stats()
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
@@ -110,6 +126,7 @@ class ContinuousEngine:
         self.keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # the last position's logits only
         self.step = Step(model, self.cache_arg, self.keep, bool(compile), say)
         self.lag = 1 if self.device.type == "cuda" else 0  # steps queued before the picked tokens are read
+        self.stats.launches = self.device.type == "cuda"
         c = model.config.get_text_config()
         self.layers = c.num_hidden_layers
         _, self.heads, self.head_dim = attention_heads(c)  # the cache holds key/value heads
@@ -155,15 +172,17 @@ class ContinuousEngine:
         return slots
 
     def _slot_cache(self, width: int) -> SlotCache:
-        """The cache for sequences of `width` tokens: the one kept from the last call when it fits, else a new one
-        (compiled: widths rounded up to 64 columns, so that calls with similar prompts share it)."""
+        """The cache for sequences of `width` tokens: the one kept from the last call when it is wide enough, else a
+        new one (compiled: widths rounded up to 64 columns, so that calls with similar prompts share it). Planned
+        once and kept: a later call does not plan again from the free memory of the moment (which the kept cache
+        and what runs beside it lower: it shrank call after call, reallocated and captured its graphs again)."""
         if self.compiled:
             width = -(-width // 64) * 64
         c = self.cache
-        if c is not None and c.width >= width and c.slots == min(self.max_slots, self.plan_slots(c.width)):
+        if c is not None and c.width >= width and c.slots <= self.max_slots:
             return c
+        slots = self.plan_slots(width)  # (on CUDA the kept cache's bytes count as free: it is replaced)
         self.cache = None
-        slots = self.plan_slots(width)
         self.cache = SlotCache(self.layers, slots, self.heads, width, self.head_dim, self.dtype, self.device)
         return self.cache
 
@@ -186,23 +205,20 @@ class ContinuousEngine:
         logits = out.logits[torch.arange(len(prompts), device=dev), at].to(dtype=torch.float32)
         return torch.stack(cache.k), torch.stack(cache.v), logits
 
-    def _noise(self, rows: int, greedy: bool, gen) -> Optional[torch.Tensor]:
-        if greedy:
-            return None
-        return torch.rand((rows, 1), dtype=torch.float32, device=self.device, generator=gen)
-
     # ------------------------------------------------------------------------------------------- the loop
     @torch.no_grad()
     def generate(self, prompts: list[str], n: int, temperature: float = 1.0, top_p: float = 1.0,
                  greedy: bool = False, seed=0,
                  on_done: Optional[Callable[[int, list[str]], None]] = None) -> list[list[str]]:
         """n responses per prompt, grouped by prompt (each group in sample order). `on_done(i, responses)` is
-        called as soon as prompt i's n samples have ended (a resumable writer appends its record there)."""
+        called as soon as prompt i's n samples have ended (a resumable writer appends its record there).
+        `seed`: an int (sample j of prompt i is seeded from (seed, i, j)) or a callable `seed(i, j) -> int`; a
+        sample's draws are a function of its seed and its token positions only (decode.uniform), the same drawn
+        alone or with other prompts, whatever the slots."""
         tok, dev, st = self.tok, self.device, self.stats
-        gen = torch.Generator(device=dev).manual_seed(seed(0) if callable(seed) else seed)
         temp = torch.tensor(float(temperature), device=dev)
         nucleus = torch.tensor(float(top_p), device=dev) if top_p < 1.0 and not greedy else None
-        eos = tok.eos_token_id  # as the static path, which passes the tokenizer's to generate()
+        eos = set(eos_ids(self.model, tok))  # as the static path, which passes the same list to generate()
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         cache = self._slot_cache(max(map(len, ids), default=0) + self.max_new_tokens)
         sizes = self._sizes(cache)
@@ -213,7 +229,7 @@ class ContinuousEngine:
         waiting.reverse()  # pop() takes the next in order
         prompt_kv: dict = {}  # prompt index -> (prefill, index in it) while some of its samples wait
         rows: list[_Seq] = []  # the sequences in flight, rows 0..len-1
-        pending: list = []  # (picked tokens, the sequences of their rows, event) not yet read
+        pending: list = []  # (picked tokens, the sequences of their rows, event, a decode step's) not yet read
         t0 = time.perf_counter()
 
         def finish(s: _Seq) -> None:
@@ -222,7 +238,7 @@ class ContinuousEngine:
             st.tokens += len(s.tokens)
             st.lengths.append(len(s.tokens))
             st.used_slot_steps += len(s.tokens) - 1  # the first token comes from the prefill
-            results[s.i][s.j] = tok.decode([t for t in s.tokens if t != eos], skip_special_tokens=True).strip()
+            results[s.i][s.j] = tok.decode([t for t in s.tokens if t not in eos], skip_special_tokens=True).strip()
             self.last_ids[s.i][s.j] = list(s.tokens)
             left[s.i] -= 1
             if left[s.i] == 0 and on_done is not None:
@@ -232,7 +248,9 @@ class ContinuousEngine:
             """Read the picked tokens of all but the last `upto` entries; finished sequences leave their rows."""
             ended = []
             while len(pending) > upto:
-                picked, seqs, event = pending.pop(0)
+                picked, seqs, event, _ = pending.pop(0)
+                if (waiting or rows) and not any(p[3] for p in pending):
+                    st.queue_drains += 1  # the device runs dry while the host reads: nothing queued behind
                 w = time.perf_counter()
                 if event is not None:
                     event.synchronize()
@@ -242,7 +260,7 @@ class ContinuousEngine:
                     if s is None or s.done:
                         continue
                     s.tokens.append(t)
-                    if t == eos or len(s.tokens) >= self.max_new_tokens or self._stopped(s.tokens):
+                    if t in eos or len(s.tokens) >= self.max_new_tokens or self.stopped(s.tokens):
                         finish(s)
                         ended.append(s)
             if ended:
@@ -251,17 +269,17 @@ class ContinuousEngine:
         while waiting or rows or pending:
             try:
                 if waiting and len(rows) < cache.slots:
-                    self._admit(cache, rows, waiting, ids, prompt_kv, n, pending, greedy, gen, temp, nucleus)
-                    read(self.lag)
+                    # (not read here: step k+1 is queued first, behind the prefill, then step k is read)
+                    self._admit(cache, rows, waiting, ids, prompt_kv, n, pending, greedy, seed, temp, nucleus)
                 if rows:
-                    # compiled: a bucket of rows over all columns (fixed shapes); eager: the rows and columns in
-                    # use (32 at a time), which the same step computes with less padding
+                    # compiled: a bucket of rows over a bucket of columns (fixed shapes, a graph per pair);
+                    # eager: the rows and columns in use (32 at a time), the same step with less padding
                     b = bucket_for(len(rows), sizes) if self.compiled else len(rows)
-                    if not self.compiled:
-                        cache.attend = min(cache.width, -(-(max(s.pos for s in rows) + 1) // 32) * 32)
-                    noise = self._noise(b, greedy, gen)
+                    used = max(s.pos for s in rows) + 1
+                    cache.attend = bucket_for(used, width_buckets(cache.width)) if self.compiled else \
+                        min(cache.width, -(-used // 32) * 32)
                     m = time.perf_counter()
-                    picked = self.step(cache, b, noise, temp, nucleus)
+                    picked = self.step(cache, b, not greedy, temp, nucleus)
                     cache.cur[:b] = picked
                     cache.pos[:b] += 1
                     st.model_seconds += time.perf_counter() - m
@@ -269,7 +287,7 @@ class ContinuousEngine:
                     st.steps += 1
                     for s in rows:
                         s.pos += 1
-                    pending.append(self._readable(picked, rows + [None] * (b - len(rows))))
+                    pending.append(self._readable(picked, rows + [None] * (b - len(rows)), step=True))
                 read(self.lag if rows else 0)  # on CUDA one step behind: the next step is queued before
             except torch.cuda.OutOfMemoryError:
                 cache = self._shrink(rows, waiting, pending, prompt_kv, ids)
@@ -283,18 +301,18 @@ class ContinuousEngine:
         sizes = buckets(cache.slots)
         return sizes[1:] if self.compiled and len(sizes) > 1 else sizes
 
-    def _readable(self, picked: torch.Tensor, seqs: list):
+    def _readable(self, picked: torch.Tensor, seqs: list, step: bool = False):
         """A pending entry: on CUDA the tokens copied to pinned host memory behind an event (no wait now)."""
         if self.device.type != "cuda":
-            return picked.clone(), seqs, None
+            return picked.clone(), seqs, None, step
         host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
         host.copy_(picked, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return host, seqs, event
+        return host, seqs, event, step
 
     def _admit(self, cache: SlotCache, rows: list, waiting: list, ids: list, prompt_kv: dict, n: int, pending: list,
-               greedy: bool, gen, temp, nucleus) -> None:
+               greedy: bool, seed, temp, nucleus) -> None:
         """Waiting samples take the free rows: the prompts not yet prefilled in one pass, their keys and values
         copied into the rows, each sample's first token picked from its prompt's last logits."""
         taken = []
@@ -330,9 +348,12 @@ class ContinuousEngine:
             at.append(d)
         logits, d = torch.cat(firsts), torch.cat(at)
         seqs = [rows[r] for g in groups.values() for r in g[1]]  # in the order of d
-        first = pick(logits, self._noise(len(seqs), greedy, gen), temp, nucleus)
-        cache.cur[d] = first
         cache.pos[d] = on(self.device, [s.pos for s in seqs])
+        if not greedy:
+            cache.seed[d] = on(self.device, [sample_seed(seed, s.i, s.j) for s in seqs])
+        noise = None if greedy else uniform(cache.seed[d], cache.pos[d])  # the first token: at the prompt's length
+        first = pick(logits, noise, temp, nucleus)
+        cache.cur[d] = first
         self.stats.model_seconds += time.perf_counter() - m
         pending.append(self._readable(first, seqs))
 
@@ -367,10 +388,3 @@ class ContinuousEngine:
         self.max_slots = slots
         self.say(f"[rft] out of memory: {slots} sequences in flight at most; the sequences in flight start again")
         return self._slot_cache(width)
-
-    def _stopped(self, tokens: list[int]) -> bool:
-        if not self.stop_strings:
-            return False
-        longest = max(map(len, self.stop_strings))
-        tail = self.tok.decode(tokens[-(longest + 2):], skip_special_tokens=True)
-        return any(s in tail for s in self.stop_strings)

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from harness.errors import HarnessError
-from harness.rft.engine import Stats
+from harness.rft.engine import Stats, eos_ids
 
 
 def cut_at_stop(tokens: list[int], tok, stops: tuple) -> list[int]:
@@ -55,7 +55,7 @@ class TransformersEngine:
         from transformers.generation import ContinuousBatchingConfig
 
         tok, st = self.tok, self.stats
-        eos = tok.eos_token_id
+        eos = eos_ids(self.model, tok)  # the tokenizer's and every one of generation_config.eos_token_id
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         if not ids:
             return []
@@ -64,7 +64,7 @@ class TransformersEngine:
                                                        num_return_sequences=n)
         config = GenerationConfig(max_new_tokens=self.max_new_tokens, eos_token_id=eos, pad_token_id=tok.pad_token_id,
                                   **kw)
-        seed = seed(0) if callable(seed) else seed
+        seed = seed(0, 0) if callable(seed) else seed
         torch.manual_seed(seed)
         cpu = next(self.model.parameters()).device.type == "cpu"
         page = 256  # tokens per cache block (transformers' default); on CPU the cache sized for the sequences in
@@ -100,7 +100,7 @@ class TransformersEngine:
                     raise HarnessError(f"rft.engine=transformers: request {out.request_id} failed: {out.error}")
                 i, j = where[out.request_id]
                 tokens = cut_at_stop(list(out.generated_tokens), tok, self.stop_strings)
-                results[i][j] = tok.decode([t for t in tokens if t != eos], skip_special_tokens=True).strip()
+                results[i][j] = tok.decode([t for t in tokens if t not in eos], skip_special_tokens=True).strip()
                 st.sequences += 1
                 st.tokens += len(tokens)
                 st.lengths.append(len(tokens))

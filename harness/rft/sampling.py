@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from harness.errors import ConfigError, HarnessError
-from harness.rft.engine import ContinuousEngine, Stats, compile_default, servable
+from harness.rft.engine import ContinuousEngine, Stats, compile_default, eos_ids, servable
 from harness.rft.tasks import Question, Task
 
 
@@ -112,10 +112,12 @@ class Sampler:
         kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         if self.stop_strings:
             kw.update(stop_strings=self.stop_strings, tokenizer=tok)
+        eos = eos_ids(self.model, tok)
         gen = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=self.max_new_tokens,
-                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **kw)
+                                  pad_token_id=tok.pad_token_id, eos_token_id=eos, **kw)
         self._count(gen[:, width:])
-        return [t.strip() for t in tok.batch_decode(gen[:, width:], skip_special_tokens=True)]
+        new = gen[:, width:].masked_fill(torch.isin(gen[:, width:], torch.tensor(eos, device=dev)), tok.pad_token_id)
+        return [t.strip() for t in tok.batch_decode(new, skip_special_tokens=True)]  # without the ending ids
 
     def _count(self, new: torch.Tensor) -> None:
         """New tokens per row (EOS included; the padding after a finished row not) and the slot-steps of the call."""
@@ -132,7 +134,7 @@ class Sampler:
 
 class StaticEngine:
     """rft.engine=static: model.generate over fixed batches of `per_call` questions x n samples (today's path, kept
-    for comparison); each batch seeded with seed(i), i its first prompt's index, and waits for its longest answer."""
+    for comparison); each batch seeded with seed(i, 0), i its first prompt's index, and waits for its longest answer."""
 
     name = "static"
 
@@ -146,7 +148,7 @@ class StaticEngine:
                  greedy: bool = False, seed=0, on_done: Optional[Callable] = None) -> list[list[str]]:
         out: list[list[str]] = []
         for i in range(0, len(prompts), self.per_call):
-            torch.manual_seed(seed(i) if callable(seed) else seed + i)
+            torch.manual_seed(seed(i, 0) if callable(seed) else seed + i)
             got = self.sampler.sample(prompts[i:i + self.per_call], n, temperature, top_p, greedy)
             for k, responses in enumerate(got):
                 if on_done is not None:

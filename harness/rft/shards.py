@@ -171,9 +171,12 @@ def generation_settings(r, model: Optional[str]) -> dict:
             "num_train_questions": r.num_train_questions, "num_test_questions": r.num_test_questions,
             "num_sft_questions": r.num_sft_questions, "max_operand": r.max_operand, "task_seed": r.task_seed,
             "tolerance": r.tolerance, "oversample": r.oversample, "temperature": r.temperature, "top_p": r.top_p,
-            "max_new_tokens": r.max_new_tokens, "keep_per_question": r.keep_per_question,
+            "max_new_tokens": r.max_new_tokens, "keep_per_question": r.keep_per_question, "seed": r.seed,
             **({"stop_strings": list(r.stop_strings)} if r.stop_strings else {}),
             "task_questions": task_fingerprint(r)[1]}  # a JSONL task edited in place: its ids are line numbers
+
+
+LATER = ("seed", "task_questions")  # recorded since a later version: shards started without them continue
 
 
 def check_settings(path: Path, settings: dict, write: bool = True) -> None:
@@ -187,8 +190,8 @@ def check_settings(path: Path, settings: dict, write: bool = True) -> None:
             raise HarnessError(f"{path} cannot be read ({one_line(e, 200)}): it records the settings the shards in "
                                f"{path.parent} were sampled with; restore it, or remove it to continue them with this "
                                f"config's settings, or use another rft.output_dir") from None
-        diff = [k for k in [*settings, *(k for k in old if k not in settings)] if old.get(k) != settings.get(k)
-                and (k != "task_questions" or k in old)]  # (shards of an older harness: no fingerprint to compare)
+        diff = [k for k in [*settings, *(k for k in old if k not in settings)]
+                if old.get(k) != settings.get(k) and (k in old or k not in LATER)]
         if diff and diff[0] == "task_questions":
             raise ConfigError(f"config key 'rft.task': {settings['task']} changed since the shards in {path.parent} "
                               f"were sampled ({describe(old[diff[0]], settings[diff[0]])}): a JSONL question's id is "
