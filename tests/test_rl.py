@@ -406,3 +406,13 @@ def test_two_processes_stopped_mid_batch_resume_on_one_as_uninterrupted(one_proc
         assert got[s]["reward"] == pytest.approx(ref[s]["reward"], rel=1e-6), s
         assert got[s]["completion_length"] == ref[s]["completion_length"], s
         assert abs(got[s]["loss"] - ref[s]["loss"]) <= 1e-5 * scale, (s, got[s]["loss"], ref[s]["loss"])
+
+
+def test_an_rl_run_reads_no_data_train_files(tmp_path):
+    """loss.mode=rl reads its prompts from the rft task or rl.prompts: a data.train_files entry left in the config (a
+    missing SFT file) is not fingerprinted at the start (it stopped the run with the file's error)."""
+    from harness.checkpoint import datafiles
+    from harness.config import load_config
+
+    cfg = load_config("configs/grpo-tiny.yaml", [f"data.train_files=[{tmp_path / 'missing.jsonl'}]"])
+    assert datafiles.fingerprints(cfg.data, cfg.loss.mode) == {}
