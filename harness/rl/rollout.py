@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 import time
-from typing import Callable
 
 import torch
 
-from harness.errors import ConfigError, HarnessError, one_line
+from harness.errors import ConfigError, HarnessError
 from harness.rft.engine import ContinuousEngine, servable
-from harness.rft.tasks import Question, Task, build_task
+from harness.rft.tasks import Question, Task
 from harness.rl import loss as rl_loss
 from harness.rl.batch import completion_logps, completion_mask, rows
+from harness.rl.prompts import Rewards, function_sums, load_reward, rl_task, score  # noqa: F401 (load_reward, score: here before)
 from harness.state import StepSums
 
 
@@ -37,13 +36,13 @@ def index_batch(indices: list) -> torch.Tensor:
     return torch.tensor(indices, dtype=torch.long)
 
 
-def question_loader(rl, rft, grad_accum: int, shuffle: bool, world: int):
+def question_loader(rl, rft, grad_accum: int, shuffle: bool, world: int, cache_dir=None):
     """(the task, a DataLoader of train question indices: rl.questions_per_step / (processes x grad_accum) a
     micro-batch) of loss.mode=rl; not prepared. `rl`, `rft`: cfg.rl, cfg.rft; grad_accum: train.grad_accum;
-    shuffle: data.shuffle."""
+    shuffle: data.shuffle; cache_dir: data.cache_dir (rl.prompts from parquet or the hub)."""
     from torch.utils.data import DataLoader
 
-    task = build_task(rft)
+    task = rl_task(rl, rft, cache_dir)
     questions = task.split("train")
     per = rl.questions_per_step / (world * grad_accum)
     if per != int(per):
@@ -54,39 +53,6 @@ def question_loader(rl, rft, grad_accum: int, shuffle: bool, world: int):
                           f"{len(questions)} train questions")
     return task, DataLoader(list(range(len(questions))), batch_size=int(per), shuffle=shuffle,
                             collate_fn=index_batch)
-
-
-def verifier_reward(task: Task) -> Callable[[Question, str], float]:
-    return lambda q, text: 1.0 if task.verify(text, q) else 0.0
-
-
-def load_reward(spec: str, task: Task) -> Callable[[Question, str], float]:
-    """rl.reward (`spec`): 'verifier' (the task's: 1 for a verified answer, 0 otherwise) or 'module:function', called
-    as fn(question, answer_text) -> float; checked once on the first train question before any step."""
-    if spec == "verifier":
-        fn = verifier_reward(task)
-    else:
-        module, _, name = spec.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ConfigError(f"config key 'rl.reward': cannot load {spec!r} ({one_line(e, 200)}); give "
-                              f"'verifier' or 'module:function'") from None
-    q = task.split("train")[0]
-    score(fn, spec, q, "The answer is 0.")
-    return fn
-
-
-def score(fn, spec: str, q: Question, text: str) -> float:
-    """One reward as a float; a function that raises or returns no finite number stops the run in one line."""
-    try:
-        value = float(fn(q, text))
-    except Exception as e:  # noqa: BLE001 - any failure of a user's function is one line naming it
-        raise HarnessError(f"config key 'rl.reward': {spec} raised {one_line(e, 200)} "
-                           f"(question {q.qid})") from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise HarnessError(f"config key 'rl.reward': {spec} returned {value} for question {q.qid}")
-    return value
 
 
 @contextlib.contextmanager
@@ -147,7 +113,7 @@ class Rollouts:
         self.accelerator, self.model, self.tok, self.task = accelerator, model, tokenizer, task
         self.chunk_size, self.zero_stage, self.say = chunk_size, zero_stage, say
         self.questions = task.split("train")
-        self.reward = load_reward(rl.reward, task)
+        self.rewards = Rewards(rl, task)  # rl.rewards, or rl.reward as one function
         unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
         why = servable(unwrapped)
         if why is not None:
@@ -164,6 +130,8 @@ class Rollouts:
         self.figures = StepSums()  # its rewards and lengths, logged with every step trained on it
         self.items: list = []  # the same as questions: prompt, answers, rewards, advantages, old / reference log-probs
         self.dropped = ""  # why a checkpoint's half-used generation batch could not continue (`share`)
+        self.fn_sums: list = []  # each reward function's [sum, squares, count] of the current batch (this process)
+        self.fn_unlogged = [0.0] * (3 * len(self.rewards.names))  # ... of the steps since the last log line
 
     def prompt_text(self, q: Question) -> str:
         """The question in the model's chat template, ending where the answer starts (as `rft generate` asks)."""
@@ -182,6 +150,7 @@ class Rollouts:
             gen_s = time.perf_counter() - t0
             unlogged.add(StepSums(rl_gen_s=gen_s if self.accelerator.is_main_process else 0.0))
         unlogged.add(self.figures)  # each step logs the rewards and lengths of the answers it trains on
+        self.fn_unlogged = [a + b for a, b in zip(self.fn_unlogged, self.fn_sums)]
         return self.current
 
     @torch.no_grad()
@@ -205,16 +174,17 @@ class Rollouts:
                                                   seed=(self.r.seed * 1_000_003 + step) * 100_003 + i)[0])
                 sampled.append(self.engine.last_ids[0])  # the tokens drawn (EOS kept): what the loss scores
             model.train(was)
-        rewards = torch.tensor([[score(self.reward, self.rl.reward, q, t) for t in answers]
-                                for q, answers in zip(flat, texts)], dtype=torch.float32, device=dev).view(-1)
+        weighted, per = self.rewards.score([q for q in flat for _ in range(G)], [t for a in texts for t in a],
+                                           [ids for a in sampled for ids in a])
+        rewards = weighted.to(torch.float32).to(dev)
         adv, _ = rl_loss.advantages(rewards, G, self.rl.scale_rewards)
         if self.rl.scale_rewards == "batch":  # the whole step's std, as TRL's (its batch is every process's)
             every = accelerator.gather(rewards)
             adv = (rewards - rewards.view(-1, G).mean(1).repeat_interleave(G)) / (every.std() + 1e-4)
         items, at = [], 0
         for p, answers in zip(prompts, sampled):
-            items.append({"prompt": p, "answers": answers,
-                          "rewards": rewards[at:at + G].tolist(), "advantages": adv[at:at + G].tolist()})
+            items.append({"prompt": p, "answers": answers, "rewards": rewards[at:at + G].tolist(),
+                          "advantages": adv[at:at + G].tolist(), "functions": per[at:at + G].tolist()})
             at += G
         per = len(picked[0])
         out = [self.batch(items[k:k + per]) for k in range(0, len(items), per)]
@@ -247,11 +217,35 @@ class Rollouts:
         return batch
 
     def figures_of(self, items: list[dict]) -> StepSums:
+        """The batch's sums for the log line (and each reward function's, `fn_sums`)."""
+        if self.rewards.names:
+            self.fn_sums = function_sums(torch.tensor([f for it in items for f in it.get("functions", [])],
+                                                      dtype=torch.float64).view(-1, len(self.rewards.names)))
         r = torch.tensor([it["rewards"] for it in items], dtype=torch.float64)
         flat = torch.isclose(r.std(1), torch.zeros(len(items), dtype=torch.float64))
         return StepSums(rl_reward_sum=float(r.sum()), rl_reward_sq_sum=float((r ** 2).sum()), rl_answers=r.numel(),
                         rl_flat_groups=int(flat.sum()), rl_groups=len(items),
                         rl_length_sum=sum(len(a) for it in items for a in it["answers"]))
+
+    def logged(self) -> dict:
+        """What a log line adds (collective): reward/<name> and reward/<name>_std of each rl.rewards function over
+        the steps since the last log line, all processes; `completions`: rl.log_completions rows (prompt,
+        completion, reward) of the main process's current batch."""
+        from harness.rl.prompts import function_figures
+
+        out = {}
+        if self.rewards.names:
+            sums = self.accelerator.reduce(torch.tensor(self.fn_unlogged, dtype=torch.float64,
+                                                        device=self.accelerator.device), "sum").tolist()
+            self.fn_unlogged = [0.0] * len(self.fn_unlogged)
+            out.update(function_figures(self.rewards.names, sums))
+        n = self.rl.log_completions
+        if n and self.accelerator.is_main_process and self.items:
+            pairs = [(it, k) for it in self.items for k in range(len(it["answers"]))][:n]
+            out["completions"] = [{"prompt": self.tok.decode(it["prompt"]),
+                                   "completion": self.tok.decode(it["answers"][k], skip_special_tokens=True),
+                                   "reward": it["rewards"][k], "advantage": it["advantages"][k]} for it, k in pairs]
+        return out
 
     # ---- saved with each checkpoint (accelerate's register_for_checkpointing): the half-used generation batch
     def state_dict(self) -> dict:
@@ -260,13 +254,17 @@ class Rollouts:
         from accelerate.utils import gather_object
 
         world = self.accelerator.num_processes
+        fn = [sum(v) for v in zip(*gather_object([self.fn_unlogged]))] if world > 1 else self.fn_unlogged
         return {"items": gather_object([self.items]) if world > 1 else [self.items], "world": world,
-                "per": len(self.items) // self.accum}
+                "per": len(self.items) // self.accum, "fn_unlogged": fn}
 
     def load_state_dict(self, state: dict) -> None:
         """This process's share of the saved generation batch (`share`: in this run's layout, which may have
         another process count and accumulation), in grad_accum micro-batches again."""
         world, accum = self.accelerator.num_processes, self.accum
+        fn = state.get("fn_unlogged") or []
+        if len(fn) == len(self.fn_unlogged) and self.accelerator.is_main_process:  # the unlogged reward figures
+            self.fn_unlogged = list(fn)
         mine, self.dropped = share(state, world, self.accelerator.process_index, accum, self.rl.questions_per_step)
         if not mine:
             return
@@ -294,6 +292,8 @@ class Rollouts:
         each process, counted over all."""
         accelerator = self.accelerator
         test = self.task.split("test")
+        if not test:  # rl.prompts: no test split to answer
+            return {}
         mine = test[accelerator.process_index::accelerator.num_processes]
         with gathered_for_generation(accelerator, self.model, self.zero_stage) as model:
             was = model.training
