@@ -122,20 +122,64 @@ def test_a_prompt_is_prefilled_once_for_its_samples_and_seeded_samples_repeat(se
     assert e.generate(prompts, 1, temperature=0.7, top_p=1e-6, seed=1) == static
 
 
+def test_a_sample_draws_the_same_tokens_alone_batched_or_at_another_slot_count(setup):
+    """Per-sample seeds: sample (i, j)'s draws are a function of seed(i, j) and its token positions only, so the
+    same sample drawn alone, among other prompts, or with other slots (and rows moved under it) gives the same
+    tokens; greedy ignores the seed."""
+    model, tok, prompts, static = setup
+    qid = {p: k for k, p in enumerate(prompts)}  # a prompt's own id, whatever its index in the call
+    picked = [prompts[4], prompts[1], prompts[7]]
+
+    def seeded(these):
+        return lambda i, j: 1000 * qid[these[i]] + j
+
+    def draw(these, slots):
+        e = ContinuousEngine(model, tok, NEW, max_slots=slots)
+        e.generate(these, 3, temperature=1.0, seed=seeded(these))
+        return {(qid[p], j): e.last_ids[i][j] for i, p in enumerate(these) for j in range(3)}
+
+    together = draw(prompts, 5)  # all 12 prompts x 3 samples through 5 slots: rows refilled and moved
+    assert len({tuple(t) for t in together.values()}) > 20  # samples differ from one another
+    for slots in (1, 4, 16):
+        got = draw(picked, slots)
+        assert got == {k: together[k] for k in got}
+    alone = draw([prompts[7]], 2)
+    assert alone == {k: together[k] for k in alone}
+    e = ContinuousEngine(model, tok, NEW, max_slots=3)
+    assert e.generate(prompts[:4], 1, temperature=1.0, seed=5) != e.generate(prompts[:4], 1, temperature=1.0, seed=6)
+    assert e.generate(prompts, 1, greedy=True, seed=3) == static
+
+
+def test_the_device_draws_are_uniform_and_a_pure_function_of_seed_and_position():
+    from harness.rft.decode import sample_seed, uniform
+
+    seeds = torch.tensor([sample_seed(7, i, 0) for i in range(20000)])
+    u = uniform(seeds, torch.full((20000,), 33))
+    assert u.dtype == torch.float64 and u.shape == (20000, 1) and (u >= 0).all() and (u < 1).all()
+    # deciles within 0.01 of 0.1 each (4.7 standard deviations of a frequency at p = 0.1 over 20,000 draws)
+    assert torch.allclose(torch.histc(u, 10, 0, 1) / 20000, torch.full((10,), 0.1, dtype=torch.float64), atol=0.01)
+    assert len(set((u[:, 0] * 2**48).long().tolist())) == 20000  # 48 bits: no two alike
+    assert torch.equal(uniform(seeds[5:6], torch.tensor([33])), u[5:6])  # the same row alone
+    assert not torch.equal(uniform(seeds[:4], torch.full((4,), 34)), u[:4])  # the next position draws anew
+    big = torch.tensor([2**32 - 1, 0])  # the extreme seeds and counters stay in 32-bit lanes (no int64 overflow)
+    assert ((uniform(big, torch.tensor([2**31 - 1, 2**32 - 1])) - 0.5).abs() < 0.5).all()
+    assert sample_seed(lambda i, j: 10 * i + j, 2, 3) == sample_seed(lambda i, j: 23, 0, 0) != sample_seed(7, 2, 3)
+
+
 def test_the_device_pick_applies_transformers_warpers_then_draws_from_them():
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=g) * 3
     ref = TopPLogitsWarper(0.8)(None, TemperatureLogitsWarper(0.7)(None, logits.clone())).softmax(-1)
-    u = torch.rand(6, 1, generator=g)
+    u = torch.rand(6, 1, generator=g, dtype=torch.float64)
     got = pick(logits, u, torch.tensor(0.7), torch.tensor(0.8))
-    cdf = ref.cumsum(-1)  # the draw: the first token whose cumulative probability under transformers' warpers passes u
+    cdf = ref.double().cumsum(-1)  # the draw: the first token whose cumulative probability under transformers' warpers passes u
     assert torch.equal(got, (cdf <= u * cdf[:, -1:]).sum(-1)) and (ref.gather(1, got[:, None]) > 0).all()
     # a draw from softmax: frequencies of 20,000 draws of one row within 0.02 of the probabilities
     # (4 standard deviations of a frequency at p = 0.5 over 20,000 draws: 4 * sqrt(0.25 / 20000) = 0.014)
     p = torch.tensor([[0.0, 1.0, 2.0, -30.0]]).log_softmax(-1)
-    draws = pick(p.expand(20000, -1), torch.rand(20000, 1, generator=g), torch.tensor(1.0), None)
+    draws = pick(p.expand(20000, -1), torch.rand(20000, 1, generator=g, dtype=torch.float64), torch.tensor(1.0), None)
     assert torch.allclose(torch.bincount(draws, minlength=4) / 20000, p.exp()[0], atol=0.02)
 
 

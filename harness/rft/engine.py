@@ -16,8 +16,10 @@ layer_idx)` and attend over all the positions returned is served; others fall ba
 
 What is exact: greedy decoding gives the text that model.generate gives (the same argmax of the same model, computed
 on other batch shapes: tests/test_rft_engine.py); sampling draws from the same distribution as the static path
-(logits in fp32, transformers' temperature and top-p warpers, top-k off), with other random draws: a fixed seed gives
-the same samples run to run for the same settings and slot count, not the static path's samples.
+(logits in fp32, transformers' temperature and top-p warpers, top-k off), with other random draws: each sample's
+draws are a hash of its own seed and its token positions (decode.uniform), so a fixed seed gives the same samples run
+to run, alone or batched with other prompts, at any slot count (a restart draws what the uninterrupted run would), not
+the static path's samples.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 from harness.distributed.sequence import attention_heads
 from harness.errors import HarnessError
-from harness.rft.decode import PromptCache, SlotCache, Step, bucket_for, buckets, on, pick
+from harness.rft.decode import PromptCache, SlotCache, Step, bucket_for, buckets, on, pick, sample_seed, uniform
 
 
 def servable(model) -> Optional[str]:
@@ -186,20 +188,17 @@ class ContinuousEngine:
         logits = out.logits[torch.arange(len(prompts), device=dev), at].to(dtype=torch.float32)
         return torch.stack(cache.k), torch.stack(cache.v), logits
 
-    def _noise(self, rows: int, greedy: bool, gen) -> Optional[torch.Tensor]:
-        if greedy:
-            return None
-        return torch.rand((rows, 1), dtype=torch.float32, device=self.device, generator=gen)
-
     # ------------------------------------------------------------------------------------------- the loop
     @torch.no_grad()
     def generate(self, prompts: list[str], n: int, temperature: float = 1.0, top_p: float = 1.0,
                  greedy: bool = False, seed=0,
                  on_done: Optional[Callable[[int, list[str]], None]] = None) -> list[list[str]]:
         """n responses per prompt, grouped by prompt (each group in sample order). `on_done(i, responses)` is
-        called as soon as prompt i's n samples have ended (a resumable writer appends its record there)."""
+        called as soon as prompt i's n samples have ended (a resumable writer appends its record there).
+        `seed`: an int (sample j of prompt i is seeded from (seed, i, j)) or a callable `seed(i, j) -> int`; a
+        sample's draws are a function of its seed and its token positions only (decode.uniform), the same drawn
+        alone or with other prompts, whatever the slots."""
         tok, dev, st = self.tok, self.device, self.stats
-        gen = torch.Generator(device=dev).manual_seed(seed(0) if callable(seed) else seed)
         temp = torch.tensor(float(temperature), device=dev)
         nucleus = torch.tensor(float(top_p), device=dev) if top_p < 1.0 and not greedy else None
         eos = tok.eos_token_id  # as the static path, which passes the tokenizer's to generate()
@@ -251,7 +250,7 @@ class ContinuousEngine:
         while waiting or rows or pending:
             try:
                 if waiting and len(rows) < cache.slots:
-                    self._admit(cache, rows, waiting, ids, prompt_kv, n, pending, greedy, gen, temp, nucleus)
+                    self._admit(cache, rows, waiting, ids, prompt_kv, n, pending, greedy, seed, temp, nucleus)
                     read(self.lag)
                 if rows:
                     # compiled: a bucket of rows over all columns (fixed shapes); eager: the rows and columns in
@@ -259,9 +258,8 @@ class ContinuousEngine:
                     b = bucket_for(len(rows), sizes) if self.compiled else len(rows)
                     if not self.compiled:
                         cache.attend = min(cache.width, -(-(max(s.pos for s in rows) + 1) // 32) * 32)
-                    noise = self._noise(b, greedy, gen)
                     m = time.perf_counter()
-                    picked = self.step(cache, b, noise, temp, nucleus)
+                    picked = self.step(cache, b, not greedy, temp, nucleus)
                     cache.cur[:b] = picked
                     cache.pos[:b] += 1
                     st.model_seconds += time.perf_counter() - m
@@ -294,7 +292,7 @@ class ContinuousEngine:
         return host, seqs, event
 
     def _admit(self, cache: SlotCache, rows: list, waiting: list, ids: list, prompt_kv: dict, n: int, pending: list,
-               greedy: bool, gen, temp, nucleus) -> None:
+               greedy: bool, seed, temp, nucleus) -> None:
         """Waiting samples take the free rows: the prompts not yet prefilled in one pass, their keys and values
         copied into the rows, each sample's first token picked from its prompt's last logits."""
         taken = []
@@ -330,9 +328,12 @@ class ContinuousEngine:
             at.append(d)
         logits, d = torch.cat(firsts), torch.cat(at)
         seqs = [rows[r] for g in groups.values() for r in g[1]]  # in the order of d
-        first = pick(logits, self._noise(len(seqs), greedy, gen), temp, nucleus)
-        cache.cur[d] = first
         cache.pos[d] = on(self.device, [s.pos for s in seqs])
+        if not greedy:
+            cache.seed[d] = on(self.device, [sample_seed(seed, s.i, s.j) for s in seqs])
+        noise = None if greedy else uniform(cache.seed[d], cache.pos[d])  # the first token: at the prompt's length
+        first = pick(logits, noise, temp, nucleus)
+        cache.cur[d] = first
         self.stats.model_seconds += time.perf_counter() - m
         pending.append(self._readable(first, seqs))
 

@@ -104,9 +104,10 @@ def _run(r, model: Optional[str], acc, stop_after: int) -> Optional[dict]:
                         seq_s=f"{tally['samples'] / max(time.perf_counter() - tally['t0'], 1e-9):.1f}")
 
     try:  # (an error ends the bar's line first: its one line is not printed after the bar)
-        if todo:  # each batch (static) or the whole run (continuous) seeded from rft.seed and its first question
+        if todo:  # each sample (continuous) or batch (static: its first question's) seeded from rft.seed, the
+            # question's id and the sample's index: a restart draws what the uninterrupted run would (continuous)
             engine.generate([prompt_text(task, q, tok) for q in todo], r.oversample, r.temperature, r.top_p,
-                            seed=lambda i: r.seed + zlib.crc32(todo[i].qid.encode()), on_done=on_done)
+                            seed=lambda i, j: zlib.crc32(f"{r.seed}/{todo[i].qid}/{j}".encode()), on_done=on_done)
     finally:
         bar.close()
     from accelerate.utils import gather_object

@@ -64,7 +64,7 @@ class TransformersEngine:
                                                        num_return_sequences=n)
         config = GenerationConfig(max_new_tokens=self.max_new_tokens, eos_token_id=eos, pad_token_id=tok.pad_token_id,
                                   **kw)
-        seed = seed(0) if callable(seed) else seed
+        seed = seed(0, 0) if callable(seed) else seed
         torch.manual_seed(seed)
         cpu = next(self.model.parameters()).device.type == "cpu"
         page = 256  # tokens per cache block (transformers' default); on CPU the cache sized for the sequences in

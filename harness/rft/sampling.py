@@ -132,7 +132,7 @@ class Sampler:
 
 class StaticEngine:
     """rft.engine=static: model.generate over fixed batches of `per_call` questions x n samples (today's path, kept
-    for comparison); each batch seeded with seed(i), i its first prompt's index, and waits for its longest answer."""
+    for comparison); each batch seeded with seed(i, 0), i its first prompt's index, and waits for its longest answer."""
 
     name = "static"
 
@@ -146,7 +146,7 @@ class StaticEngine:
                  greedy: bool = False, seed=0, on_done: Optional[Callable] = None) -> list[list[str]]:
         out: list[list[str]] = []
         for i in range(0, len(prompts), self.per_call):
-            torch.manual_seed(seed(i) if callable(seed) else seed + i)
+            torch.manual_seed(seed(i, 0) if callable(seed) else seed + i)
             got = self.sampler.sample(prompts[i:i + self.per_call], n, temperature, top_p, greedy)
             for k, responses in enumerate(got):
                 if on_done is not None:

@@ -36,7 +36,7 @@ class VllmEngine:
                  greedy: bool = False, seed=0, on_done: Optional[Callable] = None) -> list[list[str]]:
         params = self.vllm.SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=top_p,
                                           max_tokens=self.max_new_tokens, stop=self.stop or None,
-                                          seed=seed(0) if callable(seed) else seed)
+                                          seed=seed(0, 0) if callable(seed) else seed)
         t0 = time.perf_counter()
         outs = self.llm.generate(prompts, params)
         self.stats.seconds += time.perf_counter() - t0
