@@ -182,7 +182,9 @@ class Rewards:
             kw = {**columns, "questions": questions} if spec == "verifier" else columns
             per[:, j] = torch.tensor(self._call(fn, spec, j, prompts, completions, ids, kw), dtype=torch.float64)
         weights = torch.tensor([w for _, _, w, _ in self.fns], dtype=torch.float64)
-        return torch.nansum(per * weights, dim=1), per
+        weighted = torch.nansum(per * weights, dim=1)
+        weighted[torch.isnan(per).all(1)] = float("nan")  # no function scored it: out of its group's baseline (TRL)
+        return weighted, per
 
     @staticmethod
     def _call(fn, spec: str, j: int, prompts, completions, ids, columns: dict) -> list[float]:

@@ -22,8 +22,9 @@ import time
 
 import torch
 
+from harness.data import IGNORE_INDEX
 from harness.errors import ConfigError, HarnessError
-from harness.rft.engine import ContinuousEngine, servable
+from harness.rft.engine import ContinuousEngine, compile_default, servable
 from harness.rft.tasks import Question, Task
 from harness.rl import loss as rl_loss
 from harness.rl.batch import completion_logps, completion_mask, rows
@@ -118,8 +119,16 @@ class Rollouts:
         why = servable(unwrapped)
         if why is not None:
             raise HarnessError(f"loss.mode=rl generates with the continuous engine, which cannot serve {why}")
-        self.engine = ContinuousEngine(unwrapped, tokenizer, self.r.max_new_tokens, self.r.micro_batch_sequences,
-                                       self.r.kv_cache_gb, tuple(self.r.stop_strings), say)
+        # one call per generation batch: its cache sized for this process's answers of the batch (slots), compiled
+        # when rft.compile says so (not under ZeRO-3: the gathered weights move between batches, where CUDA graphs
+        # read them in place); freed after an eager call, for the training pass
+        answers = rl.questions_per_step // accelerator.num_processes * rl.num_generations
+        compiled = compile_default(self.r.compile, unwrapped) and zero_stage != 3
+        if compile_default(self.r.compile, unwrapped) and zero_stage == 3:
+            say("[harness] rl: rft.compile is off under ZeRO-3 (the gathered weights move between generations)")
+        self.engine = ContinuousEngine(unwrapped, tokenizer, self.r.max_new_tokens,
+                                       min(self.r.micro_batch_sequences, answers), self.r.kv_cache_gb,
+                                       tuple(self.r.stop_strings), say, compile=compiled)
         self.reference = None
         if self.rl.beta:
             if zero_stage == 3:
@@ -130,6 +139,7 @@ class Rollouts:
         self.figures = StepSums()  # its rewards and lengths, logged with every step trained on it
         self.items: list = []  # the same as questions: prompt, answers, rewards, advantages, old / reference log-probs
         self.dropped = ""  # why a checkpoint's half-used generation batch could not continue (`share`)
+        self.gen_calls = 0  # engine calls of generation batches (this process), logged as gen_calls
         self.fn_sums: list = []  # each reward function's [sum, squares, count] of the current batch (this process)
         self.fn_unlogged = [0.0] * (3 * len(self.rewards.names))  # ... of the steps since the last log line
 
@@ -148,7 +158,9 @@ class Rollouts:
             t0 = time.perf_counter()
             self.current, self.figures = self.generate(picked, step)
             gen_s = time.perf_counter() - t0
-            unlogged.add(StepSums(rl_gen_s=gen_s if self.accelerator.is_main_process else 0.0))
+            main = self.accelerator.is_main_process
+            unlogged.add(StepSums(rl_gen_s=gen_s if main else 0.0, rl_gen_calls=self.gen_calls if main else 0))
+            self.gen_calls = 0
         unlogged.add(self.figures)  # each step logs the rewards and lengths of the answers it trains on
         self.fn_unlogged = [a + b for a, b in zip(self.fn_unlogged, self.fn_sums)]
         return self.current
@@ -166,21 +178,21 @@ class Rollouts:
             was = model.training
             model.eval()
             self.engine.model = model
-            # one engine call per question, seeded by the step and the question: the same answers whatever the
-            # process count (the engine takes one seed per call)
-            texts, sampled = [], []
-            for t, i in zip(texts_in, index):
-                texts.append(self.engine.generate([t], G, self.r.temperature, self.r.top_p,
-                                                  seed=(self.r.seed * 1_000_003 + step) * 100_003 + i)[0])
-                sampled.append(self.engine.last_ids[0])  # the tokens drawn (EOS kept): what the loss scores
+            # one engine call for every question of the batch; answer j of question `index[i]` seeded by (rft.seed,
+            # step, the question, j) alone: the same tokens whatever shares the call and on any process count
+            texts = self.engine.generate(texts_in, G, self.r.temperature, self.r.top_p,
+                                         seed=lambda i, j: (self.r.seed, step, index[i], j))
+            sampled = self.engine.last_ids  # the tokens drawn (EOS kept): what the loss scores
+            self.free()
             model.train(was)
         weighted, per = self.rewards.score([q for q in flat for _ in range(G)], [t for a in texts for t in a],
                                            [ids for a in sampled for ids in a])
         rewards = weighted.to(torch.float32).to(dev)
-        adv, _ = rl_loss.advantages(rewards, G, self.rl.scale_rewards)
-        if self.rl.scale_rewards == "batch":  # the whole step's std, as TRL's (its batch is every process's)
-            every = accelerator.gather(rewards)
-            adv = (rewards - rewards.view(-1, G).mean(1).repeat_interleave(G)) / (every.std() + 1e-4)
+        self.gen_calls += 1
+        every = accelerator.gather(rewards) if self.rl.scale_rewards == "batch" else None  # TRL's batch: all
+        adv, _ = rl_loss.advantages(rewards, G, self.rl.scale_rewards,  # processes' answers
+                                    None if every is None else rl_loss.nanstd(every))
+        rewards = torch.nan_to_num(rewards, nan=0.0)  # (logged: an answer no function scored counts 0)
         items, at = [], 0
         for p, answers in zip(prompts, sampled):
             items.append({"prompt": p, "answers": answers, "rewards": rewards[at:at + G].tolist(),
@@ -200,6 +212,12 @@ class Rollouts:
         self.scale(out)
         return out, self.figures_of(items)
 
+    def free(self) -> None:
+        """The engine's KV cache freed for the training pass, where the decode step is eager (a compiled one reads
+        its cache in place: kept, sized for the generation batch)."""
+        if not self.engine.compiled:
+            self.engine.cache = None
+
     def batch(self, items: list[dict]) -> dict:
         """A micro-batch of questions' answers (G rows each), with the log-probs the items carry."""
         G, dev = self.rl.num_generations, self.accelerator.device
@@ -208,6 +226,10 @@ class Rollouts:
                                                self.tok.pad_token_id).items()}
         batch["advantages"] = torch.tensor([a for it in items for a in it["advantages"]], dtype=torch.float32,
                                            device=dev)
+        if self.rl.mask_truncated_completions:  # answers cut at rft.max_new_tokens: no loss (TRL's masking)
+            cut = [len(a) >= self.r.max_new_tokens and a[-1] != self.tok.eos_token_id
+                   for it in items for a in it["answers"]]
+            batch["labels"][torch.tensor(cut, device=dev)] = IGNORE_INDEX
         on = completion_mask(batch).bool()
         for name in ("old_logps", "ref_logps"):
             if name in items[0]:
@@ -300,6 +322,7 @@ class Rollouts:
             model.eval()
             self.engine.model = model
             texts = self.engine.generate([self.prompt_text(q) for q in mine], 1, greedy=True) if mine else []
+            self.free()
             model.train(was)
         right = sum(self.task.verify(t[0], q) for q, t in zip(mine, texts))
         answered = sum(self.task.extract(t[0]) is not None for t in texts)
