@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -344,6 +345,42 @@ def test_a_seeded_steps_answers_are_the_same_generated_together_or_one_by_one():
     assert len({tuple(a) for group in together for a in group}) > 4  # sampled: the answers differ
     ro.generate([torch.tensor([5, 1, 7, 2])], step=4)
     assert [it["answers"] for it in ro.items] != together
+
+
+def test_mask_truncated_completions_leaves_cut_answers_out_of_the_loss():
+    """rl.mask_truncated_completions: an answer that reached rft.max_new_tokens without EOS has no trained token (its
+    labels ignored: out of the loss and of the step's token count, as TRL's completion_mask); the others keep all."""
+    from accelerate import Accelerator
+
+    from harness import model as model_lib
+    from harness.config import load_config
+    from harness.data import IGNORE_INDEX
+    from harness.rft.tasks import build_task
+    from harness.rl.rollout import Rollouts
+
+    torch.manual_seed(0)
+    got = {}
+    for on in (False, True):
+        cfg = load_config("configs/grpo-tiny.yaml", [*TINY, "rl.num_generations=4", "rft.max_new_tokens=4",
+                                                     "rl.questions_per_step=4", f"rl.mask_truncated_completions={on}"])
+        tok = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
+        torch.manual_seed(0)
+        model = model_lib.build_model(cfg.model, tok).float().eval()
+        bias = torch.zeros(model.lm_head.out_features)  # EOS drawn ~18% of the time: ~half the answers cut at 4
+        bias[tok.eos_token_id] = math.log(model.lm_head.out_features) - 1.5
+        model.lm_head.bias = torch.nn.Parameter(bias)
+        ro = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, Accelerator(cpu=True), model, tok, build_task(cfg.rft),
+                      64, 0, lambda m: None)
+        batches, _ = ro.generate([torch.tensor([0, 1, 2, 3])], step=1)
+        answers = [a for it in ro.items for a in it["answers"]]
+        trained = (batches[0]["labels"] != IGNORE_INDEX).sum(1).tolist()
+        got[on] = (answers, trained)
+    answers, trained = got[True]
+    assert answers == got[False][0]  # the same draws
+    cut = [len(a) == 4 and a[-1] != tok.eos_token_id for a in answers]
+    assert any(cut) and not all(cut)
+    assert trained == [0 if c else len(a) for a, c in zip(answers, cut)]
+    assert got[False][1] == [len(a) for a in answers]
 
 
 # ----------------------------------------------------------------------------------------------- another layout
