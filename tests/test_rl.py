@@ -383,6 +383,54 @@ def test_mask_truncated_completions_leaves_cut_answers_out_of_the_loss():
     assert got[False][1] == [len(a) for a in answers]
 
 
+def test_lora_rollouts_sample_the_adapted_model_and_score_the_reference_with_adapters_off():
+    """model.lora with rl.beta > 0: the engine runs the peft model's base module with its LoRA layers in place (greedy
+    answers = transformers' generate of the adapted model, not of the base), and the reference log-probs are the
+    same model's with its adapters disabled (no copy of the base weights kept)."""
+    from accelerate import Accelerator
+
+    from harness import model as model_lib
+    from harness.config import load_config
+    from harness.rft.tasks import build_task
+    from harness.rl.rollout import Rollouts
+
+    cfg = load_config("configs/grpo-tiny.yaml", [*TINY, "model.lora.enabled=true", "rl.beta=0.1",
+                                                 "rl.num_generations=2", "rft.max_new_tokens=8",
+                                                 "rft.temperature=1e-6", "rl.questions_per_step=2"])
+    torch.manual_seed(0)
+    tok = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
+    model = model_lib.build_model(cfg.model, tok).float()
+    with torch.no_grad():  # adapters that move the answers (peft starts lora_B at 0: the base model)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    model.eval()
+    ro = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, Accelerator(cpu=True), model, tok, build_task(cfg.rft), 64,
+                  0, lambda m: None)
+    assert ro.reference is model  # no second copy
+    batches, _ = ro.generate([torch.tensor([0, 1])], step=1)
+
+    def greedy(m, prompt):
+        ids = torch.tensor([prompt])
+        out = m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+        return out[:out.index(tok.eos_token_id) + 1] if tok.eos_token_id in out else out
+
+    moved = 0
+    for item in ro.items:
+        adapted = greedy(model, item["prompt"])
+        assert item["answers"] == [adapted, adapted]
+        with model.disable_adapter():
+            moved += greedy(model, item["prompt"]) != adapted
+    assert moved  # the adapters change the answers: the engine ran the adapted model
+    b = batches[0]
+    with torch.no_grad(), model.disable_adapter():
+        base = completion_logps(model, b, 64, cfg.rft.temperature)
+    adapted = completion_logps(model, b, 64, cfg.rft.temperature).detach()
+    on = completion_mask(b).bool()
+    assert torch.allclose(b["ref_logps"][on], base[on]) and not torch.allclose(b["ref_logps"][on], adapted[on])
+
+
 # ----------------------------------------------------------------------------------------------- another layout
 
 

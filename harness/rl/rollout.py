@@ -82,6 +82,11 @@ def gathered_for_generation(accelerator, model, zero_stage: int):
             offload._register_deepspeed_module(offload.module)
 
 
+def served(model):
+    """What the engine runs: a peft model's base module (its LoRA layers injected, adapters active), else the model."""
+    return model.get_base_model() if hasattr(model, "disable_adapter") and hasattr(model, "get_base_model") else model
+
+
 def share(state: dict, world: int, rank: int, accum: int, questions: int) -> tuple[list, str]:
     """(process `rank`'s items of a saved generation batch in a layout of `world` processes x `accum` micro-batches,
     why there are none where the batch cannot continue). A saving process r's k-th micro-batch of `per` questions
@@ -116,21 +121,28 @@ class Rollouts:
         self.questions = task.split("train")
         self.rewards = Rewards(rl, task)  # rl.rewards, or rl.reward as one function
         unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-        why = servable(unwrapped)
+        # model.lora (and QLoRA): the engine runs the peft model's base module, its LoRA layers in place (the
+        # adapted model, no merged copy); bitsandbytes' quantized layers run eagerly
+        self.peft = hasattr(unwrapped, "disable_adapter") and hasattr(unwrapped, "get_base_model")
+        why = servable(served(unwrapped))
+        quantized = why == "a quantized model" and self.peft
+        why = None if quantized else why
         if why is not None:
             raise HarnessError(f"loss.mode=rl generates with the continuous engine, which cannot serve {why}")
         # one call per generation batch: its cache sized for this process's answers of the batch (slots), compiled
         # when rft.compile says so (not under ZeRO-3: the gathered weights move between batches, where CUDA graphs
         # read them in place); freed after an eager call, for the training pass
         answers = rl.questions_per_step // accelerator.num_processes * rl.num_generations
-        compiled = compile_default(self.r.compile, unwrapped) and zero_stage != 3
+        compiled = compile_default(self.r.compile, unwrapped) and zero_stage != 3 and not quantized
         if compile_default(self.r.compile, unwrapped) and zero_stage == 3:
             say("[harness] rl: rft.compile is off under ZeRO-3 (the gathered weights move between generations)")
-        self.engine = ContinuousEngine(unwrapped, tokenizer, self.r.max_new_tokens,
+        self.engine = ContinuousEngine(served(unwrapped), tokenizer, self.r.max_new_tokens,
                                        min(self.r.micro_batch_sequences, answers), self.r.kv_cache_gb,
                                        tuple(self.r.stop_strings), say, compile=compiled)
         self.reference = None
-        if self.rl.beta:
+        if self.rl.beta and self.peft:  # TRL's way with peft: the same model with its adapters disabled
+            self.reference = unwrapped
+        elif self.rl.beta:
             if zero_stage == 3:
                 raise ConfigError("config key 'rl.beta': a reference model under ZeRO-3 is not supported yet; use "
                                   "rl.beta=0 or ZeRO 0-2")
@@ -177,7 +189,7 @@ class Rollouts:
         with gathered_for_generation(accelerator, self.model, self.zero_stage) as model:
             was = model.training
             model.eval()
-            self.engine.model = model
+            self.engine.model = served(model)
             # one engine call for every question of the batch; answer j of question `index[i]` seeded by (rft.seed,
             # step, the question, j) alone: the same tokens whatever shares the call and on any process count
             texts = self.engine.generate(texts_in, G, self.r.temperature, self.r.top_p,
@@ -204,7 +216,8 @@ class Rollouts:
             for name, model in (("old_logps", self.model if self.rl.iterations > 1 else None),
                                 ("ref_logps", self.reference)):
                 if model is not None:
-                    batch[name] = completion_logps(model, batch, self.chunk_size, self.r.temperature)
+                    with model.disable_adapter() if name == "ref_logps" and self.peft else contextlib.nullcontext():
+                        batch[name] = completion_logps(model, batch, self.chunk_size, self.r.temperature)
                     on = completion_mask(batch).bool()
                     for j, item in enumerate(items[k * per:(k + 1) * per]):
                         item[name] = [batch[name][j * G + g][on[j * G + g]].cpu() for g in range(G)]
@@ -320,7 +333,7 @@ class Rollouts:
         with gathered_for_generation(accelerator, self.model, self.zero_stage) as model:
             was = model.training
             model.eval()
-            self.engine.model = model
+            self.engine.model = served(model)
             texts = self.engine.generate([self.prompt_text(q) for q in mine], 1, greedy=True) if mine else []
             self.free()
             model.train(was)
