@@ -251,7 +251,7 @@ def build_data(cfg: Config, accelerator, say: Callable[[str], None]) -> tuple[An
         from harness.rl.rollout import question_loader
 
         _, data.gen = question_loader(cfg.rl, cfg.rft, cfg.train.grad_accum, cfg.data.shuffle,
-                                      accelerator.num_processes)
+                                      accelerator.num_processes, cfg.data.cache_dir)
     for kind, st in data.stats.items():
         say(f"[harness] {kind} data: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                                     for k, v in st.items()
@@ -333,11 +333,11 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     objective = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, accelerator, model, chunk_size=chunk_size,
                           flop_dims=flop_dims, sp=sp, rl=cfg.rl, rl_temperature=cfg.rft.temperature)
     if cfg.loss.mode == "rl":  # before a checkpoint is loaded: the reference (rl.beta > 0) is the starting model
-        from harness.rft.tasks import build_task
+        from harness.rl.prompts import rl_task
         from harness.rl.rollout import Rollouts
 
         objective.rl = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, accelerator, model, tokenizer,
-                                build_task(cfg.rft), chunk_size, zero["zero_stage"], say)
+                                rl_task(cfg.rl, cfg.rft, cfg.data.cache_dir), chunk_size, zero["zero_stage"], say)
         accelerator.register_for_checkpointing(objective.rl)  # the half-used generation batch, with each checkpoint
         say(f"[harness] rl: {cfg.rl.algorithm}, {cfg.rl.questions_per_step} questions x {cfg.rl.num_generations} "
             f"answers per generation batch, {cfg.rl.iterations} step(s) on each, loss_type {cfg.rl.loss_type}, "

@@ -46,6 +46,7 @@ class StepSums:
     rl_kl_sum: Number = 0  # KL to the reference, summed over the answer tokens trained
     rl_gen_s: Number = 0  # seconds generating (the main process's)
     rl_train_s: Number = 0  # seconds in the training passes (the main process's)
+    rl_gen_calls: Number = 0  # engine calls generating the answers (the main process's)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -65,7 +66,7 @@ def preference_figures(sums: dict, orpo: bool, prefix: str = "") -> dict:
 def rl_figures(sums: dict, beta: float) -> dict:
     """The log line of loss.mode=rl from summed StepSums values: loss, reward mean and std, the share of questions
     whose answers all scored alike, clip fraction, KL (beta > 0), mean answer length, seconds generating and
-    training per step (the main process's)."""
+    training per step and the engine calls of the interval (the main process's)."""
     steps, n = max(sums["rl_steps"], 1), max(sums["rl_answers"], 1)
     mean = sums["rl_reward_sum"] / n
     out = {"loss": sums["rl_loss_sum"] / steps, "reward": mean,
@@ -73,7 +74,8 @@ def rl_figures(sums: dict, beta: float) -> dict:
            "flat_group_share": sums["rl_flat_groups"] / max(sums["rl_groups"], 1),
            "clip_fraction": sums["rl_clipped"] / max(sums["rl_tokens"], 1),
            "completion_length": sums["rl_length_sum"] / n,
-           "gen_s_per_step": sums["rl_gen_s"] / steps, "train_s_per_step": sums["rl_train_s"] / steps}
+           "gen_s_per_step": sums["rl_gen_s"] / steps, "train_s_per_step": sums["rl_train_s"] / steps,
+           "gen_calls": sums["rl_gen_calls"]}
     if beta:
         out["kl"] = sums["rl_kl_sum"] / max(sums["rl_tokens"], 1)
     return out

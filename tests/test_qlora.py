@@ -124,3 +124,24 @@ def test_qlora_run_exports_adapter_and_merged_model(tmp_path):
                               atol=1e-4)
         assert merged.generate(input_ids=ids, max_new_tokens=4, do_sample=False).shape[1] == ids.shape[1] + 4
     assert isinstance(peft_model, PeftModel)
+
+
+@pytest.mark.slow
+def test_qlora_grpo_with_a_reference_trains_on_cpu(tmp_path):
+    """loss.mode=rl on a 4-bit base with LoRA and rl.beta > 0: the engine samples the adapted quantized model (its
+    bitsandbytes layers eagerly), the reference is the same model with its adapters disabled; 2 steps train, the KL
+    to the reference moves off 0 after the first update."""
+    from tests.harness_launch import ROOT, metrics
+
+    base = tmp_path / "base"
+    save_base(base)
+    out = tmp_path / "run"
+    run_train([f"model.name_or_path={base}", "model.lora.enabled=true", "model.quantization=4bit", "rl.beta=0.1",
+               "rl.reward=rl_rewards:digits", "train.max_steps=2", "rl.questions_per_step=2", "rl.num_generations=4",
+               "rft.max_new_tokens=8", "rft.num_test_questions=4", "train.eval_at_start=false", "optim.lr=1e-2",
+               "optim.warmup_steps=0", "train.summary=false", "train.progress_bar=false", "train.log_every=1",
+               f"train.output_dir={out}"], config=str(ROOT / "configs/grpo-tiny.yaml"),
+              extra_env={"PYTHONPATH": f"{ROOT / 'tests'}:{ROOT}"})
+    steps = [m for m in metrics(out) if "reward" in m]
+    assert [m["step"] for m in steps] == [1, 2] and steps[0]["kl"] == pytest.approx(0, abs=1e-6)
+    assert steps[1]["kl"] > 0 and all(m["gen_calls"] == 1 for m in steps)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -69,29 +70,47 @@ def fixed(tmp_path_factory):
     return tok, model, path, prompts, completions, cmask, rewards, old, ref
 
 
-def trl_loss(path, tok, model, loss_type, beta, inputs, temperature):
-    """TRL's GRPOTrainer (built on the saved model, its weights then set to `model`'s) -> _compute_loss and grads."""
+def trl_trainer(path, tok, loss_type="dapo", beta=0.0, temperature=1.0, level="token", scale="group",
+                accum=1, rewards=None, batch=N):
+    """TRL's GRPOTrainer built on the saved model (its real code: _compute_loss, _generate_and_score_completions)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    args = GRPOConfig(output_dir=str(path / "trl"), per_device_train_batch_size=N, num_generations=GROUP,
+    args = GRPOConfig(output_dir=str(path / "trl"), per_device_train_batch_size=batch, num_generations=GROUP,
                       loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28, temperature=temperature,
-                      max_completion_length=COMPLETION, report_to=[], use_cpu=True, bf16=False)
-    trainer = GRPOTrainer(model=str(path), reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                      max_completion_length=COMPLETION, report_to=[], use_cpu=True, bf16=False,
+                      importance_sampling_level=level, scale_rewards=scale, gradient_accumulation_steps=accum)
+    fn = rewards or (lambda completions, **_: [0.0] * len(completions))
+    trainer = GRPOTrainer(model=str(path), reward_funcs=fn, args=args,
                           train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}), processing_class=tok)
     assert trainer.loss_type == loss_type and trainer.beta == beta
+    return trainer
+
+
+def trl_loss(path, tok, model, loss_type, beta, inputs, temperature, level="token", parts=1):
+    """TRL's _compute_loss (its weights set to `model`'s) on `inputs` split into `parts` micro-batches of one
+    generation batch (gradient_accumulation_steps = steps_per_generation = parts): the summed loss and grads."""
+    trainer = trl_trainer(path, tok, loss_type, beta, temperature, level, accum=parts)
     trainer.model.load_state_dict(model.state_dict())
     trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1  # one micro-batch: the whole batch
+    trainer.current_gradient_accumulation_steps = parts
     trainer.model.zero_grad()
-    loss = trainer._compute_loss(trainer.model, inputs)
-    loss.backward()
-    return loss.detach(), _grads(trainer.model)
+    rows_ = inputs["prompt_ids"].shape[0]
+    total = 0.0
+    for k in range(parts):
+        part = {k2: (v[k * rows_ // parts:(k + 1) * rows_ // parts] if k2 != "num_items_in_batch" else v)
+                for k2, v in inputs.items()}
+        loss = trainer._compute_loss(trainer.model, part)
+        loss.backward()
+        total = total + loss.detach()
+    return total, _grads(trainer.model)
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 @pytest.mark.parametrize("loss_type", rl_loss.LOSS_TYPES)
-def test_loss_and_gradients_equal_trl(fixed, loss_type, beta):
+def test_loss_and_gradients_equal_trl(fixed, loss_type, beta, level):
+    """Each rl.loss_type x beta x rl.importance_sampling (token; sequence: GSPO) = TRL's within 1e-5."""
     tok, model, path, prompts, completions, cmask, rewards, old, ref = fixed
     temperature = 0.7
     adv, _ = rl_loss.advantages(rewards, GROUP, "group")
@@ -100,7 +119,7 @@ def test_loss_and_gradients_equal_trl(fixed, loss_type, beta):
               "num_items_in_batch": cmask.sum()}
     if beta:
         inputs["ref_per_token_logps"] = ref
-    ref_loss, ref_grads = trl_loss(path, tok, model, loss_type, beta, inputs, temperature)
+    ref_loss, ref_grads = trl_loss(path, tok, model, loss_type, beta, inputs, temperature, level)
 
     # ours: prompt + completion rows, per-token tensors [rows, width - 1]; TRL's completion columns sit at
     # positions PROMPT - 1 .. PROMPT + COMPLETION - 2
@@ -117,15 +136,87 @@ def test_loss_and_gradients_equal_trl(fixed, loss_type, beta):
     assert torch.equal(place(cmask.float()), mask.float())
     logps = completion_logps(ours, batch, chunk_size=5, temperature=temperature)
     loss = rl_loss.grpo_loss(loss_type, logps, place(old), adv, mask, 0.2, 0.28, beta,
-                             place(ref) if beta else None, max_new_tokens=COMPLETION)
+                             place(ref) if beta else None, max_new_tokens=COMPLETION, level=level)
     loss.backward()
-    _, clipped, _ = rl_loss.per_token_terms(logps.detach(), place(old), adv, 0.2, 0.28)
-    assert 0 < int((clipped & mask.bool()).sum()) < int(mask.sum())  # the batch exercises the clipping
+    _, clipped, _ = rl_loss.per_token_terms(logps.detach(), place(old), adv, 0.2, 0.28, mask=mask, level=level)
+    if level == "token":  # (one ratio an answer, from the mean of +-0.4 moves: rarely clipped)
+        assert 0 < int((clipped & mask.bool()).sum()) < int(mask.sum())  # the batch exercises the clipping
     _close(loss.detach(), ref_loss)
     grads = _grads(ours)
     assert grads.keys() == ref_grads.keys()
     for name in grads:
         _close(grads[name], ref_grads[name])
+
+
+@pytest.mark.parametrize("loss_type", rl_loss.LOSS_TYPES)
+def test_left_padded_prompts_and_two_micro_batches_equal_trl(fixed, loss_type):
+    """Prompts of unequal lengths (TRL left-pads them, here each row is prompt + completion, right-padded) and the
+    generation batch in two micro-batches of one question each, beta 0.1: the summed loss and every gradient equal
+    TRL's two micro-batches for grpo, dapo and dr_grpo (their normalisation does not depend on the split: equal
+    micro-batches) within 1e-5; bnpo (TRL: / each micro-batch's tokens) equals TRL's one micro-batch of the whole
+    batch, and TRL's own two micro-batches differ from it (the dependence docs/rl.md names)."""
+    tok, model, path, _, completions, cmask, rewards, old, ref = fixed
+    g = torch.Generator().manual_seed(7)
+    short, long_ = 3, PROMPT  # the first question's prompt 3 tokens, the second's 5
+    plist = [torch.randint(10, len(tok), (short,), generator=g).tolist()] * GROUP + \
+            [torch.randint(10, len(tok), (long_,), generator=g).tolist()] * GROUP
+    prompt_ids = torch.tensor([[tok.pad_token_id] * (long_ - len(p)) + p for p in plist])  # TRL's left padding
+    prompt_mask = (torch.arange(long_)[None] >= torch.tensor([long_ - len(p) for p in plist])[:, None]).long()
+    adv, _ = rl_loss.advantages(rewards, GROUP, "group")
+    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completions,
+              "completion_mask": cmask, "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
+              "num_items_in_batch": cmask.sum()}
+    temperature = 0.7
+    ref_loss, ref_grads = trl_loss(path, tok, model, loss_type, 0.1, inputs, temperature,
+                                   parts=1 if loss_type == "bnpo" else 2)
+
+    ours = copy.deepcopy(model).train()
+    comps = [c[:m.sum()].tolist() for c, m in zip(completions, cmask)]
+    total_counts = [N, int(cmask.sum())]
+    denom = rl_loss.denominator(loss_type, *total_counts, COMPLETION)
+    factor = rl_loss.step_factor(1, 2, denom)
+    summed = 0.0
+    for k in range(2):  # one question (3 answers) a micro-batch
+        idx = range(k * GROUP, (k + 1) * GROUP)
+        batch = rows([plist[i] for i in idx], [comps[i] for i in idx], tok.pad_token_id)
+        mask = completion_mask(batch)
+        start = len(plist[idx[0]]) - 1
+
+        def place(t):
+            out = torch.zeros(GROUP, batch["input_ids"].shape[1] - 1)
+            out[:, start:start + COMPLETION] = t[list(idx)][:, :out.shape[1] - start]
+            return out
+
+        logps = completion_logps(ours, batch, chunk_size=5, temperature=temperature)
+        per_token, _, _ = rl_loss.per_token_terms(logps, place(old), adv[list(idx)], 0.2, 0.28, 0.1, place(ref),
+                                                  mask)
+        # as step.micro_step: the sum times W x A / the step's denominator (W = 1, A = 2), back-propagated / A (as
+        # the objective's accumulation does)
+        part = rl_loss.loss_sum(loss_type, per_token, mask) * factor / 2
+        part.backward()
+        summed = summed + part.detach()
+    _close(summed, ref_loss)
+    grads = _grads(ours)
+    for name in grads:
+        _close(grads[name], ref_grads[name])
+    if loss_type == "bnpo":  # TRL's two micro-batches: each normalised by its own tokens, another update
+        split_loss, _ = trl_loss(path, tok, model, loss_type, 0.1, inputs, temperature, parts=2)
+        assert abs(float(split_loss) - float(ref_loss)) > 1e-3 * abs(float(ref_loss))
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_equal_trls_own(fixed, scale):
+    """TRL's own advantages (GRPOTrainer._generate_and_score_completions: it samples 3 answers to each of 2 prompts
+    with the tiny model, a reward function returns fixed rewards, one None: no function scored that answer) equal
+    rl_loss.advantages of the same rewards (NaN for the unscored one) for each rl.scale_rewards."""
+    tok, model, path, *_ = fixed
+    given = [1.0, 0.0, None, 0.5, 0.5, 2.0]
+    trainer = trl_trainer(path, tok, scale=scale, rewards=lambda completions, **_: list(given))
+    torch.manual_seed(0)
+    out = trainer._generate_and_score_completions([{"prompt": "a"}] * GROUP + [{"prompt": "b"}] * GROUP)
+    ours, _ = rl_loss.advantages(torch.tensor([float("nan") if r is None else r for r in given]), GROUP, scale)
+    _close(ours, out["advantages"], rel=1e-6)
+    assert ours[2] == 0  # the unscored answer: no advantage
 
 
 def test_advantages_by_hand():
@@ -225,6 +316,121 @@ def test_rollouts_train_on_the_tokens_sampled():
     assert differs  # (this model's answers are ones that re-tokenizing would have changed)
 
 
+def test_a_seeded_steps_answers_are_the_same_generated_together_or_one_by_one():
+    """All the questions of a generation batch go through one engine call, each answer seeded by (rft.seed, step,
+    question, answer index): the answers equal those of the questions generated one by one (what each process
+    does with its share, so also on any process count), and another step draws others."""
+    from accelerate import Accelerator
+
+    from harness import model as model_lib
+    from harness.config import load_config
+    from harness.rft.tasks import build_task
+    from harness.rl.rollout import Rollouts
+
+    cfg = load_config("configs/grpo-tiny.yaml", [*TINY, "rl.num_generations=3", "rft.max_new_tokens=10",
+                                                 "rl.questions_per_step=4"])
+    torch.manual_seed(0)
+    tok = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
+    model = model_lib.build_model(cfg.model, tok).float().eval()
+    ro = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, Accelerator(cpu=True), model, tok, build_task(cfg.rft), 64,
+                  0, lambda m: None)
+    ro.generate([torch.tensor([5, 1, 7, 2])], step=3)
+    together = [it["answers"] for it in ro.items]
+    assert ro.gen_calls == 1 and ro.engine.cache is None  # one call; the cache freed for the training pass
+    alone = []
+    for q in (5, 1, 7, 2):
+        ro.generate([torch.tensor([q])], step=3)
+        alone.append(ro.items[0]["answers"])
+    assert together == alone
+    assert len({tuple(a) for group in together for a in group}) > 4  # sampled: the answers differ
+    ro.generate([torch.tensor([5, 1, 7, 2])], step=4)
+    assert [it["answers"] for it in ro.items] != together
+
+
+def test_mask_truncated_completions_leaves_cut_answers_out_of_the_loss():
+    """rl.mask_truncated_completions: an answer that reached rft.max_new_tokens without EOS has no trained token (its
+    labels ignored: out of the loss and of the step's token count, as TRL's completion_mask); the others keep all."""
+    from accelerate import Accelerator
+
+    from harness import model as model_lib
+    from harness.config import load_config
+    from harness.data import IGNORE_INDEX
+    from harness.rft.tasks import build_task
+    from harness.rl.rollout import Rollouts
+
+    torch.manual_seed(0)
+    got = {}
+    for on in (False, True):
+        cfg = load_config("configs/grpo-tiny.yaml", [*TINY, "rl.num_generations=4", "rft.max_new_tokens=4",
+                                                     "rl.questions_per_step=4", f"rl.mask_truncated_completions={on}"])
+        tok = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
+        torch.manual_seed(0)
+        model = model_lib.build_model(cfg.model, tok).float().eval()
+        bias = torch.zeros(model.lm_head.out_features)  # EOS drawn ~18% of the time: ~half the answers cut at 4
+        bias[tok.eos_token_id] = math.log(model.lm_head.out_features) - 1.5
+        model.lm_head.bias = torch.nn.Parameter(bias)
+        ro = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, Accelerator(cpu=True), model, tok, build_task(cfg.rft),
+                      64, 0, lambda m: None)
+        batches, _ = ro.generate([torch.tensor([0, 1, 2, 3])], step=1)
+        answers = [a for it in ro.items for a in it["answers"]]
+        trained = (batches[0]["labels"] != IGNORE_INDEX).sum(1).tolist()
+        got[on] = (answers, trained)
+    answers, trained = got[True]
+    assert answers == got[False][0]  # the same draws
+    cut = [len(a) == 4 and a[-1] != tok.eos_token_id for a in answers]
+    assert any(cut) and not all(cut)
+    assert trained == [0 if c else len(a) for a, c in zip(answers, cut)]
+    assert got[False][1] == [len(a) for a in answers]
+
+
+def test_lora_rollouts_sample_the_adapted_model_and_score_the_reference_with_adapters_off():
+    """model.lora with rl.beta > 0: the engine runs the peft model's base module with its LoRA layers in place (greedy
+    answers = transformers' generate of the adapted model, not of the base), and the reference log-probs are the
+    same model's with its adapters disabled (no copy of the base weights kept)."""
+    from accelerate import Accelerator
+
+    from harness import model as model_lib
+    from harness.config import load_config
+    from harness.rft.tasks import build_task
+    from harness.rl.rollout import Rollouts
+
+    cfg = load_config("configs/grpo-tiny.yaml", [*TINY, "model.lora.enabled=true", "rl.beta=0.1",
+                                                 "rl.num_generations=2", "rft.max_new_tokens=8",
+                                                 "rft.temperature=1e-6", "rl.questions_per_step=2"])
+    torch.manual_seed(0)
+    tok = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
+    model = model_lib.build_model(cfg.model, tok).float()
+    with torch.no_grad():  # adapters that move the answers (peft starts lora_B at 0: the base model)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    model.eval()
+    ro = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, Accelerator(cpu=True), model, tok, build_task(cfg.rft), 64,
+                  0, lambda m: None)
+    assert ro.reference is model  # no second copy
+    batches, _ = ro.generate([torch.tensor([0, 1])], step=1)
+
+    def greedy(m, prompt):
+        ids = torch.tensor([prompt])
+        out = m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+        return out[:out.index(tok.eos_token_id) + 1] if tok.eos_token_id in out else out
+
+    moved = 0
+    for item in ro.items:
+        adapted = greedy(model, item["prompt"])
+        assert item["answers"] == [adapted, adapted]
+        with model.disable_adapter():
+            moved += greedy(model, item["prompt"]) != adapted
+    assert moved  # the adapters change the answers: the engine ran the adapted model
+    b = batches[0]
+    with torch.no_grad(), model.disable_adapter():
+        base = completion_logps(model, b, 64, cfg.rft.temperature)
+    adapted = completion_logps(model, b, 64, cfg.rft.temperature).detach()
+    on = completion_mask(b).bool()
+    assert torch.allclose(b["ref_logps"][on], base[on]) and not torch.allclose(b["ref_logps"][on], adapted[on])
+
+
 # ----------------------------------------------------------------------------------------------- another layout
 
 
@@ -310,6 +516,8 @@ def test_run_logs_the_rl_figures(one_process):
     # one update at lr 3e-3 the ratios move off 1
     assert steps[0]["reward"] == steps[1]["reward"] and steps[2]["reward"] == steps[3]["reward"]
     assert steps[1]["loss"] != steps[0]["loss"]
+    # one engine call per generation batch (steps 1 and 3 generate, 2 and 4 train again on the batch)
+    assert [m["gen_calls"] for m in steps] == [1, 0, 1, 0]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in records if "eval_accuracy" in m]  # step 2's in its log line, the final one on its own
     assert [m["step"] for m in evals] == [2, 4] and all(0 <= m["eval_answer_rate"] <= 1 for m in evals)
@@ -406,3 +614,13 @@ def test_two_processes_stopped_mid_batch_resume_on_one_as_uninterrupted(one_proc
         assert got[s]["reward"] == pytest.approx(ref[s]["reward"], rel=1e-6), s
         assert got[s]["completion_length"] == ref[s]["completion_length"], s
         assert abs(got[s]["loss"] - ref[s]["loss"]) <= 1e-5 * scale, (s, got[s]["loss"], ref[s]["loss"])
+
+
+def test_an_rl_run_reads_no_data_train_files(tmp_path):
+    """loss.mode=rl reads its prompts from the rft task or rl.prompts: a data.train_files entry left in the config (a
+    missing SFT file) is not fingerprinted at the start (it stopped the run with the file's error)."""
+    from harness.checkpoint import datafiles
+    from harness.config import load_config
+
+    cfg = load_config("configs/grpo-tiny.yaml", [f"data.train_files=[{tmp_path / 'missing.jsonl'}]"])
+    assert datafiles.fingerprints(cfg.data, cfg.loss.mode) == {}

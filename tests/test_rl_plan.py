@@ -28,9 +28,12 @@ def test_kv_cache_arithmetic_by_hand_and_as_the_engine_sizes_it():
     cfg = load_config("configs/grpo-tiny.yaml", [*TINY, "rft.max_new_tokens=12", "rl.num_generations=6"])
     # 2 (key, value) x 2 layers x 2 kv heads x 8 head_dim x (20 + 12) positions x 4 B (fp32) = 8,192 B a slot
     m = rl_plan.generation_memory(cfg.rl, cfg.rft, 2, 2, 8, 2048, 20, 4)
-    assert (m.width, m.slot_bytes, m.slots) == (32, 8192, 256)  # rft.micro_batch_sequences 256 by default
-    assert m.kv == 256 * 8192 and m.logits == 256 * 12 * 2048  # fp32 logits, probabilities, noise per slot
-    # one rollout call: 6 answers x (8,192 + 24,576) B = 196,608 B = 0.000183 GiB, rounded up to 0.01
+    # the slots: the answers of a generation batch (one engine call: 4 questions x 6), rft.micro_batch_sequences
+    # (256 by default) at most
+    assert (m.width, m.slot_bytes, m.slots) == (32, 8192, 24)
+    assert m.kv == 24 * 8192 and m.logits == 24 * 12 * 2048  # fp32 logits, probabilities, noise per slot
+    assert rl_plan.generation_memory(cfg.rl, cfg.rft, 2, 2, 8, 2048, 20, 4, world=2).slots == 12  # 2 questions each
+    # one rollout call: 24 answers x (8,192 + 24,576) B = 786,432 B = 0.00073 GiB, rounded up to 0.01
     assert m.rollout_gb == 0.01
     # a budget: 0.001 GiB = 1,073,741.8 B over 32,768 B a slot (KV + logits) = 32 slots
     capped = load_config("configs/grpo-tiny.yaml", [*TINY, "rft.max_new_tokens=12", "rft.kv_cache_gb=0.001"])
@@ -65,27 +68,28 @@ def test_zero_plan_names_the_generation_cache():
     p = plan(cfg, Hardware(2, 16))
     width = max(prompts.values()) + 40
     slot = 2 * 2 * 2 * 8 * width * 4  # fp32 weights (train.weights=fp32): the engine's cache is fp32 too
-    assert f"KV cache: 256 slots" in p.text and "kept through the training pass" in p.text
-    assert f"= {width} positions" in p.text and "rl.num_generations 16 sequences need rft.kv_cache_gb=" in p.text
+    # one engine call a generation batch: 16 questions / 2 processes x 16 answers = 128 slots (of 256 at most)
+    assert "KV cache: 128 slots" in p.text and "freed for the training pass when the decode step is eager" in p.text
+    assert f"= {width} positions" in p.text and "8 questions x 16 sequences need rft.kv_cache_gb=" in p.text
     assert "16 questions / (2 processes x grad_accum 1) x 16 answers = 128 rows" in p.text
     assert "activations (16-bit, micro-batch 128, max_len " + str(width) in p.text
     header = next(line for line in p.text.splitlines() if line.startswith("stage"))
     assert header.split()[:8] == ["stage", "weights", "grads", "optim", "extra", "activ", "gen", "overhead"]
     rows = {r.option: r for r in p.rows}
     for r in p.rows:
-        assert r.generation == 256 * slot
+        assert r.generation == 128 * slot
         assert f"{r.generation / GIB:>9.1f}" in p.text and f"{r.total / GIB:>9.1f}" in p.text
     # ZeRO-3: the generation gathers the full weights beyond the partition each GPU holds
     P = p.shape.params
-    assert rows["3"].gen_peak == pytest.approx(256 * 12 * p.shape.vocab + P * 4 - P * 4 / 2)
-    assert rows["0"].gen_peak == 256 * 12 * p.shape.vocab
+    assert rows["3"].gen_peak == pytest.approx(128 * 12 * p.shape.vocab + P * 4 - P * 4 / 2)
+    assert rows["0"].gen_peak == 128 * 12 * p.shape.vocab
     assert rows["0"].total == pytest.approx(rows["0"].weights + rows["0"].grads + rows["0"].optim + rows["0"].overhead
                                             + rows["0"].generation + max(rows["0"].extra + rows["0"].activations,
                                                                          rows["0"].gen_peak))
     # rl.beta > 0: the reference copy beside the cache
     beta = plan(load_config("configs/grpo-tiny.yaml", [*TINY, "rl.questions_per_step=16", "rl.beta=0.04"]),
                 Hardware(2, 16))
-    assert beta.rows[0].generation == 256 * slot + P * 4 and "a frozen reference copy" in beta.text
+    assert beta.rows[0].generation == 128 * slot + P * 4 and "a frozen reference copy" in beta.text
 
 
 # ----------------------------------------------------------------------------------------------- harness plan

@@ -17,7 +17,8 @@ from harness.data import sources
 from harness.files import fingerprint
 from harness.rft.tasks import task_fingerprint
 
-KEYS = {"embedding": ("emb_train_files",), "unified": ("train_files", "emb_train_files")}  # other modes: train_files
+# other modes: train_files; rl reads no data list (its prompts: the rft task or rl.prompts)
+KEYS = {"embedding": ("emb_train_files",), "unified": ("train_files", "emb_train_files"), "rl": ()}
 
 
 def fingerprints(d, loss_mode: str, rft=None) -> dict:

@@ -6,6 +6,7 @@ failure is a `ConfigError` naming the key. Imports no torch.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -232,6 +233,12 @@ def check_rl(cfg: Config) -> None:
     if rl.epsilon <= 0 or (rl.epsilon_high is not None and rl.epsilon_high <= 0) or rl.beta < 0:
         bad = "rl.epsilon" if rl.epsilon <= 0 else "rl.beta" if rl.beta < 0 else "rl.epsilon_high"
         raise ConfigError(f"config key '{bad}': out of range")
+    if rl.log_completions < 0:
+        raise ConfigError(f"config key 'rl.log_completions': must be >= 0, got {rl.log_completions}")
+    from harness.data.sources import parse_sources
+
+    parse_sources(rl.prompts, "rl.prompts")
+    parse_rewards(rl.rewards)
     if cfg.data.packing:
         raise ConfigError("config key 'data.packing': loss.mode=rl trains one answer a row; set data.packing=false")
     if cfg.train.compile == "full":
@@ -239,6 +246,34 @@ def check_rl(cfg: Config) -> None:
                           "the output head's forward); use regional")
     if cfg.train.sequence_parallel > 1:
         raise ConfigError("config key 'train.sequence_parallel': not supported with loss.mode=rl")
+
+
+REWARD_KEYS = ("function", "weight")
+
+
+def parse_rewards(entries: list) -> list[tuple[str, str, float]]:
+    """rl.rewards -> [(spec, logged name, weight)]; a wrong entry is one line naming it."""
+    out = []
+    for i, e in enumerate(entries or []):
+        key = f"rl.rewards[{i}]"
+        if isinstance(e, str):
+            e = {"function": e}
+        if not isinstance(e, dict) or not isinstance(e.get("function"), str) or not e["function"]:
+            raise ConfigError(f"config key '{key}': expected {{function: module:name | verifier, weight}}, got {e!r}")
+        bad = [k for k in e if k not in REWARD_KEYS]
+        if bad:
+            raise ConfigError(f"config key '{key}': unknown key '{bad[0]}' (keys: {', '.join(REWARD_KEYS)})")
+        w = e.get("weight", 1.0)
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ConfigError(f"config key '{key}.weight': expected a number, got {w!r}")
+        spec = e["function"]
+        if spec != "verifier" and ":" not in spec:
+            raise ConfigError(f"config key '{key}.function': expected 'verifier' or 'module:function', got {spec!r}")
+        name = spec.rpartition(":")[2]
+        if any(name == n for _, n, _ in out):
+            raise ConfigError(f"config key '{key}.function': a second function logged as reward/{name}")
+        out.append((spec, name, float(w)))
+    return out
 
 
 def check_quantization(cfg: Config) -> None:

@@ -362,6 +362,19 @@ class RlConfig:
     beta: float = _f(0.0, "KL weight to the starting model (k3); 0: no reference model kept or run.")
     iterations: int = _f(1, "Optimizer steps per generation batch (old log-probs kept for the ratio).")
     reward: str = _f("verifier", "verifier (1 verified, 0 otherwise) or module:function, fn(question, text) -> float.")
+    prompts: list = _f([], "Prompt data (sources as data.train_files: JSONL, parquet, CSV, hub): a `prompt` per record "
+                           "(text or chat messages, in the model's chat template), the other columns handed to "
+                           "rl.rewards. Empty: the rft task's questions.")
+    rewards: list = _f([], "Reward functions [{function: module:name | verifier, weight}], each called as TRL's "
+                           "fn(prompts, completions, completion_ids, **columns) -> list[float | None], their weighted "
+                           "sum the reward; logged as reward/<name>. Empty: rl.reward.")
+    log_completions: int = _f(0, "Prompt / completion / reward rows (the main process's first) in each log line "
+                                 "(metrics.jsonl `completions`, tensorboard's text tab). 0: none.")
+    mask_truncated_completions: bool = _f(False, "Leave out of the loss the answers cut at rft.max_new_tokens "
+                                                 "(no EOS or stop string; TRL's mask_truncated_completions).")
+    importance_sampling: Literal["token", "sequence"] = _f(
+        "token", "The ratio per token (GRPO) or one per answer from its mean log-ratio (GSPO; TRL's "
+                 "importance_sampling_level).")
 
 
 @dataclass

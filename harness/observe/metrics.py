@@ -96,6 +96,14 @@ def tracker_tag(key: str) -> str:
     return f"train/{key}"
 
 
+def markdown_table(rows: list[dict]) -> str:
+    """Rows of a record (loss.mode=rl's sampled completions) as a markdown table, a tracker's text."""
+    cols = list(rows[0])
+    cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
+    return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+                     + ["| " + " | ".join(cell(r.get(c, "")) for c in cols) + " |" for r in rows])
+
+
 class MetricsLogger:
     """Writes metrics.jsonl and forwards scalars to accelerate's trackers. Call on every process; only the main
     process writes."""
@@ -139,6 +147,8 @@ class MetricsLogger:
             self._append(json.dumps(clean) + "\n", record.get("step"))
         scalars = {tracker_tag(k): v for k, v in clean.items()
                    if isinstance(v, (int, float)) and k != "step" and v is not None}
+        scalars.update({tracker_tag(k): markdown_table(v) for k, v in clean.items()  # (tensorboard's text tab)
+                        if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)})
         if not self.trackers_failed:
             self._track(scalars, record.get("step"))
 

@@ -61,6 +61,8 @@ class StepLog:
         interval_s = meter.interval()
         tok_s = sums.tokens / interval_s
         record = {"step": state.step, "epoch": epoch_of(job, state), **losses_of(sums, self.cfg.loss, self.cfg.rl.beta)}
+        if job.objective.rl is not None:  # loss.mode=rl: each reward function's figures, sampled completions
+            record.update(job.objective.rl.logged())
         state.first_loss = record["loss"] if state.first_loss is None else state.first_loss
         state.tokens += int(sums.tokens)
         done, total = state.step - self.start_step, job.total_steps

@@ -2,8 +2,8 @@
 
     python -m pytest tests/test_rl.py -k trl
 
-The per-token terms are TRL 1.16's GRPOTrainer._compute_loss (token-level importance sampling): the ratio
-r = exp(logp - logp_old), the clipped surrogate -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A), and with beta > 0
+The per-token terms are TRL 1.16's GRPOTrainer._compute_loss: the ratio r = exp(logp - logp_old) per token
+(`rl.importance_sampling: token`) or per completion from its mean log-ratio (`sequence`, GSPO), the clipped surrogate -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A), and with beta > 0
 the k3 estimator of KL(policy || reference), exp(ref - logp) - (ref - logp) - 1, times the ratio (the correction for
 samples drawn from the old policy: TRL's default use_bias_correction_kl=True), added times beta. The reductions
 (`rl.loss_type`) are TRL's, taken over the optimizer step's whole batch of completions on every process:
@@ -31,16 +31,24 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 
 def per_token_terms(logps: torch.Tensor, old_logps: Optional[torch.Tensor], advantages: torch.Tensor,
                     epsilon: float, epsilon_high: float, beta: float = 0.0,
-                    ref_logps: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    ref_logps: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
+                    level: str = "token") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-token loss [B, T], clipped [B, T] bool: the ratio outside the clip range on the advantage's side, KL
     [B, T] (zeros at beta 0)).
 
     logps, old_logps, ref_logps: [B, T] log-probs of the completion tokens under the policy (with gradient), the
     policy that sampled them (None: the policy itself, detached: the first update on fresh samples), the reference;
-    advantages: [B]."""
+    advantages: [B]. level (rl.importance_sampling): `token`, a ratio per token, or `sequence` (GSPO, TRL's
+    importance_sampling_level): one ratio per completion, exp of its mean log-ratio over `mask`'s tokens."""
     old = logps.detach() if old_logps is None else old_logps
     adv = advantages.unsqueeze(1)
-    ratio = torch.exp(logps - old)
+    log_ratio = logps - old
+    if level == "sequence":
+        m = mask.to(logps.dtype)
+        log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # [B, 1]
+    elif level != "token":
+        raise ValueError(f"unknown rl.importance_sampling {level!r} (token, sequence)")
+    ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     loss = -torch.min(ratio * adv, clipped_ratio * adv)
     clipped = (((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))).detach()  # TRL's
@@ -51,7 +59,7 @@ def per_token_terms(logps: torch.Tensor, old_logps: Optional[torch.Tensor], adva
         diff = ref_logps - logps
         kl = (torch.exp(diff) - diff - 1) * ratio  # k3, importance-corrected (TRL's use_bias_correction_kl=True)
         loss = loss + beta * kl
-    return loss, clipped, kl
+    return loss.expand_as(logps), clipped.expand_as(logps), kl
 
 
 def loss_sum(loss_type: str, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -83,28 +91,41 @@ def step_factor(world: int, accum: int, total) -> torch.Tensor | float:
 
 def grpo_loss(loss_type: str, logps: torch.Tensor, old_logps: Optional[torch.Tensor], advantages: torch.Tensor,
               mask: torch.Tensor, epsilon: float = 0.2, epsilon_high: Optional[float] = None, beta: float = 0.0,
-              ref_logps: Optional[torch.Tensor] = None, max_new_tokens: int = 0) -> torch.Tensor:
+              ref_logps: Optional[torch.Tensor] = None, max_new_tokens: int = 0, level: str = "token") -> torch.Tensor:
     """The loss of one whole batch of completions (one process, one micro-batch): loss_sum / denominator."""
     eps_high = epsilon if epsilon_high is None else epsilon_high
-    per_token, _, _ = per_token_terms(logps, old_logps, advantages, epsilon, eps_high, beta, ref_logps)
+    per_token, _, _ = per_token_terms(logps, old_logps, advantages, epsilon, eps_high, beta, ref_logps, mask, level)
     total = denominator(loss_type, mask.shape[0], mask.sum(), max_new_tokens)
     return loss_sum(loss_type, per_token, mask) / (total.clamp(min=1) if isinstance(total, torch.Tensor)
                                                    else max(total, 1))
 
 
-def advantages(rewards: torch.Tensor, group: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, whether each group's rewards are all equal) of [G x group] rewards, grouped by question in order:
-    reward - its group's mean, divided by (std + 1e-4) with std the group's (scale group) or the batch's (batch), or
-    not divided (none). TRL's std is the unbiased one (torch.std)."""
+def nanstd(x: torch.Tensor, dim=None) -> torch.Tensor:
+    """TRL's nanstd: the unbiased standard deviation of the values that are not NaN (NaN below two of them)."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    var = var * torch.where(count > 1, count / (count - 1), torch.full_like(var, float("nan")))
+    std = var.sqrt()
+    return std.squeeze(dim) if dim is not None else std.squeeze()
+
+
+def advantages(rewards: torch.Tensor, group: int, scale: str,
+               batch_std: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, whether each group's rewards are all equal) of [G x group] rewards, grouped by question in order
+    (TRL 1.16's sum_then_normalize): reward - its group's mean, divided by (std + 1e-4) with std the group's (scale
+    group) or the batch's (batch; `batch_std`: the whole step's, over every process) or not divided (none). TRL's
+    std is the unbiased one; a NaN reward (no reward function scored the answer) is left out of the mean and std and
+    gets advantage 0."""
     grouped = rewards.view(-1, group)
-    mean = grouped.mean(1).repeat_interleave(group)
-    group_std = grouped.std(1).repeat_interleave(group)
+    mean = torch.nanmean(grouped, 1).repeat_interleave(group)
+    group_std = nanstd(grouped, 1).repeat_interleave(group)
     flat = torch.isclose(group_std, torch.zeros_like(group_std))
     adv = rewards - mean
     if scale == "group":
         adv = adv / (group_std + 1e-4)
     elif scale == "batch":
-        adv = adv / (rewards.std() + 1e-4)
+        adv = adv / ((nanstd(rewards) if batch_std is None else batch_std) + 1e-4)
     elif scale != "none":
         raise ValueError(f"unknown rl.scale_rewards {scale!r} (group, batch, none)")
-    return adv, flat.view(-1, group)[:, 0]
+    return torch.nan_to_num(adv, nan=0.0), flat.view(-1, group)[:, 0]

@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 import time
-from typing import Callable
 
 import torch
 
+from harness.data import IGNORE_INDEX
 from harness.distributed.collectives import agreed
-from harness.errors import ConfigError, HarnessError, one_line
-from harness.rft.engine import ContinuousEngine, servable
-from harness.rft.tasks import Question, Task, build_task, check_context
+from harness.errors import ConfigError, HarnessError
+from harness.rft.engine import ContinuousEngine, compile_default, servable
+from harness.rft.tasks import Question, Task, check_context
 from harness.rl import loss as rl_loss
 from harness.rl.batch import completion_logps, completion_mask, rows
+from harness.rl.prompts import Rewards, function_sums, load_reward, rl_task, score  # noqa: F401 (load_reward, score: here before)
 from harness.state import StepSums
 
 
@@ -38,13 +38,13 @@ def index_batch(indices: list) -> torch.Tensor:
     return torch.tensor(indices, dtype=torch.long)
 
 
-def question_loader(rl, rft, grad_accum: int, shuffle: bool, world: int):
+def question_loader(rl, rft, grad_accum: int, shuffle: bool, world: int, cache_dir=None):
     """(the task, a DataLoader of train question indices: rl.questions_per_step / (processes x grad_accum) a
     micro-batch) of loss.mode=rl; not prepared. `rl`, `rft`: cfg.rl, cfg.rft; grad_accum: train.grad_accum;
-    shuffle: data.shuffle."""
+    shuffle: data.shuffle; cache_dir: data.cache_dir (rl.prompts from parquet or the hub)."""
     from torch.utils.data import DataLoader
 
-    task = build_task(rft)
+    task = rl_task(rl, rft, cache_dir)
     questions = task.split("train")
     per = rl.questions_per_step / (world * grad_accum)
     if per != int(per):
@@ -55,39 +55,6 @@ def question_loader(rl, rft, grad_accum: int, shuffle: bool, world: int):
                           f"{len(questions)} train questions")
     return task, DataLoader(list(range(len(questions))), batch_size=int(per), shuffle=shuffle,
                             collate_fn=index_batch)
-
-
-def verifier_reward(task: Task) -> Callable[[Question, str], float]:
-    return lambda q, text: 1.0 if task.verify(text, q) else 0.0
-
-
-def load_reward(spec: str, task: Task) -> Callable[[Question, str], float]:
-    """rl.reward (`spec`): 'verifier' (the task's: 1 for a verified answer, 0 otherwise) or 'module:function', called
-    as fn(question, answer_text) -> float; checked once on the first train question before any step."""
-    if spec == "verifier":
-        fn = verifier_reward(task)
-    else:
-        module, _, name = spec.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ConfigError(f"config key 'rl.reward': cannot load {spec!r} ({one_line(e, 200)}); give "
-                              f"'verifier' or 'module:function'") from None
-    q = task.split("train")[0]
-    score(fn, spec, q, "The answer is 0.")
-    return fn
-
-
-def score(fn, spec: str, q: Question, text: str) -> float:
-    """One reward as a float; a function that raises or returns no finite number stops the run in one line."""
-    try:
-        value = float(fn(q, text))
-    except Exception as e:  # noqa: BLE001 - any failure of a user's function is one line naming it
-        raise HarnessError(f"config key 'rl.reward': {spec} raised {one_line(e, 200)} "
-                           f"(question {q.qid})") from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise HarnessError(f"config key 'rl.reward': {spec} returned {value} for question {q.qid}")
-    return value
 
 
 @contextlib.contextmanager
@@ -114,6 +81,11 @@ def gathered_for_generation(accelerator, model, zero_stage: int):
             if coordinator is not None and not coordinator.is_invalid_trace():
                 coordinator._invalidate_trace()
             offload._register_deepspeed_module(offload.module)
+
+
+def served(model):
+    """What the engine runs: a peft model's base module (its LoRA layers injected, adapters active), else the model."""
+    return model.get_base_model() if hasattr(model, "disable_adapter") and hasattr(model, "get_base_model") else model
 
 
 def share(state: dict, world: int, rank: int, accum: int, questions: int) -> tuple[list, str]:
@@ -168,19 +140,35 @@ class Rollouts:
         self.test = None if getattr(task, "files", {}).get("test", "") is None else task.split("test")
         if self.test is None:
             say("[harness] rl: the JSONL task has no rft.test_file: no eval_accuracy in this run")
-        self.reward = agreed(accelerator, lambda: load_reward(rl.reward, task))  # (failing on any process: one line)
+        # rl.rewards, or rl.reward as one function (failing to load on any process: one line)
+        self.rewards = agreed(accelerator, lambda: Rewards(rl, task))
         unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-        why = servable(unwrapped)
+        # model.lora (and QLoRA): the engine runs the peft model's base module, its LoRA layers in place (the
+        # adapted model, no merged copy); bitsandbytes' quantized layers run eagerly
+        self.peft = hasattr(unwrapped, "disable_adapter") and hasattr(unwrapped, "get_base_model")
+        why = servable(served(unwrapped))
+        quantized = why == "a quantized model" and self.peft
+        why = None if quantized else why
         if why is not None:
             raise HarnessError(f"loss.mode=rl generates with the continuous engine, which cannot serve {why}")
         config = unwrapped.config  # every prompt and its answer within the context, checked before step 1
         check_context({q.qid: len(tokenizer(self.prompt_text(q), add_special_tokens=False)["input_ids"])
                        for q in [*self.questions, *(self.test or [])]}, self.r.max_new_tokens,
                       getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None))
-        self.engine = ContinuousEngine(unwrapped, tokenizer, self.r.max_new_tokens, self.r.micro_batch_sequences,
-                                       self.r.kv_cache_gb, tuple(self.r.stop_strings), say)
+        # one call per generation batch: its cache sized for this process's answers of the batch (slots), compiled
+        # when rft.compile says so (not under ZeRO-3: the gathered weights move between batches, where CUDA graphs
+        # read them in place); freed after an eager call, for the training pass
+        answers = rl.questions_per_step // accelerator.num_processes * rl.num_generations
+        compiled = compile_default(self.r.compile, unwrapped) and zero_stage != 3 and not quantized
+        if compile_default(self.r.compile, unwrapped) and zero_stage == 3:
+            say("[harness] rl: rft.compile is off under ZeRO-3 (the gathered weights move between generations)")
+        self.engine = ContinuousEngine(served(unwrapped), tokenizer, self.r.max_new_tokens,
+                                       min(self.r.micro_batch_sequences, answers), self.r.kv_cache_gb,
+                                       tuple(self.r.stop_strings), say, compile=compiled)
         self.reference = None
-        if self.rl.beta:
+        if self.rl.beta and self.peft:  # TRL's way with peft: the same model with its adapters disabled
+            self.reference = unwrapped
+        elif self.rl.beta:
             if zero_stage == 3:
                 raise ConfigError("config key 'rl.beta': a reference model under ZeRO-3 is not supported yet; use "
                                   "rl.beta=0 or ZeRO 0-2")
@@ -189,6 +177,9 @@ class Rollouts:
         self.figures = StepSums()  # its rewards and lengths, logged with every step trained on it
         self.items: list = []  # the same as questions: prompt, answers, rewards, advantages, old / reference log-probs
         self.dropped = ""  # why a checkpoint's half-used generation batch could not continue (`share`)
+        self.gen_calls = 0  # engine calls of generation batches (this process), logged as gen_calls
+        self.fn_sums: list = []  # each reward function's [sum, squares, count] of the current batch (this process)
+        self.fn_unlogged = [0.0] * (3 * len(self.rewards.names))  # ... of the steps since the last log line
 
     def prompt_text(self, q: Question) -> str:
         """The question in the model's chat template, ending where the answer starts (as `rft generate` asks)."""
@@ -205,8 +196,11 @@ class Rollouts:
             t0 = time.perf_counter()
             self.current, self.figures = self.generate(picked, step)
             gen_s = time.perf_counter() - t0
-            unlogged.add(StepSums(rl_gen_s=gen_s if self.accelerator.is_main_process else 0.0))
+            main = self.accelerator.is_main_process
+            unlogged.add(StepSums(rl_gen_s=gen_s if main else 0.0, rl_gen_calls=self.gen_calls if main else 0))
+            self.gen_calls = 0
         unlogged.add(self.figures)  # each step logs the rewards and lengths of the answers it trains on
+        self.fn_unlogged = [a + b for a, b in zip(self.fn_unlogged, self.fn_sums)]
         return self.current
 
     @torch.no_grad()
@@ -221,27 +215,27 @@ class Rollouts:
         with gathered_for_generation(accelerator, self.model, self.zero_stage) as model:
             was = model.training
             model.eval()
-            self.engine.model = model
-            # one engine call per question, seeded by the step and the question: the same answers whatever the
-            # process count (the engine takes one seed per call)
-            texts, sampled = [], []
-            for t, i in zip(texts_in, index):
-                texts.append(self.engine.generate([t], G, self.r.temperature, self.r.top_p,
-                                                  seed=(self.r.seed * 1_000_003 + step) * 100_003 + i)[0])
-                sampled.append(self.engine.last_ids[0])  # the tokens drawn (EOS kept): what the loss scores
+            self.engine.model = served(model)
+            # one engine call for every question of the batch; answer j of question `index[i]` seeded by (rft.seed,
+            # step, the question, j) alone: the same tokens whatever shares the call and on any process count
+            texts = self.engine.generate(texts_in, G, self.r.temperature, self.r.top_p,
+                                         seed=lambda i, j: (self.r.seed, step, index[i], j))
+            sampled = self.engine.last_ids  # the tokens drawn (EOS kept): what the loss scores
+            self.free()
             model.train(was)
         # (a reward that fails on any process: its line raised on every process, printed once by the main one)
-        rewards = torch.tensor(agreed(accelerator, lambda: [[score(self.reward, self.rl.reward, q, t) for t in answers]
-                                                           for q, answers in zip(flat, texts)]),
-                               dtype=torch.float32, device=dev).view(-1)
-        adv, _ = rl_loss.advantages(rewards, G, self.rl.scale_rewards)
-        if self.rl.scale_rewards == "batch":  # the whole step's std, as TRL's (its batch is every process's)
-            every = accelerator.gather(rewards)
-            adv = (rewards - rewards.view(-1, G).mean(1).repeat_interleave(G)) / (every.std() + 1e-4)
+        weighted, per = agreed(accelerator, lambda: self.rewards.score(
+            [q for q in flat for _ in range(G)], [t for a in texts for t in a], [ids for a in sampled for ids in a]))
+        rewards = weighted.to(torch.float32).to(dev)
+        self.gen_calls += 1
+        every = accelerator.gather(rewards) if self.rl.scale_rewards == "batch" else None  # TRL's batch: all
+        adv, _ = rl_loss.advantages(rewards, G, self.rl.scale_rewards,  # processes' answers
+                                    None if every is None else rl_loss.nanstd(every))
+        rewards = torch.nan_to_num(rewards, nan=0.0)  # (logged: an answer no function scored counts 0)
         items, at = [], 0
         for p, answers in zip(prompts, sampled):
-            items.append({"prompt": p, "answers": answers,
-                          "rewards": rewards[at:at + G].tolist(), "advantages": adv[at:at + G].tolist()})
+            items.append({"prompt": p, "answers": answers, "rewards": rewards[at:at + G].tolist(),
+                          "advantages": adv[at:at + G].tolist(), "functions": per[at:at + G].tolist()})
             at += G
         per = len(picked[0])
         out = [self.batch(items[k:k + per]) for k in range(0, len(items), per)]
@@ -249,13 +243,20 @@ class Rollouts:
             for name, model in (("old_logps", self.model if self.rl.iterations > 1 else None),
                                 ("ref_logps", self.reference)):
                 if model is not None:
-                    batch[name] = completion_logps(model, batch, self.chunk_size, self.r.temperature)
+                    with model.disable_adapter() if name == "ref_logps" and self.peft else contextlib.nullcontext():
+                        batch[name] = completion_logps(model, batch, self.chunk_size, self.r.temperature)
                     on = completion_mask(batch).bool()
                     for j, item in enumerate(items[k * per:(k + 1) * per]):
                         item[name] = [batch[name][j * G + g][on[j * G + g]].cpu() for g in range(G)]
         self.items = items
         self.scale(out)
         return out, self.figures_of(items)
+
+    def free(self) -> None:
+        """The engine's KV cache freed for the training pass, where the decode step is eager (a compiled one reads
+        its cache in place: kept, sized for the generation batch)."""
+        if not self.engine.compiled:
+            self.engine.cache = None
 
     def batch(self, items: list[dict]) -> dict:
         """A micro-batch of questions' answers (G rows each), with the log-probs the items carry."""
@@ -265,6 +266,10 @@ class Rollouts:
                                                self.tok.pad_token_id).items()}
         batch["advantages"] = torch.tensor([a for it in items for a in it["advantages"]], dtype=torch.float32,
                                            device=dev)
+        if self.rl.mask_truncated_completions:  # answers cut at rft.max_new_tokens: no loss (TRL's masking)
+            cut = [len(a) >= self.r.max_new_tokens and a[-1] != self.tok.eos_token_id
+                   for it in items for a in it["answers"]]
+            batch["labels"][torch.tensor(cut, device=dev)] = IGNORE_INDEX
         on = completion_mask(batch).bool()
         for name in ("old_logps", "ref_logps"):
             if name in items[0]:
@@ -274,11 +279,35 @@ class Rollouts:
         return batch
 
     def figures_of(self, items: list[dict]) -> StepSums:
+        """The batch's sums for the log line (and each reward function's, `fn_sums`)."""
+        if self.rewards.names:
+            self.fn_sums = function_sums(torch.tensor([f for it in items for f in it.get("functions", [])],
+                                                      dtype=torch.float64).view(-1, len(self.rewards.names)))
         r = torch.tensor([it["rewards"] for it in items], dtype=torch.float64)
         flat = torch.isclose(r.std(1), torch.zeros(len(items), dtype=torch.float64))
         return StepSums(rl_reward_sum=float(r.sum()), rl_reward_sq_sum=float((r ** 2).sum()), rl_answers=r.numel(),
                         rl_flat_groups=int(flat.sum()), rl_groups=len(items),
                         rl_length_sum=sum(len(a) for it in items for a in it["answers"]))
+
+    def logged(self) -> dict:
+        """What a log line adds (collective): reward/<name> and reward/<name>_std of each rl.rewards function over
+        the steps since the last log line, all processes; `completions`: rl.log_completions rows (prompt,
+        completion, reward) of the main process's current batch."""
+        from harness.rl.prompts import function_figures
+
+        out = {}
+        if self.rewards.names:
+            sums = self.accelerator.reduce(torch.tensor(self.fn_unlogged, dtype=torch.float64,
+                                                        device=self.accelerator.device), "sum").tolist()
+            self.fn_unlogged = [0.0] * len(self.fn_unlogged)
+            out.update(function_figures(self.rewards.names, sums))
+        n = self.rl.log_completions
+        if n and self.accelerator.is_main_process and self.items:
+            pairs = [(it, k) for it in self.items for k in range(len(it["answers"]))][:n]
+            out["completions"] = [{"prompt": self.tok.decode(it["prompt"]),
+                                   "completion": self.tok.decode(it["answers"][k], skip_special_tokens=True),
+                                   "reward": it["rewards"][k], "advantage": it["advantages"][k]} for it, k in pairs]
+        return out
 
     # ---- saved with each checkpoint (accelerate's register_for_checkpointing): the half-used generation batch
     def state_dict(self) -> dict:
@@ -287,13 +316,17 @@ class Rollouts:
         from accelerate.utils import gather_object
 
         world = self.accelerator.num_processes
+        fn = [sum(v) for v in zip(*gather_object([self.fn_unlogged]))] if world > 1 else self.fn_unlogged
         return {"items": gather_object([self.items]) if world > 1 else [self.items], "world": world,
-                "per": len(self.items) // self.accum}
+                "per": len(self.items) // self.accum, "fn_unlogged": fn}
 
     def load_state_dict(self, state: dict) -> None:
         """This process's share of the saved generation batch (`share`: in this run's layout, which may have
         another process count and accumulation), in grad_accum micro-batches again."""
         world, accum = self.accelerator.num_processes, self.accum
+        fn = state.get("fn_unlogged") or []
+        if len(fn) == len(self.fn_unlogged) and self.accelerator.is_main_process:  # the unlogged reward figures
+            self.fn_unlogged = list(fn)
         mine, self.dropped = share(state, world, self.accelerator.process_index, accum, self.rl.questions_per_step)
         self.dropped = self.dropped or unfit(state, self.rl)
         if not mine or self.dropped:
@@ -321,14 +354,15 @@ class Rollouts:
         """eval_accuracy and eval_answer_rate: greedy answers to the task's test split, every world-th question on
         each process, counted over all."""
         accelerator = self.accelerator
-        if self.test is None:
+        if not self.test:  # no rft.test_file, or rl.prompts: no test split to answer
             return {}
         mine = self.test[accelerator.process_index::accelerator.num_processes]
         with gathered_for_generation(accelerator, self.model, self.zero_stage) as model:
             was = model.training
             model.eval()
-            self.engine.model = model
+            self.engine.model = served(model)
             texts = self.engine.generate([self.prompt_text(q) for q in mine], 1, greedy=True) if mine else []
+            self.free()
             model.train(was)
         right = sum(self.task.verify(t[0], q) for q, t in zip(mine, texts))
         answered = sum(self.task.extract(t[0]) is not None for t in texts)

@@ -23,7 +23,8 @@ def micro_step(objective, batch: dict, scale: torch.Tensor) -> StepSums:
     logps = completion_logps(objective.model, batch, objective.chunk_size, temperature)
     mask = completion_mask(batch)
     per_token, clipped, kl = rl_loss.per_token_terms(logps, batch.get("old_logps"), batch["advantages"], rl.epsilon,
-                                                     eps_high, rl.beta, batch.get("ref_logps"))
+                                                     eps_high, rl.beta, batch.get("ref_logps"), mask,
+                                                     rl.importance_sampling)
     total = rl_loss.loss_sum(rl.loss_type, per_token, mask)
     objective.check.backward(total * scale)
     world, accum = objective.world, objective.accum

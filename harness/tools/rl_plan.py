@@ -6,9 +6,10 @@ it between calls, through the training passes (the compiled step reads it in pla
 W = longest prompt + rft.max_new_tokens positions, 2 (key, value) x layers x kv_heads x head_dim x W values in the
 weights' dtype (the engine runs the training weights: fp32 by default, 2 bytes with 16-bit weights), and a decode
 step adds 3 x 4 x vocab bytes of fp32 logits, probabilities and noise per slot. The slots are
-rft.micro_batch_sequences, fewer when rft.kv_cache_gb (the budget over KV + logits) holds fewer; with kv_cache_gb
-null the engine takes up to 90% of the GPU memory free at the generation, so the plan counts the full slot count
-and says what budget the rollouts need: each rollout call answers one question, rl.num_generations sequences.
+rft.micro_batch_sequences or the answers of a process's generation batch (one engine call answers them all),
+fewer when rft.kv_cache_gb (the budget over KV + logits) holds fewer; with kv_cache_gb null the engine takes up to
+90% of the GPU memory free at the generation, so the plan counts the full slot count and says what budget the
+rollouts need.
 Under ZeRO-3 the generation gathers the full weights (P x the weights' bytes on every GPU) instead of the training
 pass's working set; rl.beta > 0 keeps a frozen reference copy of the model (P x the weights' bytes, ZeRO 0-2).
 The training pass's micro-batch is rl.questions_per_step / (processes x train.grad_accum) questions x
@@ -62,16 +63,17 @@ class GenerationMemory:
 
 
 def generation_memory(rl, rft, layers: int, kv_heads: int, head_dim: int, vocab: int, prompt_len: int,
-                      dtype_bytes: int) -> GenerationMemory:
+                      dtype_bytes: int, world: int = 1) -> GenerationMemory:
     """The engine's plan_slots arithmetic for sequences of prompt_len + rft.max_new_tokens positions (rl, rft: the
-    config sections)."""
+    config sections): at most the answers of a process's generation batch (harness.rl.rollout: one engine call)."""
     width = prompt_len + rft.max_new_tokens
     slot = kv_slot_bytes(layers, kv_heads, head_dim, width, dtype_bytes)
     per_slot = slot + LOGIT_BYTES * vocab
-    slots = rft.micro_batch_sequences
+    answers = rl.questions_per_step // max(1, world) * rl.num_generations
+    slots = min(rft.micro_batch_sequences, answers)
     if rft.kv_cache_gb is not None:
         slots = min(slots, int(rft.kv_cache_gb * GIB // per_slot))
-    rollout = min(rl.num_generations, rft.micro_batch_sequences) * per_slot
+    rollout = min(answers, rft.micro_batch_sequences) * per_slot
     return GenerationMemory(slots, width, slot, slots * slot, slots * LOGIT_BYTES * vocab,
                             math.ceil(100 * rollout / GIB) / 100)
 
@@ -102,7 +104,7 @@ class GenerationPlan:
     def memory(self, dtype_bytes: int) -> GenerationMemory:
         s = self.shape
         return generation_memory(self.rl, self.rft, s.layers, s.kv_heads, self.head_dim, s.vocab, self.prompt,
-                                 dtype_bytes)
+                                 dtype_bytes, self.world)
 
     def apply(self, row, w: int) -> None:
         """Adds to a zero_plan Row (weights of w bytes): the cache (kept through the training pass), the reference
@@ -122,9 +124,10 @@ class GenerationPlan:
         budget = (f"rft.kv_cache_gb {rft.kv_cache_gb:g} holds {m.slots}" if rft.kv_cache_gb is not None else
                   f"rft.kv_cache_gb null: up to 90% of the free memory, counted here at all {m.slots}")
         out.append(f"  KV cache: {m.slots} slots (rft.micro_batch_sequences {rft.micro_batch_sequences}; {budget}) x "
-                   f"{m.slot_bytes / 2**20:.2f} MiB = {m.kv / GIB:.2f} GiB, kept through the training pass; decode "
-                   f"logits {m.logits / GIB:.2f} GiB; a rollout call answers one question: rl.num_generations "
-                   f"{rl.num_generations} sequences need rft.kv_cache_gb={m.rollout_gb:g}")
+                   f"{m.slot_bytes / 2**20:.2f} MiB = {m.kv / GIB:.2f} GiB (freed for the training pass when the "
+                   f"decode step is eager, kept when compiled); decode logits {m.logits / GIB:.2f} GiB; a rollout "
+                   f"call answers the process's generation batch: {rl.questions_per_step // max(1, self.world)} "
+                   f"questions x {rl.num_generations} sequences need rft.kv_cache_gb={m.rollout_gb:g}")
         if rl.beta:
             out.append(f"  rl.beta {rl.beta:g}: a frozen reference copy of the model, {s.params:,} x {w} B = "
                        f"{s.params * w / GIB:.2f} GiB (ZeRO 0-2 only)")
