@@ -5,3 +5,5 @@ See README.md for the quickstarts and docs/multi-gpu.md for CPU, single-GPU, mul
 """
 
 __version__ = "0.1.0"
+
+IGNORE_INDEX = -100  # the label of positions the loss skips (torch cross_entropy's ignore_index)

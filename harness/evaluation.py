@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from harness.data import IGNORE_INDEX
+from harness import IGNORE_INDEX
 from harness.data import samples as data_lib
 from harness.observe import metrics
 

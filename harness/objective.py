@@ -22,7 +22,7 @@ import torch
 from harness import faults, losses
 from harness.distributed.processes import is_deepspeed
 from harness.config import LossConfig, ModelConfig, RlConfig
-from harness.data import IGNORE_INDEX
+from harness import IGNORE_INDEX
 from harness.data.samples import model_inputs, real_tokens
 from harness.chunked_loss import ChunkedHeadLoss
 from harness.model import embed

@@ -17,8 +17,9 @@ from typing import Any, Optional
 
 import torch
 
+from harness import IGNORE_INDEX
 from harness.config import DataConfig, TrainConfig
-from harness.data import IGNORE_INDEX, mixing, sources
+from harness.data import mixing, sources
 from harness.data import samples as data_lib
 from harness.distributed.collectives import main_first
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from harness.data import IGNORE_INDEX
+from harness import IGNORE_INDEX
 from harness.data.formats import preference_record  # noqa: F401 - the record layouts, re-exported
 from harness.errors import DataError
 

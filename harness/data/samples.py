@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.data import IGNORE_INDEX  # labels the loss skips
+from harness import IGNORE_INDEX  # labels the loss skips
 from harness.data import sources
 from harness.errors import DataError
 
