@@ -142,11 +142,30 @@ def build_loaders(d: DataConfig, t: TrainConfig, mode: str, pooling: str, accele
     return out
 
 
+@dataclass(frozen=True)
+class FixedWidths:
+    """The padded width of an embedding batch from its longest text: the smallest of `sizes` that holds it (a text
+    longer than all keeps its own width). A collator's `widths` (harness.data.samples.pad_embed)."""
+    sizes: tuple
+
+    def __call__(self, longest: int) -> int:
+        return next((w for w in self.sizes if w >= longest), longest)
+
+
+def embed_widths(max_len: int, buckets: int, longest: int, multiple: int = 8) -> FixedWidths:
+    """One embedding side's widths (data.embed_length_buckets): `buckets` widths doubling up to the side's max length
+    (max_len / 2^(buckets-1), ..., max_len / 2, max_len), each rounded up to `multiple`, and none above the first that
+    holds the data's longest text (`longest`): a width no batch can need is not compiled. Doubling keeps a batch's
+    padding under half of its positions wherever its longest text is over the smallest width."""
+    sizes = sorted({min(max_len, -(-max(1, max_len >> k) // multiple) * multiple) for k in range(buckets)})
+    need = next((i for i, w in enumerate(sizes) if w >= min(longest, max_len)), len(sizes) - 1)
+    return FixedWidths(tuple(sizes[:need + 1]))
+
+
 def embedding_buckets(d: DataConfig, mode: str, accelerator, ds) -> Optional[tuple]:
-    """(query, passage) fixed widths of data.embed_length_buckets (harness.speed.buckets) when the run compiles, else
+    """(query, passage) fixed widths of data.embed_length_buckets (`embed_widths`) when the run compiles, else
     None (`d`: cfg.data, `mode`: loss.mode). ds: the tokenized embedding rows (their longest texts bound the widths)."""
     from harness.config.profiles import embed_buckets
-    from harness.speed.buckets import embed_widths
 
     compiled = accelerator.state.dynamo_plugin.backend.value != "NO"
     deepspeed = getattr(accelerator.state, "deepspeed_plugin", None) is not None
