@@ -24,6 +24,7 @@ from harness.config import Config
 from harness.config.checks import quantization_zero3_error
 from harness.config.profiles import shapes_vary, static_shapes
 from harness.data import loaders
+from harness.data.checks import check_data
 from harness.distributed import collectives, processes, sequence
 from harness.distributed.zero import (model_init_context, parameters_held, planned_weights, repair_stage0_optimizer,
                                       zero_info)
@@ -128,6 +129,7 @@ class Built:
 
 def build_run(cfg: Config, opened: contextlib.ExitStack) -> tuple[Job, LoopState]:
     """The run's parts, and the loop state to train from (a checkpoint's, restored after prepare(), or step 0's)."""
+    check_data(cfg.data)  # the data entries and the chat template, before anything starts or is written
     started = start_processes(cfg, opened)
     cfg, accelerator, say = started.cfg, started.accelerator, started.accelerator.print
     tokenizer, data = build_data(cfg, accelerator, say)

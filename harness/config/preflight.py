@@ -48,9 +48,10 @@ def report(e: HarnessError) -> int:
     return e.exit_code
 
 
-def early_check(argv: list[str]) -> None:
-    """The launch and the config, before the heavy imports (the caller is train.py's `__main__`): a user error exits
-    here through `report`. Anything argparse refuses, and --help-config, is left to the entry point."""
+def early_check(argv: list[str], checks: tuple = ()) -> None:
+    """The launch and the config, before the heavy imports (the caller is train.py's `__main__`), and `checks` (each
+    called with the loaded config: the layers above config/ hand theirs in): a user error exits here through `report`.
+    Anything argparse refuses, and --help-config, is left to the entry point."""
     import argparse
 
     p = argparse.ArgumentParser(add_help=False)
@@ -67,7 +68,9 @@ def early_check(argv: list[str]) -> None:
         refuse_fsdp()
         from harness.config import load_config
 
-        load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides)
+        for check in checks:
+            check(cfg)
     except HarnessError as e:
         code = report(e)
         sys.stdout.flush()
