@@ -179,7 +179,7 @@ def _data_stats(args: argparse.Namespace) -> int:
 # commands with their own options (harness X --help): module, and whether it takes the command name too
 OWN = {"bench": ("harness.tools.bench", False), "plan": ("harness.tools.planner", False),
        "zero-plan": ("harness.tools.zero_plan", False), "summary": ("harness.observe.summary", True),
-       "compare": ("harness.observe.summary", True), "rft": ("harness.rft", False),
+       "compare": ("harness.observe.summary", True), "rft": ("harness.tools.rft", False),
        "chat": ("harness.tools.chat", False), "push": ("harness.tools.push", False),
        "mteb": ("harness.tools.mteb_eval", False)}
 
