@@ -19,6 +19,7 @@ import sys
 import time
 
 from harness.errors import ConfigError, HarnessError
+from harness.config import load_config
 
 WAIT_S = 30.0  # how long a non-main process waits for the launcher to end it after a user error
 
@@ -66,7 +67,6 @@ def early_check(argv: list[str], checks: tuple = ()) -> None:
         return
     try:
         refuse_fsdp()
-        from harness.config import load_config
 
         cfg = load_config(args.config, overrides)
         for check in checks:

@@ -22,6 +22,9 @@ from harness.config import DataConfig, TrainConfig
 from harness.data import mixing, sources
 from harness.data import samples as data_lib
 from harness.distributed.collectives import main_first
+from harness.config.profiles import resolve_pin_memory
+from harness.config.profiles import embed_buckets
+from harness.data import chat, pairs
 
 STREAMS = {"generative": ("train_files", "eval_files"), "embedding": ("emb_train_files", "emb_eval_files"),
            "preference": ("train_files", "eval_files")}
@@ -85,8 +88,6 @@ def build_loaders(d: DataConfig, t: TrainConfig, mode: str, pooling: str, accele
     """Validated, tokenized data sets and their loaders (not yet prepared) for loss.mode `mode` (`d`: cfg.data, `t`:
     cfg.train, pooling: model.pooling)."""
     from torch.utils.data import DataLoader
-
-    from harness.config.profiles import resolve_pin_memory
 
     cuda = torch.cuda.is_available()
     out = RunData()
@@ -165,8 +166,6 @@ def embed_widths(max_len: int, buckets: int, longest: int, multiple: int = 8) ->
 def embedding_buckets(d: DataConfig, mode: str, accelerator, ds) -> Optional[tuple]:
     """(query, passage) fixed widths of data.embed_length_buckets (`embed_widths`) when the run compiles, else
     None (`d`: cfg.data, `mode`: loss.mode). ds: the tokenized embedding rows (their longest texts bound the widths)."""
-    from harness.config.profiles import embed_buckets
-
     compiled = accelerator.state.dynamo_plugin.backend.value != "NO"
     deepspeed = getattr(accelerator.state, "deepspeed_plugin", None) is not None
     n = embed_buckets(d, mode, "regional" if compiled else "none", deepspeed)
@@ -181,8 +180,6 @@ def preference_loaders(d: DataConfig, t: TrainConfig, accelerator, tokenizer, co
     """(training loader, eval loader or None, stats) of preference pairs (harness.data.pairs): each batch holds its
     micro-batch's chosen sequences, then its rejected ones (`d`: cfg.data, `t`: cfg.train)."""
     from torch.utils.data import DataLoader
-
-    from harness.data import chat, pairs
 
     template = chat.resolve_template(tokenizer, d.chat_template)
     rows, held = training_rows(d, t.seed, "preference", accelerator.print)

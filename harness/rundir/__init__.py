@@ -24,6 +24,7 @@ from harness.errors import ConfigError, HarnessError
 from harness.files import write_json
 from harness.rundir import lock
 from harness.stopping import stop_handlers
+from harness.config import SECTIONS
 
 # what a training run writes into its output folder and train.overwrite=true deletes (config.yaml, environment.json
 # are rewritten anyway; plan.json (harness plan) and train.log (launch/train.sh) are the user's, kept)
@@ -93,8 +94,6 @@ def start_over(out: Path, say: Callable[[str], None]) -> None:
 def holds_run(out: Path) -> bool:
     """Whether `out` holds the config.yaml a training run writes (a mapping of config sections with train:)."""
     import yaml
-
-    from harness.config import SECTIONS
 
     try:
         written = yaml.safe_load((out / "config.yaml").read_text())
