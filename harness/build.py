@@ -33,6 +33,16 @@ from harness.observe import metrics, monitor
 from harness.observe.record import RunRecord
 from harness.observe.timing import Timings
 from harness.state import LoopState
+from harness.config.profiles import resolve_compile
+from harness import model as model_lib
+from harness.chunked_loss import resolve_chunked_ce
+from harness.objective import Objective
+from harness.speed.float8 import check_fp8
+from harness.rl.rollout import question_loader
+from harness.speed import float8
+from harness import preference
+from harness.rft.tasks import build_task
+from harness.rl.rollout import Rollouts
 
 
 @dataclass(frozen=True)
@@ -167,8 +177,6 @@ def weights_dtype(model) -> str:
 def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
     """Precision, the Accelerator, the output folder's lock, the resume target, the compiler's start-up, the sampler
     (config.yaml and environment.json are written by build_run once the data and the model are built)."""
-    from harness.config.profiles import resolve_compile
-
     t_start, t_process = time.time(), hardware.process_start_time()
     # resumed under another number of processes: the checkpoint's global batch, split for this one (before the
     # Accelerator, whose accumulation and DeepSpeed batch settings follow the config)
@@ -177,8 +185,6 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
     out = Path(cfg.train.output_dir)
     precision = hardware.resolve_precision(cfg.train.precision)
     if precision == "fp8":
-        from harness.speed.float8 import check_fp8
-
         check_fp8(cfg.model.quantization)
     compute = hardware.compute_precision(precision)  # fp8: bf16 outside the float8 Linear layers
     # bf16 weights: DeepSpeed's fp32 master copies
@@ -236,13 +242,9 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
 
 
 def build_data(cfg: Config, accelerator, say: Callable[[str], None]) -> tuple[Any, loaders.RunData]:
-    from harness import model as model_lib
-
     tokenizer = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
     data = loaders.build_loaders(cfg.data, cfg.train, cfg.loss.mode, cfg.model.pooling, accelerator, tokenizer)
     if cfg.loss.mode == "rl":  # the stream is the rft task's train questions (indices), answered during the run
-        from harness.rl.rollout import question_loader
-
         _, data.gen = question_loader(cfg.rl, cfg.rft, cfg.train.grad_accum, cfg.data.shuffle,
                                       accelerator.num_processes)
     for kind, st in data.stats.items():
@@ -258,10 +260,6 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     """Model, optimizer and schedule (same seed on every rank: identical initial weights), prepared; the objective."""
     from accelerate.utils import set_seed
 
-    from harness import model as model_lib
-    from harness.chunked_loss import resolve_chunked_ce
-    from harness.objective import Objective
-
     cfg, accelerator, say, zero = started.cfg, started.accelerator, started.accelerator.print, started.zero
     world, sp = accelerator.num_processes, started.sp
     if cfg.model.quantization != "none" and zero["zero_stage"] == 3:  # a launcher's ZeRO-3; checks.py: the rest
@@ -271,8 +269,6 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
         model = model_lib.build_model(cfg.model, tokenizer, precision=hardware.compute_precision(started.precision),
                                        packed_causal=cfg.loss.mode == "generative" and cfg.data.packing and sp is None)
     if started.precision == "fp8":  # the blocks' Linear layers in float8 (LoRA's frozen base layers too)
-        from harness.speed import float8
-
         say(float8.describe(*float8.convert_blocks(model)))
     if cfg.loss.mode in ("embedding", "unified"):
         model_lib.check_embedding_support(model.config.model_type, model.config._attn_implementation,
@@ -306,8 +302,6 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     chunk_size = resolve_chunked_ce(cfg.loss, cfg.train.compile, model, longest_micro_batch(data), say) if cfg.loss.mode != "rl" else \
         cfg.loss.chunked_ce_size  # rl: log-probs always through the output head in chunks
     if cfg.loss.mode == "preference":  # sequence log-probs: always through the output head, in chunks
-        from harness import preference
-
         chunk_size = cfg.loss.chunked_ce_size
         # the reference (dpo, ipo): the model as it starts, before a checkpoint is loaded; stored in output_dir
         preference.attach_reference(cfg.loss.preference, cfg.model, cfg.train, accelerator, model,
@@ -320,9 +314,6 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     objective = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, accelerator, model, chunk_size=chunk_size,
                           flop_dims=flop_dims, sp=sp, rl=cfg.rl, rl_temperature=cfg.rft.temperature)
     if cfg.loss.mode == "rl":  # before a checkpoint is loaded: the reference (rl.beta > 0) is the starting model
-        from harness.rft.tasks import build_task
-        from harness.rl.rollout import Rollouts
-
         objective.rl = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, accelerator, model, tokenizer,
                                 build_task(cfg.rft), chunk_size, zero["zero_stage"], say)
         accelerator.register_for_checkpointing(objective.rl)  # the half-used generation batch, with each checkpoint

@@ -16,6 +16,8 @@ import torch
 from harness import IGNORE_INDEX
 from harness.data import samples as data_lib
 from harness.observe import metrics
+from harness.objective import generative_loss_sum
+from harness.preference import evaluate_preference
 
 
 @torch.no_grad()
@@ -26,8 +28,6 @@ def evaluate_generative(accelerator, model, loader, chunk_size: Optional[int] = 
     (every process takes part in every forward: ZeRO-3). (accelerate's prepared loader would pad the last shards with
     repeated samples, which the sums would count twice.) chunk_size: loss.chunked_ce resolved (the output head's
     chunked loss, no [B, T, V] logits), or None for the full logits."""
-    from harness.objective import generative_loss_sum
-
     world, rank, size, ds = accelerator.num_processes, accelerator.process_index, loader.batch_size, loader.dataset
     rows = list(range(rank, len(ds), world))
     model.eval()
@@ -92,8 +92,6 @@ class Evaluator:
         """{"eval_loss", "eval_recall_at_1", "eval_mrr"} for the eval data the run has ({} without any)."""
         t, results, job = time.perf_counter(), {}, self.job
         if job.data.gen_eval is not None and job.cfg.loss.mode == "preference":
-            from harness.preference import evaluate_preference
-
             results.update(evaluate_preference(job.accelerator, job.model, job.data.gen_eval, job.cfg.loss,
                                                job.objective.chunk_size))
         elif job.data.gen_eval is not None:
