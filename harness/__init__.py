@@ -8,6 +8,8 @@ import logging
 
 __version__ = "0.1.0"
 
+IGNORE_INDEX = -100  # the label of positions the loss skips (torch cross_entropy's ignore_index)
+
 # Start-up noise of the libraries the harness imports, said on every command and meaningless to its users: each
 # (logger, text) is one known message, dropped on that library logger alone; every other message of those libraries,
 # and all of the harness's own, is left as it is.

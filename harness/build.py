@@ -24,6 +24,7 @@ from harness.config import Config
 from harness.config.checks import quantization_zero3_error
 from harness.config.profiles import shapes_vary, static_shapes
 from harness.data import loaders
+from harness.data.checks import check_data
 from harness.distributed import collectives, processes, sequence
 from harness.distributed.zero import (model_init_context, parameters_held, planned_weights, repair_stage0_optimizer,
                                       zero_info)
@@ -32,6 +33,16 @@ from harness.observe import metrics, monitor
 from harness.observe.record import RunRecord
 from harness.observe.timing import Timings
 from harness.state import LoopState
+from harness.config.profiles import resolve_compile
+from harness import model as model_lib
+from harness.chunked_loss import resolve_chunked_ce
+from harness.objective import Objective
+from harness.speed.float8 import check_fp8
+from harness.rl.rollout import question_loader
+from harness.speed import float8
+from harness import preference
+from harness.rl.prompts import rl_task
+from harness.rl.rollout import Rollouts
 
 
 @dataclass(frozen=True)
@@ -128,6 +139,7 @@ class Built:
 
 def build_run(cfg: Config, opened: contextlib.ExitStack) -> tuple[Job, LoopState]:
     """The run's parts, and the loop state to train from (a checkpoint's, restored after prepare(), or step 0's)."""
+    check_data(cfg.data)  # the data entries and the chat template, before anything starts or is written
     started = start_processes(cfg, opened)
     cfg, accelerator, say = started.cfg, started.accelerator, started.accelerator.print
     tokenizer, data = build_data(cfg, accelerator, say)
@@ -168,8 +180,6 @@ def check_machine(cfg: Config) -> str:
     them before it looks at the run folder, so a finished run still rejects a bad override."""
     precision = hardware.resolve_precision(cfg.train.precision)
     if precision == "fp8":
-        from harness.speed.float8 import check_fp8
-
         check_fp8(cfg.model.quantization)
     hardware.check_attention(cfg.model.attn_implementation)
     sequence.check_launch(cfg.train.sequence_parallel, processes.launched_world(), processes.deepspeed_wanted(cfg.train),
@@ -181,8 +191,6 @@ def check_machine(cfg: Config) -> str:
 def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
     """Precision, the Accelerator, the output folder's lock, the resume target, the compiler's start-up, the sampler
     (config.yaml and environment.json are written by build_run once the data and the model are built)."""
-    from harness.config.profiles import resolve_compile
-
     t_start, t_process = time.time(), hardware.process_start_time()
     # resumed under another number of processes: the checkpoint's global batch, split for this one (before the
     # Accelerator, whose accumulation and DeepSpeed batch settings follow the config)
@@ -243,13 +251,9 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
 
 
 def build_data(cfg: Config, accelerator, say: Callable[[str], None]) -> tuple[Any, loaders.RunData]:
-    from harness import model as model_lib
-
     tokenizer = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
     data = loaders.build_loaders(cfg.data, cfg.train, cfg.loss.mode, cfg.model.pooling, accelerator, tokenizer)
     if cfg.loss.mode == "rl":  # the stream is the rft task's train questions (indices), answered during the run
-        from harness.rl.rollout import question_loader
-
         _, data.gen = question_loader(cfg.rl, cfg.rft, cfg.train.grad_accum, cfg.data.shuffle,
                                       accelerator.num_processes, cfg.data.cache_dir)
     for kind, st in data.stats.items():
@@ -265,10 +269,6 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     """Model, optimizer and schedule (same seed on every rank: identical initial weights), prepared; the objective."""
     from accelerate.utils import set_seed
 
-    from harness import model as model_lib
-    from harness.chunked_loss import resolve_chunked_ce
-    from harness.objective import Objective
-
     cfg, accelerator, say, zero = started.cfg, started.accelerator, started.accelerator.print, started.zero
     world, sp = accelerator.num_processes, started.sp
     if cfg.model.quantization != "none" and zero["zero_stage"] == 3:  # a launcher's ZeRO-3; checks.py: the rest
@@ -278,8 +278,6 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
         model = model_lib.build_model(cfg.model, tokenizer, precision=hardware.compute_precision(started.precision),
                                        packed_causal=cfg.loss.mode == "generative" and cfg.data.packing and sp is None)
     if started.precision == "fp8":  # the blocks' Linear layers in float8 (LoRA's frozen base layers too)
-        from harness.speed import float8
-
         say(float8.describe(*float8.convert_blocks(model)))
     if cfg.loss.mode in ("embedding", "unified"):
         model_lib.check_embedding_support(model.config.model_type, model.config._attn_implementation,
@@ -319,8 +317,6 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     chunk_size = resolve_chunked_ce(cfg.loss, cfg.train.compile, model, longest_micro_batch(data), say) if cfg.loss.mode != "rl" else \
         cfg.loss.chunked_ce_size  # rl: log-probs always through the output head in chunks
     if cfg.loss.mode == "preference":  # sequence log-probs: always through the output head, in chunks
-        from harness import preference
-
         chunk_size = cfg.loss.chunked_ce_size
         # the reference (dpo, ipo): the model as it starts, before a checkpoint is loaded; stored in output_dir
         preference.attach_reference(cfg.loss.preference, cfg.model, cfg.train, accelerator, model,
@@ -333,9 +329,6 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     objective = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, accelerator, model, chunk_size=chunk_size,
                           flop_dims=flop_dims, sp=sp, rl=cfg.rl, rl_temperature=cfg.rft.temperature)
     if cfg.loss.mode == "rl":  # before a checkpoint is loaded: the reference (rl.beta > 0) is the starting model
-        from harness.rl.prompts import rl_task
-        from harness.rl.rollout import Rollouts
-
         objective.rl = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, accelerator, model, tokenizer,
                                 rl_task(cfg.rl, cfg.rft, cfg.data.cache_dir), chunk_size, zero["zero_stage"], say)
         accelerator.register_for_checkpointing(objective.rl)  # the half-used generation batch, with each checkpoint

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from harness.config import LossConfig
-from harness.data import IGNORE_INDEX
+from harness import IGNORE_INDEX
 from harness.errors import ConfigError
 from harness.lora import is_peft
 from harness.model import unwrap

@@ -14,9 +14,11 @@ from typing import Callable, Optional
 
 import torch
 
-from harness.data import IGNORE_INDEX
+from harness import IGNORE_INDEX
 from harness.data import samples as data_lib
 from harness.observe import metrics
+from harness.objective import generative_loss_sum
+from harness.preference import evaluate_preference
 
 
 @torch.no_grad()
@@ -27,8 +29,6 @@ def evaluate_generative(accelerator, model, loader, chunk_size: Optional[int] = 
     (every process takes part in every forward: ZeRO-3). (accelerate's prepared loader would pad the last shards with
     repeated samples, which the sums would count twice.) chunk_size: loss.chunked_ce resolved (the output head's
     chunked loss, no [B, T, V] logits), or None for the full logits."""
-    from harness.objective import generative_loss_sum
-
     world, rank, size, ds = accelerator.num_processes, accelerator.process_index, loader.batch_size, loader.dataset
     rows = list(range(rank, len(ds), world))
     model.eval()
@@ -181,8 +181,6 @@ class Evaluator:
     def _metrics(self, step: int) -> dict:
         results, job = {}, self.job
         if job.data.gen_eval is not None and job.cfg.loss.mode == "preference":
-            from harness.preference import evaluate_preference
-
             results.update(evaluate_preference(job.accelerator, job.model, job.data.gen_eval, job.cfg.loss,
                                                job.objective.chunk_size))
         elif job.data.gen_eval is not None:

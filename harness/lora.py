@@ -9,6 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from harness.config import ModelConfig
 from harness.errors import ConfigError
+from harness.config import lora_config
+from harness.distributed.zero import without_zero3_init
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -49,8 +51,6 @@ def apply_lora(model, cfg: ModelConfig, added_tokens: list[int] | None = None):
     markers) and the padding up to a multiple of 64, randomly drawn by every resize (a user's too). They are trained
     through peft's `trainable_token_indices` and saved with the adapter (`trainable_tokens_delta`, those rows alone),
     so that base + adapter is the trained model for every id. A tied head follows the embedding; an untied one too."""
-    from harness.config import lora_config
-
     lc = lora_config(cfg)
     if not lc.enabled:
         return model
@@ -106,8 +106,6 @@ def merged_copy(peft_model, state_dict: dict, merge: bool = True):
     the full `state_dict` (gathered from every rank under ZeRO-3) on a fresh copy of the architecture. merge=False:
     the base alone, the adapters left out (the base a random-init run's adapter applies to)."""
     from peft import get_peft_model
-
-    from harness.distributed.zero import without_zero3_init
 
     base_cfg = peft_model.get_base_model().config
     peft_cfg = peft_model.peft_config["default"]

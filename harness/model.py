@@ -20,6 +20,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from harness.config import ModelConfig
 from harness.errors import ConfigError
 from harness.lora import apply_lora, quantization_kwargs
+from harness.data.chat import resolve_template, uses_markers
+from harness.losses import pool
+from harness.config.shape import pretrained_shape
 
 BUNDLED_TOKENIZER = Path(__file__).parent / "assets" / "tokenizer"
 CHAT_MARKERS = ["<|system|>", "<|user|>", "<|assistant|>", "<|embed|>"]
@@ -35,8 +38,6 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str = "auto",
     """The tokenizer with a pad token and its chat template resolved from `chat_template` (data.chat_template) and
     set on it (so save_pretrained stores it). markers: add the GritLM chat markers as special tokens (True),
     never (False), or only when the chat layout uses them (None)."""
-    from harness.data.chat import resolve_template, uses_markers
-
     src = _tokenizer_source(cfg)
     try:
         tok = AutoTokenizer.from_pretrained(src, trust_remote_code=cfg.trust_remote_code)
@@ -84,7 +85,6 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
             model_type = kwargs.pop("model_type")
             mconf = AutoConfig.for_model(model_type, **kwargs)
         else:
-            from harness.config.shape import pretrained_shape  # the checkpoint's shape wins over the recipe's
             overrides = pretrained_shape(cfg)
             mconf = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **overrides)
         if auto:
@@ -186,8 +186,6 @@ def embed(model, batch: dict, pooling: str, bidirectional: bool) -> torch.Tensor
     With an untied, trainable output head (tie_word_embeddings=false) and autograd on, the embeddings are tied to
     those logits by a zero gradient (`_ZeroGradTie`): the head then takes part in every backward pass with a
     gradient of exactly zero, as the distributed reducers expect of every trainable parameter (see the class)."""
-    from harness.losses import pool
-
     mask = batch["attention_mask"]
     if bidirectional:
         impl = getattr(unwrap(model).config, "_attn_implementation", "sdpa")

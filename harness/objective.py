@@ -22,12 +22,14 @@ import torch
 from harness import faults, losses
 from harness.distributed.processes import is_deepspeed
 from harness.config import LossConfig, ModelConfig, RlConfig
-from harness.data import IGNORE_INDEX
+from harness import IGNORE_INDEX
 from harness.data.samples import model_inputs, real_tokens
 from harness.chunked_loss import ChunkedHeadLoss
 from harness.model import embed
 from harness.observe import metrics
 from harness.state import StepSums
+from harness import preference
+from harness.rl import step
 
 @contextlib.contextmanager
 def deferred_sync(accelerator, model):
@@ -188,8 +190,6 @@ class Objective:
         if self.mode == "rl":  # W A / the step's denominator (rl.loss_type), set when the answers were generated
             return gen_batches[0]["scale"]
         if self.mode == "preference":  # [W A / pairs, W A / chosen tokens] of the step
-            from harness import preference
-
             return preference.step_scale(self.accelerator, self.world, self.accum, gen_batches)
         if self.loss.gen_averaging != "token":
             return 0.0
@@ -224,12 +224,8 @@ class Objective:
         if self.check.skipped:  # a non-finite loss earlier in this step: no more passes (on any process)
             return sums
         if self.mode == "preference":  # pairs (harness/preference.py): one forward of chosen + rejected
-            from harness import preference
-
             return preference.micro_step(self, gen, gen_scale)
         if self.mode == "rl":  # sampled answers with their advantages (harness/rl/step.py)
-            from harness.rl import step
-
             return step.micro_step(self, gen, gen_scale)
         if gen is not None:
             deferred = deferred_sync(accelerator, model) if emb is not None else contextlib.nullcontext()

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from harness import losses
 from harness.chunked_loss import ChunkedHeadLoss, head_params
-from harness.data import IGNORE_INDEX
+from harness import IGNORE_INDEX
 from harness.data.samples import model_inputs, real_tokens
 from harness.distributed.collectives import on_main
 from harness.errors import HarnessError, one_line

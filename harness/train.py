@@ -18,10 +18,11 @@ import sys
 if __name__ == "__main__" and not __package__:
     # `accelerate launch harness/train.py` runs this file as a script: import the package, not its siblings.
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if __name__ == "__main__":  # the launch and the config before the heavy imports (config/preflight.py)
+if __name__ == "__main__":  # the launch, the config and its data entries before the heavy imports (config/preflight.py)
     from harness.config.preflight import early_check
+    from harness.data.checks import check_data
 
-    early_check(sys.argv[1:])
+    early_check(sys.argv[1:], (lambda cfg: check_data(cfg.data),))
 
 import argparse
 import contextlib

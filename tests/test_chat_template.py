@@ -199,9 +199,10 @@ def test_chat_template_choices_and_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"^config key 'data.chat_template': no such Jinja file '.*nope.jinja'"):
         load_tokenizer(ModelConfig(), str(tmp_path / "nope.jinja"))
     from harness.config import load_config
+    from harness.data.checks import check_data
 
     with pytest.raises(ConfigError, match="no such Jinja file"):
-        load_config("configs/default.yaml", [f"data.chat_template={tmp_path / 'nope.jinja'}"])
+        check_data(load_config("configs/default.yaml", [f"data.chat_template={tmp_path / 'nope.jinja'}"]).data)
 
 
 def test_the_template_is_part_of_the_tokenize_cache_key(tmp_path):

@@ -4,6 +4,7 @@
 """
 
 import ast
+import functools
 import json
 import subprocess
 import sys
@@ -206,3 +207,163 @@ def test_few_functions_take_the_whole_config():
     or plain values: at most 20 functions outside build.py, train.py and config/ take the whole Config."""
     takers = whole_config_takers()
     assert len(takers) <= 20, f"{len(takers)} functions take the whole Config:\n" + "\n".join(takers)
+
+
+# ------------------------------------------------------------------------- the folders' graph, lazy imports included
+
+# The units of the folders' graph: each folder of harness/ (harness.data, harness.rft, ...) and each top-level module
+# (harness.train, ...); the package file is `harness`. A `__main__.py` is a program that nothing imports: its own unit.
+MAX_LAZY = 20  # imports of harness modules inside functions, each with its reason (`# lazy: ...`)
+
+
+def unit_of(name: str) -> str:
+    parts = name.split(".")
+    return name if parts[-1] == "__main__" else ".".join(parts[:2])
+
+
+@functools.lru_cache(maxsize=None)
+def import_sites(name: str) -> list[tuple[int, str, bool]]:
+    """(line, imported harness module, inside a function) for every import statement of module `name`, resolved as
+    `imports_of` resolves them."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+
+    def walk(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                out.extend((child.lineno, a.name, in_function) for a in child.names if a.name in MODULES)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    up = package.split(".")[:len(package.split(".")) - child.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets = {f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in child.names}
+                out.extend((child.lineno, t, in_function) for t in sorted(targets) if t in MODULES)
+            walk(child, inner)
+
+    walk(ast.parse(path.read_text()), False)
+    return [s for s in out if s[1] != name]
+
+
+def folder_graph() -> dict[str, dict[str, list[str]]]:
+    """unit -> {unit it imports: ["harness/x.py:12 imports harness.y.z", ...]} (function-level imports included)."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for name, path in MODULES.items():
+        edges = graph.setdefault(unit_of(name), {})
+        for line, target, _ in import_sites(name):
+            if unit_of(target) != unit_of(name):
+                edges.setdefault(unit_of(target), []).append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    return graph
+
+
+def folder_cycles(graph: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """One cycle through each group of units that reach each other (Tarjan's strongly connected components)."""
+    index, low, stack, on, groups = {}, {}, [], set(), []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+                on.discard(group[-1])
+            if len(group) > 1:
+                groups.append(set(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    cycles = []
+    for group in groups:  # the shortest way back from the group's first unit to itself, inside the group
+        start = min(group)
+        paths, seen = [[start]], set()
+        while paths:
+            path = paths.pop(0)
+            nxt = [w for w in sorted(graph[path[-1]]) if w in group]
+            if start in nxt:
+                cycles.append(path + [start])
+                break
+            for w in nxt:
+                if w not in seen:
+                    seen.add(w)
+                    paths.append(path + [w])
+    return cycles
+
+
+def folder_layers(graph: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """The units by layer: 0 imports no other unit; each other unit sits one above the highest unit it imports (the
+    longest path from the bottom)."""
+    level: dict[str, int] = {}
+
+    def of(v: str) -> int:
+        if v not in level:
+            level[v] = 1 + max((of(w) for w in graph[v]), default=-1)
+        return level[v]
+
+    for v in graph:
+        of(v)
+    return [sorted(v for v in graph if level[v] == i) for i in range(max(level.values()) + 1)]
+
+
+def test_no_import_cycle_between_folders():
+    """Between harness/'s folders and top-level modules the imports point one way (function-level imports count: an
+    import inside a function is still a dependency). A cycle fails, naming the imports on it."""
+    graph = folder_graph()
+    report = []
+    for cycle in folder_cycles(graph):
+        report.append(" -> ".join(cycle))
+        report += [f"    {site}" for a, b in zip(cycle, cycle[1:]) for site in graph[a][b]]
+    assert report == [], "import cycle between folders:\n" + "\n".join(report)
+
+
+def lazy_imports() -> list[tuple[str, int, str, str]]:
+    """(file, line, imported module, the reason) of every import of a harness module inside a function; the reason is
+    a `# lazy: ...` comment on the import's line or on the line above."""
+    out = []
+    for name, path in MODULES.items():
+        lines = path.read_text().splitlines()
+        for line in sorted({line for line, _, inner in import_sites(name) if inner}):
+            near = [lines[line - 1]] + ([lines[line - 2]] if line > 1 else [])
+            why = next((t.split("# lazy:", 1)[1].strip() for t in near if "# lazy:" in t), "")
+            out.append((str(path.relative_to(ROOT)), line, lines[line - 1].strip(), why))
+    return sorted(out)
+
+
+def test_few_function_level_imports_each_with_its_reason():
+    """At most MAX_LAZY imports of harness modules sit inside functions, each with its reason on its line or the line
+    above (`# lazy: start-up time`, `# lazy: torch-free config`, ...): the rest are at the top, where a reader sees
+    what a module depends on."""
+    found = lazy_imports()
+    assert len(found) <= MAX_LAZY, f"{len(found)} function-level imports:\n" + "\n".join(
+        f"{f}:{n} {text}" for f, n, text, _ in found)
+    assert [f"{f}:{n} {text}" for f, n, text, why in found if not why] == []
+
+
+def documented_layers() -> list[list[str]]:
+    """The `layers` block of docs/architecture.md: one line per layer, lowest first, `N: unit unit ...`."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("```layers\n", 1)[1].split("```", 1)[0]
+    return [line.split(":", 1)[1].split() for line in block.strip().splitlines()]
+
+
+def test_architecture_doc_shows_the_layers_as_they_are():
+    """docs/architecture.md's layer list is the one the folders' graph gives (regenerate the block from
+    `python tests/test_layout.py`)."""
+    assert documented_layers() == folder_layers(folder_graph())
+
+
+if __name__ == "__main__":  # print the layers block for docs/architecture.md
+    print("```layers")
+    for i, layer in enumerate(folder_layers(folder_graph())):
+        print(f"{i}: {' '.join(layer)}")
+    print("```")

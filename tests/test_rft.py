@@ -89,7 +89,7 @@ def test_rft_config_keys_are_checked():
 
 
 def test_overrides_may_follow_the_options(capsys):
-    from harness.rft import main as rft_main
+    from harness.tools.rft import main as rft_main
 
     # an override after --out reaches the config (its key is checked: the one-line error names it), not argparse
     assert rft_main(["test", RECIPE, "--out", "unused.json", "rft.oversampl=2"]) == 2
@@ -223,7 +223,7 @@ def qids(folder: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_rft_end_to_end(tmp_path):
-    from harness.rft import main as rft_main
+    from harness.tools.rft import main as rft_main
 
     # a supervised warm-up on worked answers; the task's questions are the warm-up questions (as a JSONL task),
     # so that this tiny, briefly trained model is often right

@@ -16,7 +16,7 @@ import pytest
 
 from harness.errors import DataError, HarnessError
 from harness.rft import generate as gen
-from harness.rft import main as rft_main
+from harness.tools.rft import main as rft_main
 from harness.rft.tasks import JsonlTask
 from harness.rundir import lock
 from tests.harness_launch import ROOT

@@ -20,6 +20,7 @@ import pytest
 
 from harness import cli
 from harness.config import load_config
+from harness.data.checks import check_data  # the entries' checks (called by the build)
 from harness.data.sources import Source, load_rows, load_source_rows, parse_sources
 from harness.errors import ConfigError, DataError
 
@@ -101,10 +102,10 @@ def test_parse_sources_and_config(tmp_path):
             "list have one; give every source a weight, or none")]
     for value, message in bad:
         with pytest.raises(ConfigError) as e:
-            load_config(ROOT / "configs" / "default.yaml", [f"data.train_files={value}"])
+            check_data(load_config(ROOT / "configs" / "default.yaml", [f"data.train_files={value}"]).data)
         assert str(e.value) == message
     with pytest.raises(ConfigError, match=r"'data.eval_files\[0\]': 'weight' mixes training data"):
-        load_config(ROOT / "configs" / "default.yaml", ["data.eval_files=[{path: a.jsonl, weight: 2}]"])
+        check_data(load_config(ROOT / "configs" / "default.yaml", ["data.eval_files=[{path: a.jsonl, weight: 2}]"]).data)
 
 
 # ----------------------------------------------------------------------------------------------- formats

@@ -19,6 +19,9 @@ from harness.checkpoint.manifest import folder_size
 from harness.distributed.collectives import on_main
 from harness.errors import HarnessError, one_line
 from harness.files import disk_full, free_bytes, human_bytes, replace_dir
+from harness.lora import is_peft, merged_copy, uses_trainable_tokens
+from harness.checkpoint.st_export import write_sentence_transformers
+from harness.checkpoint.adapter_tokens import trim_padding_rows
 
 
 def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optional[dict] = None,
@@ -69,8 +72,6 @@ def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optiona
 
 def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, extra: Optional[dict],
                   random_base_dest: Optional[Path] = None) -> None:
-    from harness.lora import is_peft, merged_copy, uses_trainable_tokens
-
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     kwargs = {}
     if is_peft(unwrapped) and uses_trainable_tokens(unwrapped):
@@ -80,8 +81,6 @@ def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, ex
     unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, **kwargs)
     tokenizer.save_pretrained(tmp)
     if kwargs:  # the vocabulary's padding rows out of the adapter: peft's AutoPeft loader resizes to len(tokenizer)
-        from harness.checkpoint.adapter_tokens import trim_padding_rows
-
         trim_padding_rows(tmp, len(tokenizer))
     for name, obj in (extra or {}).items():  # small JSON side files, e.g. harness.json
         (tmp / name).write_text(json.dumps(obj, indent=2))
@@ -97,6 +96,5 @@ def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, ex
             (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
         for name, obj in (extra or {}).items():
             (tmp / "merged" / name).write_text(json.dumps(obj, indent=2))
-    from harness.checkpoint.st_export import write_sentence_transformers  # final/ as a sentence-transformers model
 
     write_sentence_transformers(tmp, (extra or {}).get("harness.json"))

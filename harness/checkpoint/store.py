@@ -28,7 +28,10 @@ from harness.checkpoint.manifest import (MARKER, STATE_FILE, build_manifest, che
 from harness.distributed.collectives import all_gather, is_main, num_processes, on_main
 from harness.errors import HarnessError, one_line
 from harness.files import disk_full, free_bytes, human_bytes, lost_errno, write_cause, write_json
-from harness.rundir import checkpoints_root
+
+
+def checkpoints_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
 
 
 def is_complete(path: Path) -> bool:

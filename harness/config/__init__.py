@@ -31,6 +31,8 @@ from harness.config.sections import (NO_RESUME, SECTIONS, Config, DataConfig, Lo
                                      RftConfig, RlConfig, TrainConfig, lora_config)
 from harness.config.yaml_loader import TooLong, read_yaml
 from harness.errors import ConfigError
+from harness.config.checks import validate
+from harness.config.profiles import profile_overrides
 
 __all__ = ["NO_RESUME", "SECTIONS", "Config", "DataConfig", "LoraConfig", "LossConfig", "ModelConfig", "OptimConfig", "RftConfig",
            "RlConfig", "TrainConfig", "lora_config", "load_config", "save_config", "parse_override", "describe"]
@@ -118,8 +120,6 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
     raw: dict[str, dict] = {}
     profile = next((v for k, v in reversed(pairs) if k == "train.profile"), None)
     if profile is not None:
-        from harness.config.profiles import profile_overrides
-
         mode = next((v for k, v in reversed(pairs) if k == "loss.mode"), None)
         for key, value in profile_overrides(str(profile)).items():
             if key == "data.packing" and mode in ("preference", "rl"):
@@ -128,7 +128,6 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
     for key, value in pairs:
         _apply(raw, key, value)
     cfg = Config(**{s: SECTIONS[s](**raw.get(s, {})) for s in SECTIONS})
-    from harness.config.checks import validate
 
     validate(cfg)
     return cfg

@@ -102,7 +102,6 @@ def validate(cfg: Config) -> None:
     check_rft(cfg.rft)
     check_rl(cfg)
     check_model(cfg.model)
-    check_data(d)
 
 
 def check_eval_prompts(t) -> None:
@@ -115,13 +114,6 @@ def check_eval_prompts(t) -> None:
     if t.eval_prompts_max_new_tokens < 1:
         raise ConfigError(f"config key 'train.eval_prompts_max_new_tokens': must be >= 1, got "
                           f"{t.eval_prompts_max_new_tokens}")
-
-
-def check_data(d) -> None:
-    """The data section's checks that need more than a type: a data.chat_template file that exists."""
-    from harness.data.chat import check_choice
-
-    check_choice(d.chat_template)
 
 
 def check_eval_split(cfg: Config) -> None:
@@ -141,18 +133,9 @@ def check_eval_split(cfg: Config) -> None:
 
 
 def check_data_sources(cfg: Config) -> None:
-    """The data lists: each entry a path or a valid source mapping (harness.data.sources), and the lists the mode needs."""
-    from harness.data.sources import parse_sources
-
+    """The lists the mode needs (each entry's own checks, which need data/'s knowledge: harness.data.checks, called by
+    the build)."""
     d, mode = cfg.data, cfg.loss.mode
-    for key in ("train_files", "eval_files", "emb_train_files", "emb_eval_files"):
-        weighted = [s.weight is not None for s in parse_sources(getattr(d, key), f"data.{key}")]
-        if any(weighted) and "eval" in key:
-            raise ConfigError(f"config key 'data.{key}[{weighted.index(True)}]': 'weight' mixes training data; an "
-                              f"eval list is evaluated whole")
-        if any(weighted) and not all(weighted):
-            raise ConfigError(f"config key 'data.{key}[{weighted.index(False)}]': has no weight while other sources "
-                              f"of the list have one; give every source a weight, or none")
     if mode in ("generative", "unified", "preference") and not d.train_files:
         raise ConfigError(f"config key 'data.train_files': loss.mode={mode} needs generative JSONL files or folders")
     if mode in ("embedding", "unified") and not d.emb_train_files:

@@ -19,6 +19,7 @@ import sys
 import time
 
 from harness.errors import ConfigError, HarnessError
+from harness.config import load_config, recipe_args
 
 WAIT_S = 30.0  # how long a non-main process waits for the launcher to end it after a user error
 
@@ -48,12 +49,11 @@ def report(e: HarnessError) -> int:
     return e.exit_code
 
 
-def early_check(argv: list[str]) -> None:
-    """The launch and the config, before the heavy imports (the caller is train.py's `__main__`): a user error exits
-    here through `report`. Anything argparse refuses, and --help-config, is left to the entry point."""
+def early_check(argv: list[str], checks: tuple = ()) -> None:
+    """The launch and the config, before the heavy imports (the caller is train.py's `__main__`), and `checks` (each
+    called with the loaded config: the layers above config/ hand theirs in): a user error exits here through `report`.
+    Anything argparse refuses, and --help-config, is left to the entry point."""
     import argparse
-
-    from harness.config import recipe_args
 
     p = argparse.ArgumentParser(add_help=False)
     recipe_args.add(p)
@@ -68,9 +68,9 @@ def early_check(argv: list[str]) -> None:
         return
     try:
         refuse_fsdp()
-        from harness.config import load_config
-
-        load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides)
+        for check in checks:
+            check(cfg)
     except HarnessError as e:
         code = report(e)
         sys.stdout.flush()

@@ -16,6 +16,8 @@ decides whether compiled shapes are dynamic.
 
 from __future__ import annotations
 
+from harness.errors import ConfigError
+
 PROFILES: dict[str, dict[str, object]] = {
     "conservative": {
         "train.compile": "none", "data.packing": False, "data.num_workers": 0, "data.persistent_workers": False,
@@ -37,8 +39,6 @@ PROFILES: dict[str, dict[str, object]] = {
 
 
 def profile_overrides(name: str) -> dict[str, object]:
-    from harness.errors import ConfigError
-
     if name not in PROFILES:
         raise ConfigError(f"config key 'train.profile': unknown profile '{name}' (known: {', '.join(PROFILES)})")
     return PROFILES[name]

@@ -1,3 +1,3 @@
 """The data pipeline: sources -> formats -> chat template -> tokenized samples -> mixing -> loaders."""
 
-IGNORE_INDEX = -100  # the label of positions the loss skips (torch cross_entropy's ignore_index)
+from harness import IGNORE_INDEX  # noqa: F401  (it lives in the package file, below every layer)

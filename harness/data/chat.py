@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.data import IGNORE_INDEX
+from harness import IGNORE_INDEX
 from harness.errors import ConfigError, DataError
 
 GRITLM_TEMPLATE = (

@@ -22,6 +22,7 @@ import json
 from typing import Any, Optional
 
 from harness.errors import DataError
+from harness.files import json_beyond_limits
 
 GENERATIVE = ("text", "messages", "sharegpt", "alpaca", "gritlm")
 FORMATS = GENERATIVE + ("embedding", "preference")
@@ -99,8 +100,6 @@ def _tools(value: Any, where: str, field: str = "tools") -> str:
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: field '{field}' is not valid JSON ({e.msg}, column {e.colno})") from None
         except (ValueError, RecursionError) as e:
-            from harness.files import json_beyond_limits
-
             raise DataError(f"{where}: field '{field}': {json_beyond_limits(e)}") from None
     if isinstance(value, dict):
         value = [value]

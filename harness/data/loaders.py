@@ -17,10 +17,14 @@ from typing import Any, Optional
 
 import torch
 
+from harness import IGNORE_INDEX
 from harness.config import DataConfig, TrainConfig
-from harness.data import IGNORE_INDEX, mixing, sources
+from harness.data import mixing, sources
 from harness.data import samples as data_lib
 from harness.distributed.collectives import main_first
+from harness.config.profiles import resolve_pin_memory
+from harness.config.profiles import embed_buckets
+from harness.data import chat, pairs, streaming
 
 STREAMS = {"generative": ("train_files", "eval_files"), "embedding": ("emb_train_files", "emb_eval_files"),
            "preference": ("train_files", "eval_files")}
@@ -85,8 +89,6 @@ def build_loaders(d: DataConfig, t: TrainConfig, mode: str, pooling: str, accele
     cfg.train, pooling: model.pooling)."""
     from torch.utils.data import DataLoader
 
-    from harness.config.profiles import resolve_pin_memory
-
     cuda = torch.cuda.is_available()
     out = RunData()
     common = dict(num_workers=d.num_workers, pin_memory=resolve_pin_memory(d.pin_memory, cuda))
@@ -148,8 +150,6 @@ def streamed_loaders(d: DataConfig, t: TrainConfig, accelerator, tokenizer, comm
     cfg.train). The stream is read by every data-parallel process (harness.data.streaming)."""
     from torch.utils.data import DataLoader
 
-    from harness.data import streaming
-
     cuda = torch.cuda.is_available()
     padded = data_lib.GenerativeCollator(tokenizer.pad_token_id,
                                          widths=data_lib.Widths(8 if cuda else 1, d.pad_buckets, d.max_len))
@@ -177,12 +177,29 @@ def epoch_size(loader) -> int:
     return len(loader.dataset)
 
 
-def embedding_buckets(d: DataConfig, mode: str, accelerator, ds) -> Optional[tuple]:
-    """(query, passage) fixed widths of data.embed_length_buckets (harness.speed.buckets) when the run compiles, else
-    None (`d`: cfg.data, `mode`: loss.mode). ds: the tokenized embedding rows (their longest texts bound the widths)."""
-    from harness.config.profiles import embed_buckets
-    from harness.speed.buckets import embed_widths
+@dataclass(frozen=True)
+class FixedWidths:
+    """The padded width of an embedding batch from its longest text: the smallest of `sizes` that holds it (a text
+    longer than all keeps its own width). A collator's `widths` (harness.data.samples.pad_embed)."""
+    sizes: tuple
 
+    def __call__(self, longest: int) -> int:
+        return next((w for w in self.sizes if w >= longest), longest)
+
+
+def embed_widths(max_len: int, buckets: int, longest: int, multiple: int = 8) -> FixedWidths:
+    """One embedding side's widths (data.embed_length_buckets): `buckets` widths doubling up to the side's max length
+    (max_len / 2^(buckets-1), ..., max_len / 2, max_len), each rounded up to `multiple`, and none above the first that
+    holds the data's longest text (`longest`): a width no batch can need is not compiled. Doubling keeps a batch's
+    padding under half of its positions wherever its longest text is over the smallest width."""
+    sizes = sorted({min(max_len, -(-max(1, max_len >> k) // multiple) * multiple) for k in range(buckets)})
+    need = next((i for i, w in enumerate(sizes) if w >= min(longest, max_len)), len(sizes) - 1)
+    return FixedWidths(tuple(sizes[:need + 1]))
+
+
+def embedding_buckets(d: DataConfig, mode: str, accelerator, ds) -> Optional[tuple]:
+    """(query, passage) fixed widths of data.embed_length_buckets (`embed_widths`) when the run compiles, else
+    None (`d`: cfg.data, `mode`: loss.mode). ds: the tokenized embedding rows (their longest texts bound the widths)."""
     compiled = accelerator.state.dynamo_plugin.backend.value != "NO"
     deepspeed = getattr(accelerator.state, "deepspeed_plugin", None) is not None
     n = embed_buckets(d, mode, "regional" if compiled else "none", deepspeed)
@@ -197,8 +214,6 @@ def preference_loaders(d: DataConfig, t: TrainConfig, accelerator, tokenizer, co
     """(training loader, eval loader or None, stats) of preference pairs (harness.data.pairs): each batch holds its
     micro-batch's chosen sequences, then its rejected ones (`d`: cfg.data, `t`: cfg.train)."""
     from torch.utils.data import DataLoader
-
-    from harness.data import chat, pairs
 
     template = chat.resolve_template(tokenizer, d.chat_template)
     rows, held = training_rows(d, t.seed, "preference", accelerator.print)

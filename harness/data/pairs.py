@@ -22,17 +22,17 @@ from typing import Any
 
 import torch
 
-from harness.data import IGNORE_INDEX
+from harness import IGNORE_INDEX
 from harness.data.formats import preference_record  # noqa: F401 - the record layouts, re-exported
 from harness.errors import DataError
+from harness.data import chat
+from harness.data.samples import Widths
 
 
 # ----------------------------------------------------------------------------------------------- tokenization
 
 
 def _render(tokenizer, template: str, segments: list[dict], origin: str, **kw) -> str:
-    from harness.data import chat
-
     return chat._render(tokenizer, template, chat.conversation(segments), None, origin, **kw)
 
 
@@ -107,8 +107,6 @@ class PairCollator:
     reference model's log-probs, `reference_logps`) `ref_logps` [2n] comes with them."""
 
     def __init__(self, pad_token_id: int, widths=None):
-        from harness.data.samples import Widths
-
         self.pad_token_id, self.widths = pad_token_id, widths or Widths(1)
         self.reference: Any = None
 

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.data import IGNORE_INDEX  # labels the loss skips
+from harness import IGNORE_INDEX  # labels the loss skips
 from harness.data import sources
 from harness.errors import DataError
+from harness.data import chat
 
 
 # ----------------------------------------------------------------------------------------------- rows
@@ -49,8 +50,6 @@ def tokenize_generative(batch: dict, tokenizer, max_len: int, template: str | No
     """Batched `map` function: rows -> input_ids, labels (IGNORE_INDEX outside the trained spans), length, truncated.
     Conversations go through the chat template (`template`, default the tokenizer's, else the GritLM layout):
     see harness.data.chat."""
-    from harness.data import chat
-
     template = template or chat.own_template(tokenizer) or chat.GRITLM_TEMPLATE
     return chat.tokenize_conversations(batch, tokenizer, max_len, template)
 
@@ -59,8 +58,6 @@ def tokenize_dataset(rows, tokenizer, max_len: int):
     """Tokenize rows (cached by datasets next to the rows' Arrow files); returns (dataset, stats). Samples left
     with no trained token are removed and counted in stats['dropped_no_labels'] (the other stats describe the
     kept samples). The chat template is one of the map's fn_kwargs: another template, another cache entry."""
-    from harness.data import chat
-
     template = chat.own_template(tokenizer) or chat.GRITLM_TEMPLATE
     ds = rows.map(
         tokenize_generative,

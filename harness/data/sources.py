@@ -30,6 +30,7 @@ from harness.data import formats
 from harness.errors import ConfigError, DataError
 from harness.data.readers import (Source, _csv_line, _dataset_records, _quiet_datasets, load_file_dataset,
                                   load_hub_dataset, load_saved_dataset, read_jsonl)
+from harness.errors import HarnessError
 
 SOURCE_KEYS = ("path", "split", "subset", "format", "weight", "columns")
 SUFFIXES = {".jsonl": "json", ".json": "json", ".jsonl.gz": "json", ".json.gz": "json", ".parquet": "parquet",
@@ -225,8 +226,6 @@ def _generate(source: Source, kind: str, what: str, need_negatives: int, cache_d
 
 def _unwrap(e: BaseException) -> BaseException:
     """datasets wraps errors raised inside a generator; find our HarnessError in the chain."""
-    from harness.errors import HarnessError
-
     seen = e
     while seen is not None:
         if isinstance(seen, HarnessError):

@@ -29,7 +29,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from harness.data import IGNORE_INDEX
+from harness import IGNORE_INDEX
+from harness.data import chat, sources
+from harness.data.samples import pack_rows, tokenize_generative
 from harness.data.stream_sources import SourceCursor
 from harness.errors import ConfigError
 
@@ -167,8 +169,6 @@ class GlobalStream:
 
 def pack(samples: list[dict], width: int) -> list[dict]:
     """Tokenized samples -> packed rows (samples.pack_rows' best-fit; per-document position ids), as pack_dataset."""
-    from harness.data.samples import pack_rows
-
     out = []
     for row in pack_rows([len(s["input_ids"]) for s in samples], width):
         out.append({"input_ids": [t for i in row for t in samples[i]["input_ids"]],
@@ -214,9 +214,6 @@ def is_stream(loader) -> bool:
 
 def build_stream(d, t, accelerator, tokenizer, max_len: int, collate, dp_world: int, dp_rank: int) -> StreamLoader:
     """data.train_files as a StreamLoader (`d`: cfg.data, `t`: cfg.train)."""
-    from harness.data import chat, sources
-    from harness.data.samples import tokenize_generative
-
     template = chat.own_template(tokenizer) or chat.GRITLM_TEMPLATE
     srcs = sources.parse_sources(d.train_files, "data.train_files")
     if not srcs:

@@ -30,6 +30,7 @@ import torch
 from harness.config import TrainConfig
 from harness.distributed.zero import apply_weights, deepspeed_config
 from harness.errors import ConfigError, HarnessError, one_line
+from harness.files import json_beyond_limits
 
 DS_CONFIG_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 
@@ -61,8 +62,6 @@ def check_ds_config(path: Path) -> dict:
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}:{e.lineno}: invalid JSON in DeepSpeed config ({e.msg})") from None
     except (ValueError, RecursionError) as e:
-        from harness.files import json_beyond_limits
-
         raise ConfigError(f"{path}: DeepSpeed config: {json_beyond_limits(e)}") from None
     if not isinstance(ds, dict):
         raise ConfigError(f"{path}: a DeepSpeed config must be a JSON object, got {type(ds).__name__}")

@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from harness.data import IGNORE_INDEX
+from harness import IGNORE_INDEX
 from harness.errors import ConfigError
 
 KERNELS = ("sdpa", "flash_attention_2", "flash_attention_3")

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from harness.errors import ConfigError
+
 # The aggregate fields added to every logged step (metrics.jsonl, tensorboard); per-GPU fields stay in the summary.
 LOG_FIELDS = ("gpu_util", "gpu_mem_gb", "cpu_util", "rss_gb")
 
@@ -277,8 +279,6 @@ def describe(summary: Optional[dict]) -> str:
 def check_trackers(names: list) -> None:
     """Raises ConfigError (one line naming train.report_to) for a tracker accelerate does not know or whose package
     is not installed; accelerate would drop it silently and the run would log nowhere."""
-    from harness.errors import ConfigError
-
     for name in names:
         if name == "all":
             continue

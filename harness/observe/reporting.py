@@ -18,6 +18,8 @@ from harness.files import write_json
 from harness.observe import cost, metrics, monitor, timing
 from harness.state import LoopState, StepSums, UnloggedSums, preference_figures, rl_figures
 from harness.stopping import TIME_BUDGET
+from harness.checkpoint.store import list_checkpoints
+from harness.observe import modelcard, summary
 
 
 def losses_of(sums: StepSums, loss: LossConfig, rl_beta: float) -> dict:
@@ -160,9 +162,6 @@ def write_run_end(job, report: dict, final_dir: Optional[Path], failed: Optional
     that cannot be written is a one-line HarnessError naming the file and what is intact: the run is not finished,
     and the same command resumes from its last checkpoint and writes the rest. A full disk at summary.md: one line
     too (the run is finished then)."""
-    from harness.checkpoint.store import list_checkpoints
-    from harness.observe import modelcard, summary
-
     out = job.out
     saved, _ = list_checkpoints(out)
     intact = ([f"the final model {final_dir}"] if final_dir else []) + ([f"the checkpoint {saved[-1][1]}"] if saved

@@ -27,6 +27,8 @@ from pathlib import Path
 from harness.errors import HarnessError, one_line
 from harness.files import disk_full
 from harness.observe.plots import PLOTS, _median, plan_figures, series
+from harness.observe.monitor import describe
+from harness.observe.cost import format_cost
 
 
 # ----------------------------------------------------------------------------------------------- reading a run
@@ -162,15 +164,11 @@ def write_summary(run_dir: str | Path) -> tuple[str, list[Path]]:
     lines += [tab, ""]
     util = rep.get("utilisation")
     if util and util.get("metrics"):
-        from harness.observe.monitor import describe
-
         lines += [f"Utilisation ({util['samples']} samples every {util['interval_s']} s"
                   + (f", GPUs: {', '.join(util['gpus'])}" if util.get("gpus") else ", CPU") + f"): {describe(util)}.",
                   ""]
     cost = rep.get("cost")
     if cost:
-        from harness.observe.cost import format_cost
-
         lines += [f"Cost: {format_cost(cost['so_far'])} at {format_cost(cost['rate_per_hour'])} per hour "
                   f"({cost['price_per_hour']} per {cost['price_unit']}).", ""]
     pf = plan_figures(rep)

@@ -1,7 +1,7 @@
-"""`python -m harness.rft ...` (and `accelerate launch -m harness.rft ...`): see harness/rft/__init__.py."""
+"""`python -m harness.rft ...` (and `accelerate launch -m harness.rft ...`): see harness/tools/rft.py."""
 
 import sys
 
-from harness.rft import main
+from harness.tools.rft import main
 
 sys.exit(main())

@@ -25,21 +25,25 @@ from typing import Optional
 import torch
 
 from harness.errors import ConfigError
+from harness.rft.engine import ContinuousEngine, compile_default
+from harness.rft.sampling import StaticEngine
+from harness.observe.monitor import UtilisationSampler
+from harness.rft.decode import graphs
+from harness.rft.sampling import load_for_generation, prompt_text
+from harness.rft.tasks import build_task
+from harness.hardware import environment_report
+from harness.rft.hf_engine import TransformersEngine
+from harness.files import write_json
 
 ENGINES = ("one", "static", "continuous", "transformers")
 
 
 def build(name: str, r, model, tok):
-    from harness.rft.engine import ContinuousEngine, compile_default
-    from harness.rft.sampling import StaticEngine
-
     stops = tuple(r.stop_strings)
     if name == "continuous":
         return ContinuousEngine(model, tok, r.max_new_tokens, r.micro_batch_sequences, r.kv_cache_gb, stops, print,
                                 compile=compile_default(r.compile, model))
     if name == "transformers":
-        from harness.rft.hf_engine import TransformersEngine
-
         return TransformersEngine(model, tok, r.max_new_tokens, r.micro_batch_sequences, stops, print)
     if name == "static":
         return StaticEngine(model, tok, r.max_new_tokens, r.micro_batch_sequences, r.questions_per_batch, stops, print)
@@ -50,11 +54,6 @@ def bench(r, model: Optional[str], questions: int = 32, repeats: int = 1,
           engines: tuple = ("static", "continuous")) -> dict:
     """{"rows": one per engine, "greedy": identity check, "settings": ...}; see the module docstring. `r`: cfg.rft;
     model: --model, else model.name_or_path."""
-    from harness.observe.monitor import UtilisationSampler
-    from harness.rft.decode import graphs
-    from harness.rft.sampling import load_for_generation, prompt_text
-    from harness.rft.tasks import build_task
-
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         raise ConfigError(f"--engines: unknown engine '{bad[0]}' (one of {', '.join(ENGINES)})")
@@ -125,8 +124,6 @@ def report(result: dict, path: Optional[str] = None) -> None:
     """The table (and the JSON file when `path` is given)."""
     from datetime import datetime, timezone
 
-    from harness.hardware import environment_report
-
     env = environment_report()
     gpus = env.get("gpus") or []
     dev = gpus[0].get("name", "GPU") if gpus else f"CPU ({env.get('cpu_count', '?')} cores)"
@@ -154,8 +151,6 @@ def report(result: dict, path: Optional[str] = None) -> None:
           f"tokens) against static: {same}")
     if path:
         from pathlib import Path
-
-        from harness.files import write_json
 
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         write_json(Path(path), result)

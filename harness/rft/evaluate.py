@@ -14,15 +14,14 @@ from typing import Optional
 
 from harness.rft.generate import make_accelerator
 from harness.rft.sampling import StaticEngine, load_engine, prompt_text, resolve_model_path
+from harness.files import write_json
+from harness.rft.tasks import build_task
 
 
 def run(r, path: Optional[str], out: Optional[str] = None, split: str = "test") -> Optional[dict]:
     """Evaluate on `split` (`r`: cfg.rft; path: the model, --model, else model.name_or_path); rank 0 writes and
     returns the report."""
     from accelerate.utils import gather_object
-
-    from harness.files import write_json
-    from harness.rft.tasks import build_task
 
     task = build_task(r)
     questions = task.split(split)

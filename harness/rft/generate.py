@@ -26,13 +26,15 @@ from harness.rft.sampling import (Sampler, StaticEngine, load_engine, load_for_g
                                   make_engine, prompt_text, resolve_model_path)
 from harness.rft.shards import (OUTPUT, PAIRS, SETTINGS, SHARDS, STATS, append_records, check_settings,  # noqa: F401
                                 generation_settings, judge, merge, read_shards, repair_shard, write_lines)
+from harness.distributed.processes import process_group_kwargs
+from harness.distributed.collectives import on_main
+from harness.rundir import lock
+from harness.rft.tasks import build_task
 
 
 def make_accelerator():
     """A plain Accelerator (no model is prepared: each process samples on its own); gloo when launched on CPU."""
     from accelerate import Accelerator
-
-    from harness.distributed.processes import process_group_kwargs
 
     return Accelerator(kwargs_handlers=process_group_kwargs())
 
@@ -54,8 +56,6 @@ def run(r, model: Optional[str], stop_after: int = 0) -> Optional[dict]:
     if stop_after < 0:
         raise ConfigError(f"--stop-after: must be >= 0 (0: sample every question left; N: stop after N batches of "
                           f"rft.questions_per_batch questions per process), got {stop_after}")
-    from harness.distributed.collectives import on_main
-    from harness.rundir import lock
 
     acc = make_accelerator()
     held = on_main(acc, lambda: lock.acquire(Path(r.output_dir) / SHARDS, acc.print, key="rft.output_dir"))
@@ -69,8 +69,6 @@ def run(r, model: Optional[str], stop_after: int = 0) -> Optional[dict]:
 def _run(r, model: Optional[str], acc, stop_after: int) -> Optional[dict]:
     """`run`'s work (`r`: cfg.rft; model: --model, else model.name_or_path)."""
     from tqdm.auto import tqdm
-
-    from harness.rft.tasks import build_task
 
     task = build_task(r)
     questions = task.split("train")

@@ -15,6 +15,11 @@ import torch
 from harness.errors import ConfigError, HarnessError
 from harness.rft.engine import ContinuousEngine, Stats, compile_default, eos_ids, servable
 from harness.rft.tasks import Question, Task
+from harness import hardware
+from harness.config import ModelConfig
+from harness.model import load_tokenizer
+from harness.rft.hf_engine import TransformersEngine
+from harness.rft.vllm_engine import VllmEngine
 
 
 # ----------------------------------------------------------------------------------------------- model and sampling
@@ -36,10 +41,6 @@ def resolve_model_path(path: Optional[str]) -> str:
 def load_for_generation(path: str, device: torch.device):
     """(model in eval mode, tokenizer with left padding); bf16 on GPUs that support it, fp32 otherwise."""
     from transformers import AutoModelForCausalLM
-
-    from harness import hardware
-    from harness.config import ModelConfig
-    from harness.model import load_tokenizer
 
     path = resolve_model_path(path)
     dtype = torch.bfloat16 if device.type == "cuda" and hardware.resolve_precision("auto") == "bf16" else torch.float32
@@ -162,8 +163,6 @@ def make_engine(r, model, tokenizer, say: Callable = print):
     continuous engine cannot serve falls back to static with one line."""
     stops = tuple(r.stop_strings)
     if r.engine == "transformers":
-        from harness.rft.hf_engine import TransformersEngine
-
         return TransformersEngine(model, tokenizer, r.max_new_tokens, r.micro_batch_sequences, stops, say)
     if r.engine == "continuous":
         why = servable(model)
@@ -177,10 +176,6 @@ def make_engine(r, model, tokenizer, say: Callable = print):
 def load_engine(r, path: Optional[str], device, say: Callable = print):
     """(engine, tokenizer) for the model at `path` on `device`, as rft.engine says (vllm loads the model itself)."""
     if r.engine == "vllm":
-        from harness.config import ModelConfig
-        from harness.model import load_tokenizer
-        from harness.rft.vllm_engine import VllmEngine
-
         path = resolve_model_path(path)
         engine = VllmEngine(path, r.max_new_tokens, tuple(r.stop_strings), say)
         return engine, load_tokenizer(ModelConfig(name_or_path=path), markers=None)

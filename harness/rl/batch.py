@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from harness.chunked_loss import ChunkedHeadLoss, head_params
-from harness.data import IGNORE_INDEX
+from harness import IGNORE_INDEX
 from harness.data.samples import model_inputs
 from harness.preference import SequenceLogps, token_logps
 

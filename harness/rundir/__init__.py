@@ -3,7 +3,7 @@
     <output_dir>/.lock            one run per folder (lock.py: staleness from the holder's start time, boot id and a
                                   heartbeat); taken by `hold`, released when the run ends however it ends
     <output_dir>/config.yaml      the resolved config, environment.json the environment (`write_run_files`)
-    <output_dir>/checkpoints/     `checkpoints_root` (harness/checkpoint/ writes and reads them)
+    <output_dir>/checkpoints/     harness/checkpoint/ writes and reads them (checkpoint.store.checkpoints_root)
     metrics.jsonl, report.json, summary.md, plots/, tensorboard/, final/: RUN_OUTPUTS, deleted by train.overwrite=true
                                   (`start_over`), only in a folder that holds a harness run (`holds_run`)
 
@@ -24,14 +24,11 @@ from harness.errors import ConfigError, HarnessError
 from harness.files import write_json
 from harness.rundir import lock
 from harness.stopping import stop_handlers
+from harness.config import SECTIONS
 
 # what a training run writes into its output folder and train.overwrite=true deletes (config.yaml, environment.json
 # are rewritten anyway; plan.json (harness plan) and train.log (launch/train.sh) are the user's, kept)
 RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "report.json", "summary.md", "plots", "tensorboard")
-
-
-def checkpoints_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
 
 
 def write_run_files(cfg: Config, out: Path, env: dict) -> None:
@@ -97,8 +94,6 @@ def start_over(out: Path, say: Callable[[str], None]) -> None:
 def holds_run(out: Path) -> bool:
     """Whether `out` holds the config.yaml a training run writes (a mapping of config sections with train:)."""
     import yaml
-
-    from harness.config import SECTIONS
 
     try:
         written = yaml.safe_load((out / "config.yaml").read_text())

@@ -26,33 +26,13 @@ mask's padding), mean pooling counts the text tokens only (pool_mask) and last-t
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
+from harness.data.loaders import FixedWidths, embed_widths  # noqa: F401  (computed where the data is; re-exported)
 from harness.objective import _RngReplay, cache_chunks, deferred_sync
 from harness.speed.compiling import repeated_blocks
-
-
-@dataclass(frozen=True)
-class FixedWidths:
-    """The padded width of an embedding batch from its longest text: the smallest of `sizes` that holds it (a text
-    longer than all keeps its own width). A collator's `widths` (harness.data.samples.pad_embed)."""
-    sizes: tuple
-
-    def __call__(self, longest: int) -> int:
-        return next((w for w in self.sizes if w >= longest), longest)
-
-
-def embed_widths(max_len: int, buckets: int, longest: int, multiple: int = 8) -> FixedWidths:
-    """One embedding side's widths (data.embed_length_buckets): `buckets` widths doubling up to the side's max length
-    (max_len / 2^(buckets-1), ..., max_len / 2, max_len), each rounded up to `multiple`, and none above the first that
-    holds the data's longest text (`longest`): a width no batch can need is not compiled. Doubling keeps a batch's
-    padding under half of its positions wherever its longest text is over the smallest width."""
-    sizes = sorted({min(max_len, -(-max(1, max_len >> k) // multiple) * multiple) for k in range(buckets)})
-    need = next((i for i, w in enumerate(sizes) if w >= min(longest, max_len)), len(sizes) - 1)
-    return FixedWidths(tuple(sizes[:need + 1]))
 
 
 def row_counts(items: int, micro_batch: int, world: int) -> list[int]:

@@ -15,6 +15,13 @@ import time
 from typing import Optional
 
 from harness.errors import ConfigError
+from harness import hardware
+from harness import model as model_lib
+from harness.data import samples as data_lib
+from harness.data.loaders import resolve_max_len, training_rows
+from harness.optim import build_optimizer, lr_lambda
+from harness.losses import token_loss_sum
+from harness.observe.metrics import memory_gb
 
 # ----------------------------------------------------------------------------------------------- workers
 #
@@ -26,12 +33,6 @@ def _build_common(m, d, t, loss_mode: str, threads: int) -> dict:
     (`m`, `d`, `t`: cfg.model, cfg.data, cfg.train; loss_mode: loss.mode)."""
     import torch
     from accelerate.utils import set_seed
-
-    from harness import hardware
-    from harness import model as model_lib
-    from harness.data import samples as data_lib
-    from harness.data.loaders import resolve_max_len, training_rows
-    from harness.optim import build_optimizer, lr_lambda
 
     torch.set_num_threads(threads)
     if loss_mode != "generative":
@@ -86,8 +87,6 @@ def run_raw(cfg, warmup: int, steps: int, threads: int, log_every: int) -> dict:
     c = _build_common(cfg.model, cfg.data, cfg.train, cfg.loss.mode, threads)
     torch, device, model = c["torch"], c["device"], c["model"]
     from torch.utils.data import DataLoader
-
-    from harness.losses import token_loss_sum
 
     model.to(device).train()
     opt = c["build_optimizer"](model, cfg.optim)
@@ -196,8 +195,6 @@ def run_trainer(cfg, warmup: int, steps: int, threads: int, log_every: int, grou
 def peak_memory_gb() -> float:
     """This process's peak memory so far, in GiB: torch.cuda.max_memory_allocated on a GPU, the peak resident set
     size (VmHWM, getrusage's ru_maxrss) on CPU. The harness logs the same figure as mem_gb in metrics.jsonl."""
-    from harness.observe.metrics import memory_gb
-
     return memory_gb()
 
 

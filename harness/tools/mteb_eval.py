@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 from harness.errors import DataError, HarnessError, one_line
+from harness.checkpoint.st_export import st_folder
+from harness.encode import DEFAULTS
 
 SCORES = ("ndcg_at_10", "map_at_10", "recall_at_1", "recall_at_10", "mrr_at_10")
 
@@ -97,9 +99,6 @@ def evaluate(final: str | Path, data_file: str | Path, batch_size: int = 32) -> 
     """{task description: {score: value}} of final/'s sentence-transformers model on data_file's retrieval tasks."""
     import mteb
     from sentence_transformers import SentenceTransformer
-
-    from harness.checkpoint.st_export import st_folder
-    from harness.encode import DEFAULTS
 
     folder = st_folder(Path(final))
     if not (folder / "modules.json").is_file():

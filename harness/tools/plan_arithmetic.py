@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from harness.errors import HarnessError
+from harness.data.samples import pack_rows
+from harness.observe.metrics import flops_per_token
 
 
 # ----------------------------------------------------------------------------------------------- pure arithmetic
@@ -90,9 +92,6 @@ def epoch_work(lengths: list[int], max_len: int, packing: bool, micro_batch: int
                flop_dims: tuple[int, int, int]) -> dict:
     """Items (samples or packed rows), processed positions and model FLOPs of one epoch of generative data whose
     full sample lengths are `lengths`, truncated to max_len. flop_dims = (matmul params, layers, hidden)."""
-    from harness.data.samples import pack_rows
-    from harness.observe.metrics import flops_per_token
-
     cut = [min(n, max_len) for n in lengths]
     if packing:
         rows = pack_rows(cut, max_len)

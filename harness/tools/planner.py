@@ -47,6 +47,15 @@ from harness.observe.timing import SETTLE_STEPS, config_fingerprint, fmt_s
 from harness.tools.plan_arithmetic import (Calibration, count_evals, epoch_work, estimate, fits, largest_fitting,
                                            steady_rate)
 from harness.tools.rl_plan import rl_rates
+from harness.data import samples as data_lib
+from harness.data.loaders import training_rows
+from harness.model import load_run_tokenizer
+from harness.observe.cost import format_cost, plan_cost
+from harness.files import write_json
+from harness.rundir.finished import finished_run
+from harness.rft.tasks import build_task
+from harness.data import chat, pairs
+from harness.data.samples import auto_max_len
 
 MEASURE_STEPS = 50  # calibration steps that are timed (fewer: run-to-run noise of ±10% seen on a shared CPU)
 SAFETY_MARGIN_MIN = 30.0
@@ -130,20 +139,12 @@ def calibrate(config_path: Optional[str], overrides: list[str], cfg: Config, set
 
 def analyse_data(cfg: Config) -> dict:
     """Samples, full and truncated token lengths, items per epoch of the primary stream (the loop's rules)."""
-    from harness.data import samples as data_lib
-    from harness.data.loaders import training_rows
-    from harness.model import load_run_tokenizer
-
     d, mode, out = cfg.data, cfg.loss.mode, {}
     if mode == "rl":  # the stream is the rft task's train questions, answered during the run
-        from harness.rft.tasks import build_task
-
         n = len(build_task(cfg.rft).split("train"))
         return {"primary": "rl", "rl": {"questions": n, "items": n}}
     tok = load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
     if mode == "preference":  # a pair is two sequences (chosen, rejected) in one forward pass: both are counted
-        from harness.data import chat, pairs
-
         rows, _ = training_rows(cfg.data, cfg.train.seed, "preference")
         max_len = d.max_len if d.max_len != "auto" else 1 << 20  # as the run's loader
         ds, st = pairs.tokenize_pair_dataset(rows, tok, max_len, chat.resolve_template(tok, d.chat_template))
@@ -239,7 +240,6 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
     lines.append(f"window: {hours:g} h - {margin_min:g} min margin = {window:.0f} s ({fmt_s(window)}): "
                  + (f"fits, {fmt_s(window - base['total_s'])} to spare" if ok else
                     f"does NOT fit: {fmt_s(base['total_s'] - window)} too long"))
-    from harness.observe.cost import format_cost, plan_cost
 
     price = lambda est: plan_cost(est["total_s"] / 3600, cfg.train, n_gpus=cal.world_size)  # noqa: E731 - None without a price
     base["cost"] = price(base)
@@ -300,7 +300,6 @@ def propose(cfg: Config, data: dict, sched: dict, base: dict, run_estimate, wind
             return run_estimate(s, work_ratio=per_item / per_item_now), w
 
         # b. a shorter max_len: the longest samples are truncated
-        from harness.data.samples import auto_max_len
 
         total = sum(gen["full_lengths"])
         for pct in (95, 90, 75, 50):
@@ -387,8 +386,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in a["overrides"].items())]))
     dest = Path(args.out) if args.out else Path(cfg.train.output_dir) / "plan.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
-    from harness.files import write_json
-    from harness.rundir.finished import finished_run
     if not args.out and finished_run(cfg.train.output_dir) is not None:  # (a train there would have nothing to do)
         say(f"{cfg.train.output_dir} holds a finished run: plan.json is written beside its report")
     write_json(dest, plan)

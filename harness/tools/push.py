@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from harness.errors import ConfigError, HarnessError
+from harness.observe.modelcard import try_write_model_card
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -45,8 +46,6 @@ def push(run_dir: str, repo_id: str, private: bool = False, revision: str | None
     if offline():
         raise HarnessError(f"cannot push to {repo_id}: the hub is offline (HF_HUB_OFFLINE is set)")
     if (Path(run_dir) / "config.yaml").is_file() and (Path(run_dir) / "report.json").is_file():
-        from harness.observe.modelcard import try_write_model_card
-
         try_write_model_card(run_dir, lambda m: print(m, file=sys.stderr), final_dir=final, repo=repo_id)
     from huggingface_hub import HfApi
 

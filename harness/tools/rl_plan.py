@@ -27,6 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from harness.rft.tasks import build_task
+from harness.errors import HarnessError
+
 GIB = 2**30
 LOGIT_BYTES = 3 * 4  # per slot and vocabulary entry during a decode step: fp32 logits, probabilities, noise
 
@@ -34,8 +37,6 @@ LOGIT_BYTES = 3 * 4  # per slot and vocabulary entry during a decode step: fp32 
 def prompt_tokens(rft, tokenizer) -> dict:
     """The longest prompt of the rft task's train and test splits, in tokens, as the run encodes it (the question in
     the chat template up to where the answer starts, no special tokens added: harness.rl.rollout)."""
-    from harness.rft.tasks import build_task
-
     task = build_task(rft)
     out = {}
     for split in ("train", "test"):
@@ -146,8 +147,6 @@ def rl_rates(records: list[dict], settle: int, iterations: int) -> tuple[float, 
     `settle` of a loss.mode=rl run's metrics records. A record logs the mean gen_s_per_step and train_s_per_step of
     the steps since the record before (settle: a logged step); a generation batch starts at every step s with
     (s - 1) % rl.iterations == 0."""
-    from harness.errors import HarnessError
-
     timed = sorted((r["step"], r) for r in records if "gen_s_per_step" in r and "loss" in r)
     gen = train = 0.0
     prev, last = 0, settle

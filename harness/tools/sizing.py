@@ -10,6 +10,13 @@ from pathlib import Path
 from typing import Optional
 
 from harness.config import Config, LossConfig, lora_config
+from harness.distributed.sequence import attention_heads
+from harness.model import build_model, load_tokenizer
+from harness.errors import ConfigError
+from harness.chunked_loss import output_head
+from harness.chunked_loss import chunked_ce_asked
+from harness.config.checks import check_sequence_parallel
+from harness.distributed.sequence import check_heads
 
 GIB = 2**30
 
@@ -41,9 +48,6 @@ class ModelShape:
 def model_shape(cfg: Config) -> ModelShape:
     """Parameter count and shape of the recipe's model, built on the meta device (nothing allocated)."""
     import torch
-
-    from harness.distributed.sequence import attention_heads
-    from harness.model import build_model, load_tokenizer
 
     m = cfg.model
     note = ""
@@ -96,9 +100,6 @@ def model_shape(cfg: Config) -> ModelShape:
 def _chunkable_head(model) -> bool:
     """Whether the chunked loss can use this model's head (chunked_loss.output_head; LoRA's trainable tokens on the
     head of a base whose tokenizer gets the chat markers included)."""
-    from harness.errors import ConfigError
-    from harness.chunked_loss import output_head
-
     try:
         output_head(model)
     except ConfigError:
@@ -110,8 +111,6 @@ def chunked_ce_positions(loss: LossConfig, compile_mode: str, tokens: int, vocab
     """Positions per chunk when the run's generative loss goes through the head in chunks (chunked_loss.
     chunked_ce_asked, the run's own rule; the caller checks the head, `ModelShape.chunkable_head`), else None.
     `loss`: cfg.loss; compile_mode: train.compile."""
-    from harness.chunked_loss import chunked_ce_asked
-
     return min(loss.chunked_ce_size, tokens) if chunked_ce_asked(loss, compile_mode, tokens, vocab) else None
 
 
@@ -191,10 +190,6 @@ def sp_sizes(cfg: Config, shape: ModelShape, gpus_per_node: int) -> list[int]:
     own refusals pass (harness.config.checks.check_sequence_parallel: objective, attention kernel, micro-batch;
     harness.distributed.sequence.check_heads: the heads). None where the recipe sets a size already."""
     from types import SimpleNamespace
-
-    from harness.config.checks import check_sequence_parallel
-    from harness.distributed.sequence import check_heads
-    from harness.errors import ConfigError
 
     if cfg.train.sequence_parallel > 1 or cfg.data.max_len == "auto":
         return []

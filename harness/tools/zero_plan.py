@@ -69,6 +69,9 @@ from harness.config import Config, load_config, lora_config, recipe_args
 from harness.errors import HarnessError
 from harness.tools.sizing import GIB, ModelShape, activation_terms, model_shape, sp_sizes, with_overrides
 from harness.tools.state_bytes import QUANT_BYTES, frozen_bytes, host_bytes, weight_bytes  # noqa: F401 - (also here)
+from harness.distributed.zero import planned_weights
+from harness.model import load_run_tokenizer
+from harness.tools import rl_plan
 OPTIONS = ["0", "1", "2", "3", "3-offload"]
 ACCELERATE_CONFIG = {"0": "multi_gpu", "1": "zero1", "2": "zero2", "3": "zero3", "3-offload": "zero3_offload"}
 
@@ -248,8 +251,6 @@ CHECKPOINTING = "model.gradient_checkpointing=true"
 
 def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2.0, source: str = "",
          shape: Optional[ModelShape] = None) -> Plan:
-    from harness.distributed.zero import planned_weights
-
     shape = shape or model_shape(cfg)
     # auto: a GPU's bf16; fp8: bf16 bytes (torchao's Float8Linear keeps its inputs in bf16 for the backward and
     # casts to float8 per matmul; the weights, gradients and optimizer states are the bf16 run's)
@@ -275,9 +276,6 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
     out += _state_lines(cfg, shape, hw, weights)
     gen = None
     if cfg.loss.mode == "rl":  # the training pass is the answers' rows; the generation's cache sits beside it
-        from harness.model import load_run_tokenizer
-        from harness.tools import rl_plan
-
         tokenizer = load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
         gen = rl_plan.GenerationPlan(cfg.rl, cfg.rft, cfg.train, shape, rl_plan.prompt_tokens(cfg.rft, tokenizer),
                                      hw.world)
