@@ -139,7 +139,7 @@ class Built:
 
 def build_run(cfg: Config, opened: contextlib.ExitStack) -> tuple[Job, LoopState]:
     """The run's parts, and the loop state to train from (a checkpoint's, restored after prepare(), or step 0's)."""
-    check_data(cfg.data)  # the data entries and the chat template, before anything starts or is written
+    check_data(cfg.data, cfg.rl.prompts)  # the data entries and the chat template, before anything starts or is written
     started = start_processes(cfg, opened)
     cfg, accelerator, say = started.cfg, started.accelerator, started.accelerator.print
     tokenizer, data = build_data(cfg, accelerator, say)

@@ -16,9 +16,11 @@ import torch
 
 from harness import IGNORE_INDEX
 from harness.data import samples as data_lib
+from harness.distributed.zero import gathered_for_generation
 from harness.observe import metrics
 from harness.objective import generative_loss_sum
 from harness.preference import evaluate_preference
+from harness.rft.engine import ContinuousEngine, servable
 
 
 @torch.no_grad()
@@ -79,7 +81,7 @@ ENCODE_BATCH_FACTOR = 4
 class PromptAnswers:
     """train.eval_prompts: greedy answers of the model as it is now, through the continuous engine
     (harness/rft/engine.py; model.generate where it cannot serve the model), on the main process alone: under
-    ZeRO-3 every process takes part in gathering the weights (rl/rollout.py's gathered_for_generation), then waits
+    ZeRO-3 every process takes part in gathering the weights (distributed/zero.py's gathered_for_generation), then waits
     for the main process at a barrier. Returns [{"prompt", "answer"}] on the main process, [] on the others."""
 
     def __init__(self, accelerator, model, tokenizer, prompts: list, max_new_tokens: int, zero_stage: int, say):
@@ -91,8 +93,6 @@ class PromptAnswers:
         self.engine = None  # built on first use, on the main process
 
     def answer(self) -> list[dict]:
-        from harness.rl.rollout import gathered_for_generation  # (the rl package: loaded only when asked for)
-
         acc, answers = self.accelerator, []
         with gathered_for_generation(acc, self.model, self.zero_stage) as model:
             if acc.is_main_process:
@@ -106,8 +106,6 @@ class PromptAnswers:
         return [{"prompt": p, "answer": a} for p, a in zip(self.shown, answers)]
 
     def _generate(self, model) -> list[str]:
-        from harness.rft.engine import ContinuousEngine, servable
-
         if self.engine is None:
             why = servable(model)
             if why is None:

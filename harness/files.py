@@ -131,3 +131,16 @@ def fingerprint(path: str | Path, block: int = FINGERPRINT_BLOCK) -> dict:
             f.seek(max(block, size - block))
             digest.update(f.read(block))
     return {"size": size, "ends": digest.hexdigest()}
+
+
+def fingerprint_change(old: dict, new: dict) -> str:
+    """What differs between two fingerprints of one source, in a few words: `fingerprint`'s (size, ends) of a file, or
+    the settings of a task made from settings (harness.checkpoint.datafiles.task_fingerprint)."""
+    if "settings" in old or "settings" in new:  # the arithmetic task (checkpoint/datafiles.py task_fingerprint): what differs
+        a, b = (dict(kv.split("=", 1) for kv in str(fp.get("settings", "")).split(", ") if "=" in kv)
+                for fp in (old, new))
+        return ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in [*a, *(k for k in b if k not in a)]
+                         if a.get(k) != b.get(k))
+    if old["size"] != new["size"]:
+        return f"{old['size']} -> {new['size']} bytes"
+    return f"same size, {old['ends'][:8]} -> {new['ends'][:8]} at its first or last 64 KiB"

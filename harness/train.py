@@ -22,7 +22,7 @@ if __name__ == "__main__":  # the launch, the config and its data entries before
     from harness.config.preflight import early_check
     from harness.data.checks import check_data
 
-    early_check(sys.argv[1:], (lambda cfg: check_data(cfg.data),))
+    early_check(sys.argv[1:], (lambda cfg: check_data(cfg.data, cfg.rl.prompts),))
 
 import argparse
 import contextlib

@@ -11,11 +11,12 @@ unless train.resume_changed_data=true, which trains the new data from the start 
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from harness.data import sources
-from harness.files import fingerprint
-from harness.rft.tasks import task_fingerprint
+from harness.errors import DataError
+from harness.files import fingerprint, fingerprint_change
 
 # other modes: train_files; rl reads no data list (its prompts: the rft task or rl.prompts)
 KEYS = {"embedding": ("emb_train_files",), "unified": ("train_files", "emb_train_files"), "rl": ()}
@@ -55,20 +56,23 @@ def compare(saved: dict, now: dict) -> list[str]:
             continue
         old, new = dict((p, fp) for p, fp in before), dict((p, fp) for p, fp in after)
         kept, contents = [fp for _, fp in before], [fp for _, fp in after]
-        found = [f"{key}: {p} changed ({describe(old[p], fp)})" if p in old else
+        found = [f"{key}: {p} changed ({fingerprint_change(old[p], fp)})" if p in old else
                  f"{key}: {p} is not among the files the checkpoint's run trained on"
                  for p, fp in after if fp not in kept]
         found += [f"{key}: {p} is gone" for p, fp in before if fp not in contents and p not in new]
         out += found or [f"{key}: the same files in another order or number"]
     return out
 
-
-def describe(old: dict, new: dict) -> str:
-    if "settings" in old or "settings" in new:  # the arithmetic task (rft/tasks.py task_fingerprint): what differs
-        a, b = (dict(kv.split("=", 1) for kv in str(fp.get("settings", "")).split(", ") if "=" in kv)
-                for fp in (old, new))
-        return ", ".join(f"{k} {a.get(k)} -> {b.get(k)}" for k in [*a, *(k for k in b if k not in a)]
-                         if a.get(k) != b.get(k))
-    if old["size"] != new["size"]:
-        return f"{old['size']} -> {new['size']} bytes"
-    return f"same size, {old['ends'][:8]} -> {new['ends'][:8]} at its first or last 64 KiB"
+def task_fingerprint(rft) -> list:
+    """The train questions' source as a training file's entry `[label, fingerprint]` (harness/files.py; compared as
+    `changes` compares them): a JSONL task's file (a question's id is its line: an edit anywhere shifts
+    them), or the arithmetic task's settings, which make its questions. `rft`: cfg.rft."""
+    if rft.task == "arithmetic":
+        made = (f"rft.num_train_questions={rft.num_train_questions}, rft.num_test_questions={rft.num_test_questions}, "
+                f"rft.num_sft_questions={rft.num_sft_questions}, rft.max_operand={rft.max_operand}, "
+                f"rft.task_seed={rft.task_seed}")
+        return ["arithmetic", {"size": 0, "ends": hashlib.blake2b(made.encode(), digest_size=16).hexdigest(),
+                               "settings": made}]
+    if not Path(rft.task).is_file():
+        raise DataError(f"{rft.task}: no such file")
+    return [rft.task, fingerprint(rft.task)]

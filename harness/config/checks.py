@@ -218,10 +218,7 @@ def check_rl(cfg: Config) -> None:
         raise ConfigError(f"config key '{bad}': out of range")
     if rl.log_completions < 0:
         raise ConfigError(f"config key 'rl.log_completions': must be >= 0, got {rl.log_completions}")
-    from harness.data.sources import parse_sources
-
-    parse_sources(rl.prompts, "rl.prompts")
-    parse_rewards(rl.rewards)
+    parse_rewards(rl.rewards)  # (rl.prompts' sources: harness.data.checks.check_data)
     if cfg.data.packing:
         raise ConfigError("config key 'data.packing': loss.mode=rl trains one answer a row; set data.packing=false")
     if cfg.train.compile == "full":

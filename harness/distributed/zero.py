@@ -110,3 +110,28 @@ def without_zero3_init():
         yield
     finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = registered
+
+@contextlib.contextmanager
+def gathered_for_generation(accelerator, model, zero_stage: int):
+    """The plain module with all its weights: under ZeRO-3 the partitions gathered and DeepSpeed's forward hooks
+    off while generating (trl.models.utils.unwrap_model_for_generation does the same), else the unwrapped model."""
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if zero_stage != 3:
+        yield unwrapped
+        return
+    import deepspeed
+
+    offload = getattr(model.optimizer, "parameter_offload", model.optimizer)
+    with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
+        for p in unwrapped.parameters():
+            p.ds_active_sub_modules.clear()
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield unwrapped
+        finally:
+            coordinator = getattr(offload, "param_coordinator", None)
+            if coordinator is not None and not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()
+            offload._register_deepspeed_module(offload.module)

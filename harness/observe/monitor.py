@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from harness.errors import ConfigError
+from harness.distributed import collectives
+from harness.errors import ConfigError, HarnessError, one_line
 
 # The aggregate fields added to every logged step (metrics.jsonl, tensorboard); per-GPU fields stay in the summary.
 LOG_FIELDS = ("gpu_util", "gpu_mem_gb", "cpu_util", "rss_gb")
@@ -333,9 +334,6 @@ def init_trackers(accelerator, cfg, resume_from: Optional[Path] = None) -> None:
     """Starts the trackers named in train.report_to with `tracker_settings`; the run config (`flat`) is logged as
     hyper-parameters. A tracker that cannot write its first files (a full disk under tensorboard's event file, on
     the main process) stops every process with one line (collective); `resume_from`: the checkpoint it names intact."""
-    from harness.distributed import collectives
-    from harness.errors import HarnessError, one_line
-
     t, failure = cfg.train, None
     project, init_kwargs = tracker_settings(t.output_dir, t.tracker_project, t.tracker_entity, t.run_name)
     if "tensorboard" in t.report_to or "all" in t.report_to:

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Optional
 
 from harness.errors import ConfigError, HarnessError, one_line
-from harness.files import disk_full, write_json, write_text
-from harness.checkpoint.datafiles import describe
-from harness.rft.tasks import Question, Task, task_fingerprint
+from harness.files import disk_full, fingerprint_change, write_json, write_text
+from harness.checkpoint.datafiles import task_fingerprint
+from harness.rft.tasks import Question, Task
 
 SHARDS = "shards"
 OUTPUT = "rft.jsonl"
@@ -194,7 +194,7 @@ def check_settings(path: Path, settings: dict, write: bool = True) -> None:
                 if old.get(k) != settings.get(k) and (k in old or k not in LATER)]
         if diff and diff[0] == "task_questions":
             raise ConfigError(f"config key 'rft.task': {settings['task']} changed since the shards in {path.parent} "
-                              f"were sampled ({describe(old[diff[0]], settings[diff[0]])}): a JSONL question's id is "
+                              f"were sampled ({fingerprint_change(old[diff[0]], settings[diff[0]])}): a JSONL question's id is "
                               f"its line, so its questions would be taken for others; put the file back, or use "
                               f"another rft.output_dir")
         if diff:

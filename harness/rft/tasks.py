@@ -12,7 +12,6 @@ after its last "The answer is" equals the reference within the tolerance. Two ta
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import random
@@ -23,7 +22,6 @@ from typing import Optional
 
 from harness.data.readers import text_lines
 from harness.errors import ConfigError, DataError
-from harness.files import fingerprint
 
 ANSWER_RE = re.compile(r"answer is\s*:?\s*(-?\d[\d,]*(?:\.\d+)?)", re.IGNORECASE)
 
@@ -201,19 +199,6 @@ def read_questions(path: str, prefix: str) -> list[Question]:
     return out
 
 
-def task_fingerprint(rft) -> list:
-    """The train questions' source as a training file's entry `[label, fingerprint]` (harness/files.py; compared as
-    checkpoint/datafiles.py compares them): a JSONL task's file (a question's id is its line: an edit anywhere shifts
-    them), or the arithmetic task's settings, which make its questions. `rft`: cfg.rft."""
-    if rft.task == "arithmetic":
-        made = (f"rft.num_train_questions={rft.num_train_questions}, rft.num_test_questions={rft.num_test_questions}, "
-                f"rft.num_sft_questions={rft.num_sft_questions}, rft.max_operand={rft.max_operand}, "
-                f"rft.task_seed={rft.task_seed}")
-        return ["arithmetic", {"size": 0, "ends": hashlib.blake2b(made.encode(), digest_size=16).hexdigest(),
-                               "settings": made}]
-    if not Path(rft.task).is_file():
-        raise DataError(f"{rft.task}: no such file")
-    return [rft.task, fingerprint(rft.task)]
 
 
 def check_context(lengths: dict, max_new_tokens: int, context: Optional[int]) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from harness.config.checks import parse_rewards
+from harness.data import formats, sources
 from harness.errors import ConfigError, DataError, HarnessError, one_line
 from harness.rft.tasks import Question, Task, build_task, verify
 
@@ -59,8 +60,6 @@ class PromptTask(Task):
     name = "prompts"
 
     def __init__(self, entries, cache_dir: Optional[str] = None, tolerance: float = 1e-6) -> None:
-        from harness.data import formats, sources
-
         super().__init__(tolerance)
         self.records: list[Prompt] = []
         for src in sources.parse_sources(entries, "rl.prompts"):

@@ -24,12 +24,13 @@ import torch
 
 from harness.data import IGNORE_INDEX
 from harness.distributed.collectives import agreed
+from harness.distributed.zero import gathered_for_generation
 from harness.errors import ConfigError, HarnessError
 from harness.rft.engine import ContinuousEngine, compile_default, servable
 from harness.rft.tasks import Question, Task, check_context
 from harness.rl import loss as rl_loss
 from harness.rl.batch import completion_logps, completion_mask, rows
-from harness.rl.prompts import Rewards, function_sums, load_reward, rl_task, score  # noqa: F401 (load_reward, score: here before)
+from harness.rl.prompts import Rewards, function_figures, function_sums, load_reward, rl_task, score  # noqa: F401 (load_reward, score: here before)
 from harness.state import StepSums
 
 
@@ -57,30 +58,6 @@ def question_loader(rl, rft, grad_accum: int, shuffle: bool, world: int, cache_d
                             collate_fn=index_batch)
 
 
-@contextlib.contextmanager
-def gathered_for_generation(accelerator, model, zero_stage: int):
-    """The plain module with all its weights: under ZeRO-3 the partitions gathered and DeepSpeed's forward hooks
-    off while generating (trl.models.utils.unwrap_model_for_generation does the same), else the unwrapped model."""
-    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    if zero_stage != 3:
-        yield unwrapped
-        return
-    import deepspeed
-
-    offload = getattr(model.optimizer, "parameter_offload", model.optimizer)
-    with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
-        for p in unwrapped.parameters():
-            p.ds_active_sub_modules.clear()
-        for hook in offload.forward_hooks + offload.backward_hooks:
-            hook.remove()
-        offload.forward_hooks, offload.backward_hooks = [], []
-        try:
-            yield unwrapped
-        finally:
-            coordinator = getattr(offload, "param_coordinator", None)
-            if coordinator is not None and not coordinator.is_invalid_trace():
-                coordinator._invalidate_trace()
-            offload._register_deepspeed_module(offload.module)
 
 
 def served(model):
@@ -293,8 +270,6 @@ class Rollouts:
         """What a log line adds (collective): reward/<name> and reward/<name>_std of each rl.rewards function over
         the steps since the last log line, all processes; `completions`: rl.log_completions rows (prompt,
         completion, reward) of the main process's current batch."""
-        from harness.rl.prompts import function_figures
-
         out = {}
         if self.rewards.names:
             sums = self.accelerator.reduce(torch.tensor(self.fn_unlogged, dtype=torch.float64,
