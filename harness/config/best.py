@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.config.coerce import coerce, section_fields, unknown
+from harness.config.coerce import nested_section
 from harness.errors import ConfigError
 
 # Every evaluation metric the run logs, with its direction (True: higher is better), and what logs it.
@@ -63,13 +63,7 @@ def early_stopping_config(cfg) -> EarlyStoppingConfig:
     known direction that this run logs, evaluations that happen (train.eval_every), a patience >= 0, min_delta >= 0.
     Each failure is one line naming the key."""
     t = cfg.train
-    fields = section_fields(EarlyStoppingConfig)
-    out = {}
-    for key, value in t.early_stopping.items():
-        if key not in fields:
-            raise unknown("key", f"train.early_stopping.{key}", list(fields))
-        out[key] = coerce(f"train.early_stopping.{key}", value, fields[key])
-    es = EarlyStoppingConfig(**out)
+    es = nested_section(EarlyStoppingConfig, t.early_stopping, "train.early_stopping")
     if es.metric not in DIRECTIONS:
         raise ConfigError(f"config key 'train.early_stopping.metric': unknown metric {es.metric!r} (its direction is "
                           f"not known); one of {', '.join(DIRECTIONS)}")

@@ -65,3 +65,15 @@ def unknown(kind: str, key: str, known: list[str]) -> ConfigError:
     close = difflib.get_close_matches(key.split(".")[-1], known, n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     return ConfigError(f"unknown config {kind} '{key}'{hint}")
+
+
+def nested_section(section_cls: type, values: dict, prefix: str):
+    """A mapping key of the config (model.lora, train.early_stopping) as its dataclass, checked key by key: an unknown
+    key is named with its closest match, a wrong type names the key (`prefix`: the mapping's own key)."""
+    fields = section_fields(section_cls)
+    out = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise unknown("key", f"{prefix}.{key}", list(fields))
+        out[key] = coerce(f"{prefix}.{key}", value, fields[key])
+    return section_cls(**out)

@@ -9,7 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
-from harness.config.coerce import coerce, section_fields, unknown
+from harness.config.coerce import nested_section
 from harness.errors import ConfigError
 
 
@@ -67,13 +67,7 @@ class LoraConfig:
 
 def lora_config(model: "ModelConfig") -> LoraConfig:
     """`model.lora` checked key by key (unknown keys and wrong types name the key) with the defaults filled in."""
-    fields = section_fields(LoraConfig)
-    out = {}
-    for key, value in model.lora.items():
-        if key not in fields:
-            raise unknown("key", f"model.lora.{key}", list(fields))
-        out[key] = coerce(f"model.lora.{key}", value, fields[key])
-    cfg = LoraConfig(**out)
+    cfg = nested_section(LoraConfig, model.lora, "model.lora")
     if cfg.r < 1 or not 0 <= cfg.dropout < 1:
         raise ConfigError("config key 'model.lora.r' must be >= 1" if cfg.r < 1
                           else "config key 'model.lora.dropout': must be in [0, 1)")
