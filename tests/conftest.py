@@ -132,6 +132,7 @@ EXTENDED = {
     # call_in_the_issues_order checks its plan and every variant's overrides, test_monitor's smoke the script's path
     # 2026-11-27, the merged round's suite ran 70 minutes on a quiet 2-core machine: each of these has a sibling that
     # runs by default
+    "test_elastic::test_resume_on_another_process_count[zero3]",  # 94 s; the ddp case runs
     "test_early_stopping::test_two_processes_answer_on_the_main_process_and_keep_the_best_to_the_planned_end",  # the
     # 1-process eval_prompts and kill -9 runs
     "test_streaming::test_a_bad_record_met_in_training_stops_in_one_line_with_the_checkpoints_intact",  # the
