@@ -89,8 +89,10 @@ def test_the_compiled_step_runs_a_mixed_length_generation_without_recompiling(se
     assert e.generate(prompts, 1, greedy=True) == static
     warm = graphs()
     assert warm - before == 1 and len(set(sizes)) >= 2 and set(sizes) <= {2, 4, 5}  # one graph, several buckets
+    at, ring = e.cache.at, e.ring  # (the write columns: filled in place outside the compiled region)
     out = e.generate(prompts, 1, greedy=True)
     assert out == static and graphs() == warm  # no graph compiled, no recompilation
+    assert e.cache.at is at and e.ring is ring
     assert e.compiled and e.stats.steps > 2 * NEW and max(e.stats.lengths) == NEW and min(e.stats.lengths) < 10
 
 
@@ -319,14 +321,23 @@ def test_rft_engine_transformers_gives_the_static_greedy_text(setup):
     assert model.config._attn_implementation == "sdpa"  # the manager gave the model its attention back
 
 
-def test_transformers_engine_cuts_at_the_token_that_completes_a_stop_string(setup):
-    from harness.rft.hf_engine import cut_at_stop
+def test_transformers_engine_stops_at_a_stop_string_during_generation(setup):
+    """rft.engine=transformers ended stop strings by cutting the finished tokens: each answer ran to EOS or
+    max_new_tokens first. Its requests now stream, and one that completes a stop string is cancelled: fewer tokens
+    computed than the whole answer, and the continuous engine's greedy text up to the stop string."""
+    from harness.rft.hf_engine import TransformersEngine
 
-    _, tok, _, _ = setup
-    ids = tok("The answer is 12. Then more text follows", add_special_tokens=False)["input_ids"]
-    got = cut_at_stop(ids, tok, ("is 12",))
-    assert "is 12" in tok.decode(got) and "is 12" not in tok.decode(got[:-1]) and len(got) < len(ids)
-    assert cut_at_stop(ids, tok, ("absent",)) == ids and cut_at_stop(ids, tok, ()) == ids
+    model, tok, prompts, static = setup
+    k = max(range(len(prompts)), key=lambda i: len(static[i][0]))  # the longest greedy answer
+    full = ContinuousEngine(model, tok, NEW, max_slots=2)
+    assert full.generate([prompts[k]], 1, greedy=True) == [static[k]] and len(static[k][0]) > 20
+    stop = static[k][0][6:9]
+    want = ContinuousEngine(model, tok, NEW, max_slots=2, stop_strings=(stop,)).generate([prompts[k]], 2, greedy=True)
+    e = TransformersEngine(model, tok, NEW, stop_strings=(stop,))
+    got = e.generate([prompts[k]], 2, greedy=True)
+    assert got == want and stop in got[0][0] and len(got[0][0]) < len(static[k][0])
+    assert e.stats.lengths[0] < full.stats.lengths[0] and e.computed < 2 * full.stats.lengths[0], \
+        (e.stats.lengths, e.computed, full.stats.lengths)
 
 
 GQA = {**TINY, "num_attention_heads": 4, "num_key_value_heads": 1}  # 4 query heads on 1 key/value head
@@ -478,3 +489,104 @@ def test_no_queue_drain_when_the_tokens_are_read_one_step_behind(setup):
     e = ContinuousEngine(model, tok, NEW, max_slots=3)  # CPU: each step read at once, counted as drains
     e.generate(prompts[:2], 1, greedy=True)
     assert e.stats.queue_drains >= e.stats.steps and e.stats.host_ms_per_step() > 0
+
+
+def test_top_k_and_min_p_filter_as_transformers_warpers_and_the_draw_never_picks_a_filtered_token(setup):
+    """rft.top_k, rft.min_p: the device pick keeps the tokens (and the distribution) that transformers' warpers
+    keep, in generate()'s order (temperature, top-k, top-p, min-p); no draw, at any u, lands on a filtered token;
+    the engine draws under them (seeded: the same run to run) and passes them to transformers' generate."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, 64, generator=g) * 3
+    logits[0, :5] = 4.0  # ties at the k-th value: kept by both
+    u = torch.rand(8, 1, generator=g, dtype=torch.float64)
+    temp = torch.tensor(0.7)
+    for k, p, m in ((5, None, None), (0, None, 0.2), (10, 0.9, 0.1), (3, None, 0.5)):
+        ref = TemperatureLogitsWarper(0.7)(None, logits.clone())
+        ref = TopKLogitsWarper(k)(None, ref) if k else ref
+        ref = TopPLogitsWarper(p)(None, ref) if p else ref
+        ref = (MinPLogitsWarper(m)(None, ref) if m else ref).softmax(-1)
+        cdf = ref.double().cumsum(-1)
+        args = (temp, None if p is None else torch.tensor(p), k, None if m is None else torch.tensor(m))
+        assert torch.equal(pick(logits, u, *args), (cdf <= u * cdf[:, -1:]).sum(-1)), (k, p, m)
+        for x in (0.0, 0.5, 1 - 2**-48, 1.0):  # the edges of the draw: never a filtered token
+            got = pick(logits, torch.full((8, 1), x, dtype=torch.float64), *args)
+            assert (ref.gather(1, got[:, None]) > 0).all(), (k, p, m, x)
+    from harness.rft import decode, engine
+
+    model, tok, prompts, static = setup
+    draws = []
+
+    def checked(logits, u, t, p, k=0, m=None):  # every draw of the engine (first tokens and steps) checked
+        got = pick(logits, u, t, p, k, m)
+        ref = MinPLogitsWarper(float(m))(None, TopKLogitsWarper(k)(None, logits / t)).softmax(-1)
+        assert k == 2 and (ref.gather(1, got[:, None]) > 0).all()
+        draws.append(len(got))
+        return got
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode, "pick", checked)
+        mp.setattr(engine, "pick", checked)
+        a = ContinuousEngine(model, tok, 8, max_slots=4, top_k=2, min_p=0.3).generate(prompts[:3], 3, seed=5)
+    assert sum(draws) >= 9
+    assert a == ContinuousEngine(model, tok, 8, max_slots=2, top_k=2, min_p=0.3).generate(prompts[:3], 3, seed=5)
+    assert a != ContinuousEngine(model, tok, 8, max_slots=4).generate(prompts[:3], 3, seed=5)
+    r = load_config(str(ROOT / "configs" / "rft-tiny.yaml"), ["rft.top_k=7", "rft.min_p=0.1"]).rft
+    made = [make_engine(r.__class__(**{**r.__dict__, "engine": x}), model, tok) for x in ("continuous", "static")]
+    assert [(x.top_k, x.min_p) for x in (made[0], made[1].sampler)] == [(7, 0.1)] * 2
+    for bad in ("rft.top_k=-1", "rft.min_p=1.5"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            load_config(str(ROOT / "configs" / "rft-tiny.yaml"), [bad])
+
+
+def test_the_cache_holds_the_compute_dtype_bf16_under_autocast(setup):
+    """Issue 52: the cache took the weights' dtype, fp32 under bf16 autocast (train.precision bf16 over fp32
+    weights): twice the bytes, the keys cast back and forth each step. It holds what the projections give: bf16."""
+    model, tok, prompts, static = setup
+    e = ContinuousEngine(model, tok, NEW, max_slots=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = e.generate(prompts[:4], 1, greedy=True)
+        want = gen.Sampler(model, tok, max_new_tokens=NEW, micro=64).sample(prompts[:4], 1, greedy=True)
+        assert e.slot_bytes(10) == 2 * 2 * 2 * 32 * 10 * 2  # keys and values, 2 layers, 2 heads of 32, 2 bytes
+    assert e.cache.kv.dtype == torch.bfloat16 and next(model.parameters()).dtype == torch.float32
+    assert sum(a == b for a, b in zip(out, want)) >= 3, (out, want)  # bf16 argmax ties may flip one
+    assert e.generate(prompts[:4], 1, greedy=True) == static[:4] and e.cache.kv.dtype == torch.float32
+
+
+def test_repeated_steps_read_their_tokens_through_one_ring_of_host_buffers(setup):
+    """Issue 52 (6): each step allocated a host buffer (pinned on CUDA) and an event for its tokens. They come from
+    one ring, allocated once per engine; two whole generations (rows refilled, one step behind) reuse it."""
+    model, tok, prompts, static = setup
+    e = ContinuousEngine(model, tok, NEW, max_slots=3)
+    e.lag = 1  # as on CUDA: the most entries pending at once
+    buffers = set()
+    readable = e._readable
+    e._readable = lambda *a, **k: (lambda got: buffers.add(got[0].untyped_storage().data_ptr()) or got)(
+        readable(*a, **k))
+    assert e.generate(prompts, 1, greedy=True) == static
+    ring, at = e.ring, e.cache.at
+    assert e.generate(prompts, 1, greedy=True) == static
+    assert e.ring is ring and e.cache.at is at and len(ring) == 6 and e.stats.steps > 2 * NEW
+    assert buffers == {b.untyped_storage().data_ptr() for b, _ in ring}  # every buffer of the ring, no other
+
+
+def test_rft_bench_repeats_build_the_engine_once(setup, monkeypatch):
+    """Issue 52 (6): `rft bench --repeats` built each engine again each run: its cache allocated and its graphs
+    captured again. Built once: one engine, one cache for the three runs and the greedy pass (eager here, for time:
+    a second call on one compiled engine compiles nothing, test_the_compiled_step_runs_a_mixed_length_...)."""
+    from harness.rft import bench
+
+    model, tok, prompts, static = setup
+    monkeypatch.setattr(bench, "load_for_generation", lambda path, device: (model, tok))
+    made, built = [], []
+    init, build = SlotCache.__init__, bench.build
+    monkeypatch.setattr(SlotCache, "__init__", lambda self, *a: made.append(a[1]) or init(self, *a))
+    monkeypatch.setattr(bench, "build", lambda *a: built.append(a[0]) or build(*a))
+    r = load_config(str(ROOT / "configs" / "rft-tiny.yaml"),
+                    ["rft.compile=false", "rft.max_new_tokens=12", "rft.oversample=2", "rft.micro_batch_sequences=4",
+                     "rft.max_operand=12"]).rft
+    got = bench.bench(r, None, questions=3, repeats=3, engines=("continuous",))
+    row = got["rows"][0]
+    assert built == ["continuous"] and made == [4] and row["recompiles"] == 0, (built, made, row)
+    assert row["sequences"] == 6 and got["greedy"]["identical_to_static"] == {"continuous": True}

@@ -188,6 +188,8 @@ def check_rft(r) -> None:
             raise ConfigError(f"config key '{key}': must be >= 1, got {v}")
     for key, v, ok, allowed in (("rft.temperature", r.temperature, r.temperature > 0, "> 0"),
                                 ("rft.top_p", r.top_p, 0 < r.top_p <= 1, "in (0, 1]"),
+                                ("rft.top_k", r.top_k, r.top_k >= 0, ">= 0 (0: off)"),
+                                ("rft.min_p", r.min_p, 0 <= r.min_p <= 1, "in [0, 1] (0: off)"),
                                 ("rft.tolerance", r.tolerance, r.tolerance >= 0, ">= 0"),
                                 ("rft.pairs_per_question", r.pairs_per_question, r.pairs_per_question >= 0, ">= 0"),
                                 ("rft.kv_cache_gb", r.kv_cache_gb, r.kv_cache_gb is None or r.kv_cache_gb > 0,

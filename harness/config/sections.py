@@ -315,6 +315,9 @@ class RftConfig:
     oversample: int = _f(8, "Sampled answers per question.")
     temperature: float = _f(1.0, "Sampling temperature of `rft generate` (`rft test` decodes greedily).")
     top_p: float = _f(1.0, "Nucleus sampling threshold.")
+    top_k: int = _f(0, "Sample among the top_k most likely tokens only (transformers' TopKLogitsWarper); 0: off.")
+    min_p: float = _f(0.0, "Drop the tokens whose probability is under min_p x the most likely one's "
+                           "(transformers' MinPLogitsWarper, after temperature); 0: off.")
     max_new_tokens: int = _f(48, "Tokens generated per answer at most.")
     questions_per_batch: int = _f(16, "Questions per generation batch (each with `oversample` sequences); a batch "
                                       "is the unit of progress that a restarted run does not redo.")

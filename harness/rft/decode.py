@@ -76,10 +76,12 @@ def sample_seed(seed, i: int, j: int) -> int:
 
 
 def pick(logits: torch.Tensor, uniform: Optional[torch.Tensor], temperature: torch.Tensor,
-         top_p: Optional[torch.Tensor]) -> torch.Tensor:
-    """The next token per row from fp32 logits [rows, vocab]: argmax when `uniform` is None, else the temperature
-    warper (logits / t), the top-p warper (transformers' TopPLogitsWarper: the smallest set of most likely tokens
-    whose probability reaches top_p, the most likely always kept) when top_p is given, then a draw from the
+         top_p: Optional[torch.Tensor], top_k: int = 0, min_p: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The next token per row from fp32 logits [rows, vocab]: argmax when `uniform` is None, else transformers'
+    warpers in generate()'s order: temperature (logits / t), top-k (TopKLogitsWarper: the k most likely and their
+    ties) when top_k > 0, top-p (TopPLogitsWarper: the smallest set of most likely tokens whose probability reaches
+    top_p, the most likely always kept) when top_p is given, min-p (MinPLogitsWarper: the tokens of probability
+    under min_p x the most likely one's dropped) when min_p is given, then a draw from the
     probabilities by their inverse CDF with `uniform` [rows, 1] ~ U[0, 1) (float64, `uniform()`): the first token
     whose cumulative probability passes u (a token of probability 0 has an empty interval and is never drawn; the
     cumulative sum is in float64, where fp32's would drop tokens under ~6e-8 near its end). One random number a
@@ -87,11 +89,17 @@ def pick(logits: torch.Tensor, uniform: Optional[torch.Tensor], temperature: tor
     if uniform is None:
         return logits.argmax(-1)
     logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None:
         ordered, order = torch.sort(logits, descending=False, dim=-1)
         drop = ordered.softmax(-1).cumsum(-1) <= 1 - top_p
         drop[..., -1:] = False
         logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    if min_p is not None:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     probs = logits.softmax(-1)
     cdf = probs.to(torch.float64).cumsum(-1)
     got = torch.searchsorted(cdf, uniform.to(torch.float64) * cdf[:, -1:], right=True)[:, 0]
@@ -171,15 +179,17 @@ class SlotCache:
         self.seed = torch.zeros(slots, dtype=torch.long, device=device)  # each row's sample's seed (`uniform`)
         self.slots, self.width = slots, width
         self.attend = width  # columns a step attends over (eager: the used ones rounded up; compiled: a bucket)
-        self.at: Optional[torch.Tensor] = None  # the positions the running step writes (set by the step)
+        # the column each row's step writes (its position, clamped for padding rows): filled in place before each
+        # step, outside the compiled region, which reads it (no Python state set within it)
+        self.at = torch.zeros(slots, dtype=torch.long, device=device)
         self.static = False  # marked as a static address for CUDA graphs
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k, v = self.k[layer_idx], self.v[layer_idx]
-        rows = torch.arange(key_states.shape[0], device=key_states.device)
-        k[rows, :, self.at] = key_states[:, :, 0]
-        v[rows, :, self.at] = value_states[:, :, 0]
         n = key_states.shape[0]
+        rows, at = torch.arange(n, device=key_states.device), self.at[:n]
+        k[rows, :, at] = key_states[:, :, 0].to(k.dtype)  # (the compute dtype: keys after RoPE may be fp32)
+        v[rows, :, at] = value_states[:, :, 0].to(v.dtype)
         return k[:n, :, :self.attend], v[:n, :, :self.attend]
 
     def get_seq_length(self, *args, **kwargs) -> int:
@@ -228,28 +238,30 @@ class Step:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.fn = torch.compile(self._run, fullgraph=True, mode="reduce-overhead" if self.cuda else None)
 
-    def __call__(self, cache: SlotCache, n: int, sample: bool, temperature, top_p) -> torch.Tensor:
-        """`sample`: draw (each row's uniform number from its seed and the position of the token drawn), else
-        argmax."""
+    def __call__(self, cache: SlotCache, n: int, sample: bool, temperature, top_p, top_k: int = 0,
+                 min_p=None) -> torch.Tensor:
+        """`sample`: draw (each row's uniform number from its seed and the position of the token drawn) under the
+        warpers `pick` applies, else argmax."""
         ids, positions, seeds = cache.cur[:n], cache.pos[:n], cache.seed[:n] if sample else None
+        torch.clamp(positions, max=cache.attend - 1, out=cache.at[:n])  # padding rows: a column of their free row
         with _Attention(self.model):
-            return self._call(cache, n, ids, positions, seeds, temperature, top_p)
+            return self._call(cache, n, ids, positions, seeds, temperature, top_p, top_k, min_p)
 
-    def _call(self, cache: SlotCache, n: int, ids, positions, seeds, temperature, top_p) -> torch.Tensor:
+    def _call(self, cache: SlotCache, n: int, ids, positions, seeds, *warpers) -> torch.Tensor:
         if self.compiled:
             try:
-                return self._compiled(cache, n, ids, positions, seeds, temperature, top_p)
+                return self._compiled(cache, n, ids, positions, seeds, *warpers)
             except torch.cuda.OutOfMemoryError:
                 raise
             except Exception as e:  # the step's writes are at fixed positions: running it again is the same step
                 self.say(f"[rft] rft.compile: the decode step did not compile ({type(e).__name__}: "
                          f"{(str(e).strip().splitlines() or [''])[0][:200]}); it runs eagerly")
                 self.compiled, self.fn = False, self._run
-        return self.fn(ids, positions, cache, seeds, temperature, top_p)
+        return self.fn(ids, positions, cache, seeds, *warpers)
 
-    def _compiled(self, cache: SlotCache, n: int, ids, positions, seeds, temperature, top_p) -> torch.Tensor:
+    def _compiled(self, cache: SlotCache, n: int, ids, positions, seeds, *warpers) -> torch.Tensor:
         if self.cuda and not cache.static:  # the cache stays put: CUDA graphs read and write it in place
-            for t in (cache.kv, *cache.k, *cache.v):  # (the layers' views are the graph's inputs)
+            for t in (cache.kv, cache.at, *cache.k, *cache.v):  # (the layers' views are the graph's inputs)
                 torch._dynamo.mark_static_address(t)
             cache.static = True
         if n > 1:
@@ -259,16 +271,15 @@ class Step:
                 torch._dynamo.maybe_mark_dynamic(seeds, 0)
         if self.cuda:
             torch.compiler.cudagraph_mark_step_begin()
-        return self.fn(ids, positions, cache, seeds, temperature, top_p)
+        return self.fn(ids, positions, cache, seeds, *warpers)
 
-    def _run(self, ids, positions, cache: SlotCache, seeds, temperature, top_p):
-        at = positions.clamp(max=cache.attend - 1)  # padding rows: any column of their own free row
-        cache.at = at
+    def _run(self, ids, positions, cache: SlotCache, seeds, temperature, top_p, top_k: int = 0, min_p=None):
+        at = cache.at[:ids.shape[0]]  # (filled by __call__)
         mask = (torch.arange(cache.attend, device=ids.device)[None] <= at[:, None])[:, None, None]
         out = self.model(input_ids=ids[:, None], position_ids=at[:, None], attention_mask=mask, use_cache=True,
                          **self.keep, **{self.cache_arg: cache})
         noise = None if seeds is None else uniform(seeds, positions + 1)  # the token drawn sits at position + 1
-        return pick(out.logits[:, -1, :].to(dtype=torch.float32), noise, temperature, top_p)
+        return pick(out.logits[:, -1, :].to(dtype=torch.float32), noise, temperature, top_p, top_k, min_p)
 
 
 def graphs() -> int:

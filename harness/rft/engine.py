@@ -17,10 +17,10 @@ layer_idx)` and attend over all the positions returned is served; others fall ba
 
 What is exact: greedy decoding gives the text that model.generate gives (the same argmax of the same model, computed
 on other batch shapes: tests/test_rft_engine.py); sampling draws from the same distribution as the static path
-(logits in fp32, transformers' temperature and top-p warpers, top-k off), with other random draws: each sample's
-draws are a hash of its own seed and its token positions (decode.uniform), so a fixed seed gives the same samples run
-to run, alone or batched with other prompts, at any slot count (a restart draws what the uninterrupted run would), not
-the static path's samples.
+(logits in fp32, transformers' temperature, top-k, top-p and min-p warpers: rft.top_k, rft.top_p, rft.min_p), with
+other random draws: each sample's draws are a hash of its own seed and its token positions (decode.uniform), so a
+fixed seed gives the same samples run to run, alone or batched with other prompts, at any slot count (a restart draws
+what the uninterrupted run would), not the static path's samples.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 
 from harness.distributed.sequence import attention_heads
 from harness.errors import HarnessError
+from harness.rft.stats import Stats, eos_ids
 from harness.rft.decode import (PromptCache, SlotCache, Step, StopStrings, bucket_for, buckets, on, pick, sample_seed,
                                 uniform, width_buckets)
 
@@ -53,43 +54,6 @@ def servable(model) -> Optional[str]:
             "past_key_values" not in inspect.signature(model.forward).parameters:
         return f"{type(model).__name__}: no cache argument"
     return None
-
-
-class Stats:
-    """Counters of one engine: sequences and new tokens (EOS included), seconds generating, decode steps, and the
-    slot-steps computed (sequences in the batch, summed over the decode steps) against the ones a running sequence
-    used: 1 - used / computed is the share wasted on padding (a static batch decodes its finished rows until its
-    longest ends); computed / steps is the mean batch."""
-
-    def __init__(self) -> None:
-        self.sequences = self.tokens = self.slot_steps = self.used_slot_steps = self.steps = 0
-        self.seconds = 0.0
-        self.lengths: list[int] = []  # new tokens of each sequence
-        self.model_seconds = self.wait_seconds = 0.0  # in model calls (launches on CUDA), waiting for tokens
-        self.launches = False  # the model calls only launch work (CUDA): their time is the host's
-        self.queue_drains = 0  # tokens read with no later decode step queued while sequences were running
-
-    def host_ms_per_step(self) -> Optional[float]:
-        """Host time per decode step outside the waits for the device: the engine's own work and, on CUDA, the
-        model calls' launches (on CPU a model call computes: left out)."""
-        if not self.steps or not self.model_seconds:
-            return None
-        return 1000 * (self.seconds - self.wait_seconds - (0 if self.launches else self.model_seconds)) / self.steps
-
-    def waste(self) -> float:
-        return 1 - self.used_slot_steps / max(self.slot_steps, 1)
-
-    def mean_batch(self) -> float:
-        return self.slot_steps / max(self.steps, 1)
-
-
-
-def eos_ids(model, tokenizer) -> list[int]:
-    """The ids that end an answer: the tokenizer's EOS and every id of the model's generation_config.eos_token_id
-    (an int or a list: Llama-3's <|eot_id|>, Qwen's <|im_end|> and <|endoftext|>)."""
-    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    listed = listed if isinstance(listed, (list, tuple)) else [listed]
-    return list(dict.fromkeys(int(t) for t in [tokenizer.eos_token_id, *listed] if t is not None))
 
 
 def compile_default(setting: Optional[bool], model) -> bool:
@@ -114,12 +78,14 @@ class ContinuousEngine:
     name = "continuous"
 
     def __init__(self, model, tokenizer, max_new_tokens: int, max_slots: int, kv_cache_gb: Optional[float] = None,
-                 stop_strings: tuple = (), say: Callable = print, compile: bool = False) -> None:
+                 stop_strings: tuple = (), say: Callable = print, compile: bool = False, top_k: int = 0,
+                 min_p: float = 0.0) -> None:
         self.model, self.tok, self.max_new_tokens, self.say = model, tokenizer, max_new_tokens, say
+        self.top_k, self.min_p = int(top_k), float(min_p)  # rft.top_k, rft.min_p: warpers of every sampled draw
         self.max_slots, self.kv_cache_gb, self.stop_strings = max_slots, kv_cache_gb, tuple(stop_strings)
         self.stopped = StopStrings(tokenizer, self.stop_strings)
         self.stats = Stats()
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = next(model.parameters()).dtype  # the weights'; the cache's is the compute dtype (`compute_dtype`)
         self.device = next(model.parameters()).device
         params = inspect.signature(model.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -132,6 +98,8 @@ class ContinuousEngine:
         _, self.heads, self.head_dim = attention_heads(c)  # the cache holds key/value heads
         self.vocab = c.vocab_size
         self.cache: Optional[SlotCache] = None  # kept between generate() calls: the compiled step reads it in place
+        self.ring: list = []  # host buffers (pinned on CUDA) and events the picked tokens are read through (`_readable`)
+        self.turn = 0
         self.last_ids: list[list[list[int]]] = []  # the last generate() call's sampled token ids (EOS kept), as results
 
     @property
@@ -152,8 +120,17 @@ class ContinuousEngine:
         return self.step.compiled
 
     # ------------------------------------------------------------------------------------------- sizing
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the keys and values come in: the autocast dtype under autocast over float weights (bf16 under
+        train.precision bf16's autocast), else the weights' dtype. The cache holds them in it (an fp32 cache under
+        bf16 autocast stored them at twice the bytes and cast them back each step)."""
+        kind = self.device.type
+        if self.dtype.is_floating_point and torch.is_autocast_enabled(kind):
+            return torch.get_autocast_dtype(kind)
+        return self.dtype
+
     def slot_bytes(self, width: int) -> int:
-        return 2 * self.layers * self.heads * self.head_dim * width * self.dtype.itemsize
+        return 2 * self.layers * self.heads * self.head_dim * width * self.compute_dtype().itemsize
 
     def plan_slots(self, width: int) -> int:
         """Slots that the KV-cache budget holds (rft.kv_cache_gb; null: 90% of the free GPU memory less the logits'
@@ -178,12 +155,12 @@ class ContinuousEngine:
         and what runs beside it lower: it shrank call after call, reallocated and captured its graphs again)."""
         if self.compiled:
             width = -(-width // 64) * 64
-        c = self.cache
-        if c is not None and c.width >= width and c.slots <= self.max_slots:
+        c, dtype = self.cache, self.compute_dtype()
+        if c is not None and c.width >= width and c.slots <= self.max_slots and c.kv.dtype == dtype:
             return c
         slots = self.plan_slots(width)  # (on CUDA the kept cache's bytes count as free: it is replaced)
         self.cache = None
-        self.cache = SlotCache(self.layers, slots, self.heads, width, self.head_dim, self.dtype, self.device)
+        self.cache = SlotCache(self.layers, slots, self.heads, width, self.head_dim, dtype, self.device)
         return self.cache
 
     # ------------------------------------------------------------------------------------------- model calls
@@ -218,6 +195,7 @@ class ContinuousEngine:
         tok, dev, st = self.tok, self.device, self.stats
         temp = torch.tensor(float(temperature), device=dev)
         nucleus = torch.tensor(float(top_p), device=dev) if top_p < 1.0 and not greedy else None
+        warp = (self.top_k, torch.tensor(self.min_p, device=dev) if self.min_p > 0 else None)  # top-k, min-p
         eos = set(eos_ids(self.model, tok))  # as the static path, which passes the same list to generate()
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         cache = self._slot_cache(max(map(len, ids), default=0) + self.max_new_tokens)
@@ -270,7 +248,7 @@ class ContinuousEngine:
             try:
                 if waiting and len(rows) < cache.slots:
                     # (not read here: step k+1 is queued first, behind the prefill, then step k is read)
-                    self._admit(cache, rows, waiting, ids, prompt_kv, n, pending, greedy, seed, temp, nucleus)
+                    self._admit(cache, rows, waiting, ids, prompt_kv, n, pending, greedy, seed, temp, nucleus, warp)
                 if rows:
                     # compiled: a bucket of rows over a bucket of columns (fixed shapes, a graph per pair);
                     # eager: the rows and columns in use (32 at a time), the same step with less padding
@@ -279,7 +257,7 @@ class ContinuousEngine:
                     cache.attend = bucket_for(used, width_buckets(cache.width)) if self.compiled else \
                         min(cache.width, -(-used // 32) * 32)
                     m = time.perf_counter()
-                    picked = self.step(cache, b, not greedy, temp, nucleus)
+                    picked = self.step(cache, b, not greedy, temp, nucleus, *warp)
                     cache.cur[:b] = picked
                     cache.pos[:b] += 1
                     st.model_seconds += time.perf_counter() - m
@@ -302,17 +280,24 @@ class ContinuousEngine:
         return sizes[1:] if self.compiled and len(sizes) > 1 else sizes
 
     def _readable(self, picked: torch.Tensor, seqs: list, step: bool = False):
-        """A pending entry: on CUDA the tokens copied to pinned host memory behind an event (no wait now)."""
-        if self.device.type != "cuda":
-            return picked.clone(), seqs, None, step
-        host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
-        host.copy_(picked, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, seqs, event, step
+        """A pending entry: the tokens copied to a host buffer of the engine's ring, on CUDA pinned and behind an
+        event (no wait now). The ring (buffers of `slots` tokens, their events) is allocated once per cache: at most
+        lag + 2 entries are pending at once (a step's and an admission's each turn, read down to `lag`), so a buffer
+        is read before the ring comes back to it."""
+        cuda, n = self.device.type == "cuda", picked.shape[0]
+        if not self.ring or self.ring[0][0].shape[0] < n:
+            size = max(n, self.cache.slots if self.cache else n)
+            self.ring = [(torch.empty(size, dtype=torch.long, pin_memory=cuda), torch.cuda.Event() if cuda else None)
+                         for _ in range(2 * self.lag + 4)]
+        host, event = self.ring[self.turn % len(self.ring)]
+        self.turn += 1
+        host[:n].copy_(picked, non_blocking=cuda)
+        if event is not None:
+            event.record()
+        return host[:n], seqs, event, step
 
     def _admit(self, cache: SlotCache, rows: list, waiting: list, ids: list, prompt_kv: dict, n: int, pending: list,
-               greedy: bool, seed, temp, nucleus) -> None:
+               greedy: bool, seed, temp, nucleus, warp: tuple) -> None:
         """Waiting samples take the free rows: the prompts not yet prefilled in one pass, their keys and values
         copied into the rows, each sample's first token picked from its prompt's last logits."""
         taken = []
@@ -342,8 +327,8 @@ class ContinuousEngine:
         for (keys, values, logits), dst, src in groups.values():
             d, s = on(self.device, dst), on(self.device, src)
             width = keys.shape[3]
-            cache.kv[:, 0, d, :, :width] = keys[:, s]
-            cache.kv[:, 1, d, :, :width] = values[:, s]
+            cache.kv[:, 0, d, :, :width] = keys[:, s].to(cache.kv.dtype)  # (fp32 under autocast: after RoPE)
+            cache.kv[:, 1, d, :, :width] = values[:, s].to(cache.kv.dtype)
             firsts.append(logits[s])
             at.append(d)
         logits, d = torch.cat(firsts), torch.cat(at)
@@ -352,7 +337,7 @@ class ContinuousEngine:
         if not greedy:
             cache.seed[d] = on(self.device, [sample_seed(seed, s.i, s.j) for s in seqs])
         noise = None if greedy else uniform(cache.seed[d], cache.pos[d])  # the first token: at the prompt's length
-        first = pick(logits, noise, temp, nucleus)
+        first = pick(logits, noise, temp, nucleus, *warp)
         cache.cur[d] = first
         self.stats.model_seconds += time.perf_counter() - m
         pending.append(self._readable(first, seqs))

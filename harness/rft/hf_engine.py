@@ -6,8 +6,10 @@ CUDA graphs on CUDA) behind the engine interface of `rft generate | test | bench
 The requests (each prompt once, n samples as num_return_sequences; greedy: the prompt n times) go to the manager of
 `model.continuous_batching_context_manager`; results are read as they finish, and a prompt's `on_done` comes as soon
 as its n samples have ended, as with rft.engine=continuous. EOS and rft.max_new_tokens end a sequence in the
-manager; rft.stop_strings are applied to the finished tokens (cut at the token that completes the stop string, as
-the other engines end there). What differs from rft.engine=continuous: the random draws are the manager's (seeded
+manager; rft.stop_strings end a sequence during generation: with stop strings the requests stream their tokens, each
+new token is checked as it arrives (decode.StopStrings: only the tokens that can complete one have a tail decoded), and
+a request that completed one is cancelled in the manager (its answer cut at that token, as the other engines end
+there; the few tokens the manager computed before it read the cancellation are counted in `computed`, not kept). What differs from rft.engine=continuous: the random draws are the manager's (seeded
 with torch.manual_seed(seed), drawn on its own thread), so samples are not the same run to run on every device.
 """
 
@@ -19,19 +21,8 @@ from typing import Callable, Optional
 import torch
 
 from harness.errors import HarnessError
-from harness.rft.engine import Stats, eos_ids
-
-
-def cut_at_stop(tokens: list[int], tok, stops: tuple) -> list[int]:
-    """`tokens` up to the one that completes a stop string in the decoded tail (all of them when none does)."""
-    if not stops:
-        return tokens
-    longest = max(map(len, stops))
-    for k in range(1, len(tokens) + 1):
-        tail = tok.decode(tokens[max(0, k - longest - 2):k], skip_special_tokens=True)
-        if any(s in tail for s in stops):
-            return tokens[:k]
-    return tokens
+from harness.rft.decode import StopStrings
+from harness.rft.stats import Stats, eos_ids
 
 
 class TransformersEngine:
@@ -40,11 +31,14 @@ class TransformersEngine:
     name = "transformers"
 
     def __init__(self, model, tokenizer, max_new_tokens: int, max_slots: int = 256, stop_strings: tuple = (),
-                 say: Callable = print) -> None:
+                 say: Callable = print, top_k: int = 0, min_p: float = 0.0) -> None:
         self.model, self.tok, self.max_new_tokens, self.say = model, tokenizer, max_new_tokens, say
+        self.top_k, self.min_p = int(top_k), float(min_p)
         self.max_slots = max_slots
         self.stop_strings = tuple(stop_strings)
+        self.stopped = StopStrings(tokenizer, self.stop_strings)
         self.stats = Stats()
+        self.computed = 0  # new tokens the manager computed (a cancelled request's last few included)
         self.dtype = next(model.parameters()).dtype
 
     @torch.no_grad()
@@ -60,7 +54,8 @@ class TransformersEngine:
         if not ids:
             return []
         copies = n if greedy else 1  # greedy: each prompt n times; sampling: n return sequences per request
-        kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+        kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p,
+                                                       top_k=self.top_k, min_p=self.min_p or None,
                                                        num_return_sequences=n)
         config = GenerationConfig(max_new_tokens=self.max_new_tokens, eos_token_id=eos, pad_token_id=tok.pad_token_id,
                                   **kw)
@@ -73,12 +68,14 @@ class TransformersEngine:
                                       **(dict(num_blocks=blocks, max_batch_tokens=4096) if cpu else {}))
         results: list[list] = [[None] * n for _ in prompts]
         left = [n] * len(prompts)
+        longest: dict = {}  # request id -> the most tokens the manager gave it
         t0 = time.perf_counter()
         with self.model.continuous_batching_context_manager(
                 generation_config=config, continuous_batching_config=cb, block=True, timeout=30,
                 warmup=not cpu) as manager:
+            streaming = bool(self.stop_strings)  # every token delivered, so that a stop string ends the request
             rids = manager.add_requests(inputs=[x for x in ids for _ in range(copies)],
-                                        max_new_tokens=self.max_new_tokens)
+                                        max_new_tokens=self.max_new_tokens, streaming=streaming)
             where = {}  # request id -> (prompt, sample)
             for k, rid in enumerate(rids):
                 i, j = divmod(k, copies)
@@ -86,6 +83,7 @@ class TransformersEngine:
                     where[rid] = (i, j)
                 else:  # transformers names the children <id>__child#c and the parent is the last sample
                     where.update({f"{rid}__child#{c}": (i, c) for c in range(n - 1)}, **{rid: (i, n - 1)})
+            seen: dict = {}  # request id -> its tokens checked so far; None once it has ended
             done = 0
             while done < len(prompts) * n:
                 out = manager.get_result(timeout=1)
@@ -94,12 +92,23 @@ class TransformersEngine:
                         raise HarnessError("rft.engine=transformers: transformers' continuous batching stopped "
                                            "before the last request ended (see its log above)")
                     continue
-                if not out.is_finished():
-                    continue
                 if out.error is not None:
                     raise HarnessError(f"rft.engine=transformers: request {out.request_id} failed: {out.error}")
-                i, j = where[out.request_id]
-                tokens = cut_at_stop(list(out.generated_tokens), tok, self.stop_strings)
+                rid, tokens = out.request_id, list(out.generated_tokens)
+                longest[rid] = max(longest.get(rid, 0), len(tokens))
+                if rid in seen and seen[rid] is None:  # ended at a stop string: computed before the cancellation
+                    continue
+                end = next((k for k in range(seen.get(rid, 0) + 1, len(tokens) + 1)
+                            if self.stopped(tokens[:k])), None)
+                seen[rid] = len(tokens)
+                if end is None and not out.is_finished():
+                    continue
+                if end is not None:
+                    tokens = tokens[:end]
+                    if not out.is_finished():
+                        manager.cancel_request(rid)
+                seen[rid] = None
+                i, j = where[rid]
                 results[i][j] = tok.decode([t for t in tokens if t not in eos], skip_special_tokens=True).strip()
                 st.sequences += 1
                 st.tokens += len(tokens)
@@ -108,5 +117,6 @@ class TransformersEngine:
                 left[i] -= 1
                 if left[i] == 0 and on_done is not None:
                     on_done(i, results[i])
+        self.computed += sum(longest.values())
         st.seconds += time.perf_counter() - t0
         return results

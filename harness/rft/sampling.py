@@ -13,7 +13,8 @@ from typing import Callable, Optional
 import torch
 
 from harness.errors import ConfigError, HarnessError
-from harness.rft.engine import ContinuousEngine, Stats, compile_default, eos_ids, servable
+from harness.rft.engine import ContinuousEngine, compile_default, servable
+from harness.rft.stats import Stats, eos_ids
 from harness.rft.tasks import Question, Task
 from harness import hardware
 from harness.config import ModelConfig
@@ -65,8 +66,9 @@ class Sampler:
     halves `micro` and retries the chunk."""
 
     def __init__(self, model, tokenizer, max_new_tokens: int, micro: int, say: Callable = print,
-                 stop_strings: tuple = ()) -> None:
+                 stop_strings: tuple = (), top_k: int = 0, min_p: float = 0.0) -> None:
         self.model, self.tok, self.max_new_tokens, self.micro, self.say = model, tokenizer, max_new_tokens, micro, say
+        self.top_k, self.min_p = int(top_k), float(min_p)
         self.stop_strings = list(stop_strings)
         self.stats = Stats()
 
@@ -110,7 +112,8 @@ class Sampler:
         width = max(map(len, ids))
         input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids], device=dev)
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=dev)
-        kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p,
+                                                       top_k=self.top_k, min_p=self.min_p or None)
         if self.stop_strings:
             kw.update(stop_strings=self.stop_strings, tokenizer=tok)
         eos = eos_ids(self.model, tok)
@@ -140,10 +143,18 @@ class StaticEngine:
     name = "static"
 
     def __init__(self, model, tokenizer, max_new_tokens: int, micro: int, per_call: int, stop_strings: tuple = (),
-                 say: Callable = print) -> None:
-        self.sampler = Sampler(model, tokenizer, max_new_tokens, micro, say, stop_strings)
-        self.per_call, self.stats = per_call, self.sampler.stats
+                 say: Callable = print, top_k: int = 0, min_p: float = 0.0) -> None:
+        self.sampler = Sampler(model, tokenizer, max_new_tokens, micro, say, stop_strings, top_k, min_p)
+        self.per_call = per_call
         self.dtype = next(model.parameters()).dtype
+
+    @property
+    def stats(self) -> Stats:
+        return self.sampler.stats
+
+    @stats.setter
+    def stats(self, stats: Stats) -> None:  # (`rft bench` counts each run afresh)
+        self.sampler.stats = stats
 
     def generate(self, prompts: list[str], n: int, temperature: float = 1.0, top_p: float = 1.0,
                  greedy: bool = False, seed=0, on_done: Optional[Callable] = None) -> list[list[str]]:
@@ -161,16 +172,17 @@ class StaticEngine:
 def make_engine(r, model, tokenizer, say: Callable = print):
     """The engine that rft.engine names (r: the rft config section), continuous, static or transformers; a model the
     continuous engine cannot serve falls back to static with one line."""
-    stops = tuple(r.stop_strings)
+    stops, warp = tuple(r.stop_strings), dict(top_k=r.top_k, min_p=r.min_p)
     if r.engine == "transformers":
-        return TransformersEngine(model, tokenizer, r.max_new_tokens, r.micro_batch_sequences, stops, say)
+        return TransformersEngine(model, tokenizer, r.max_new_tokens, r.micro_batch_sequences, stops, say, **warp)
     if r.engine == "continuous":
         why = servable(model)
         if why is None:
             return ContinuousEngine(model, tokenizer, r.max_new_tokens, r.micro_batch_sequences, r.kv_cache_gb,
-                                    stops, say, compile=compile_default(r.compile, model))
+                                    stops, say, compile=compile_default(r.compile, model), **warp)
         say(f"[rft] rft.engine=continuous cannot serve {why}: using rft.engine=static")
-    return StaticEngine(model, tokenizer, r.max_new_tokens, r.micro_batch_sequences, r.questions_per_batch, stops, say)
+    return StaticEngine(model, tokenizer, r.max_new_tokens, r.micro_batch_sequences, r.questions_per_batch, stops, say,
+                        **warp)
 
 
 def load_engine(r, path: Optional[str], device, say: Callable = print):

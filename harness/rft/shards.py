@@ -173,6 +173,7 @@ def generation_settings(r, model: Optional[str]) -> dict:
             "tolerance": r.tolerance, "oversample": r.oversample, "temperature": r.temperature, "top_p": r.top_p,
             "max_new_tokens": r.max_new_tokens, "keep_per_question": r.keep_per_question, "seed": r.seed,
             **({"stop_strings": list(r.stop_strings)} if r.stop_strings else {}),
+            **({"top_k": r.top_k} if r.top_k else {}), **({"min_p": r.min_p} if r.min_p else {}),
             "task_questions": task_fingerprint(r)[1]}  # a JSONL task edited in place: its ids are line numbers
 
 

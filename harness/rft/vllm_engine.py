@@ -13,7 +13,7 @@ import time
 from typing import Callable, Optional
 
 from harness.errors import ConfigError
-from harness.rft.engine import Stats
+from harness.rft.stats import Stats
 
 
 class VllmEngine:

@@ -141,7 +141,8 @@ class Rollouts:
             say("[harness] rl: rft.compile is off under ZeRO-3 (the gathered weights move between generations)")
         self.engine = ContinuousEngine(served(unwrapped), tokenizer, self.r.max_new_tokens,
                                        min(self.r.micro_batch_sequences, answers), self.r.kv_cache_gb,
-                                       tuple(self.r.stop_strings), say, compile=compiled)
+                                       tuple(self.r.stop_strings), say, compile=compiled, top_k=self.r.top_k,
+                                       min_p=self.r.min_p)
         self.reference = None
         if self.rl.beta and self.peft:  # TRL's way with peft: the same model with its adapters disabled
             self.reference = unwrapped

@@ -1,0 +1,47 @@
+"""What every generation engine of `harness rft generate | test | bench` counts (`Stats`, the rows of `rft bench`)
+and the ids that end an answer (`eos_ids`): shared by rft.engine=continuous (harness/rft/engine.py), static
+(sampling.py) and transformers (hf_engine.py).
+
+    python -c "from harness.rft.stats import Stats; help(Stats)"
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class Stats:
+    """Counters of one engine: sequences and new tokens (EOS included), seconds generating, decode steps, and the
+    slot-steps computed (sequences in the batch, summed over the decode steps) against the ones a running sequence
+    used: 1 - used / computed is the share wasted on padding (a static batch decodes its finished rows until its
+    longest ends); computed / steps is the mean batch."""
+
+    def __init__(self) -> None:
+        self.sequences = self.tokens = self.slot_steps = self.used_slot_steps = self.steps = 0
+        self.seconds = 0.0
+        self.lengths: list[int] = []  # new tokens of each sequence
+        self.model_seconds = self.wait_seconds = 0.0  # in model calls (launches on CUDA), waiting for tokens
+        self.launches = False  # the model calls only launch work (CUDA): their time is the host's
+        self.queue_drains = 0  # tokens read with no later decode step queued while sequences were running
+
+    def host_ms_per_step(self) -> Optional[float]:
+        """Host time per decode step outside the waits for the device: the engine's own work and, on CUDA, the
+        model calls' launches (on CPU a model call computes: left out)."""
+        if not self.steps or not self.model_seconds:
+            return None
+        return 1000 * (self.seconds - self.wait_seconds - (0 if self.launches else self.model_seconds)) / self.steps
+
+    def waste(self) -> float:
+        return 1 - self.used_slot_steps / max(self.slot_steps, 1)
+
+    def mean_batch(self) -> float:
+        return self.slot_steps / max(self.steps, 1)
+
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """The ids that end an answer: the tokenizer's EOS and every id of the model's generation_config.eos_token_id
+    (an int or a list: Llama-3's <|eot_id|>, Qwen's <|im_end|> and <|endoftext|>)."""
+    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    listed = listed if isinstance(listed, (list, tuple)) else [listed]
+    return list(dict.fromkeys(int(t) for t in [tokenizer.eos_token_id, *listed] if t is not None))
