@@ -248,7 +248,7 @@ def test_out_of_memory_halves_the_sequences_in_flight_and_loses_nothing(setup):
 def test_the_kv_budget_sets_the_sequences_in_flight(setup):
     model, tok, _, _ = setup
     e = ContinuousEngine(model, tok, NEW, max_slots=256, kv_cache_gb=(e1 := 10 * 2**20 / 2**30))
-    per_slot = e.slot_bytes(100) + 12 * model.config.vocab_size
+    per_slot = e.slot_bytes(100) + 40 * model.config.vocab_size  # fp32 logits 4 + the pick's 36 (stats.PICK_BYTES)
     assert e.plan_slots(100) == min(256, int(e1 * 2**30 // per_slot)) < 256
     with pytest.raises(HarnessError, match="rft.kv_cache_gb"):
         ContinuousEngine(model, tok, NEW, max_slots=8, kv_cache_gb=1e-9).plan_slots(100)
@@ -590,3 +590,35 @@ def test_rft_bench_repeats_build_the_engine_once(setup, monkeypatch):
     row = got["rows"][0]
     assert built == ["continuous"] and made == [4] and row["recompiles"] == 0, (built, made, row)
     assert row["sequences"] == 6 and got["greedy"]["identical_to_static"] == {"continuous": True}
+
+
+def _peak_bytes(fn) -> int:
+    """The most bytes live at once on the CPU while `fn` runs, from the profiler's allocations and frees."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    timeline = sorted((e.time_range.start, e.cpu_memory_usage) if e.name == "[memory]" else
+                      (e.time_range.end, e.self_cpu_memory_usage) for e in prof.events())
+    live = top = 0
+    for _, b in timeline:
+        live += b
+        top = max(top, live)
+    return top
+
+
+def test_the_planned_bytes_per_slot_cover_what_a_decode_step_allocates_for_its_logits():
+    """Issue 52: the engine planned 12 bytes per slot and vocabulary entry for a step's logits (fp32 logits,
+    probabilities, noise) where the pick, with the warpers on, holds about 33 (the sort's values and int64 order,
+    softmax, cumulative sums, the float64 cdf): a memory-limited plan held more slots than fit. The planner's figure
+    (stats.logit_bytes, which harness/tools/rl_plan.py uses too) covers the measured peak, within 25%."""
+    from harness.rft.stats import logit_bytes
+
+    rows, vocab = 32, 32000
+    logits = torch.randn(rows, vocab)
+    u = torch.rand(rows, 1, dtype=torch.float64)
+    t = torch.tensor(0.7)
+    full = _peak_bytes(lambda: pick(logits, u, t, torch.tensor(0.9), 50, torch.tensor(0.05)))
+    plain = _peak_bytes(lambda: pick(logits, u, t, None))
+    measured = 4 + full / (rows * vocab)  # + the fp32 logits the pick reads
+    assert plain < full and measured <= logit_bytes(4) <= 1.25 * measured, (measured, plain / (rows * vocab))

@@ -31,13 +31,14 @@ def test_kv_cache_arithmetic_by_hand_and_as_the_engine_sizes_it():
     # the slots: the answers of a generation batch (one engine call: 4 questions x 6), rft.micro_batch_sequences
     # (256 by default) at most
     assert (m.width, m.slot_bytes, m.slots) == (32, 8192, 24)
-    assert m.kv == 24 * 8192 and m.logits == 24 * 12 * 2048  # fp32 logits, probabilities, noise per slot
+    # a decode step's logits per slot and vocabulary entry: fp32 logits 4 + the sampling's peak (stats.PICK_BYTES)
+    assert m.kv == 24 * 8192 and m.logits == 24 * 40 * 2048
     assert rl_plan.generation_memory(cfg.rl, cfg.rft, 2, 2, 8, 2048, 20, 4, world=2).slots == 12  # 2 questions each
-    # one rollout call: 24 answers x (8,192 + 24,576) B = 786,432 B = 0.00073 GiB, rounded up to 0.01
+    # one rollout call: 24 answers x (8,192 + 81,920) B = 2,162,688 B = 0.0020 GiB, rounded up to 0.01
     assert m.rollout_gb == 0.01
-    # a budget: 0.001 GiB = 1,073,741.8 B over 32,768 B a slot (KV + logits) = 32 slots
+    # a budget: 0.001 GiB = 1,073,741.8 B over 90,112 B a slot (KV + logits) = 11 slots
     capped = load_config("configs/grpo-tiny.yaml", [*TINY, "rft.max_new_tokens=12", "rft.kv_cache_gb=0.001"])
-    assert rl_plan.generation_memory(capped.rl, capped.rft, 2, 2, 8, 2048, 20, 4).slots == 32
+    assert rl_plan.generation_memory(capped.rl, capped.rft, 2, 2, 8, 2048, 20, 4).slots == 11
     # 16-bit weights: half the bytes
     assert rl_plan.generation_memory(cfg.rl, cfg.rft, 2, 2, 8, 2048, 20, 2).slot_bytes == 4096
 
@@ -52,7 +53,7 @@ def test_kv_cache_arithmetic_by_hand_and_as_the_engine_sizes_it():
     model = LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2)).to(torch.float32)
     engine = ContinuousEngine(model, tok, 12, 256, kv_cache_gb=0.001, say=lambda m: None)
-    assert engine.slot_bytes(32) == 8192 and engine.plan_slots(32) == 32
+    assert engine.slot_bytes(32) == 8192 and engine.plan_slots(32) == 11
 
 
 def test_rl_micro_batch_rows():

@@ -100,13 +100,13 @@ def pick(logits: torch.Tensor, uniform: Optional[torch.Tensor], temperature: tor
     if min_p is not None:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
-    probs = logits.softmax(-1)
-    cdf = probs.to(torch.float64).cumsum(-1)
-    got = torch.searchsorted(cdf, uniform.to(torch.float64) * cdf[:, -1:], right=True)[:, 0]
+    cdf = torch.cumsum(logits.softmax(-1), -1, dtype=torch.float64)
+    total = cdf[:, -1:].contiguous()
+    got = torch.searchsorted(cdf, uniform.to(torch.float64) * total, right=True)[:, 0]
     # u x total rounded up to total finds no token (or, clamped, the last, which top-p may have masked): the last
-    # token of positive probability instead
-    last = torch.where(probs > 0, torch.arange(probs.shape[-1], device=probs.device), 0).amax(-1)
-    return torch.minimum(got, last)
+    # token of positive probability instead, the first whose cumulative sum reaches the total (the ones after it add
+    # nothing; no [rows, vocab] index tensor)
+    return torch.minimum(got, torch.searchsorted(cdf, total, right=False)[:, 0])
 
 
 GROUPED = "harness_grouped_sdpa"  # the attention a decode step of an sdpa model runs (registered by `Step`)

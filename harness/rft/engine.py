@@ -33,7 +33,7 @@ import torch
 
 from harness.distributed.sequence import attention_heads
 from harness.errors import HarnessError
-from harness.rft.stats import Stats, eos_ids
+from harness.rft.stats import Stats, eos_ids, logit_bytes
 from harness.rft.decode import (PromptCache, SlotCache, Step, StopStrings, bucket_for, buckets, on, pick, sample_seed,
                                 uniform, width_buckets)
 
@@ -135,7 +135,7 @@ class ContinuousEngine:
     def plan_slots(self, width: int) -> int:
         """Slots that the KV-cache budget holds (rft.kv_cache_gb; null: 90% of the free GPU memory less the logits'
         room, 4 GiB on CPU), at most max_slots."""
-        per_slot = self.slot_bytes(width) + 3 * 4 * self.vocab  # + fp32 logits, probabilities, noise
+        per_slot = self.slot_bytes(width) + logit_bytes(self.dtype.itemsize) * self.vocab  # + a step's logits
         if self.kv_cache_gb is not None:
             budget = self.kv_cache_gb * 2**30
         elif self.device.type == "cuda":

@@ -45,3 +45,14 @@ def eos_ids(model, tokenizer) -> list[int]:
     listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     listed = listed if isinstance(listed, (list, tuple)) else [listed]
     return list(dict.fromkeys(int(t) for t in [tokenizer.eos_token_id, *listed] if t is not None))
+
+
+PICK_BYTES = 36  # per slot and vocabulary entry: decode.pick's peak with top-k, top-p and min-p on (fp32 scaled
+# logits, the sort's values and int64 order, softmax, cumulative sum, the float64 cdf): 33 measured on CPU
+# (tests/test_rft_engine.py), rounded up for the device's sort scratch
+
+
+def logit_bytes(dtype_bytes: int) -> int:
+    """Bytes per slot and vocabulary entry that a decode step adds to the cache (`ContinuousEngine.plan_slots`,
+    harness/tools/rl_plan.py): the model's logits in its dtype, their fp32 copy (none when fp32), the pick's peak."""
+    return dtype_bytes + (0 if dtype_bytes == 4 else 4) + PICK_BYTES

@@ -5,7 +5,8 @@ Memory (GiB = 2**30 bytes). The continuous engine (harness/rft/engine.py) alloca
 it between calls, through the training passes (the compiled step reads it in place): a slot holds one sequence of
 W = longest prompt + rft.max_new_tokens positions, 2 (key, value) x layers x kv_heads x head_dim x W values in the
 weights' dtype (the engine runs the training weights: fp32 by default, 2 bytes with 16-bit weights), and a decode
-step adds 3 x 4 x vocab bytes of fp32 logits, probabilities and noise per slot. The slots are
+step adds harness.rft.stats.logit_bytes(dtype) x vocab bytes per slot (the logits, their fp32 copy, the sampling's
+peak: 40 bytes with fp32 weights). The slots are
 rft.micro_batch_sequences or the answers of a process's generation batch (one engine call answers them all),
 fewer when rft.kv_cache_gb (the budget over KV + logits) holds fewer; with kv_cache_gb null the engine takes up to
 90% of the GPU memory free at the generation, so the plan counts the full slot count and says what budget the
@@ -27,11 +28,11 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from harness.rft.stats import logit_bytes
 from harness.rft.tasks import build_task
 from harness.errors import HarnessError
 
 GIB = 2**30
-LOGIT_BYTES = 3 * 4  # per slot and vocabulary entry during a decode step: fp32 logits, probabilities, noise
 
 
 def prompt_tokens(rft, tokenizer) -> dict:
@@ -59,7 +60,7 @@ class GenerationMemory:
     width: int  # positions per slot: longest prompt + rft.max_new_tokens
     slot_bytes: int
     kv: float  # the cache: slots x slot_bytes
-    logits: float  # a decode step's fp32 logits, probabilities and noise: slots x 12 x vocab
+    logits: float  # a decode step's logits and sampling: slots x logit_bytes(dtype) x vocab
     rollout_gb: float  # the rft.kv_cache_gb that holds one rollout call (rl.num_generations sequences)
 
 
@@ -69,13 +70,13 @@ def generation_memory(rl, rft, layers: int, kv_heads: int, head_dim: int, vocab:
     config sections): at most the answers of a process's generation batch (harness.rl.rollout: one engine call)."""
     width = prompt_len + rft.max_new_tokens
     slot = kv_slot_bytes(layers, kv_heads, head_dim, width, dtype_bytes)
-    per_slot = slot + LOGIT_BYTES * vocab
+    per_slot = slot + logit_bytes(dtype_bytes) * vocab
     answers = rl.questions_per_step // max(1, world) * rl.num_generations
     slots = min(rft.micro_batch_sequences, answers)
     if rft.kv_cache_gb is not None:
         slots = min(slots, int(rft.kv_cache_gb * GIB // per_slot))
     rollout = min(answers, rft.micro_batch_sequences) * per_slot
-    return GenerationMemory(slots, width, slot, slots * slot, slots * LOGIT_BYTES * vocab,
+    return GenerationMemory(slots, width, slot, slots * slot, slots * logit_bytes(dtype_bytes) * vocab,
                             math.ceil(100 * rollout / GIB) / 100)
 
 
@@ -120,7 +121,7 @@ class GenerationPlan:
         out = [f"generation (loss.mode=rl, the continuous engine): slots of W = longest prompt {self.prompt} (train "
                f"{self.prompts['train']}, test {self.prompts['test']}) + rft.max_new_tokens {rft.max_new_tokens} = "
                f"{m.width} positions; per slot 2 x {s.layers} layers x {s.kv_heads} kv heads x {self.head_dim} x "
-               f"{m.width} x {w} B = {m.slot_bytes / 2**20:.2f} MiB (+ {LOGIT_BYTES} x {s.vocab} B of logits in a "
+               f"{m.width} x {w} B = {m.slot_bytes / 2**20:.2f} MiB (+ {logit_bytes(w)} x {s.vocab} B of logits in a "
                f"decode step)"]
         budget = (f"rft.kv_cache_gb {rft.kv_cache_gb:g} holds {m.slots}" if rft.kv_cache_gb is not None else
                   f"rft.kv_cache_gb null: up to 90% of the free memory, counted here at all {m.slots}")
