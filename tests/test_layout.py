@@ -67,7 +67,7 @@ LAYERS = [
      "harness.evaluation", "harness.encode", "harness.auto_batch", "harness.data.samples", "harness.data.loaders", "harness.data.streaming",
      "harness.data.stream_sources",
      "harness.checkpoint", "harness.rundir", "harness.observe.reporting", "harness.data.pairs",
-     "harness.preference", "harness.rl", "harness.rft.tasks", "harness.rft.engine",
+     "harness.preference", "harness.rl", "harness.rft.tasks", "harness.rft.engine", "harness.rft.stats",
      "harness.rft.decode"],
     # 3: the build; 4: the run
     ["harness.build"],
