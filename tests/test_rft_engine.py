@@ -439,6 +439,14 @@ def test_stop_strings_decode_only_the_tokens_that_can_end_one(setup):
     assert got == want and sum(x is not None for x in want) >= 8
     assert len(decoded) < 0.3 * sum(len(ids) if k is None else k + 1 for ids, k in zip(seqs, want))
     assert StopStrings(tok, ("Answer: ",)).enders() is None  # ends in a space: every token decoded
+    # ASCII last characters: a partial UTF-8 token cannot complete one (not decoded); a non-ASCII one: it can
+    ascii_, accented = StopStrings(tok, stops).enders(), StopStrings(tok, ("12 ü",)).enders()
+    partial = {i for i in range(len(tok)) if "\ufffd" in decode([i])}
+    assert partial and not partial & ascii_ and partial <= accented
+    umlaut = StopStrings(tok, ("12 ü",))
+    texts = seqs[4:5] + [x + tok("12 ü", add_special_tokens=False)["input_ids"] for x in seqs[5:10]]
+    assert [first(umlaut, ids) for ids in texts] == [
+        first(lambda ids: "12 ü" in decode(ids, skip_special_tokens=True), ids) for ids in texts]
 
 
 def test_the_inverse_cdf_never_draws_a_masked_token_and_keeps_the_tiny_ones():

@@ -313,15 +313,18 @@ class StopStrings:
 
     def enders(self) -> Optional[frozenset]:
         """The token ids whose arrival can complete a stop string (decoded once): those whose text holds the last
-        character of a stop string, and those whose text alone is not what they add to a sequence (a partial UTF-8
-        character, empty text). None (decode at every token) when a stop string ends in whitespace, which a
-        tokenizer may add with the next token (SentencePiece's leading space)."""
+        character of a stop string, and, when one of those characters is not ASCII, those whose text alone is not
+        what they add to a sequence (a partial UTF-8 character, empty text: completing a multi-byte character; an
+        ASCII character is a whole byte, in the text of the token that brings it). None (decode at every token) when
+        a stop string ends in whitespace, which a tokenizer may add with the next token (SentencePiece's leading
+        space)."""
         if not self.decoded and self.strings:
             self.decoded = True
             lasts = {x[-1] for x in self.strings}
+            partial = not all(c.isascii() for c in lasts)
             if not any(c.isspace() for c in lasts):
                 texts = self.tok.batch_decode([[i] for i in range(len(self.tok))], skip_special_tokens=True)
-                self._enders = frozenset(i for i, t in enumerate(texts)
-                                         if not t or "\ufffd" in t or any(c in t for c in lasts))
+                self._enders = frozenset(i for i, t in enumerate(texts) if any(c in t for c in lasts) or
+                                         (partial and (not t or "\ufffd" in t)))
         return self._enders
 
