@@ -1,13 +1,14 @@
 """The continuous engine's decode step against its cache width: does attention cost follow the filled width?
 
     PYTHONPATH=$PWD python scripts/rft_width_bench.py --json docs/bench/rft-width-cpu.json
-    PYTHONPATH=$PWD python scripts/rft_width_bench.py --compile        # the compiled step (inductor; CUDA graphs on CUDA)
+    PYTHONPATH=$PWD python scripts/rft_width_bench.py --compile    # the compiled step (CUDA graphs on CUDA)
 
 A random grouped-query llama (8 query heads on 1 key/value head) and one harness.rft.decode.SlotCache of S slots,
 every slot filled with F tokens; the decode step (harness.rft.decode.Step, greedy) timed at cache widths 128 and 1024
 with the width the engine attends over (`attend`: eager, the used columns rounded up to 32; compiled, the width
 bucket of 64, 128, 256, ...) and, for contrast, over the whole width (what a step that ignores the filled part pays).
-Issue 52's bar: width 1024 with 64 tokens filled costs <= 1.3x width 128. Medians of --steps steps (rounds of 4, the cases interleaved), each after 3 warm-up steps.
+Issue 52's bar: width 1024 with 64 tokens filled costs <= 1.3x width 128. Medians of --steps steps (rounds of 4,
+the cases interleaved), each after 3 warm-up steps.
 Not a test: its output goes to docs/bench/ with the date, device and the machine's load.
 """
 

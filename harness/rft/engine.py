@@ -98,7 +98,7 @@ class ContinuousEngine:
         _, self.heads, self.head_dim = attention_heads(c)  # the cache holds key/value heads
         self.vocab = c.vocab_size
         self.cache: Optional[SlotCache] = None  # kept between generate() calls: the compiled step reads it in place
-        self.ring: list = []  # host buffers (pinned on CUDA) and events the picked tokens are read through (`_readable`)
+        self.ring: list = []  # host buffers (pinned on CUDA) and events the tokens are read through (`_readable`)
         self.turn = 0
         self.last_ids: list[list[list[int]]] = []  # the last generate() call's sampled token ids (EOS kept), as results
 

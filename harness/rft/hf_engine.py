@@ -4,13 +4,14 @@ CUDA graphs on CUDA) behind the engine interface of `rft generate | test | bench
     harness rft bench configs/rft-tiny.yaml --engines continuous,transformers
 
 The requests (each prompt once, n samples as num_return_sequences; greedy: the prompt n times) go to the manager of
-`model.continuous_batching_context_manager`; results are read as they finish, and a prompt's `on_done` comes as soon
-as its n samples have ended, as with rft.engine=continuous. EOS and rft.max_new_tokens end a sequence in the
-manager; rft.stop_strings end a sequence during generation: with stop strings the requests stream their tokens, each
-new token is checked as it arrives (decode.StopStrings: only the tokens that can complete one have a tail decoded), and
-a request that completed one is cancelled in the manager (its answer cut at that token, as the other engines end
-there; the few tokens the manager computed before it read the cancellation are counted in `computed`, not kept). What differs from rft.engine=continuous: the random draws are the manager's (seeded
-with torch.manual_seed(seed), drawn on its own thread), so samples are not the same run to run on every device.
+`model.continuous_batching_context_manager`; results are read as they finish, and a prompt's `on_done` comes as soon as
+its n samples have ended, as with rft.engine=continuous. EOS and rft.max_new_tokens end a sequence in the manager;
+rft.stop_strings end a sequence during generation: with stop strings the requests stream their tokens, each new token is
+checked as it arrives (decode.StopStrings: only the tokens that can complete one have a tail decoded), and a request
+that completed one is cancelled in the manager (its answer cut at that token, as the other engines end there; the few
+tokens the manager computed before it read the cancellation are counted in `computed`, not kept). What differs from
+rft.engine=continuous: the random draws are the manager's (seeded with torch.manual_seed(seed), drawn on its own
+thread), so samples are not the same run to run on every device.
 """
 
 from __future__ import annotations
