@@ -109,7 +109,8 @@ EXTENDED = {
     *(f"test_weights::test_every_zero_stage_trains_the_plain_paths_model_in_bf16[{s}]" for s in ("zero1", "zero2")),
     *(f"test_chunked_objective::test_two_processes_chunked_equal_one_process_full_logits[{s}]" for s in
       ("ddp", "zero1", "zero2")),
-    "test_nonfinite::test_poisoned_step_is_skipped_exactly[zero2-fp32]",
+    "test_nonfinite::test_poisoned_step_is_skipped_exactly[zero3-bf16]",  # zero2-fp32's, whose reference the
+    # max_nonfinite_skips test shares (one launch less); a skip under ZeRO-3: test_gradient_accumulation_skips_...
     "test_train::test_an_epochs_last_partial_step_is_the_same_on_two_processes[generative]",  # the same stream
     "test_rl::test_two_processes_equal_one[zero2]",  # zero3's (gathered weights for the generation) runs
     "test_rl::test_two_processes_stopped_mid_batch_resume_on_one_as_uninterrupted[zero2]",  # ddp's runs by default
