@@ -83,6 +83,18 @@ def stage_run(tmp_path_factory):
     return run
 
 
+@pytest.fixture(scope="session")
+def bf16_run(tmp_path_factory) -> Path:
+    """The default recipe in bf16 (fp32 weights under autocast), one process, 8 steps of 8 rows: tests/test_fp8.py's
+    reference for float8, and (its first 6 steps: the learning rate warms up over 10 steps whatever
+    train.max_steps) tests/test_weights.py's plain path, run once per session."""
+    from harness_launch import BF16_STEPS, run_train
+
+    out = tmp_path_factory.mktemp("bf16")
+    run_train([f"train.output_dir={out}", *BF16_STEPS])
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- the extended tier
 
 # Variants left out of the default run (pyproject's addopts: -m "not extended") to keep CI under its time: each is
