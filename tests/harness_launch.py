@@ -28,6 +28,9 @@ MIX = ["data.train_files=[{path: data/sample/gen.jsonl, weight: 3}, {path: data/
 # the 2-process runs of the default recipe per stage (conftest.py's stage_run): 16 steps, an epoch boundary after 14;
 # the first 10 are the warm-up (optim.warmup_steps=10), whose learning rates do not depend on train.max_steps
 STAGE_STEPS = ["train.max_steps=16", "train.micro_batch_size=16", *FAST, *MIX]
+# conftest.py's bf16_run: the default recipe in bf16, 8 steps of micro-batch 8 (warm-up 10: every step's learning rate
+# is the same in a shorter run of these settings)
+BF16_STEPS = [*FAST, "train.max_steps=8", "train.micro_batch_size=8", "train.save_final=false", "train.precision=bf16"]
 STAGES = {"ddp": "multi_gpu", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3"}  # name -> accelerate config
 
 

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from harness.config import load_config
 from harness.errors import ConfigError
-from tests.harness_launch import DEFAULT, FAST, metrics, report, run_train
+from tests.harness_launch import BF16_STEPS, DEFAULT, FAST, metrics, report, run_train
 
 pytest.importorskip("torchao")
 EMULATE = {"HARNESS_FP8_EMULATE": "1"}
@@ -98,10 +98,12 @@ def test_a_launch_on_this_cpu_without_the_switch_is_one_line(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The default recipe for 8 steps in bf16, in emulated fp8, and in emulated fp8 under DeepSpeed ZeRO-3."""
+def runs(tmp_path_factory, bf16_run):
+    """The default recipe for 8 steps in bf16 (conftest.py's bf16_run: these settings, shared with
+    tests/test_weights.py), in emulated fp8, and in emulated fp8 under DeepSpeed ZeRO-3."""
+    assert BF16_STEPS == [*STEPS, "train.precision=bf16"]
     root = tmp_path_factory.mktemp("fp8")
-    run_train([*STEPS, f"train.output_dir={root / 'bf16'}", "train.precision=bf16"])
+    (root / "bf16").symlink_to(bf16_run)
     fp8 = run_train([*STEPS, f"train.output_dir={root / 'fp8'}", "train.precision=fp8"], extra_env=EMULATE)
     run_train([*STEPS, f"train.output_dir={root / 'fp8_zero3'}", "train.precision=fp8"], accel="zero3",
               extra_env=EMULATE)

@@ -35,7 +35,9 @@ def errors(proc) -> list[str]:
     return sorted({ln for ln in proc.stderr.splitlines() if ln.startswith("harness: error:")})
 
 
-# Two of the four stage x precision pairs (each is two 2-process launches): every stage and every precision once.
+# Two of the four stage x precision pairs (each is two 2-process launches): every stage and every precision once. The
+# default tier runs zero2-fp32, whose reference the max_nonfinite_skips test below shares; zero3-bf16 is in the
+# extended tier (ZeRO-3's skip: the gradient-accumulation test; bf16's stop: the advice test).
 @pytest.mark.parametrize("stage, precision", [("zero2", "fp32"), ("zero3", "bf16")])
 def test_poisoned_step_is_skipped_exactly(stage, precision, tmp_path, tmp_path_factory):
     """Step 3 poisoned on process 1 only, step 4 on process 0 only: both skipped on both processes, counted in a row;

@@ -15,12 +15,16 @@ from pathlib import Path
 import pytest
 
 from harness.checkpoint import store
-from harness_launch import FAST, ROOT, final_weights, free_port, max_abs_diff, metrics, rel_close, run_train
+from harness_launch import (FAST, ROOT, STAGE_STEPS, final_weights, free_port, max_abs_diff, metrics, rel_close,
+                            run_train)
 
 pytestmark = pytest.mark.slow
 
-STEPS = 30  # 2.4 epochs of the sample data at 2 x 16 rows; the signals below come at steps 4-10
-ARGS = [f"train.max_steps={STEPS}", "train.micro_batch_size=16", *FAST]
+# conftest.py's 2-process DDP run of tests/test_zero.py (16 steps of 2 x 16 rows): its uninterrupted run is the
+# reference of the SIGTERM test below, shared (one launch less); the signals below come at steps 4-10
+STEPS = 16
+ARGS = STAGE_STEPS
+assert f"train.max_steps={STEPS}" in ARGS
 
 
 def start(out: Path, extra: list[str]) -> subprocess.Popen:
@@ -49,10 +53,8 @@ def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float =
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("full")
-    run_train([f"train.output_dir={out}", *ARGS], nproc=2)
-    return out
+def uninterrupted(stage_run):
+    return stage_run("ddp")  # run_train([..., *ARGS], nproc=2): what start() launches, uninterrupted
 
 
 def test_sigterm_checkpoints_within_seconds_exits_0_and_resumes_exactly(uninterrupted, tmp_path):

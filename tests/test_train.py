@@ -138,17 +138,18 @@ def test_an_epochs_last_partial_step_is_the_same_on_two_processes(mode, tmp_path
 
 
 @pytest.mark.slow
-def test_entry_points_run_the_same_loop(tmp_path):
-    """python -m harness.train, the `harness train` console script and `accelerate launch harness/train.py`."""
+def test_entry_points_run_the_same_loop(one_process_16, tmp_path):
+    """python -m harness.train (one_process_16: run_train's plain command; its evaluation changes no weight and no
+    data order), the `harness train` console script and `accelerate launch harness/train.py`: the same first loss."""
     args = ["train.max_steps=1", *FAST, "train.save_final=false"]
-    run_train([f"train.output_dir={tmp_path / 'module'}", *args])
+    assert load_config(ROOT / "configs" / "default.yaml").train.micro_batch_size == 16  # one_process_16's
     run_train([f"train.output_dir={tmp_path / 'launch'}", *args], nproc=1, accel="cpu")
     script = Path(sys.executable).with_name("harness")
     proc = subprocess.run([str(script), "train", str(ROOT / "configs" / "default.yaml"),
                            f"train.output_dir={tmp_path / 'cli'}", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [metrics(tmp_path / d)[0]["loss"] for d in ("module", "launch", "cli")]
+    losses = [metrics(d)[0]["loss"] for d in (one_process_16, tmp_path / "launch", tmp_path / "cli")]
     assert max(losses) - min(losses) < 1e-9, losses
 
 

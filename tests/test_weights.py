@@ -19,11 +19,10 @@ from harness.config import load_config
 from harness.distributed.processes import route_weights
 from harness.distributed.zero import apply_weights
 from harness.errors import ConfigError
-from harness_launch import DEFAULT, FAST, metrics, report, run_train
+from harness_launch import BF16_STEPS, DEFAULT, FAST, metrics, report, run_train
 
 STEPS = ["train.max_steps=6", "train.micro_batch_size=8", "train.precision=bf16", "train.save_final=false", *FAST]
 RUNS = {  # name: (accelerate config or None for plain python, extra overrides)
-    "plain": (None, []),
     "zero1": ("zero1", []),
     "zero2": ("zero2", []),
     "zero3": ("zero3", []),
@@ -33,9 +32,12 @@ RUNS = {  # name: (accelerate config or None for plain python, extra overrides)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, bf16_run):
     root = tmp_path_factory.mktemp("weights")
-    done = {}
+    # "plain": the first 6 steps of conftest.py's bf16_run (these settings, 8 steps: the same learning rates up to
+    # step 6 under the 10 warm-up steps), shared with tests/test_fp8.py
+    assert set(BF16_STEPS) - {"train.max_steps=8"} == set(STEPS) - {"train.max_steps=6"}
+    done = {"plain": (report(bf16_run), [r["loss"] for r in metrics(bf16_run)][:6])}
 
     def get(name: str):
         if name not in done:
