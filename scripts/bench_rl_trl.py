@@ -13,7 +13,9 @@ for an answer the task's verifier accepts and 0 otherwise, 4 questions x 16 answ
 step, one micro-batch), 40 new tokens, temperature 1, loss `dapo`, beta 0, epsilon 0.2 / 0.28, lr 1e-4 with 2 warm-up
 steps, fp32 on the CPU, OMP_NUM_THREADS=1 (`--threads`), no checkpoints. Seconds per step = (whole wall time of a `--long`-step run - whole wall time
 of a `--short`-step run) / (long - short), each run its own process, so the start-up (imports, model load, our final
-evaluation) cancels. Sides alternate within a round (a load on the machine hits both); the faster round of each
+evaluation) cancels; beside it, `loop_s_per_step` from the long run alone: from the end of step `short` to the end
+of the last step (ours: metrics.jsonl's elapsed_s; TRL: a callback's clock at each step's end), which a load on the
+machine during the start-up does not move. Sides alternate within a round (a load on the machine hits both); the faster round of each
 side is reported. TRL runs with transformers' generate and, once (about 5 s a step here: one round;
 `--skip-paged` leaves it out), with its continuous-batching generation (`use_transformers_continuous_batching`, the
 new name of `use_transformers_paged`). Each side's mean reward over its long run is printed beside its time.
@@ -37,8 +39,9 @@ CONFIG = ROOT / "configs/grpo-tiny.yaml"
 QUESTIONS, GROUP, NEW_TOKENS, LR = 4, 16, 40, 1e-4
 
 
-def ours(model: str, steps: int, out: Path) -> list:
-    """harness train configs/grpo-tiny.yaml for `steps` steps; the per-step rewards of metrics.jsonl."""
+def ours(model: str, steps: int, out: Path) -> tuple[list, dict]:
+    """harness train configs/grpo-tiny.yaml for `steps` steps: (the per-step rewards of metrics.jsonl, the seconds
+    since the training started at each step's end: metrics' elapsed_s)."""
     cmd = [sys.executable, "-m", "harness.cli", "train", str(CONFIG), f"model.name_or_path={model}",
            f"train.output_dir={out}", f"train.max_steps={steps}", "train.eval_at_start=false", "train.log_every=1",
            "train.save_final=false", "train.save_final_checkpoint=false", "train.save_every_minutes=0",
@@ -47,13 +50,15 @@ def ours(model: str, steps: int, out: Path) -> list:
            f"rft.max_new_tokens={NEW_TOKENS}", "rft.temperature=1.0", f"optim.lr={LR}"]
     run(cmd)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r["reward"] for r in rows if "reward" in r]
+    rows = [r for r in rows if "reward" in r]
+    return [r["reward"] for r in rows], {r["step"]: r["elapsed_s"] for r in rows}
 
 
-def trl(model: str, steps: int, out: Path, paged: bool) -> list:
+def trl(model: str, steps: int, out: Path, paged: bool) -> tuple[list, dict]:
     cmd = [sys.executable, __file__, "--trl-worker", str(steps), "--model", model, "--worker-out", str(out)]
     run(cmd + (["--paged"] if paged else []))
-    return json.loads((out / "rewards.json").read_text())
+    got = json.loads((out / "rewards.json").read_text())
+    return got["rewards"], {int(k): v for k, v in got["elapsed"].items()}
 
 
 THREADS: dict = {}  # OMP_NUM_THREADS for both sides (--threads)
@@ -70,6 +75,7 @@ def run(cmd: list) -> None:
 def trl_worker(model: str, steps: int, out: Path, paged: bool) -> None:
     """TRL 1.16's GRPOTrainer on the task's train split (conversational prompts, the same chat template)."""
     from datasets import Dataset
+    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from harness.config import load_config
@@ -94,11 +100,20 @@ def trl_worker(model: str, steps: int, out: Path, paged: bool) -> None:
                       logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=0,
                       gradient_accumulation_steps=1, use_transformers_continuous_batching=paged,
                       disable_tqdm=True)
+    elapsed = {}
+
+    class Clock(TrainerCallback):  # the seconds since the training started at each step's end (as ours logs them)
+        def on_train_begin(self, *_, **__):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, _args, state, *__, **___):
+            elapsed[state.global_step] = time.perf_counter() - self.t0
+
     trainer = GRPOTrainer(model=policy.train(), reward_funcs=verifier, args=args, train_dataset=data,
-                          processing_class=tok)
+                          processing_class=tok, callbacks=[Clock()])
     trainer.train()
     rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
-    (out / "rewards.json").write_text(json.dumps(rewards))
+    (out / "rewards.json").write_text(json.dumps({"rewards": rewards, "elapsed": elapsed}))
 
 
 def main() -> None:
@@ -133,11 +148,13 @@ def main() -> None:
                     d = Path(tmp, f"{name}-{rnd}-{n}")
                     d.mkdir()
                     t0 = time.perf_counter()
-                    rewards = fn(n, d)
+                    rewards, elapsed = fn(n, d)
                     row[f"wall_s_{n}"] = round(time.perf_counter() - t0, 3)
                     if n == a.long:
                         row["mean_reward"] = round(sum(rewards) / max(1, len(rewards)), 4)
                         row["steps_logged"] = len(rewards)
+                        # within the long run, step `short`'s end to the last step's (no start-up, no evaluation)
+                        row["loop_s_per_step"] = round((elapsed[a.long] - elapsed[a.short]) / (a.long - a.short), 4)
                 row["s_per_step"] = round((row[f"wall_s_{a.long}"] - row[f"wall_s_{a.short}"]) / (a.long - a.short), 4)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -146,11 +163,13 @@ def main() -> None:
         if r["side"] not in best or r["s_per_step"] < best[r["side"]]["s_per_step"]:
             best[r["side"]] = r
     ref = best["harness"]["s_per_step"]
-    summary = {s: {"s_per_step": r["s_per_step"], "mean_reward": r["mean_reward"],
+    summary = {s: {"s_per_step": r["s_per_step"], "loop_s_per_step": r["loop_s_per_step"],
+                   "mean_reward": r["mean_reward"],
                    "x_slower_than_harness": round(r["s_per_step"] / ref, 2)} for s, r in best.items()}
-    print(f"{'side':<14} {'s/step':>8} {'x ours':>7} {'mean reward':>12}")
+    print(f"{'side':<14} {'s/step':>8} {'x ours':>7} {'in-loop s/step':>15} {'mean reward':>12}")
     for s, v in summary.items():
-        print(f"{s:<14} {v['s_per_step']:>8.3f} {v['x_slower_than_harness']:>7.2f} {v['mean_reward']:>12.3f}")
+        print(f"{s:<14} {v['s_per_step']:>8.3f} {v['x_slower_than_harness']:>7.2f} {v['loop_s_per_step']:>15.3f} "
+              f"{v['mean_reward']:>12.3f}")
     if a.json:
         import torch
         import transformers
