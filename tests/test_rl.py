@@ -409,6 +409,23 @@ def test_lora_rollouts_sample_the_adapted_model_and_score_the_reference_with_ada
                   0, lambda m: None)
     assert ro.reference is model  # no second copy
     batches, _ = ro.generate([torch.tensor([0, 1])], step=1)
+    # counted by storage: every live tensor shaped as a base weight (gc's view of the process) is one of the model's
+    # own; a frozen deep copy (the full-weight reference) would add one storage per base weight
+    import copy
+    import gc
+
+    base = {n: p for n, p in model.named_parameters() if "lora_" not in n}
+    shapes, own = {tuple(p.shape) for p in base.values()}, {p.untyped_storage().data_ptr() for p in base.values()}
+
+    def others() -> set:
+        gc.collect()
+        return {t.untyped_storage().data_ptr() for t in gc.get_objects() if isinstance(t, torch.Tensor)
+                and tuple(t.shape) in shapes and t.device.type == "cpu"} - own
+
+    assert not others(), f"{len(others())} tensor storages shaped as base weights beside the model's {len(own)}"
+    twin = copy.deepcopy(model)  # the count sees a copy: each base weight once more
+    assert len(others()) >= len(own)
+    del twin
 
     def greedy(m, prompt):
         ids = torch.tensor([prompt])
