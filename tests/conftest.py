@@ -126,6 +126,7 @@ EXTENDED = {
     "test_train::test_an_epochs_last_partial_step_is_the_same_on_two_processes[generative]",  # the same stream
     "test_rl::test_two_processes_equal_one[zero2]",  # zero3's (gathered weights for the generation) runs
     "test_rl::test_two_processes_stopped_mid_batch_resume_on_one_as_uninterrupted[zero2]",  # ddp's runs by default
+    "test_rl::test_lora_grpo_resumes_exactly_after_kill_9",  # 3 runs; the full-weight kill -9 test runs by default
     "test_rl_resume::test_another_task_is_refused[jsonl]",  # two runs; the JSONL fingerprint is checked in process
     "test_recipes::test_recipe_loads_and_dry_runs[configs/grpo-tiny.yaml]",  # every recipe loads
     *(f"test_metrics::test_disk_full_at_the_end_of_a_run_is_one_line_and_nothing_is_lost[{p}]" for p in

@@ -409,6 +409,23 @@ def test_lora_rollouts_sample_the_adapted_model_and_score_the_reference_with_ada
                   0, lambda m: None)
     assert ro.reference is model  # no second copy
     batches, _ = ro.generate([torch.tensor([0, 1])], step=1)
+    # counted by storage: every live tensor shaped as a base weight (gc's view of the process) is one of the model's
+    # own; a frozen deep copy (the full-weight reference) would add one storage per base weight
+    import copy
+    import gc
+
+    base = {n: p for n, p in model.named_parameters() if "lora_" not in n}
+    shapes, own = {tuple(p.shape) for p in base.values()}, {p.untyped_storage().data_ptr() for p in base.values()}
+
+    def others() -> set:
+        gc.collect()
+        return {t.untyped_storage().data_ptr() for t in gc.get_objects() if isinstance(t, torch.Tensor)
+                and tuple(t.shape) in shapes and t.device.type == "cpu"} - own
+
+    assert not others(), f"{len(others())} tensor storages shaped as base weights beside the model's {len(own)}"
+    twin = copy.deepcopy(model)  # the count sees a copy: each base weight once more
+    assert len(others()) >= len(own)
+    del twin
 
     def greedy(m, prompt):
         ids = torch.tensor([prompt])
@@ -552,14 +569,31 @@ def test_kill_9_mid_batch_then_the_same_command_equals_uninterrupted(one_process
     and step 4 equals the uninterrupted run's: the same answers and rewards, and the same loss within 1e-6
     relative (the same weights, optimizer state and rows, the old log-probs saved in fp32 as computed: the same
     arithmetic in the same order, so in practice bit-equal; 1e-6 allows a different summation order of a kernel)."""
+    out, _ = one_process
+    _kill_9_at_step_3_and_resume(out, tmp_path, [])
+
+
+def test_lora_grpo_resumes_exactly_after_kill_9(tmp_path):
+    """model.lora with rl.beta > 0 (the reference: the adapters disabled): an uninterrupted 4-step run, and one
+    killed -9 after step 3's checkpoint then run again, equal at step 4 as the full-weight run's test asks (the
+    adapters and their optimizer state restored, the engine serving the restored adapted model)."""
+    lora = ["model.lora.enabled=true", "model.lora.r=4", "rl.beta=0.1"]
+    ref = tmp_path / "uninterrupted"
+    run_train([*RUN, *lora, f"train.output_dir={ref}"], config=str(ROOT / "configs/grpo-tiny.yaml"), extra_env=ENV)
+    steps = [m for m in metrics(ref) if "reward" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4] and all(m["kl"] >= 0 for m in steps)
+    assert steps[3]["kl"] > 0  # the adapters moved off the reference
+    _kill_9_at_step_3_and_resume(ref, tmp_path / "killed", lora)
+
+
+def _kill_9_at_step_3_and_resume(out, tmp_path, extra: list) -> None:
     import os
     import signal
     import subprocess
     import sys
     import time
 
-    out, _ = one_process
-    args = [*RUN, "train.save_every_steps=1", f"train.output_dir={tmp_path}"]
+    args = [*RUN, *extra, "train.save_every_steps=1", f"train.output_dir={tmp_path}"]
     # the victim waits before step 4 (harness/faults.py): without it a fast machine finished step 4 and its checkpoint
     # before the kill landed (the 50 ms poll below), and the resume no longer started mid-batch
     env = {**os.environ, **ENV, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HARNESS_FAULT_PAUSE": "4"}
@@ -580,6 +614,8 @@ def test_kill_9_mid_batch_then_the_same_command_equals_uninterrupted(one_process
     assert got[4]["reward"] == ref[4]["reward"] and got[4]["completion_length"] == ref[4]["completion_length"]
     assert got[4]["loss"] == pytest.approx(ref[4]["loss"], rel=1e-6, abs=1e-9)
     assert got[4]["clip_fraction"] == ref[4]["clip_fraction"]
+    if "kl" in ref[4]:
+        assert got[4]["kl"] == pytest.approx(ref[4]["kl"], rel=1e-6, abs=1e-9)
 
 
 @pytest.mark.parametrize("stage", ["ddp", "zero2"])

@@ -91,6 +91,11 @@ def test_zero_plan_names_the_generation_cache():
     beta = plan(load_config("configs/grpo-tiny.yaml", [*TINY, "rl.questions_per_step=16", "rl.beta=0.04"]),
                 Hardware(2, 16))
     assert beta.rows[0].generation == 128 * slot + P * 4 and "a frozen reference copy" in beta.text
+    # ... but not with LoRA: the reference is the same model with its adapters disabled (rollout.py), no copy
+    lora = plan(load_config("configs/grpo-tiny.yaml", [*TINY, "rl.questions_per_step=16", "rl.beta=0.04",
+                                                       "model.lora.enabled=true"]), Hardware(2, 16))
+    assert lora.rows and all(r.generation == 128 * slot for r in lora.rows), [r.generation for r in lora.rows]
+    assert "adapters disabled (no copy)" in lora.text and "a frozen reference copy" not in lora.text
 
 
 # ----------------------------------------------------------------------------------------------- harness plan

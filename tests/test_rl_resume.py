@@ -66,6 +66,28 @@ def test_the_task_fingerprint_covers_what_makes_the_questions(tmp_path):
     assert datafiles.compare(before, after) == []
 
 
+def test_the_rl_prompts_files_are_fingerprinted(tmp_path):
+    """rl.prompts files are compared on resume as data.train_files are (checkpoint/datafiles.py; resume.py refuses a
+    change in one line unless train.resume_changed_data): a prompt file edited in place, one added, are changes."""
+    from harness.checkpoint import datafiles
+    from harness.config import load_config
+
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"prompt": "What is 1 + 1?", "answer": 2}\n')
+    b.write_text('{"prompt": "What is 2 + 2?", "answer": 4}\n')
+
+    def fp(files: list) -> dict:
+        c = load_config(CONFIG, [f"rl.prompts=[{','.join(str(f) for f in files)}]"])
+        return datafiles.fingerprints(c.data, "rl", c.rft, c.rl)
+
+    before = fp([a])
+    assert before["rl.prompts"] == [[str(a), before["rl.prompts"][0][1]]] and datafiles.compare(before, fp([a])) == []
+    assert datafiles.compare(before, fp([a, b])) == [f"rl.prompts: {b} is not among the files the checkpoint's run "
+                                                     f"trained on"]
+    a.write_text('{"prompt": "What is 3 + 3?", "answer": 6}\n' + a.read_text())
+    assert datafiles.compare(before, fp([a])) == [f"rl.prompts: {a} changed (42 -> 84 bytes)"]
+
+
 @pytest.mark.parametrize("change", ["rft.task_seed=1", "jsonl"])
 def test_another_task_is_refused(stopped, tmp_path, change):
     """Fault 2: resumed with another task (the arithmetic task's seed, a JSONL task edited in place), the run

@@ -5,7 +5,7 @@ continue at the old row count in the new data's order, silently. So a change is 
 unless train.resume_changed_data=true, which trains the new data from the start of a new epoch
 (docs/preemption-and-resume.md). Hub datasets have no local file and are not compared.
 
-    fingerprints(cfg.data, cfg.loss.mode) -> {"data.train_files": [[path, {size, ends}], ...], ...}
+    fingerprints(cfg.data, cfg.loss.mode, cfg.rft, cfg.rl) -> {"data.train_files": [[path, {size, ends}], ...], ...}
     compare(saved, now) -> what changed, one phrase per file (empty: the same data)
 """
 
@@ -22,25 +22,31 @@ from harness.files import fingerprint, fingerprint_change
 KEYS = {"embedding": ("emb_train_files",), "unified": ("train_files", "emb_train_files"), "rl": ()}
 
 
-def fingerprints(d, loss_mode: str, rft=None) -> dict:
+def fingerprints(d, loss_mode: str, rft=None, rl=None) -> dict:
     """Every local training data file of the streams of `loss_mode` (`d`: cfg.data) with its fingerprint, by config
     key (files of a folder and of a save_to_disk dataset, sorted; a hub id has none). A missing file is the data's own
-    one-line error. loss.mode=rl (`rft`: cfg.rft): its questions' source too, as `rft.task` (rft/tasks.py
-    task_fingerprint: a JSONL task's file, or the arithmetic task's settings)."""
+    one-line error. loss.mode=rl (`rft`: cfg.rft, `rl`: cfg.rl): its questions' source too, as `rft.task` (rft/tasks.py
+    task_fingerprint: a JSONL task's file, or the arithmetic task's settings), and the files of `rl.prompts`."""
     out = {}
     if loss_mode == "rl" and rft is not None:
         out["rft.task"] = [task_fingerprint(rft)]
+    if loss_mode == "rl" and rl is not None and rl.prompts:
+        out["rl.prompts"] = source_files(rl.prompts, "rl.prompts")
     for key in KEYS.get(loss_mode, ("train_files",)):
-        what = f"data.{key}"
-        files = []
-        for source in sources.parse_sources(getattr(d, key), what):
-            kind, where = sources.locate(source, what)
-            if kind == "files":
-                files += where
-            elif kind == "saved":
-                files += sorted(str(f) for f in Path(where).rglob("*") if f.is_file())
-        out[what] = [[f, fingerprint(f)] for f in files]
+        out[f"data.{key}"] = source_files(getattr(d, key), f"data.{key}")
     return out
+
+
+def source_files(entries, what: str) -> list:
+    """[[file, fingerprint], ...] of the local files of data sources `entries` (config key `what`)."""
+    files = []
+    for source in sources.parse_sources(entries, what):
+        kind, where = sources.locate(source, what)
+        if kind == "files":
+            files += where
+        elif kind == "saved":
+            files += sorted(str(f) for f in Path(where).rglob("*") if f.is_file())
+    return [[f, fingerprint(f)] for f in files]
 
 
 def compare(saved: dict, now: dict) -> list[str]:

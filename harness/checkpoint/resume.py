@@ -107,7 +107,7 @@ def choose(p: Plan, accelerator, out: Path, zero_stage: Optional[int], weights: 
         universal = needs_universal(before, accelerator.num_processes, zero_stage)
     if universal:
         load_universal(accelerator)
-    files = on_main(accelerator, lambda: datafiles.fingerprints(cfg.data, cfg.loss.mode, cfg.rft))  # (128 KiB a file)
+    files = on_main(accelerator, lambda: datafiles.fingerprints(cfg.data, cfg.loss.mode, cfg.rft, cfg.rl))  # (128 KiB a file)
     changes = datafiles.compare(saved["data_files"], files) if path is not None and saved and \
         saved.get("data_files") else []
     now = settings.current(cfg.model, cfg.data, cfg.loss.mode, {"rl": cfg.rl, "rft": cfg.rft})

@@ -98,8 +98,10 @@ class GenerationPlan:
     """zero-plan's loss.mode=rl part: the lines that explain the generation's memory, and the bytes it adds to each
     stage's row (`apply`)."""
 
-    def __init__(self, rl, rft, train, shape, prompts: dict, world: int) -> None:
+    def __init__(self, rl, rft, train, shape, prompts: dict, world: int, lora: bool = False) -> None:
+        """lora: model.lora.enabled (with rl.beta > 0 the reference is the model with its adapters disabled: no copy)."""
         self.rl, self.rft, self.train, self.shape, self.world = rl, rft, train, shape, world
+        self.copy = bool(rl.beta) and not lora  # a frozen reference copy of the weights
         self.prompt, self.prompts = max(prompts.values()), prompts
         self.head_dim = shape.head_dim or shape.hidden // shape.heads
 
@@ -113,7 +115,7 @@ class GenerationPlan:
         copy (rl.beta > 0), and what a generation holds instead of the activations (logits; ZeRO-3 the gathered
         weights beyond the partition)."""
         m = self.memory(w)
-        row.generation = m.kv + (self.shape.params * w if self.rl.beta else 0)
+        row.generation = m.kv + (self.shape.params * w if self.copy else 0)
         row.gen_peak = m.logits + (self.shape.params * w - row.weights if row.option.startswith("3") else 0)
 
     def lines(self, w: int) -> list[str]:
@@ -130,12 +132,14 @@ class GenerationPlan:
                    f"decode step is eager, kept when compiled); decode logits {m.logits / GIB:.2f} GiB; a rollout "
                    f"call answers the process's generation batch: {rl.questions_per_step // max(1, self.world)} "
                    f"questions x {rl.num_generations} sequences need rft.kv_cache_gb={m.rollout_gb:g}")
-        if rl.beta:
+        if rl.beta and not self.copy:
+            out.append(f"  rl.beta {rl.beta:g}: the reference is the model with its LoRA adapters disabled (no copy)")
+        elif rl.beta:
             out.append(f"  rl.beta {rl.beta:g}: a frozen reference copy of the model, {s.params:,} x {w} B = "
                        f"{s.params * w / GIB:.2f} GiB (ZeRO 0-2 only)")
         out.append(f"  under ZeRO-3 the generation gathers all {s.params:,} weights ({s.params * w / GIB:.2f} GiB) in "
                    f"place of the training working set; column gen = KV cache"
-                   + (" + reference" if rl.beta else "") + "; total = states + gen + overhead + the larger of "
+                   + (" + reference" if self.copy else "") + "; total = states + gen + overhead + the larger of "
                    "(extra + activations) and (decode logits + gathered weights)")
         out.append(f"training pass: {rl.questions_per_step} questions / ({self.world} processes x grad_accum "
                    f"{self.train.grad_accum}) x {rl.num_generations} answers = "

@@ -278,7 +278,7 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
     if cfg.loss.mode == "rl":  # the training pass is the answers' rows; the generation's cache sits beside it
         tokenizer = load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
         gen = rl_plan.GenerationPlan(cfg.rl, cfg.rft, cfg.train, shape, rl_plan.prompt_tokens(cfg.rft, tokenizer),
-                                     hw.world)
+                                     hw.world, lora_config(cfg.model).enabled)
         out += gen.lines(weight_bytes("3", weights)[0])
         cfg = rl_plan.training_view(cfg, hw.world, gen.memory(w).width)
     table, rows, choice = _table(cfg, shape, hw, w, usable, overhead_gb, weights, gen)
