@@ -197,6 +197,9 @@ class ContinuousEngine:
         nucleus = torch.tensor(float(top_p), device=dev) if top_p < 1.0 and not greedy else None
         warp = (self.top_k, torch.tensor(self.min_p, device=dev) if self.min_p > 0 else None)  # top-k, min-p
         eos = set(eos_ids(self.model, tok))  # as the static path, which passes the same list to generate()
+        # the tokens whose arrival can complete a stop string (None: any token): the check is inline, a set lookup
+        stopped, limit = self.stopped, self.max_new_tokens
+        enders = stopped.enders() if stopped.strings else frozenset()
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         cache = self._slot_cache(max(map(len, ids), default=0) + self.max_new_tokens)
         sizes = self._sizes(cache)
@@ -238,7 +241,7 @@ class ContinuousEngine:
                     if s is None or s.done:
                         continue
                     s.tokens.append(t)
-                    if t in eos or len(s.tokens) >= self.max_new_tokens or self.stopped(s.tokens):
+                    if t in eos or len(s.tokens) >= limit or ((enders is None or t in enders) and stopped(s.tokens)):
                         finish(s)
                         ended.append(s)
             if ended:
