@@ -405,12 +405,9 @@ def test_lora_rollouts_sample_the_adapted_model_and_score_the_reference_with_ada
             if "lora_B" in n:
                 p.normal_(0, 0.5)
     model.eval()
-    ro = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, Accelerator(cpu=True), model, tok, build_task(cfg.rft), 64,
-                  0, lambda m: None)
-    assert ro.reference is model  # no second copy
-    batches, _ = ro.generate([torch.tensor([0, 1])], step=1)
-    # counted by storage: every live tensor shaped as a base weight (gc's view of the process) is one of the model's
-    # own; a frozen deep copy (the full-weight reference) would add one storage per base weight
+    # counted by storage: no tensor shaped as a base weight is left alive by the rollouts (gc's view of the process,
+    # against a snapshot taken before them: tests run before this one in the same process may hold models of the
+    # same shapes); a frozen deep copy (the full-weight reference) would add one storage per base weight
     import copy
     import gc
 
@@ -422,9 +419,15 @@ def test_lora_rollouts_sample_the_adapted_model_and_score_the_reference_with_ada
         return {t.untyped_storage().data_ptr() for t in gc.get_objects() if isinstance(t, torch.Tensor)
                 and tuple(t.shape) in shapes and t.device.type == "cpu"} - own
 
-    assert not others(), f"{len(others())} tensor storages shaped as base weights beside the model's {len(own)}"
+    before = others()
+    ro = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, Accelerator(cpu=True), model, tok, build_task(cfg.rft), 64,
+                  0, lambda m: None)
+    assert ro.reference is model  # no second copy
+    batches, _ = ro.generate([torch.tensor([0, 1])], step=1)
+    added = others() - before
+    assert not added, f"{len(added)} tensor storages shaped as base weights beside the model's {len(own)}"
     twin = copy.deepcopy(model)  # the count sees a copy: each base weight once more
-    assert len(others()) >= len(own)
+    assert len(others() - before) >= len(own)
     del twin
 
     def greedy(m, prompt):
