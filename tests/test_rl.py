@@ -512,10 +512,11 @@ def test_an_rl_resume_on_another_process_count_keeps_the_questions_a_step(tmp_pa
 from harness_launch import ROOT, metrics, run_train  # noqa: E402
 
 # 4 steps of 4 questions x 4 answers, two steps on each generation batch (the second with old log-probs), a reward
-# that varies among a random model's answers; every process count and ZeRO stage runs the same questions
-RUN = [*TINY, "rl.reward=rl_rewards:digits", "train.max_steps=4", "rl.questions_per_step=4", "rl.num_generations=4",
-       "rl.iterations=2", "rft.max_new_tokens=8", "rft.num_test_questions=6", "train.eval_every=2",
-       "train.eval_at_start=false", "optim.lr=3e-3", "optim.warmup_steps=0", "train.progress_bar=false",
+# that varies among a random model's answers, the KL term to the reference (rl.beta > 0: a copy on 1 process, under
+# ZeRO-3 a second partitioned engine); every process count and ZeRO stage runs the same questions
+RUN = [*TINY, "rl.reward=rl_rewards:digits", "rl.beta=0.1", "train.max_steps=4", "rl.questions_per_step=4",
+       "rl.num_generations=4", "rl.iterations=2", "rft.max_new_tokens=8", "rft.num_test_questions=6",
+       "train.eval_every=2", "train.eval_at_start=false", "optim.lr=3e-3", "optim.warmup_steps=0", "train.progress_bar=false",
        "train.summary=false", "train.log_every=1"]
 ENV = {"PYTHONPATH": f"{ROOT / 'tests'}:{ROOT}"}
 
@@ -554,7 +555,8 @@ def test_run_logs_the_rl_figures(one_process):
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_two_processes_equal_one(one_process, tmp_path, stage):
     """2 processes (2 questions each) under ZeRO-2 / ZeRO-3 = 1 process: the same questions and answers (seeded by
-    step and question), so the same rewards, and losses within 1e-5 relative (fp32: the sums over the step's answers
+    step and question), so the same rewards, and losses and KL terms (rl.beta > 0: on 1 process the reference is a
+    deep copy, under ZeRO-3 a second DeepSpeed engine holding half the weights each) within 1e-5 relative (fp32: the sums over the step's answers
     and the gradient's reduction run in another order, ~1e-7; a sampled answer that changed would move the reward)."""
     out, _ = one_process
     run_train([*RUN, f"train.output_dir={tmp_path}"], nproc=2, accel=stage,
@@ -567,6 +569,8 @@ def test_two_processes_equal_one(one_process, tmp_path, stage):
         assert a["reward"] == pytest.approx(b["reward"], rel=1e-6)
         assert a["completion_length"] == b["completion_length"]
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * scale, (a["loss"], b["loss"])
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-5, abs=1e-9)  # the reference's log-probs: the same sums
+    assert ref[1]["kl"] > 0  # the policy moved off the reference (under ZeRO-3: a second, partitioned engine)
 
 
 def test_kill_9_mid_batch_then_the_same_command_equals_uninterrupted(one_process, tmp_path):

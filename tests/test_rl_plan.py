@@ -91,6 +91,8 @@ def test_zero_plan_names_the_generation_cache():
     beta = plan(load_config("configs/grpo-tiny.yaml", [*TINY, "rl.questions_per_step=16", "rl.beta=0.04"]),
                 Hardware(2, 16))
     assert beta.rows[0].generation == 128 * slot + P * 4 and "a frozen reference copy" in beta.text
+    three = {r.option: r for r in beta.rows}["3"]  # ZeRO-3: the copy partitioned as the weights (2 GPUs: P x 4 / 2)
+    assert three.generation == pytest.approx(128 * slot + P * 4 / 2) and three.weights == pytest.approx(P * 4 / 2)
     # ... but not with LoRA: the reference is the same model with its adapters disabled (rollout.py), no copy
     lora = plan(load_config("configs/grpo-tiny.yaml", [*TINY, "rl.questions_per_step=16", "rl.beta=0.04",
                                                        "model.lora.enabled=true"]), Hardware(2, 16))

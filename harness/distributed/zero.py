@@ -135,3 +135,32 @@ def gathered_for_generation(accelerator, model, zero_stage: int):
             if coordinator is not None and not coordinator.is_invalid_trace():
                 coordinator._invalidate_trace()
             offload._register_deepspeed_module(offload.module)
+
+
+def partitioned_copy(accelerator, model) -> torch.nn.Module:
+    """A frozen copy of a ZeRO-3 model as it is now, as a second DeepSpeed engine without an optimizer (TRL's
+    prepare_deepspeed): each process keeps 1/N of its weights, gathered layer by layer in its forward passes as the
+    trained model's are. Built from the trained engine's gathered weights (one full copy in this process's memory
+    while building, as a generation holds), in the run's DeepSpeed config less its optimizer, schedule and
+    optimizer offload."""
+    import copy
+
+    import deepspeed
+
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    params = dict(unwrapped.named_parameters(remove_duplicate=False))
+    with without_zero3_init():
+        twin = type(unwrapped)(unwrapped.config)
+    with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
+        missing, unexpected = twin.load_state_dict({n: p.detach() for n, p in params.items()}, strict=False)
+    named = dict(twin.named_parameters(remove_duplicate=False))
+    if unexpected or any(n in named for n in missing):  # (missing buffers are the twin's own, built as the model's)
+        raise RuntimeError(f"partitioned_copy: the copy's parameters differ from the model's (missing "
+                           f"{[n for n in missing if n in named][:3]}, unexpected {unexpected[:3]})")
+    config = copy.deepcopy(deepspeed_config(accelerator))
+    for key in ("optimizer", "scheduler"):
+        config.pop(key, None)
+    config["zero_optimization"].pop("offload_optimizer", None)
+    engine, *_ = deepspeed.initialize(model=twin.requires_grad_(False), config=config)
+    engine.eval()  # (DeepSpeedEngine.eval returns None)
+    return engine

@@ -9,7 +9,8 @@ fn(question, answer_text) -> float), and turns them into training rows with thei
 generation is seeded from rft.seed, the generation's step and the question, so that the same weights give the same
 answers again (one engine call per question, seeded by the step and the question: the same answers on any
 process count). With rl.iterations > 1 the old log-probs are computed once here (no gradient) and kept for the ratio
-of the later updates; with beta > 0 the reference (the model as it started, a frozen copy) scores every batch.
+of the later updates; with beta > 0 the reference (the model as it started: a frozen copy, partitioned under ZeRO-3; with LoRA the
+model with its adapters off) scores every batch.
 
     python -c "from harness.rl.rollout import Rollouts; help(Rollouts)"
 """
@@ -24,7 +25,7 @@ import torch
 
 from harness.data import IGNORE_INDEX
 from harness.distributed.collectives import agreed
-from harness.distributed.zero import gathered_for_generation
+from harness.distributed.zero import gathered_for_generation, partitioned_copy
 from harness.errors import ConfigError, HarnessError
 from harness.rft.engine import ContinuousEngine, compile_default, servable
 from harness.rft.tasks import Question, Task, check_context
@@ -146,10 +147,9 @@ class Rollouts:
         self.reference = None
         if self.rl.beta and self.peft:  # TRL's way with peft: the same model with its adapters disabled
             self.reference = unwrapped
+        elif self.rl.beta and zero_stage == 3:  # the model as it starts, partitioned as the trained one is
+            self.reference = partitioned_copy(accelerator, model)
         elif self.rl.beta:
-            if zero_stage == 3:
-                raise ConfigError("config key 'rl.beta': a reference model under ZeRO-3 is not supported yet; use "
-                                  "rl.beta=0 or ZeRO 0-2")
             self.reference = copy.deepcopy(unwrapped).eval().requires_grad_(False)  # the model as it starts
         self.current: list = []  # the generation batch's micro-batches (on the device)
         self.figures = StepSums()  # its rewards and lengths, logged with every step trained on it

@@ -12,7 +12,8 @@ fewer when rft.kv_cache_gb (the budget over KV + logits) holds fewer; with kv_ca
 90% of the GPU memory free at the generation, so the plan counts the full slot count and says what budget the
 rollouts need.
 Under ZeRO-3 the generation gathers the full weights (P x the weights' bytes on every GPU) instead of the training
-pass's working set; rl.beta > 0 keeps a frozen reference copy of the model (P x the weights' bytes, ZeRO 0-2).
+pass's working set; rl.beta > 0 keeps a frozen reference copy of the model (P x the weights' bytes; under ZeRO-3
+partitioned as the weights are: the row's weights again).
 The training pass's micro-batch is rl.questions_per_step / (processes x train.grad_accum) questions x
 rl.num_generations answers, rows of W positions, log-probs through the output head in chunks (always chunked).
 
@@ -115,7 +116,8 @@ class GenerationPlan:
         copy (rl.beta > 0), and what a generation holds instead of the activations (logits; ZeRO-3 the gathered
         weights beyond the partition)."""
         m = self.memory(w)
-        row.generation = m.kv + (self.shape.params * w if self.copy else 0)
+        reference = row.weights if row.option.startswith("3") else self.shape.params * w  # ZeRO-3: partitioned
+        row.generation = m.kv + (reference if self.copy else 0)
         row.gen_peak = m.logits + (self.shape.params * w - row.weights if row.option.startswith("3") else 0)
 
     def lines(self, w: int) -> list[str]:
@@ -136,7 +138,7 @@ class GenerationPlan:
             out.append(f"  rl.beta {rl.beta:g}: the reference is the model with its LoRA adapters disabled (no copy)")
         elif rl.beta:
             out.append(f"  rl.beta {rl.beta:g}: a frozen reference copy of the model, {s.params:,} x {w} B = "
-                       f"{s.params * w / GIB:.2f} GiB (ZeRO 0-2 only)")
+                       f"{s.params * w / GIB:.2f} GiB (ZeRO 0-2; under ZeRO-3 partitioned as the weights are)")
         out.append(f"  under ZeRO-3 the generation gathers all {s.params:,} weights ({s.params * w / GIB:.2f} GiB) in "
                    f"place of the training working set; column gen = KV cache"
                    + (" + reference" if self.copy else "") + "; total = states + gen + overhead + the larger of "
