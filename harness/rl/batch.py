@@ -14,7 +14,7 @@ import torch
 from harness.chunked_loss import ChunkedHeadLoss, head_params
 from harness import IGNORE_INDEX
 from harness.data.samples import model_inputs
-from harness.preference import SequenceLogps, token_logps
+from harness.preference import SequenceLogps, scored_positions, token_logps
 
 
 def rows(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> dict:
@@ -39,9 +39,9 @@ def completion_mask(batch: dict) -> torch.Tensor:
 class TemperedLogps(SequenceLogps):
     """SequenceLogps of the logits divided by the sampling temperature (TRL scores completions that way)."""
 
-    def __init__(self, model, labels, chunk_size: int, temperature: float) -> None:
+    def __init__(self, model, labels, chunk_size: int, temperature: float, scored=None) -> None:
         super().__init__(model, labels, chunk_size=chunk_size)
-        self.temperature = temperature
+        self.temperature, self.scored = temperature, scored
 
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         self.calls += 1
@@ -50,13 +50,17 @@ class TemperedLogps(SequenceLogps):
         weight, bias = head_params(self.head)
         t = self.temperature
         return token_logps(hidden, weight / t, self.labels, None if bias is None else bias / t, self.chunk_size,
-                           self.softcap)
+                           self.softcap, self.scored)
 
 
 def completion_logps(model, batch: dict, chunk_size: int, temperature: float = 1.0) -> torch.Tensor:
     """[rows, width - 1] fp32 log-probs of each next token (0 off the completions), in one forward pass; with
-    gradients when grad is enabled."""
-    with TemperedLogps(model, batch["labels"], chunk_size, temperature) as head:
+    gradients when grad is enabled. The output head runs on the completion positions only (`scored`: the batch's,
+    made with it on the host, or computed here)."""
+    scored = batch.get("scored")
+    if scored is None:
+        scored = scored_positions(batch["labels"])
+    with TemperedLogps(model, batch["labels"], chunk_size, temperature, scored) as head:
         out = model(**model_inputs(batch), use_cache=False)
     per_token, _ = ChunkedHeadLoss.result(head, out)  # the [rows, width] log-probs, checked as the model's output
     return per_token[:, :-1]

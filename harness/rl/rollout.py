@@ -30,7 +30,7 @@ from harness.errors import ConfigError, HarnessError
 from harness.rft.engine import ContinuousEngine, compile_default, servable
 from harness.rft.tasks import Question, Task, check_context
 from harness.rl import loss as rl_loss
-from harness.rl.batch import completion_logps, completion_mask, rows
+from harness.rl.batch import completion_logps, completion_mask, rows, scored_positions
 from harness.rl.prompts import Rewards, function_figures, function_sums, load_reward, rl_task, score  # noqa: F401 (load_reward, score: here before)
 from harness.state import StepSums
 
@@ -239,15 +239,15 @@ class Rollouts:
     def batch(self, items: list[dict]) -> dict:
         """A micro-batch of questions' answers (G rows each), with the log-probs the items carry."""
         G, dev = self.rl.num_generations, self.accelerator.device
-        batch = {k: v.to(dev) for k, v in rows([it["prompt"] for it in items for _ in range(G)],
-                                               [a for it in items for a in it["answers"]],
-                                               self.tok.pad_token_id).items()}
-        batch["advantages"] = torch.tensor([a for it in items for a in it["advantages"]], dtype=torch.float32,
-                                           device=dev)
+        batch = rows([it["prompt"] for it in items for _ in range(G)], [a for it in items for a in it["answers"]],
+                     self.tok.pad_token_id)
+        batch["advantages"] = torch.tensor([a for it in items for a in it["advantages"]], dtype=torch.float32)
         if self.rl.mask_truncated_completions:  # answers cut at rft.max_new_tokens: no loss (TRL's masking)
             cut = [len(a) >= self.r.max_new_tokens and a[-1] != self.tok.eos_token_id
                    for it in items for a in it["answers"]]
-            batch["labels"][torch.tensor(cut, device=dev)] = IGNORE_INDEX
+            batch["labels"][torch.tensor(cut)] = IGNORE_INDEX
+        batch["scored"] = scored_positions(batch["labels"])  # on the host: the head's positions, no device sync
+        batch = {k: v.to(dev) for k, v in batch.items()}
         on = completion_mask(batch).bool()
         for name in ("old_logps", "ref_logps"):
             if name in items[0]:
