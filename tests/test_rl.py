@@ -314,6 +314,19 @@ def test_rollouts_train_on_the_tokens_sampled():
         text = tok.decode([t for t in drawn if t != tok.eos_token_id], skip_special_tokens=True).strip()
         differs += tok(text, add_special_tokens=False)["input_ids"] != [t for t in drawn if t != tok.eos_token_id]
     assert differs  # (this model's answers are ones that re-tokenizing would have changed)
+    # the output head runs on the completion positions only (not the prompts' or the padding's): rows counted as
+    # they enter the head's chunks, against the batch's completion mask
+    import harness.preference as preference
+
+    seen, chunk = [], preference._chunk_logps
+    preference._chunk_logps = lambda h, *a: seen.append(h.shape[0]) or chunk(h, *a)
+    try:
+        batch = ro.batch(ro.items)
+        logps = completion_logps(model, batch, 64, 1.0)  # (at the sampling's 1e-6 the argmax's log-prob is 0)
+    finally:
+        preference._chunk_logps = chunk
+    on = completion_mask(batch).bool()
+    assert sum(seen) == int(on.sum()) < batch["input_ids"].numel() // 2 and (logps[on] < 0).all()
 
 
 def test_a_seeded_steps_answers_are_the_same_generated_together_or_one_by_one():
