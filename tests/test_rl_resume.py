@@ -45,6 +45,23 @@ def error_line(proc) -> str:
     return lines[-1]
 
 
+def test_every_sampling_setting_is_compared_on_resume():
+    """The settings a resumed rl run compares with its checkpoint's (checkpoint/settings.py: a change is said in one
+    line and recorded in resumed_changes, applied from the next generation batch) cover every sampling knob of the
+    engine: rft.top_k and rft.min_p were left out, so a resume that changed them sampled differently with no word."""
+    from harness.checkpoint import settings
+    from harness.config import load_config
+
+    def changed(extra: list) -> dict:
+        a, b = load_config(CONFIG, []), load_config(CONFIG, extra)
+        now = [settings.current(c.model, c.data, "rl", {"rl": c.rl, "rft": c.rft}) for c in (a, b)]
+        return settings.compare(*now)
+
+    assert changed([]) == {}
+    for key, value in (("rft.temperature", 0.7), ("rft.top_p", 0.9), ("rft.top_k", 5), ("rft.min_p", 0.1)):
+        assert set(changed([f"{key}={value}"])) == {key}, key
+
+
 def test_the_task_fingerprint_covers_what_makes_the_questions(tmp_path):
     """Fault 2 in process: the fingerprints compared on resume (checkpoint/datafiles.py) hold the rl task's."""
     from harness.checkpoint import datafiles
