@@ -306,8 +306,10 @@ class StopStrings:
         if not self.strings:
             return False
         enders = self.enders()
-        if enders is not None and tokens[-1] not in enders:
-            return False
+        return (enders is None or tokens[-1] in enders) and self.in_tail(tokens)
+
+    def in_tail(self, tokens: list[int]) -> bool:
+        """Whether the decoded tail of `tokens` holds a stop string (the engine calls it for an `enders` token)."""
         tail = self.tok.decode(tokens[-(self.longest + 2):], skip_special_tokens=True)
         return any(s in tail for s in self.strings)
 
