@@ -61,9 +61,7 @@ def token_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     recomputed in the backward pass (its logits are not kept). `scored`: the flat indices (into B x T) of the
     positions whose next label is not IGNORE_INDEX (`scored_positions`): only those go through the head (TRL's
     logits_to_keep, without the prompt and padding positions it keeps); None: every position."""
-    targets = torch.full_like(labels, IGNORE_INDEX)
-    targets[:, :-1] = labels[:, 1:]
-    flat, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    flat, targets = hidden.reshape(-1, hidden.shape[-1]), next_labels(labels).reshape(-1)
     if scored is not None:
         flat, targets = flat.index_select(0, scored), targets.index_select(0, scored)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
@@ -77,12 +75,17 @@ def token_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     return picked.new_zeros(labels.numel()).index_copy(0, scored, picked).view(labels.shape)
 
 
+def next_labels(labels: torch.Tensor) -> torch.Tensor:
+    """[B, T]: at position t the label t + 1 (IGNORE_INDEX at the last position), what position t is scored on."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    return targets
+
+
 def scored_positions(labels: torch.Tensor) -> torch.Tensor:
     """The flat indices (into labels' B x T) of the positions t whose label t + 1 is trained: token_logps' `scored`.
     Computed where the labels are built (on the host: no wait for the device)."""
-    nxt = torch.full_like(labels, IGNORE_INDEX)
-    nxt[:, :-1] = labels[:, 1:]
-    return (nxt.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+    return (next_labels(labels).reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
 
 
 class SequenceLogps(ChunkedHeadLoss):

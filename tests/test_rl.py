@@ -530,8 +530,8 @@ from harness_launch import ROOT, metrics, run_train  # noqa: E402
 # ZeRO-3 a second partitioned engine); every process count and ZeRO stage runs the same questions
 RUN = [*TINY, "rl.reward=rl_rewards:digits", "rl.beta=0.1", "train.max_steps=4", "rl.questions_per_step=4",
        "rl.num_generations=4", "rl.iterations=2", "rft.max_new_tokens=8", "rft.num_test_questions=6",
-       "train.eval_every=2", "train.eval_at_start=false", "optim.lr=3e-3", "optim.warmup_steps=0", "train.progress_bar=false",
-       "train.summary=false", "train.log_every=1"]
+       "train.eval_every=2", "train.eval_at_start=false", "optim.lr=3e-3", "optim.warmup_steps=0",
+       "train.progress_bar=false", "train.summary=false", "train.log_every=1"]
 ENV = {"PYTHONPATH": f"{ROOT / 'tests'}:{ROOT}"}
 
 
@@ -570,8 +570,9 @@ def test_run_logs_the_rl_figures(one_process):
 def test_two_processes_equal_one(one_process, tmp_path, stage):
     """2 processes (2 questions each) under ZeRO-2 / ZeRO-3 = 1 process: the same questions and answers (seeded by
     step and question), so the same rewards, and losses and KL terms (rl.beta > 0: on 1 process the reference is a
-    deep copy, under ZeRO-3 a second DeepSpeed engine holding half the weights each) within 1e-5 relative (fp32: the sums over the step's answers
-    and the gradient's reduction run in another order, ~1e-7; a sampled answer that changed would move the reward)."""
+    deep copy, under ZeRO-3 a second DeepSpeed engine holding half the weights each) within 1e-5 relative (fp32:
+    the sums over the step's answers and the gradient's reduction run in another order, ~1e-7; a sampled answer that
+    changed would move the reward)."""
     out, _ = one_process
     run_train([*RUN, f"train.output_dir={tmp_path}"], nproc=2, accel=stage,
               config=str(ROOT / "configs/grpo-tiny.yaml"), extra_env=ENV, timeout=900)

@@ -241,7 +241,8 @@ class ContinuousEngine:
                     if s is None or s.done:
                         continue
                     s.tokens.append(t)
-                    if t in eos or len(s.tokens) >= limit or ((enders is None or t in enders) and stopped.in_tail(s.tokens)):
+                    if t in eos or len(s.tokens) >= limit or \
+                            ((enders is None or t in enders) and stopped.in_tail(s.tokens)):
                         finish(s)
                         ended.append(s)
             if ended:

@@ -9,8 +9,8 @@ fn(question, answer_text) -> float), and turns them into training rows with thei
 generation is seeded from rft.seed, the generation's step and the question, so that the same weights give the same
 answers again (one engine call per question, seeded by the step and the question: the same answers on any
 process count). With rl.iterations > 1 the old log-probs are computed once here (no gradient) and kept for the ratio
-of the later updates; with beta > 0 the reference (the model as it started: a frozen copy, partitioned under ZeRO-3; with LoRA the
-model with its adapters off) scores every batch.
+of the later updates; with beta > 0 the reference (the model as it started: a frozen copy, partitioned under
+ZeRO-3; with LoRA the model with its adapters off) scores every batch.
 
     python -c "from harness.rl.rollout import Rollouts; help(Rollouts)"
 """

@@ -115,10 +115,10 @@ class GenerationPlan:
         """Adds to a zero_plan Row (weights of w bytes): the cache (kept through the training pass), the reference
         copy (rl.beta > 0), and what a generation holds instead of the activations (logits; ZeRO-3 the gathered
         weights beyond the partition)."""
-        m = self.memory(w)
-        reference = row.weights if row.option.startswith("3") else self.shape.params * w  # ZeRO-3: partitioned
+        m, full, zero3 = self.memory(w), self.shape.params * w, row.option.startswith("3")
+        reference = row.weights if zero3 else full  # ZeRO-3: the copy partitioned as the weights
         row.generation = m.kv + (reference if self.copy else 0)
-        row.gen_peak = m.logits + (self.shape.params * w - row.weights if row.option.startswith("3") else 0)
+        row.gen_peak = m.logits + (full - row.weights if zero3 else 0)
 
     def lines(self, w: int) -> list[str]:
         m, s, rl, rft = self.memory(w), self.shape, self.rl, self.rft
