@@ -372,6 +372,8 @@ class RlConfig:
     importance_sampling: Literal["token", "sequence"] = _f(
         "token", "The ratio per token (GRPO) or one per answer from its mean log-ratio (GSPO; TRL's "
                  "importance_sampling_level).")
+    padding_free: bool = _f(True, "Train on the answers packed into rows without padding (per-answer position ids: "
+                                  "transformers' packed-sequence mask); false: one right-padded answer a row.")
 
 
 @dataclass

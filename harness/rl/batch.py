@@ -13,7 +13,7 @@ import torch
 
 from harness.chunked_loss import ChunkedHeadLoss, head_params
 from harness import IGNORE_INDEX
-from harness.data.samples import model_inputs
+from harness.data.samples import model_inputs, pack_rows
 from harness.preference import SequenceLogps, scored_positions, token_logps
 
 
@@ -29,6 +29,37 @@ def rows(prompts: list[list[int]], completions: list[list[int]], pad_id: int) ->
         mask[i, :n] = 1
         labels[i, len(p):n] = torch.tensor(c, dtype=torch.long)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def padding_free(batch: dict, pad_id: int) -> dict:
+    """The rows of `batch` (`rows`, with its `scored`) packed without padding, for the forward pass only: answers
+    placed whole into rows no wider than the batch's (best-fit decreasing, data.packing's `pack_rows`), each with
+    position ids from 0 (transformers builds a block-diagonal causal mask from them when no attention mask is given:
+    no answer attends to another), a row's tail its own document of pad tokens. Returns `packed_input_ids`,
+    `packed_position_ids`, `packed_labels` and `packed_scored`: the packed flat index of each of `scored`'s positions,
+    in scored's order (completion_logps maps the log-probs back to the [rows, width] layout the loss reads)."""
+    mask = batch["attention_mask"]
+    n_rows, width = mask.shape
+    lengths = mask.sum(1).tolist()
+    groups = pack_rows(lengths, width)
+    cap = max(sum(lengths[i] for i in g) for g in groups)
+    to = torch.full((n_rows * width,), -1, dtype=torch.long)  # logical flat position -> packed flat position
+    positions = torch.arange(cap).repeat(len(groups), 1)
+    for r, group in enumerate(groups):
+        at = 0
+        for i in group:
+            n = lengths[i]
+            to[i * width:i * width + n] = torch.arange(r * cap + at, r * cap + at + n)
+            positions[r, at:at + n] = torch.arange(n)
+            at += n
+        positions[r, at:] = torch.arange(cap - at)
+    real = mask.reshape(-1).bool()
+    ids = torch.full((len(groups) * cap,), pad_id, dtype=torch.long)
+    labels = torch.full((len(groups) * cap,), IGNORE_INDEX, dtype=torch.long)
+    ids[to[real]] = batch["input_ids"].reshape(-1)[real]
+    labels[to[real]] = batch["labels"].reshape(-1)[real]
+    return {"packed_input_ids": ids.view(len(groups), cap), "packed_position_ids": positions,
+            "packed_labels": labels.view(len(groups), cap), "packed_scored": to[batch["scored"]]}
 
 
 def completion_mask(batch: dict) -> torch.Tensor:
@@ -60,6 +91,14 @@ def completion_logps(model, batch: dict, chunk_size: int, temperature: float = 1
     scored = batch.get("scored")
     if scored is None:
         scored = scored_positions(batch["labels"])
+    if "packed_input_ids" in batch:  # padding_free: the forward pass on the packed rows, mapped back
+        with TemperedLogps(model, batch["packed_labels"], chunk_size, temperature, batch["packed_scored"]) as head:
+            out = model(input_ids=batch["packed_input_ids"], position_ids=batch["packed_position_ids"],
+                        use_cache=False)
+        packed, _ = ChunkedHeadLoss.result(head, out)
+        picked = packed.reshape(-1).index_select(0, batch["packed_scored"])
+        labels = batch["labels"]
+        return picked.new_zeros(labels.numel()).index_copy(0, scored, picked).view(labels.shape)[:, :-1]
     with TemperedLogps(model, batch["labels"], chunk_size, temperature, scored) as head:
         out = model(**model_inputs(batch), use_cache=False)
     per_token, _ = ChunkedHeadLoss.result(head, out)  # the [rows, width] log-probs, checked as the model's output

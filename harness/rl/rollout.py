@@ -30,7 +30,7 @@ from harness.errors import ConfigError, HarnessError
 from harness.rft.engine import ContinuousEngine, compile_default, servable
 from harness.rft.tasks import Question, Task, check_context
 from harness.rl import loss as rl_loss
-from harness.rl.batch import completion_logps, completion_mask, rows, scored_positions
+from harness.rl.batch import completion_logps, completion_mask, padding_free, rows, scored_positions
 from harness.rl.prompts import Rewards, function_figures, function_sums, load_reward, rl_task, score  # noqa: F401 (load_reward, score: here before)
 from harness.state import StepSums
 
@@ -247,6 +247,8 @@ class Rollouts:
                    for it in items for a in it["answers"]]
             batch["labels"][torch.tensor(cut)] = IGNORE_INDEX
         batch["scored"] = scored_positions(batch["labels"])  # on the host: the head's positions, no device sync
+        if self.rl.padding_free:
+            batch.update(padding_free(batch, self.tok.pad_token_id))
         batch = {k: v.to(dev) for k, v in batch.items()}
         on = completion_mask(batch).bool()
         for name in ("old_logps", "ref_logps"):

@@ -34,5 +34,6 @@ def micro_step(objective, batch: dict, scale: torch.Tensor) -> StepSums:
                     rl_clipped=(clipped & on).sum(), rl_tokens=on.sum(), rl_kl_sum=(kl.detach() * mask).sum(),
                     rl_train_s=(time.perf_counter() - t0) if objective.accelerator.is_main_process else 0.0,
                     tokens=real_tokens(batch),
-                    positions=batch["input_ids"].numel(), samples=batch["input_ids"].shape[0],
+                    positions=batch.get("packed_input_ids", batch["input_ids"]).numel(),
+                    samples=batch["input_ids"].shape[0],
                     flops=objective.flops(batch, backward=True))
