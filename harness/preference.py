@@ -55,21 +55,28 @@ def _chunk_logps(h, weight, bias, targets, softcap):
 
 def token_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None,
                 chunk_size: int = 1024, softcap: float | None = None,
-                scored: torch.Tensor | None = None) -> torch.Tensor:
+                scored: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T] log p(labels[:, t + 1] | ..t) at position t (0 where the label is IGNORE_INDEX and at the last
     position), from the final hidden states, chunk_size positions at a time; with gradients each chunk is
     recomputed in the backward pass (its logits are not kept). `scored`: the flat indices (into B x T) of the
     positions whose next label is not IGNORE_INDEX (`scored_positions`): only those go through the head (TRL's
-    logits_to_keep, without the prompt and padding positions it keeps); None: every position."""
-    flat, targets = hidden.reshape(-1, hidden.shape[-1]), next_labels(labels).reshape(-1)
+    logits_to_keep, without the prompt and padding positions it keeps); None: every position. `targets` (with
+    `scored`, which may then repeat a position): the token each scored position is scored on, in place of the next
+    labels; the result is then [1, len(scored)], one log-prob per entry."""
+    given = targets
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    targets = next_labels(labels).reshape(-1) if given is None else given
     if scored is not None:
-        flat, targets = flat.index_select(0, scored), targets.index_select(0, scored)
+        flat = flat.index_select(0, scored)
+        targets = targets.index_select(0, scored) if given is None else targets
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     parts = []
     for start in range(0, flat.shape[0], chunk_size):
         args = (flat[start:start + chunk_size], weight, bias, targets[start:start + chunk_size], softcap)
         parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False) if grad else _chunk_logps(*args))
     picked = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
+    if given is not None:
+        return picked.view(1, -1)
     if scored is None:
         return picked.view(labels.shape)
     return picked.new_zeros(labels.numel()).index_copy(0, scored, picked).view(labels.shape)

@@ -24,7 +24,7 @@ import torch
 
 from harness.rl import loss as rl_loss
 from harness.preference import scored_positions
-from harness.rl.batch import completion_logps, completion_mask, padding_free, rows
+from harness.rl.batch import completion_logps, completion_mask, padding_free, rows, shared_prompts
 
 trl = pytest.importorskip("trl")
 
@@ -181,7 +181,9 @@ def test_left_padded_prompts_and_two_micro_batches_equal_trl(fixed, loss_type):
         idx = range(k * GROUP, (k + 1) * GROUP)
         batch = rows([plist[i] for i in idx], [comps[i] for i in idx], tok.pad_token_id)
         batch["scored"] = scored_positions(batch["labels"])
-        batch.update(padding_free(batch, tok.pad_token_id))  # the forward pass as a run's (rl.padding_free: true)
+        # the forward pass as a run's (rl.rows: shared_prompts): the question's prompt once, its 3 answers after it
+        batch.update(shared_prompts(batch, [len(plist[idx[0]])], GROUP, tok.pad_token_id))
+        assert batch["packed_input_ids"].shape[0] == 1
         mask = completion_mask(batch)
         start = len(plist[idx[0]]) - 1
 
@@ -208,11 +210,15 @@ def test_left_padded_prompts_and_two_micro_batches_equal_trl(fixed, loss_type):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_padding_free_rows_give_the_padded_rows_log_probs_and_gradients(fixed, family):
-    """rl.padding_free: the answers packed whole into rows no wider than the padded batch's, each with position ids
-    from 0 (transformers' block-diagonal mask: no answer attends to another), give every completion token the
+@pytest.mark.parametrize("mode", ["packed", "shared_prompts"])
+def test_rows_without_padding_give_the_padded_rows_log_probs_and_gradients(fixed, family, mode):
+    """rl.rows: packed (the answers packed whole into rows no wider than the padded batch's, each with position ids
+    from 0: transformers' block-diagonal mask, no answer attends to another) and shared_prompts (each prompt once,
+    its answers after it, each attending to the prompt and itself through a custom 4D mask, with its own row's
+    position ids; the prompt's last position predicts every answer's first token) give every completion token the
     log-prob and every parameter the gradient the right-padded rows give, within 1e-5 (fp32 attention over the same
-    real positions, another blocking of the kernel's sums), in fewer positions. Two families' masking paths."""
+    real positions, another blocking of the kernel's sums; the shared positions' gradients summed in another order),
+    in fewer positions. Two families' masking paths."""
     tok = fixed[0]
     if family == "llama":
         model = copy.deepcopy(fixed[1])
@@ -230,10 +236,16 @@ def test_padding_free_rows_give_the_padded_rows_log_probs_and_gradients(fixed, f
     comps = [torch.randint(10, len(tok), (n,), generator=g).tolist() for ls in lengths for n in ls]
     padded = rows(plist, comps, tok.pad_token_id)
     padded["scored"] = scored_positions(padded["labels"])
-    packed = {**padded, **padding_free(padded, tok.pad_token_id)}
-    width = padded["input_ids"].shape[1]
-    assert packed["packed_input_ids"].shape[1] <= width
-    assert packed["packed_input_ids"].numel() < padded["attention_mask"].sum() * 1.3 < padded["input_ids"].numel()
+    width, real = padded["input_ids"].shape[1], int(padded["attention_mask"].sum())
+    if mode == "packed":
+        packed = {**padded, **padding_free(padded, tok.pad_token_id)}
+        assert packed["packed_input_ids"].shape[1] <= width
+        assert packed["packed_input_ids"].numel() < real * 1.3 < padded["input_ids"].numel()
+    else:
+        packed = {**padded, **shared_prompts(padded, [len(p) for p in prompts], 4, tok.pad_token_id)}
+        assert packed["packed_input_ids"].shape[1] <= 2 * width
+        held = int((packed["packed_input_ids"] != tok.pad_token_id).sum())  # (the random tokens are >= 10)
+        assert held == real - 3 * sum(len(p) for p in prompts)  # each prompt once for its 4 answers, not 4 times
     got = []
     for batch in (padded, packed):
         model.zero_grad()

@@ -59,7 +59,7 @@ def test_every_sampling_setting_is_compared_on_resume():
 
     assert changed([]) == {}
     for key, value in (("rft.temperature", 0.7), ("rft.top_p", 0.9), ("rft.top_k", 5), ("rft.min_p", 0.1),
-                       ("rl.padding_free", "false")):
+                       ("rl.rows", "padded")):
         assert set(changed([f"{key}={value}"])) == {key}, key
 
 

@@ -372,8 +372,11 @@ class RlConfig:
     importance_sampling: Literal["token", "sequence"] = _f(
         "token", "The ratio per token (GRPO) or one per answer from its mean log-ratio (GSPO; TRL's "
                  "importance_sampling_level).")
-    padding_free: bool = _f(True, "Train on the answers packed into rows without padding (per-answer position ids: "
-                                  "transformers' packed-sequence mask); false: one right-padded answer a row.")
+    rows: Literal["shared_prompts", "packed", "padded"] = _f(
+        "shared_prompts", "The training pass's rows: shared_prompts: each prompt once for several of its answers, "
+                          "packed without padding (a custom 4D mask: sdpa attention; packed otherwise); packed: "
+                          "prompt + answer packed without padding (per-answer position ids); padded: one "
+                          "right-padded answer a row (docs/rl.md).")
 
 
 @dataclass

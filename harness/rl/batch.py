@@ -14,7 +14,7 @@ import torch
 from harness.chunked_loss import ChunkedHeadLoss, head_params
 from harness import IGNORE_INDEX
 from harness.data.samples import model_inputs, pack_rows
-from harness.preference import SequenceLogps, scored_positions, token_logps
+from harness.preference import SequenceLogps, next_labels, scored_positions, token_logps
 
 
 def rows(prompts: list[list[int]], completions: list[list[int]], pad_id: int) -> dict:
@@ -62,6 +62,67 @@ def padding_free(batch: dict, pad_id: int) -> dict:
             "packed_labels": labels.view(len(groups), cap), "packed_scored": to[batch["scored"]]}
 
 
+def shared_prompts(batch: dict, prompt_lens: list[int], group: int, pad_id: int) -> dict:
+    """The rows of `batch` (`rows`, with its `scored`; rows q x group .. (q + 1) x group - 1 answer question q, whose
+    prompt has prompt_lens[q] tokens) for a forward pass that runs each prompt once for several of its answers: a
+    unit is a prompt followed by answers of it, up to twice the batch's width in all (prompt + answers; a question's
+    answers that do not fit start another unit with the prompt again), units packed into rows (best-fit decreasing).
+    An answer's tokens have the position ids its own row would give them (prompt length on) and attend to its prompt
+    and to itself only (a [rows, 1, width, width] boolean mask, given to the model as a custom 4D mask: sdpa
+    attention). Its first token is predicted at the prompt's last position, which the answers of the unit share: each
+    position is scored on `packed_targets` (the labels it predicts, one entry per scored position, in `scored`'s
+    order: the shared position once per answer), the gradients through it summed, as the answers' own rows would."""
+    mask, ids = batch["attention_mask"], batch["input_ids"]
+    n_rows, width = mask.shape
+    lengths, cap = mask.sum(1).tolist(), 2 * width
+    units: list[tuple[int, list[int]]] = []  # (question, its answers' rows)
+    for q, p in enumerate(prompt_lens):
+        unit, size = [], p
+        for i in range(q * group, (q + 1) * group):
+            if unit and size + lengths[i] - p > cap:
+                units.append((q, unit))
+                unit, size = [], p
+            unit.append(i)
+            size += lengths[i] - p
+        units.append((q, unit))
+    sizes = [prompt_lens[q] + sum(lengths[i] - prompt_lens[q] for i in u) for q, u in units]
+    groups = pack_rows(sizes, cap)
+    n_packed = len(groups)
+    width_p = max(sum(sizes[k] for k in g) for g in groups)
+    flat = torch.full((n_packed * width_p,), pad_id, dtype=torch.long)
+    positions = torch.zeros((n_packed, width_p), dtype=torch.long)
+    unit_of = torch.full((n_packed, width_p), -1, dtype=torch.long)
+    answer_of = torch.full((n_packed, width_p), -1, dtype=torch.long)  # -1: a prompt's (or the tail's) token
+    to = torch.full((n_rows * width,), -1, dtype=torch.long)  # logical predicting position -> packed position
+    for r, group_ in enumerate(groups):
+        at = 0
+        for k in group_:
+            (q, unit), p, start = units[k], prompt_lens[units[k][0]], r * width_p
+            flat[start + at:start + at + p] = ids[unit[0], :p]
+            positions[r, at:at + p] = torch.arange(p)
+            unit_of[r, at:at + sizes[k]] = k
+            last_prompt = start + at + p - 1
+            at += p
+            for i in unit:
+                c = lengths[i] - p
+                flat[start + at:start + at + c] = ids[i, p:p + c]
+                positions[r, at:at + c] = torch.arange(p, p + c)
+                answer_of[r, at:at + c] = i
+                if c:
+                    to[i * width + p - 1] = last_prompt
+                    to[i * width + p:i * width + p + c - 1] = torch.arange(start + at, start + at + c - 1)
+                at += c
+        unit_of[r, at:] = len(units) + r  # the tail: pad tokens, a unit of their own
+        positions[r, at:] = torch.arange(width_p - at)
+    same_unit = unit_of[:, None, :] == unit_of[:, :, None]  # [rows, query, key]
+    seen = (answer_of[:, None, :] == -1) | (answer_of[:, None, :] == answer_of[:, :, None])
+    causal = torch.ones(width_p, width_p, dtype=torch.bool).tril()
+    scored = batch["scored"]
+    return {"packed_input_ids": flat.view(n_packed, width_p), "packed_position_ids": positions,
+            "packed_attention_mask": (same_unit & seen & causal)[:, None], "packed_scored": to[scored],
+            "packed_targets": next_labels(batch["labels"]).reshape(-1)[scored]}
+
+
 def completion_mask(batch: dict) -> torch.Tensor:
     """[rows, width - 1]: 1 where position t predicts a completion token."""
     return (batch["labels"][:, 1:] != IGNORE_INDEX).long()
@@ -70,9 +131,9 @@ def completion_mask(batch: dict) -> torch.Tensor:
 class TemperedLogps(SequenceLogps):
     """SequenceLogps of the logits divided by the sampling temperature (TRL scores completions that way)."""
 
-    def __init__(self, model, labels, chunk_size: int, temperature: float, scored=None) -> None:
+    def __init__(self, model, labels, chunk_size: int, temperature: float, scored=None, targets=None) -> None:
         super().__init__(model, labels, chunk_size=chunk_size)
-        self.temperature, self.scored = temperature, scored
+        self.temperature, self.scored, self.targets = temperature, scored, targets
 
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         self.calls += 1
@@ -81,7 +142,7 @@ class TemperedLogps(SequenceLogps):
         weight, bias = head_params(self.head)
         t = self.temperature
         return token_logps(hidden, weight / t, self.labels, None if bias is None else bias / t, self.chunk_size,
-                           self.softcap, self.scored)
+                           self.softcap, self.scored, self.targets)
 
 
 def completion_logps(model, batch: dict, chunk_size: int, temperature: float = 1.0) -> torch.Tensor:
@@ -91,6 +152,14 @@ def completion_logps(model, batch: dict, chunk_size: int, temperature: float = 1
     scored = batch.get("scored")
     if scored is None:
         scored = scored_positions(batch["labels"])
+    if "packed_attention_mask" in batch:  # shared_prompts: each prompt once for its unit's answers, mapped back
+        shape = batch["packed_input_ids"]  # (for the head's shape check only: the targets are given)
+        with TemperedLogps(model, shape, chunk_size, temperature, batch["packed_scored"], batch["packed_targets"]) as head:
+            out = model(input_ids=batch["packed_input_ids"], attention_mask=batch["packed_attention_mask"],
+                        position_ids=batch["packed_position_ids"], use_cache=False)
+        picked = ChunkedHeadLoss.result(head, out)[0].view(-1)
+        labels = batch["labels"]
+        return picked.new_zeros(labels.numel()).index_copy(0, scored, picked).view(labels.shape)[:, :-1]
     if "packed_input_ids" in batch:  # padding_free: the forward pass on the packed rows, mapped back
         with TemperedLogps(model, batch["packed_labels"], chunk_size, temperature, batch["packed_scored"]) as head:
             out = model(input_ids=batch["packed_input_ids"], position_ids=batch["packed_position_ids"],

@@ -30,7 +30,7 @@ from harness.errors import ConfigError, HarnessError
 from harness.rft.engine import ContinuousEngine, compile_default, servable
 from harness.rft.tasks import Question, Task, check_context
 from harness.rl import loss as rl_loss
-from harness.rl.batch import completion_logps, completion_mask, padding_free, rows, scored_positions
+from harness.rl.batch import completion_logps, completion_mask, padding_free, rows, scored_positions, shared_prompts
 from harness.rl.prompts import Rewards, function_figures, function_sums, load_reward, rl_task, score  # noqa: F401 (load_reward, score: here before)
 from harness.state import StepSums
 
@@ -144,6 +144,13 @@ class Rollouts:
                                        min(self.r.micro_batch_sequences, answers), self.r.kv_cache_gb,
                                        tuple(self.r.stop_strings), say, compile=compiled, top_k=self.r.top_k,
                                        min_p=self.r.min_p)
+        # the training pass's rows (rl.rows): a prompt shared by its answers needs a custom 4D mask, which only
+        # sdpa attention reads as given here (eager adds it, flash and flex take no dense mask)
+        self.rows = rl.rows
+        if rl.rows == "shared_prompts" and getattr(config, "_attn_implementation", None) != "sdpa":
+            self.rows = "packed"
+            say(f"[harness] rl: rl.rows=shared_prompts needs sdpa attention (this model runs "
+                f"{getattr(config, '_attn_implementation', None)}): the answers are packed, one prompt each")
         self.reference = None
         if self.rl.beta and self.peft:  # TRL's way with peft: the same model with its adapters disabled
             self.reference = unwrapped
@@ -247,7 +254,9 @@ class Rollouts:
                    for it in items for a in it["answers"]]
             batch["labels"][torch.tensor(cut)] = IGNORE_INDEX
         batch["scored"] = scored_positions(batch["labels"])  # on the host: the head's positions, no device sync
-        if self.rl.padding_free:
+        if self.rows == "shared_prompts":
+            batch.update(shared_prompts(batch, [len(it["prompt"]) for it in items], G, self.tok.pad_token_id))
+        elif self.rows == "packed":
             batch.update(padding_free(batch, self.tok.pad_token_id))
         batch = {k: v.to(dev) for k, v in batch.items()}
         on = completion_mask(batch).bool()
