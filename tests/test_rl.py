@@ -605,6 +605,7 @@ def test_run_logs_the_rl_figures(one_process):
         assert 0 < m["reward"] < 1 and m["reward_std"] > 0 and 0 <= m["flat_group_share"] < 1
         assert 0 < m["completion_length"] <= 8 and m["gen_s_per_step"] >= 0 and m["train_s_per_step"] > 0
         assert 0 <= m["clip_fraction"] <= 1 and torch.isfinite(torch.tensor(m["loss"]))
+        assert 0 <= m["padding_share"] < 1  # of the rows the pass runs (rl.rows=shared_prompts: a prompt once)
     # the second step on a generation batch reuses its answers (same rewards) with the old log-probs kept: after
     # one update at lr 3e-3 the ratios move off 1
     assert steps[0]["reward"] == steps[1]["reward"] and steps[2]["reward"] == steps[3]["reward"]

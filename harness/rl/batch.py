@@ -36,8 +36,9 @@ def padding_free(batch: dict, pad_id: int) -> dict:
     placed whole into rows no wider than the batch's (best-fit decreasing, data.packing's `pack_rows`), each with
     position ids from 0 (transformers builds a block-diagonal causal mask from them when no attention mask is given:
     no answer attends to another), a row's tail its own document of pad tokens. Returns `packed_input_ids`,
-    `packed_position_ids`, `packed_labels` and `packed_scored`: the packed flat index of each of `scored`'s positions,
-    in scored's order (completion_logps maps the log-probs back to the [rows, width] layout the loss reads)."""
+    `packed_position_ids`, `packed_labels`, `packed_scored` (the packed flat index of each of `scored`'s positions,
+    in scored's order: completion_logps maps the log-probs back to the [rows, width] layout the loss reads) and
+    `packed_tokens` (the real tokens the pass runs: the log line's tokens and padding_share)."""
     mask = batch["attention_mask"]
     n_rows, width = mask.shape
     lengths = mask.sum(1).tolist()
@@ -59,7 +60,8 @@ def padding_free(batch: dict, pad_id: int) -> dict:
     ids[to[real]] = batch["input_ids"].reshape(-1)[real]
     labels[to[real]] = batch["labels"].reshape(-1)[real]
     return {"packed_input_ids": ids.view(len(groups), cap), "packed_position_ids": positions,
-            "packed_labels": labels.view(len(groups), cap), "packed_scored": to[batch["scored"]]}
+            "packed_labels": labels.view(len(groups), cap), "packed_scored": to[batch["scored"]],
+            "packed_tokens": torch.tensor(sum(lengths))}
 
 
 def shared_prompts(batch: dict, prompt_lens: list[int], group: int, pad_id: int) -> dict:
@@ -71,7 +73,8 @@ def shared_prompts(batch: dict, prompt_lens: list[int], group: int, pad_id: int)
     and to itself only (a [rows, 1, width, width] boolean mask, given to the model as a custom 4D mask: sdpa
     attention). Its first token is predicted at the prompt's last position, which the answers of the unit share: each
     position is scored on `packed_targets` (the labels it predicts, one entry per scored position, in `scored`'s
-    order: the shared position once per answer), the gradients through it summed, as the answers' own rows would."""
+    order: the shared position once per answer), the gradients through it summed, as the answers' own rows would.
+    `packed_tokens`: the real tokens the pass runs (a prompt once a unit), the log line's tokens and padding_share."""
     mask, ids = batch["attention_mask"], batch["input_ids"]
     n_rows, width = mask.shape
     lengths, cap = mask.sum(1).tolist(), 2 * width
@@ -120,7 +123,8 @@ def shared_prompts(batch: dict, prompt_lens: list[int], group: int, pad_id: int)
     scored = batch["scored"]
     return {"packed_input_ids": flat.view(n_packed, width_p), "packed_position_ids": positions,
             "packed_attention_mask": (same_unit & seen & causal)[:, None], "packed_scored": to[scored],
-            "packed_targets": next_labels(batch["labels"]).reshape(-1)[scored]}
+            "packed_targets": next_labels(batch["labels"]).reshape(-1)[scored],
+            "packed_tokens": torch.tensor(sum(sizes))}
 
 
 def completion_mask(batch: dict) -> torch.Tensor:
@@ -154,7 +158,8 @@ def completion_logps(model, batch: dict, chunk_size: int, temperature: float = 1
         scored = scored_positions(batch["labels"])
     if "packed_attention_mask" in batch:  # shared_prompts: each prompt once for its unit's answers, mapped back
         shape = batch["packed_input_ids"]  # (for the head's shape check only: the targets are given)
-        with TemperedLogps(model, shape, chunk_size, temperature, batch["packed_scored"], batch["packed_targets"]) as head:
+        scored_at, targets = batch["packed_scored"], batch["packed_targets"]
+        with TemperedLogps(model, shape, chunk_size, temperature, scored_at, targets) as head:
             out = model(input_ids=batch["packed_input_ids"], attention_mask=batch["packed_attention_mask"],
                         position_ids=batch["packed_position_ids"], use_cache=False)
         picked = ChunkedHeadLoss.result(head, out)[0].view(-1)

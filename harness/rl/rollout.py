@@ -30,7 +30,8 @@ from harness.errors import ConfigError, HarnessError
 from harness.rft.engine import ContinuousEngine, compile_default, servable
 from harness.rft.tasks import Question, Task, check_context
 from harness.rl import loss as rl_loss
-from harness.rl.batch import completion_logps, completion_mask, padding_free, rows, scored_positions, shared_prompts
+from harness.rl.batch import (completion_logps, completion_mask, padding_free, rows, scored_positions,
+                              shared_prompts)
 from harness.rl.prompts import Rewards, function_figures, function_sums, load_reward, rl_task, score  # noqa: F401 (load_reward, score: here before)
 from harness.state import StepSums
 
