@@ -19,6 +19,8 @@ machine during the start-up does not move. Sides alternate within a round (a loa
 side is reported. TRL runs with transformers' generate and, once (about 5 s a step here: one round;
 `--skip-paged` leaves it out), with its continuous-batching generation (`use_transformers_continuous_batching`, the
 new name of `use_transformers_paged`). Each side's mean reward over its long run is printed beside its time.
+`--compiled` adds our side with `rft.compile=true` (the engine's decode step compiled: off by default on a CPU;
+its compile time is start-up, which the difference cancels and the run's first steps show).
 Not a test: the figures go to docs/rl.md with the date, the machine and its load.
 """
 
@@ -39,7 +41,7 @@ CONFIG = ROOT / "configs/grpo-tiny.yaml"
 QUESTIONS, GROUP, NEW_TOKENS, LR = 4, 16, 40, 1e-4
 
 
-def ours(model: str, steps: int, out: Path) -> tuple[list, dict]:
+def ours(model: str, steps: int, out: Path, extra: tuple = ()) -> tuple[list, dict]:
     """harness train configs/grpo-tiny.yaml for `steps` steps: (the per-step rewards of metrics.jsonl, the seconds
     since the training started at each step's end: metrics' elapsed_s)."""
     cmd = [sys.executable, "-m", "harness.cli", "train", str(CONFIG), f"model.name_or_path={model}",
@@ -47,7 +49,7 @@ def ours(model: str, steps: int, out: Path) -> tuple[list, dict]:
            "train.save_final=false", "train.save_final_checkpoint=false", "train.save_every_minutes=0",
            "train.save_every_steps=0", "train.progress_bar=false", "train.summary=false", "train.report_to=[]",
            f"rl.questions_per_step={QUESTIONS}", f"rl.num_generations={GROUP}", "rl.loss_type=dapo", "rl.beta=0",
-           f"rft.max_new_tokens={NEW_TOKENS}", "rft.temperature=1.0", f"optim.lr={LR}"]
+           f"rft.max_new_tokens={NEW_TOKENS}", "rft.temperature=1.0", f"optim.lr={LR}", *extra]
     run(cmd)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "reward" in r]
@@ -123,6 +125,8 @@ def main() -> None:
     p.add_argument("--short", type=int, default=5)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--skip-paged", action="store_true", help="leave out TRL with continuous batching (~5 s/step)")
+    p.add_argument("--compiled", action="store_true",
+                   help="also our side with rft.compile=true (the decode step compiled; off by default on a CPU)")
     p.add_argument("--threads", type=int, default=1,
                    help="OMP_NUM_THREADS of both sides (0: torch default, one a core); 1 as docs/rl.md measured")
     p.add_argument("--json", default=None, help="write the rows and the summary here")
@@ -137,6 +141,8 @@ def main() -> None:
     if a.threads:
         THREADS["OMP_NUM_THREADS"] = str(a.threads)
     sides = {"harness": lambda n, d: ours(a.model, n, d), "trl_generate": lambda n, d: trl(a.model, n, d, False)}
+    if a.compiled:
+        sides["harness_compiled"] = lambda n, d: ours(a.model, n, d, ("rft.compile=true",))
     paged = {"trl_paged": lambda n, d: trl(a.model, n, d, True)}
     rows, load_start = [], [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory() as tmp:
