@@ -63,19 +63,20 @@ def token_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     logits_to_keep, without the prompt and padding positions it keeps); None: every position. `targets` (with
     `scored`, which may then repeat a position): the token each scored position is scored on, in place of the next
     labels; the result is then [1, len(scored)], one log-prob per entry."""
-    given = targets
+    given = targets is not None
     flat = hidden.reshape(-1, hidden.shape[-1])
-    targets = next_labels(labels).reshape(-1) if given is None else given
+    if not given:
+        targets = next_labels(labels).reshape(-1)
     if scored is not None:
         flat = flat.index_select(0, scored)
-        targets = targets.index_select(0, scored) if given is None else targets
+        targets = targets if given else targets.index_select(0, scored)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     parts = []
     for start in range(0, flat.shape[0], chunk_size):
         args = (flat[start:start + chunk_size], weight, bias, targets[start:start + chunk_size], softcap)
         parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False) if grad else _chunk_logps(*args))
     picked = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
-    if given is not None:
+    if given:
         return picked.view(1, -1)
     if scored is None:
         return picked.view(labels.shape)

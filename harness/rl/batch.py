@@ -36,9 +36,10 @@ def padding_free(batch: dict, pad_id: int) -> dict:
     placed whole into rows no wider than the batch's (best-fit decreasing, data.packing's `pack_rows`), each with
     position ids from 0 (transformers builds a block-diagonal causal mask from them when no attention mask is given:
     no answer attends to another), a row's tail its own document of pad tokens. Returns `packed_input_ids`,
-    `packed_position_ids`, `packed_labels`, `packed_scored` (the packed flat index of each of `scored`'s positions,
-    in scored's order: completion_logps maps the log-probs back to the [rows, width] layout the loss reads) and
-    `packed_tokens` (the real tokens the pass runs: the log line's tokens and padding_share)."""
+    `packed_position_ids`, `packed_scored` (the packed flat index of each of `scored`'s positions, in scored's order:
+    completion_logps maps the log-probs back to the [rows, width] layout the loss reads), `packed_targets` (the token
+    each of them is scored on) and `packed_tokens` (the real tokens the pass runs: the log line's tokens and
+    padding_share)."""
     mask = batch["attention_mask"]
     n_rows, width = mask.shape
     lengths = mask.sum(1).tolist()
@@ -56,11 +57,10 @@ def padding_free(batch: dict, pad_id: int) -> dict:
         positions[r, at:] = torch.arange(cap - at)
     real = mask.reshape(-1).bool()
     ids = torch.full((len(groups) * cap,), pad_id, dtype=torch.long)
-    labels = torch.full((len(groups) * cap,), IGNORE_INDEX, dtype=torch.long)
     ids[to[real]] = batch["input_ids"].reshape(-1)[real]
-    labels[to[real]] = batch["labels"].reshape(-1)[real]
+    scored = batch["scored"]
     return {"packed_input_ids": ids.view(len(groups), cap), "packed_position_ids": positions,
-            "packed_labels": labels.view(len(groups), cap), "packed_scored": to[batch["scored"]],
+            "packed_scored": to[scored], "packed_targets": next_labels(batch["labels"]).reshape(-1)[scored],
             "packed_tokens": torch.tensor(sum(lengths))}
 
 
@@ -70,8 +70,9 @@ def shared_prompts(batch: dict, prompt_lens: list[int], group: int, pad_id: int)
     unit is a prompt followed by answers of it, up to twice the batch's width in all (prompt + answers; a question's
     answers that do not fit start another unit with the prompt again), units packed into rows (best-fit decreasing).
     An answer's tokens have the position ids its own row would give them (prompt length on) and attend to its prompt
-    and to itself only (a [rows, 1, width, width] boolean mask, given to the model as a custom 4D mask: sdpa
-    attention). Its first token is predicted at the prompt's last position, which the answers of the unit share: each
+    and to itself only: `packed_unit` and `packed_answer` ([rows, width] ids) from which `answer_mask` builds the
+    [rows, 1, width, width] boolean mask on the device (given to the model as a custom 4D mask: sdpa attention).
+    Its first token is predicted at the prompt's last position, which the answers of the unit share: each
     position is scored on `packed_targets` (the labels it predicts, one entry per scored position, in `scored`'s
     order: the shared position once per answer), the gradients through it summed, as the answers' own rows would.
     `packed_tokens`: the real tokens the pass runs (a prompt once a unit), the log line's tokens and padding_share."""
@@ -117,14 +118,21 @@ def shared_prompts(batch: dict, prompt_lens: list[int], group: int, pad_id: int)
                 at += c
         unit_of[r, at:] = len(units) + r  # the tail: pad tokens, a unit of their own
         positions[r, at:] = torch.arange(width_p - at)
-    same_unit = unit_of[:, None, :] == unit_of[:, :, None]  # [rows, query, key]
-    seen = (answer_of[:, None, :] == -1) | (answer_of[:, None, :] == answer_of[:, :, None])
-    causal = torch.ones(width_p, width_p, dtype=torch.bool).tril()
     scored = batch["scored"]
     return {"packed_input_ids": flat.view(n_packed, width_p), "packed_position_ids": positions,
-            "packed_attention_mask": (same_unit & seen & causal)[:, None], "packed_scored": to[scored],
+            "packed_unit": unit_of, "packed_answer": answer_of, "packed_scored": to[scored],
             "packed_targets": next_labels(batch["labels"]).reshape(-1)[scored],
             "packed_tokens": torch.tensor(sum(sizes))}
+
+
+def answer_mask(unit: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+    """[rows, 1, width, width] boolean attention mask of shared_prompts' rows, built where the ids are (on the
+    device: the [rows, width] ids travel, not the mask): a token attends, causally, to the tokens of its unit that
+    are a prompt's (answer -1) or of its own answer."""
+    same_unit = unit[:, None, :] == unit[:, :, None]  # [rows, query, key]
+    seen = (answer[:, None, :] == -1) | (answer[:, None, :] == answer[:, :, None])
+    causal = torch.ones(unit.shape[1], unit.shape[1], dtype=torch.bool, device=unit.device).tril()
+    return (same_unit & seen & causal)[:, None]
 
 
 def completion_mask(batch: dict) -> torch.Tensor:
@@ -156,21 +164,15 @@ def completion_logps(model, batch: dict, chunk_size: int, temperature: float = 1
     scored = batch.get("scored")
     if scored is None:
         scored = scored_positions(batch["labels"])
-    if "packed_attention_mask" in batch:  # shared_prompts: each prompt once for its unit's answers, mapped back
+    if "packed_input_ids" in batch:  # rl.rows packed or shared_prompts: the packed rows' pass, mapped back
+        inputs = {"input_ids": batch["packed_input_ids"], "position_ids": batch["packed_position_ids"]}
+        if "packed_unit" in batch:  # shared_prompts: each prompt once for its unit's answers
+            inputs["attention_mask"] = answer_mask(batch["packed_unit"], batch["packed_answer"])
         shape = batch["packed_input_ids"]  # (for the head's shape check only: the targets are given)
-        scored_at, targets = batch["packed_scored"], batch["packed_targets"]
-        with TemperedLogps(model, shape, chunk_size, temperature, scored_at, targets) as head:
-            out = model(input_ids=batch["packed_input_ids"], attention_mask=batch["packed_attention_mask"],
-                        position_ids=batch["packed_position_ids"], use_cache=False)
+        with TemperedLogps(model, shape, chunk_size, temperature, batch["packed_scored"],
+                           batch["packed_targets"]) as head:
+            out = model(**inputs, use_cache=False)
         picked = ChunkedHeadLoss.result(head, out)[0].view(-1)
-        labels = batch["labels"]
-        return picked.new_zeros(labels.numel()).index_copy(0, scored, picked).view(labels.shape)[:, :-1]
-    if "packed_input_ids" in batch:  # padding_free: the forward pass on the packed rows, mapped back
-        with TemperedLogps(model, batch["packed_labels"], chunk_size, temperature, batch["packed_scored"]) as head:
-            out = model(input_ids=batch["packed_input_ids"], position_ids=batch["packed_position_ids"],
-                        use_cache=False)
-        packed, _ = ChunkedHeadLoss.result(head, out)
-        picked = packed.reshape(-1).index_select(0, batch["packed_scored"])
         labels = batch["labels"]
         return picked.new_zeros(labels.numel()).index_copy(0, scored, picked).view(labels.shape)[:, :-1]
     with TemperedLogps(model, batch["labels"], chunk_size, temperature, scored) as head:

@@ -147,9 +147,9 @@ class Rollouts:
                                        min_p=self.r.min_p)
         # the training pass's rows (rl.rows): a prompt shared by its answers needs a custom 4D mask, which only
         # sdpa attention reads as given here (eager adds it, flash and flex take no dense mask)
-        self.rows = rl.rows
+        self.layout = rl.rows
         if rl.rows == "shared_prompts" and getattr(config, "_attn_implementation", None) != "sdpa":
-            self.rows = "packed"
+            self.layout = "packed"
             say(f"[harness] rl: rl.rows=shared_prompts needs sdpa attention (this model runs "
                 f"{getattr(config, '_attn_implementation', None)}): the answers are packed, one prompt each")
         self.reference = None
@@ -255,9 +255,9 @@ class Rollouts:
                    for it in items for a in it["answers"]]
             batch["labels"][torch.tensor(cut)] = IGNORE_INDEX
         batch["scored"] = scored_positions(batch["labels"])  # on the host: the head's positions, no device sync
-        if self.rows == "shared_prompts":
+        if self.layout == "shared_prompts":
             batch.update(shared_prompts(batch, [len(it["prompt"]) for it in items], G, self.tok.pad_token_id))
-        elif self.rows == "packed":
+        elif self.layout == "packed":
             batch.update(padding_free(batch, self.tok.pad_token_id))
         batch = {k: v.to(dev) for k, v in batch.items()}
         on = completion_mask(batch).bool()
