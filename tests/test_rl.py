@@ -415,6 +415,36 @@ def test_a_seeded_steps_answers_are_the_same_generated_together_or_one_by_one():
     assert [it["answers"] for it in ro.items] != together
 
 
+def test_rollouts_generate_under_the_trainings_autocast():
+    """train.precision bf16 (accelerate's autocast over fp32 weights): the rollouts' engine runs under the training's
+    autocast, so its KV cache is planned and held in bf16 as the keys come (it was planned outside the prepared
+    forward's autocast: an fp32 cache at twice the bytes, each step's keys cast up and back)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from harness import model as model_lib
+    from harness.config import load_config
+    from harness.rft.tasks import build_task
+    from harness.rl.rollout import Rollouts
+
+    cfg = load_config("configs/grpo-tiny.yaml", [*TINY, "rl.num_generations=2", "rft.max_new_tokens=4"])
+    torch.manual_seed(0)
+    tok = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
+    AcceleratorState._reset_state(reset_partial_state=True)  # (this process's other tests made fp32 ones)
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+        model = accelerator.prepare(model_lib.build_model(cfg.model, tok).float())
+        ro = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, accelerator, model, tok, build_task(cfg.rft), 64, 0,
+                      lambda m: None)
+        held, free = [], ro.free
+        ro.free = lambda: held.append(ro.engine.cache.kv.dtype) or free()
+        ro.generate([torch.tensor([0, 1])], step=1)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert held == [torch.bfloat16] and next(model.parameters()).dtype == torch.float32
+    assert not torch.is_autocast_enabled("cpu")  # left as it was found
+
+
 def test_mask_truncated_completions_leaves_cut_answers_out_of_the_loss():
     """rl.mask_truncated_completions: an answer that reached rft.max_new_tokens without EOS has no trained token (its
     labels ignored: out of the loss and of the step's token count, as TRL's completion_mask); the others keep all."""

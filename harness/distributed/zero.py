@@ -111,10 +111,28 @@ def without_zero3_init():
     finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = registered
 
+def training_autocast(accelerator, model):
+    """The autocast the training's forward runs under, for a caller of the unwrapped module: DeepSpeed's
+    torch_autocast (which its engine enters in its own forward, bypassed by a generation), else accelerate's mixed
+    precision (kept by a prepared model's forward, but entered only inside it: a generation engine that plans its
+    cache before the forward must see it too)."""
+    if hasattr(model, "torch_autocast_enabled"):  # a DeepSpeed engine
+        from deepspeed.runtime.torch_autocast import autocast_if_enabled
+
+        return autocast_if_enabled(model)
+    return accelerator.autocast()
+
+
 @contextlib.contextmanager
 def gathered_for_generation(accelerator, model, zero_stage: int):
-    """The plain module with all its weights: under ZeRO-3 the partitions gathered and DeepSpeed's forward hooks
-    off while generating (trl.models.utils.unwrap_model_for_generation does the same), else the unwrapped model."""
+    """The plain module with all its weights, under the training's autocast (`training_autocast`): under ZeRO-3 the
+    partitions gathered and DeepSpeed's forward hooks off while generating (trl.models.utils.
+    unwrap_model_for_generation does the same), else the unwrapped model."""
+    with training_autocast(accelerator, model):
+        yield from _gathered(accelerator, model, zero_stage)
+
+
+def _gathered(accelerator, model, zero_stage: int):
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     if zero_stage != 3:
         yield unwrapped
