@@ -111,6 +111,7 @@ def without_zero3_init():
     finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = registered
 
+
 def training_autocast(accelerator, model):
     """The autocast the training's forward runs under, for a caller of the unwrapped module: DeepSpeed's
     torch_autocast (which its engine enters in its own forward, bypassed by a generation), else accelerate's mixed
@@ -128,19 +129,15 @@ def gathered_for_generation(accelerator, model, zero_stage: int):
     """The plain module with all its weights, under the training's autocast (`training_autocast`): under ZeRO-3 the
     partitions gathered and DeepSpeed's forward hooks off while generating (trl.models.utils.
     unwrap_model_for_generation does the same), else the unwrapped model."""
-    with training_autocast(accelerator, model):
-        yield from _gathered(accelerator, model, zero_stage)
-
-
-def _gathered(accelerator, model, zero_stage: int):
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     if zero_stage != 3:
-        yield unwrapped
+        with training_autocast(accelerator, model):
+            yield unwrapped
         return
     import deepspeed
 
     offload = getattr(model.optimizer, "parameter_offload", model.optimizer)
-    with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
+    with training_autocast(accelerator, model), deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
         for p in unwrapped.parameters():
             p.ds_active_sub_modules.clear()
         for hook in offload.forward_hooks + offload.backward_hooks:
