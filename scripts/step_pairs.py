@@ -33,6 +33,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from harness.tools.bench import _child_env, describe_device, forced_overrides  # as `harness bench` starts a run
+
 ROOT = Path(__file__).resolve().parents[1]
 CONTENDERS = ("raw", "trainer", "harness")
 
@@ -52,8 +54,6 @@ def child(kind: str, config: str, warmup: int, steps: int, threads: int, marks_o
 
     torch.optim.lr_scheduler.LambdaLR.step = timed
     atexit.register(lambda: Path(marks_out).write_text(json.dumps(marks)))
-    from harness.tools.bench import forced_overrides
-
     extra = forced_overrides(warmup, steps, plain=True)
     if kind == "harness":
         out = tempfile.mkdtemp(prefix="step-pairs-")
@@ -73,12 +73,9 @@ def run(kind: str, a) -> list[float]:
     """Step k's seconds for k = W+1..W+N of one contender's run."""
     with tempfile.TemporaryDirectory() as tmp:
         marks_out = os.path.join(tmp, "marks.json")
-        env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads),
-               "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
-        env.pop("ACCELERATE_USE_CPU", None)
         cmd = [sys.executable, __file__, "--child", kind, "--config", a.config, "--warmup", str(a.warmup),
                "--steps", str(a.steps), "--threads", str(a.threads), "--marks-out", marks_out]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(a.threads), capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{kind} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         marks = json.loads(Path(marks_out).read_text())
@@ -127,13 +124,8 @@ def main() -> None:
               f"(rounds {s['paired_step_median_by_round']}), totals {s['total_median']:.3f} "
               f"(rounds {s['total_by_round']})")
     if a.json:
-        import platform
-
-        import torch
-
         Path(a.json).write_text(json.dumps({
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": describe_device(a.threads),
             "command": "python scripts/step_pairs.py " + " ".join(sys.argv[1:]),
             "settings": {"config": a.config, "warmup": a.warmup, "steps": a.steps, "threads": a.threads},
             "summary": summary,
