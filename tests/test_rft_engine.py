@@ -153,7 +153,7 @@ def test_a_sample_draws_the_same_tokens_alone_batched_or_at_another_slot_count(s
 
 
 def test_the_device_draws_are_uniform_and_a_pure_function_of_seed_and_position():
-    from harness.rft.decode import sample_seed, uniform
+    from harness.rft.decode import draws, sample_seed, uniform
 
     seeds = torch.tensor([sample_seed(7, i, 0) for i in range(20000)])
     u = uniform(seeds, torch.full((20000,), 33))
@@ -166,6 +166,11 @@ def test_the_device_draws_are_uniform_and_a_pure_function_of_seed_and_position()
     big = torch.tensor([2**32 - 1, 0])  # the extreme seeds and counters stay in 32-bit lanes (no int64 overflow)
     assert ((uniform(big, torch.tensor([2**31 - 1, 2**32 - 1])) - 0.5).abs() < 0.5).all()
     assert sample_seed(lambda i, j: 10 * i + j, 2, 3) == sample_seed(lambda i, j: 23, 0, 0) != sample_seed(7, 2, 3)
+    # a row's draws, computed once when its sample is admitted, are uniform() of its seed at each position
+    table = draws(seeds[:3], 40)
+    assert table.shape == (3, 40) and torch.equal(table[:, 33:34], u[:3])
+    assert all(torch.equal(table[r, c:c + 1], uniform(seeds[r:r + 1], torch.tensor([c]))[0]) for r in range(3)
+               for c in (0, 1, 39))
 
 
 def test_the_device_pick_applies_transformers_warpers_then_draws_from_them():

@@ -13,7 +13,8 @@ CUDA captured as CUDA graphs, one per bucket (mode="reduce-overhead"); compiled,
 as stored (`grouped_attention`, no repeat_kv). Picking the next token is part of the step:
 greedy (argmax) or sampled on the device, transformers' temperature and top-p warpers written as tensor operations
 followed by a draw by the inverse CDF (one uniform number a row, a hash of the row's sample seed and the position of
-the token drawn: `uniform`, so that a sample draws the same tokens whatever shares its batch).
+the token drawn: `uniform`, so that a sample draws the same tokens whatever shares its batch; every position's number
+is computed when the sample takes its row, `draws`, and the step gathers its own).
 """
 
 from __future__ import annotations
@@ -65,6 +66,15 @@ def uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     h = _mix(_mix(seeds & _M32) ^ _mix((counters + 0x9E3779B9) & _M32))
     low = _mix(h ^ 0x85EBCA6B) >> 16
     return ((h << 16) | low).to(torch.float64)[:, None] * 2.0**-48
+
+
+def draws(seeds: torch.Tensor, columns: int) -> torch.Tensor:
+    """[rows, columns] float64: `uniform(seed, c)` of each row's seed for every counter c in [0, columns), the same
+    values computed once (a sample's row of the slot cache holds them from its admission; a step gathers one a
+    row: one operation where the hash is ~90, which eagerly cost ~0.65 ms a step whatever the rows)."""
+    rows = seeds.shape[0]
+    counters = torch.arange(columns, device=seeds.device)
+    return uniform(seeds.repeat_interleave(columns), counters.repeat(rows)).view(rows, columns)
 
 
 def sample_seed(seed, i: int, j: int) -> int:
@@ -176,7 +186,8 @@ class SlotCache:
         self.v = [self.kv[layer, 1] for layer in range(layers)]
         self.cur = torch.zeros(slots, dtype=torch.long, device=device)
         self.pos = torch.zeros(slots, dtype=torch.long, device=device)
-        self.seed = torch.zeros(slots, dtype=torch.long, device=device)  # each row's sample's seed (`uniform`)
+        # each row's sample's uniform numbers (`draws`): column c is the draw of the token at position c
+        self.draws = torch.zeros((slots, width + 1), dtype=torch.float64, device=device)
         self.slots, self.width = slots, width
         self.attend = width  # columns a step attends over (eager: the used ones rounded up; compiled: a bucket)
         # the column each row's step writes (its position, clamped for padding rows): filled in place before each
@@ -196,13 +207,13 @@ class SlotCache:
         return 0
 
     def move(self, src: list[int], dst: list[int], columns: int) -> None:
-        """Rows src -> dst (keys and values of their first `columns` columns, next token, position, seed), one copy
-        each."""
+        """Rows src -> dst (keys and values of their first `columns` columns, next token, position, draws), one
+        copy each."""
         s, d = (on(self.kv.device, x) for x in (src, dst))
         self.kv[:, :, d, :, :columns] = self.kv[:, :, s, :, :columns]
         self.cur[d] = self.cur[s]
         self.pos[d] = self.pos[s]
-        self.seed[d] = self.seed[s]
+        self.draws[d] = self.draws[s]
 
 
 class PromptCache:
@@ -242,7 +253,7 @@ class Step:
                  min_p=None) -> torch.Tensor:
         """`sample`: draw (each row's uniform number from its seed and the position of the token drawn) under the
         warpers `pick` applies, else argmax."""
-        ids, positions, seeds = cache.cur[:n], cache.pos[:n], cache.seed[:n] if sample else None
+        ids, positions, seeds = cache.cur[:n], cache.pos[:n], cache.draws[:n] if sample else None
         torch.clamp(positions, max=cache.attend - 1, out=cache.at[:n])  # padding rows: a column of their free row
         with _Attention(self.model):
             return self._call(cache, n, ids, positions, seeds, temperature, top_p, top_k, min_p)
@@ -261,7 +272,7 @@ class Step:
 
     def _compiled(self, cache: SlotCache, n: int, ids, positions, seeds, *warpers) -> torch.Tensor:
         if self.cuda and not cache.static:  # the cache stays put: CUDA graphs read and write it in place
-            for t in (cache.kv, cache.at, *cache.k, *cache.v):  # (the layers' views are the graph's inputs)
+            for t in (cache.kv, cache.at, cache.draws, *cache.k, *cache.v):  # (the layers' views: graph inputs)
                 torch._dynamo.mark_static_address(t)
             cache.static = True
         if n > 1:
@@ -278,7 +289,8 @@ class Step:
         mask = (torch.arange(cache.attend, device=ids.device)[None] <= at[:, None])[:, None, None]
         out = self.model(input_ids=ids[:, None], position_ids=at[:, None], attention_mask=mask, use_cache=True,
                          **self.keep, **{self.cache_arg: cache})
-        noise = None if seeds is None else uniform(seeds, positions + 1)  # the token drawn sits at position + 1
+        # the token drawn sits at position + 1 (`seeds`: the rows' draws)
+        noise = None if seeds is None else seeds.gather(1, positions[:, None] + 1)
         return pick(out.logits[:, -1, :].to(dtype=torch.float32), noise, temperature, top_p, top_k, min_p)
 
 

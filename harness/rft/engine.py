@@ -34,8 +34,8 @@ import torch
 from harness.distributed.sequence import attention_heads
 from harness.errors import HarnessError
 from harness.rft.stats import Stats, eos_ids, logit_bytes
-from harness.rft.decode import (PromptCache, SlotCache, Step, StopStrings, bucket_for, buckets, on, pick, sample_seed,
-                                uniform, width_buckets)
+from harness.rft.decode import (PromptCache, SlotCache, Step, StopStrings, bucket_for, buckets, draws, on, pick,
+                                sample_seed, width_buckets)
 
 
 def servable(model) -> Optional[str]:
@@ -338,9 +338,10 @@ class ContinuousEngine:
         logits, d = torch.cat(firsts), torch.cat(at)
         seqs = [rows[r] for g in groups.values() for r in g[1]]  # in the order of d
         cache.pos[d] = on(self.device, [s.pos for s in seqs])
-        if not greedy:
-            cache.seed[d] = on(self.device, [sample_seed(seed, s.i, s.j) for s in seqs])
-        noise = None if greedy else uniform(cache.seed[d], cache.pos[d])  # the first token: at the prompt's length
+        noise = None
+        if not greedy:  # each sample's uniform numbers, from its seed (`draws`); the first token at the prompt's length
+            cache.draws[d] = draws(on(self.device, [sample_seed(seed, s.i, s.j) for s in seqs]), cache.draws.shape[1])
+            noise = cache.draws[d].gather(1, cache.pos[d][:, None])
         first = pick(logits, noise, temp, nucleus, *warp)
         cache.cur[d] = first
         self.stats.model_seconds += time.perf_counter() - m
