@@ -163,19 +163,26 @@ def partitioned_copy(accelerator, model) -> torch.nn.Module:
     import deepspeed
 
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    params = dict(unwrapped.named_parameters(remove_duplicate=False))
-    with without_zero3_init():
-        twin = type(unwrapped)(unwrapped.config)
     with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
-        missing, unexpected = twin.load_state_dict({n: p.detach() for n, p in params.items()}, strict=False)
-    named = dict(twin.named_parameters(remove_duplicate=False))
-    if unexpected or any(n in named for n in missing):  # (missing buffers are the twin's own, built as the model's)
-        raise RuntimeError(f"partitioned_copy: the copy's parameters differ from the model's (missing "
-                           f"{[n for n in missing if n in named][:3]}, unexpected {unexpected[:3]})")
+        twin = frozen_twin(unwrapped)
     config = copy.deepcopy(deepspeed_config(accelerator))
     for key in ("optimizer", "scheduler"):
         config.pop(key, None)
     config["zero_optimization"].pop("offload_optimizer", None)
-    engine, *_ = deepspeed.initialize(model=twin.requires_grad_(False), config=config)
+    engine, *_ = deepspeed.initialize(model=twin, config=config)
     engine.eval()  # (DeepSpeedEngine.eval returns None)
     return engine
+
+
+def frozen_twin(model) -> torch.nn.Module:
+    """A new model of `model`'s class and config holding its weights as they are now (gathered by the caller under
+    ZeRO-3), without gradients; built outside ZeRO-3's partitioned init."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    with without_zero3_init():
+        twin = type(model)(model.config)
+    missing, unexpected = twin.load_state_dict({n: p.detach() for n, p in params.items()}, strict=False)
+    named = dict(twin.named_parameters(remove_duplicate=False))
+    if unexpected or any(n in named for n in missing):  # (missing buffers are the twin's own, built as the model's)
+        raise RuntimeError(f"partitioned_copy: the copy's parameters differ from the model's (missing "
+                           f"{[n for n in missing if n in named][:3]}, unexpected {unexpected[:3]})")
+    return twin.requires_grad_(False)
