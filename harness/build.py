@@ -330,7 +330,8 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
                           flop_dims=flop_dims, sp=sp, rl=cfg.rl, rl_temperature=cfg.rft.temperature)
     if cfg.loss.mode == "rl":  # before a checkpoint is loaded: the reference (rl.beta > 0) is the starting model
         objective.rl = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, accelerator, model, tokenizer,
-                                rl_task(cfg.rl, cfg.rft, cfg.data.cache_dir), chunk_size, zero["zero_stage"], say)
+                                rl_task(cfg.rl, cfg.rft, cfg.data.cache_dir), chunk_size, zero["zero_stage"], say,
+                                convert=float8.convert_blocks if started.precision == "fp8" else None)
         accelerator.register_for_checkpointing(objective.rl)  # the half-used generation batch, with each checkpoint
         say(f"[harness] rl: {cfg.rl.algorithm}, {cfg.rl.questions_per_step} questions x {cfg.rl.num_generations} "
             f"answers per generation batch, {cfg.rl.iterations} step(s) on each, loss_type {cfg.rl.loss_type}, "

@@ -44,6 +44,27 @@ def test_the_blocks_linear_layers_are_converted_the_head_and_embeddings_are_not(
     assert set(model.state_dict()) == set(tiny().state_dict())  # checkpoints keep transformers' names
 
 
+def test_the_zero3_reference_copy_of_an_fp8_model_runs_its_blocks_in_float8_too():
+    """loss.mode=rl with rl.beta > 0 under ZeRO-3 scores the reference with `partitioned_copy`'s twin of the model:
+    of an fp8 run it is the model as it starts, float8 blocks included (the 1-process reference, a deep copy, has
+    them; build.py passes the conversion), so that the KL of the first step is 0 as there. It was built with plain
+    Linear layers: bf16 matmuls."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from harness.distributed.zero import frozen_twin
+    from harness.speed.float8 import convert_blocks
+
+    model = tiny()
+    convert_blocks(model, emulate=True)
+    twin = frozen_twin(model, convert=lambda m: convert_blocks(m, emulate=True))  # as build.py passes it
+    kinds = [type(m).__name__ for m in model.modules()]
+    assert [type(m).__name__ for m in twin.modules()] == kinds and kinds.count(Float8Linear.__name__) == 14
+    assert not any(p.requires_grad for p in twin.parameters())
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(twin(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
 def test_lora_on_fp8_trains_the_adapters_over_float8_base_layers():
     from peft import LoraConfig, get_peft_model
     from torchao.float8.float8_linear import Float8Linear

@@ -6,7 +6,7 @@ ZeRO-3's zero.Init. (The Accelerator and how DeepSpeed is chosen: harness/distri
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -152,19 +152,20 @@ def gathered_for_generation(accelerator, model, zero_stage: int):
             offload._register_deepspeed_module(offload.module)
 
 
-def partitioned_copy(accelerator, model) -> torch.nn.Module:
+def partitioned_copy(accelerator, model, convert: Optional[Callable] = None) -> torch.nn.Module:
     """A frozen copy of a ZeRO-3 model as it is now, as a second DeepSpeed engine without an optimizer (TRL's
     prepare_deepspeed): each process keeps 1/N of its weights, gathered layer by layer in its forward passes as the
     trained model's are. Built from the trained engine's gathered weights (one full copy in this process's memory
     while building, as a generation holds), in the run's DeepSpeed config less its optimizer, schedule and
-    optimizer offload."""
+    optimizer offload. `convert(twin)`: what the build did to the model after building it (train.precision=fp8:
+    its blocks' Linear layers to float8), done to the twin before it takes the weights."""
     import copy
 
     import deepspeed
 
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
-        twin = frozen_twin(unwrapped)
+        twin = frozen_twin(unwrapped, convert)
     config = copy.deepcopy(deepspeed_config(accelerator))
     for key in ("optimizer", "scheduler"):
         config.pop(key, None)
@@ -174,12 +175,15 @@ def partitioned_copy(accelerator, model) -> torch.nn.Module:
     return engine
 
 
-def frozen_twin(model) -> torch.nn.Module:
+def frozen_twin(model, convert: Optional[Callable] = None) -> torch.nn.Module:
     """A new model of `model`'s class and config holding its weights as they are now (gathered by the caller under
-    ZeRO-3), without gradients; built outside ZeRO-3's partitioned init."""
+    ZeRO-3), without gradients; built outside ZeRO-3's partitioned init, then `convert(twin)` (the build's fp8
+    conversion of a train.precision=fp8 model: its twin's blocks in float8 too, the same model), then loaded."""
     params = dict(model.named_parameters(remove_duplicate=False))
     with without_zero3_init():
         twin = type(model)(model.config)
+    if convert is not None:
+        convert(twin)
     missing, unexpected = twin.load_state_dict({n: p.detach() for n, p in params.items()}, strict=False)
     named = dict(twin.named_parameters(remove_duplicate=False))
     if unexpected or any(n in named for n in missing):  # (missing buffers are the twin's own, built as the model's)

@@ -109,8 +109,9 @@ class Rollouts:
     grad_accum training micro-batches; `evaluate()` the greedy accuracy on the task's test split."""
 
     def __init__(self, rl, rft, grad_accum: int, accelerator, model, tokenizer, task: Task, chunk_size: int,
-                 zero_stage: int, say) -> None:
-        """`rl`, `rft`: cfg.rl, cfg.rft; grad_accum: train.grad_accum."""
+                 zero_stage: int, say, convert=None) -> None:
+        """`rl`, `rft`: cfg.rl, cfg.rft; grad_accum: train.grad_accum; convert: what the build did to the model after
+        building it (train.precision=fp8's float8 blocks), done to ZeRO-3's reference copy too."""
         self.rl, self.r, self.accum = rl, rft, grad_accum
         self.accelerator, self.model, self.tok, self.task = accelerator, model, tokenizer, task
         self.chunk_size, self.zero_stage, self.say = chunk_size, zero_stage, say
@@ -156,7 +157,7 @@ class Rollouts:
         if self.rl.beta and self.peft:  # TRL's way with peft: the same model with its adapters disabled
             self.reference = unwrapped
         elif self.rl.beta and zero_stage == 3:  # the model as it starts, partitioned as the trained one is
-            self.reference = partitioned_copy(accelerator, model)
+            self.reference = partitioned_copy(accelerator, model, convert)
         elif self.rl.beta:
             self.reference = copy.deepcopy(unwrapped).eval().requires_grad_(False)  # the model as it starts
         self.current: list = []  # the generation batch's micro-batches (on the device)
