@@ -251,26 +251,26 @@ class Step:
 
     def __call__(self, cache: SlotCache, n: int, sample: bool, temperature, top_p, top_k: int = 0,
                  min_p=None) -> torch.Tensor:
-        """`sample`: draw (each row's uniform number from its seed and the position of the token drawn) under the
-        warpers `pick` applies, else argmax."""
-        ids, positions, seeds = cache.cur[:n], cache.pos[:n], cache.draws[:n] if sample else None
+        """`sample`: draw (each row's uniform number for the position of the token drawn, from its row of
+        `cache.draws`) under the warpers `pick` applies, else argmax."""
+        ids, positions, table = cache.cur[:n], cache.pos[:n], cache.draws[:n] if sample else None
         torch.clamp(positions, max=cache.attend - 1, out=cache.at[:n])  # padding rows: a column of their free row
         with _Attention(self.model):
-            return self._call(cache, n, ids, positions, seeds, temperature, top_p, top_k, min_p)
+            return self._call(cache, n, ids, positions, table, temperature, top_p, top_k, min_p)
 
-    def _call(self, cache: SlotCache, n: int, ids, positions, seeds, *warpers) -> torch.Tensor:
+    def _call(self, cache: SlotCache, n: int, ids, positions, table, *warpers) -> torch.Tensor:
         if self.compiled:
             try:
-                return self._compiled(cache, n, ids, positions, seeds, *warpers)
+                return self._compiled(cache, n, ids, positions, table, *warpers)
             except torch.cuda.OutOfMemoryError:
                 raise
             except Exception as e:  # the step's writes are at fixed positions: running it again is the same step
                 self.say(f"[rft] rft.compile: the decode step did not compile ({type(e).__name__}: "
                          f"{(str(e).strip().splitlines() or [''])[0][:200]}); it runs eagerly")
                 self.compiled, self.fn = False, self._run
-        return self.fn(ids, positions, cache, seeds, *warpers)
+        return self.fn(ids, positions, cache, table, *warpers)
 
-    def _compiled(self, cache: SlotCache, n: int, ids, positions, seeds, *warpers) -> torch.Tensor:
+    def _compiled(self, cache: SlotCache, n: int, ids, positions, table, *warpers) -> torch.Tensor:
         if self.cuda and not cache.static:  # the cache stays put: CUDA graphs read and write it in place
             for t in (cache.kv, cache.at, cache.draws, *cache.k, *cache.v):  # (the layers' views: graph inputs)
                 torch._dynamo.mark_static_address(t)
@@ -278,19 +278,18 @@ class Step:
         if n > 1:
             torch._dynamo.maybe_mark_dynamic(ids, 0)
             torch._dynamo.maybe_mark_dynamic(positions, 0)
-            if seeds is not None:
-                torch._dynamo.maybe_mark_dynamic(seeds, 0)
+            if table is not None:
+                torch._dynamo.maybe_mark_dynamic(table, 0)
         if self.cuda:
             torch.compiler.cudagraph_mark_step_begin()
-        return self.fn(ids, positions, cache, seeds, *warpers)
+        return self.fn(ids, positions, cache, table, *warpers)
 
-    def _run(self, ids, positions, cache: SlotCache, seeds, temperature, top_p, top_k: int = 0, min_p=None):
+    def _run(self, ids, positions, cache: SlotCache, table, temperature, top_p, top_k: int = 0, min_p=None):
         at = cache.at[:ids.shape[0]]  # (filled by __call__)
         mask = (torch.arange(cache.attend, device=ids.device)[None] <= at[:, None])[:, None, None]
         out = self.model(input_ids=ids[:, None], position_ids=at[:, None], attention_mask=mask, use_cache=True,
                          **self.keep, **{self.cache_arg: cache})
-        # the token drawn sits at position + 1 (`seeds`: the rows' draws)
-        noise = None if seeds is None else seeds.gather(1, positions[:, None] + 1)
+        noise = None if table is None else table.gather(1, positions[:, None] + 1)  # the token drawn: position + 1
         return pick(out.logits[:, -1, :].to(dtype=torch.float32), noise, temperature, top_p, top_k, min_p)
 
 

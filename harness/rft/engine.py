@@ -340,8 +340,9 @@ class ContinuousEngine:
         cache.pos[d] = on(self.device, [s.pos for s in seqs])
         noise = None
         if not greedy:  # each sample's uniform numbers, from its seed (`draws`); the first token at the prompt's length
-            cache.draws[d] = draws(on(self.device, [sample_seed(seed, s.i, s.j) for s in seqs]), cache.draws.shape[1])
-            noise = cache.draws[d].gather(1, cache.pos[d][:, None])
+            table = draws(on(self.device, [sample_seed(seed, s.i, s.j) for s in seqs]), cache.draws.shape[1])
+            cache.draws[d] = table
+            noise = table.gather(1, cache.pos[d][:, None])
         first = pick(logits, noise, temp, nucleus, *warp)
         cache.cur[d] = first
         self.stats.model_seconds += time.perf_counter() - m
