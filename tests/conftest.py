@@ -127,6 +127,8 @@ EXTENDED = {
     "test_rl::test_two_processes_equal_one[zero2]",  # zero3's (gathered weights for the generation) runs
     "test_rl::test_two_processes_stopped_mid_batch_resume_on_one_as_uninterrupted[zero2]",  # ddp's runs by default
     "test_rl::test_lora_grpo_resumes_exactly_after_kill_9",  # 3 runs; the full-weight kill -9 test runs by default
+    # a minute (inductor's cold compile); CUDA's default train.compile for RL, whose eager twin runs by default
+    "test_rl::test_regional_compile_trains_the_blocks_compiled_and_generates_from_the_eager_ones",
     "test_rl_resume::test_another_task_is_refused[jsonl]",  # two runs; the JSONL fingerprint is checked in process
     "test_recipes::test_recipe_loads_and_dry_runs[configs/grpo-tiny.yaml]",  # every recipe loads
     *(f"test_metrics::test_disk_full_at_the_end_of_a_run_is_one_line_and_nothing_is_lost[{p}]" for p in

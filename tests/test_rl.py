@@ -608,7 +608,7 @@ def test_an_rl_resume_on_another_process_count_keeps_the_questions_a_step(tmp_pa
 
 # ----------------------------------------------------------------------------------------------- runs
 
-from harness_launch import ROOT, metrics, run_train  # noqa: E402
+from harness_launch import ROOT, metrics, report, run_train  # noqa: E402
 
 # 4 steps of 4 questions x 4 answers, two steps on each generation batch (the second with old log-probs), a reward
 # that varies among a random model's answers, the KL term to the reference (rl.beta > 0: a copy on 1 process, under
@@ -672,6 +672,27 @@ def test_two_processes_equal_one(one_process, tmp_path, stage):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * scale, (a["loss"], b["loss"])
         assert a["kl"] == pytest.approx(b["kl"], rel=1e-5, abs=1e-9)  # the reference's log-probs: the same sums
     assert ref[1]["kl"] > 0  # the policy moved off the reference (under ZeRO-3: a second, partitioned engine)
+
+
+def test_regional_compile_trains_the_blocks_compiled_and_generates_from_the_eager_ones(one_process, tmp_path):
+    """train.compile=regional (the CUDA default) with loss.mode=rl: the training pass runs the compiled decoder
+    blocks, the engine the eager ones (the model unwrapped without its compiled copies: decode shapes never reach the
+    compiled blocks), with no recompile after step 1. Steps 1 and 2 (one generation batch, the weights of step 0 for
+    its answers) equal the eager run's: the same answers and rewards, the loss within 1e-4 relative (bit-equal when
+    measured on this CPU; inductor's fused kernels may sum in another order elsewhere, ~1e-6 in fp32; later batches
+    may sample other answers from weights updated by those kernels)."""
+    out, _ = one_process
+    run_train([*RUN, f"train.output_dir={tmp_path}", "train.compile=regional"],
+              config=str(ROOT / "configs/grpo-tiny.yaml"), extra_env=ENV, timeout=900)
+    compiled = report(tmp_path)["compile"]
+    assert compiled["mode"] == "regional" and compiled["ran_compiled"], compiled
+    assert compiled["recompiles_after_first_step"] == 0 and compiled["block_calls_eager"] > 0, compiled
+    ref = [m for m in metrics(out) if "reward" in m][:2]
+    got = [m for m in metrics(tmp_path) if "reward" in m][:2]
+    scale = max(abs(m["loss"]) for m in ref)
+    for a, b in zip(got, ref):
+        assert (a["reward"], a["completion_length"]) == (b["reward"], b["completion_length"])
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * scale, (a["loss"], b["loss"])
 
 
 def test_kill_9_mid_batch_then_the_same_command_equals_uninterrupted(one_process, tmp_path):
