@@ -11,6 +11,13 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 if sys.prefix != sys.base_prefix:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
+# Under pytest-xdist (pyproject's addopts: 2 workers) each worker and the runs it launches get their share of the
+# cores for OpenMP: torch's default of one thread a core in two workers at once oversubscribes the machine (measured
+# on the 2-core CI machine: test_fp8 + test_weights 99 s on 2 workers at 2 threads each, 80 s in one process, 58 s on
+# 2 workers at 1 thread each). A 2-rank launch runs its ranks at 1 thread each anyway (torch's launcher sets it).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -66,20 +73,55 @@ def llama_style_tokenizer_dir(tmp_path_factory) -> Path:
     return out
 
 
+def shared_dir(tmp_path_factory, name: str) -> Path:
+    """A folder of this test session shared by its xdist workers (each worker has its own basetemp below the
+    session's): a session fixture that writes a run there runs it once, whichever worker asks first."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    (root / name).mkdir(parents=True, exist_ok=True)
+    return root / name
+
+
+def run_once(folder: Path, make, nproc: int) -> Path:
+    """make(folder) unless an earlier call (in any worker of the session) finished it: a report.json is there. A lock
+    file beside it makes the other workers wait for the one that runs it. The run's CPU slots are taken before that
+    lock, as every launch takes them first: no worker then holds the lock while waiting for slots held by another
+    that waits for the lock."""
+    import fcntl
+
+    from harness_launch import cpu_slots
+
+    with cpu_slots(nproc), open(f"{folder}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "report.json").is_file():
+            make(folder)
+    return folder
+
+
+@pytest.fixture
+def all_cpus():
+    """Hold every CPU slot for the test (harness_launch.cpu_slots): for tests that start their own launchers
+    (train.sh, several ranks, kill and resume) rather than through run_train."""
+    from harness_launch import cpu_slots
+
+    with cpu_slots(None):
+        yield
+
+
 @pytest.fixture(scope="session")
 def stage_run(tmp_path_factory):
     """stage_run(name) -> the folder of a 2-process run of the default recipe (harness_launch.STAGE_STEPS) under
-    "ddp", "zero1", "zero2" or "zero3", run once per session when first asked for: tests/test_zero.py compares the
-    stages with one another and with stopped-and-resumed runs, tests/test_multinode.py with two launchers."""
+    "ddp", "zero1", "zero2" or "zero3", run once per session (by whichever xdist worker asks first): tests/test_zero.py
+    compares the stages with one another and with stopped-and-resumed runs, tests/test_multinode.py with two
+    launchers."""
     from harness_launch import STAGE_STEPS, STAGES, run_train
 
-    root = tmp_path_factory.mktemp("stages")
+    root = shared_dir(tmp_path_factory, "stages")
 
     def run(name: str) -> Path:
-        out = root / name
-        if not (out / "report.json").is_file():
-            run_train([f"train.output_dir={out}", *STAGE_STEPS], nproc=2, accel=STAGES[name])
-        return out
+        return run_once(root / name, lambda out: run_train([f"train.output_dir={out}", *STAGE_STEPS], nproc=2,
+                                                           accel=STAGES[name]), 2)
     return run
 
 
@@ -87,12 +129,11 @@ def stage_run(tmp_path_factory):
 def bf16_run(tmp_path_factory) -> Path:
     """The default recipe in bf16 (fp32 weights under autocast), one process, 8 steps of 8 rows: tests/test_fp8.py's
     reference for float8, and (its first 6 steps: the learning rate warms up over 10 steps whatever
-    train.max_steps) tests/test_weights.py's plain path, run once per session."""
+    train.max_steps) tests/test_weights.py's plain path, run once per session (by whichever xdist worker asks first)."""
     from harness_launch import BF16_STEPS, run_train
 
-    out = tmp_path_factory.mktemp("bf16")
-    run_train([f"train.output_dir={out}", *BF16_STEPS])
-    return out
+    return run_once(shared_dir(tmp_path_factory, "bf16") / "run",
+                    lambda out: run_train([f"train.output_dir={out}", *BF16_STEPS]), 1)
 
 
 # ----------------------------------------------------------------------------------------------- the extended tier

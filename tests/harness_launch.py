@@ -6,6 +6,8 @@ runs one process); DeepSpeed configs run as they are (no --cpu, which would turn
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -32,6 +34,60 @@ STAGE_STEPS = ["train.max_steps=16", "train.micro_batch_size=16", *FAST, *MIX]
 # is the same in a shorter run of these settings)
 BF16_STEPS = [*FAST, "train.max_steps=8", "train.micro_batch_size=8", "train.save_final=false", "train.precision=bf16"]
 STAGES = {"ddp": "multi_gpu", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3"}  # name -> accelerate config
+
+
+# ------------------------------------------------------------------------------------ CPU slots for launched runs
+#
+# pytest runs the suite on 2 xdist workers (pyproject's addopts). A launched run spends most of its ~7 s start-up
+# importing torch and transformers on one core, so two one-process runs side by side finish in about the time of one,
+# while two 2-rank runs side by side are slower than in turn (4 busy processes on 2 cores, gloo polling). So each
+# launch first takes as many slots as it starts ranks (os.cpu_count() slots in all, one lock file each, shared by
+# every pytest process on this machine): a 2-rank run waits for the whole machine, a 1-process run for one core.
+# The locks are flock()s: the kernel drops them when their process ends, so a killed test leaves none behind.
+# HARNESS_TEST_SLOTS=N sets the number of slots; 0 turns the gate off.
+SLOTS_DIR = Path(os.environ.get("HARNESS_TEST_SLOTS_DIR", f"/tmp/harness-test-slots-{os.getuid()}"))
+_held: list = []  # this process's open slot files while it holds them (a nested launch takes no more)
+
+
+def slot_count() -> int:
+    return int(os.environ.get("HARNESS_TEST_SLOTS", os.cpu_count() or 1))
+
+
+@contextlib.contextmanager
+def cpu_slots(n: int | None = None):
+    """Hold `n` of the machine's slots (None: all of them) for the block. Slots are taken in index order and a
+    1-slot request takes whichever is free first, so two requests never wait on each other in a cycle."""
+    total = slot_count()
+    if total <= 0 or _held:
+        yield
+        return
+    need = total if n is None else max(1, min(n, total))
+    SLOTS_DIR.mkdir(parents=True, exist_ok=True)
+    files = [open(SLOTS_DIR / f"slot{i}.lock", "a+") for i in range(total)]
+    try:
+        got = []
+        if need == 1:
+            while not got:
+                for f in files:
+                    try:
+                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        continue
+                    got.append(f)
+                    break
+                else:
+                    fcntl.flock(files[0], fcntl.LOCK_EX)  # every slot busy: wait for the first one
+                    got.append(files[0])
+        else:
+            for f in files[:need]:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                got.append(f)
+        _held.extend(got)
+        yield
+    finally:
+        _held.clear()
+        for f in files:
+            f.close()  # closing drops the lock
 
 
 def free_port() -> int:
@@ -65,7 +121,9 @@ def run_train(overrides: list[str], nproc: int = 1, accel: str | None = None, co
 
         def limit():
             resource.setrlimit(resource.RLIMIT_AS, (int(address_space_gb * 2**30), resource.RLIM_INFINITY))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=limit)
+    with cpu_slots(nproc):
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+                              preexec_fn=limit)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                              f"--- stderr\n{proc.stderr[-8000:]}")

@@ -16,6 +16,8 @@ import pytest
 from harness.checkpoint import layout as elastic, resume, universal
 from harness_launch import FAST, ROOT, final_weights, max_abs_diff, report, run_train
 
+pytestmark = pytest.mark.usefixtures("all_cpus")  # starts its own launchers: conftest.py
+
 STEPS, STOP = 4, 2
 # global batch 16 = micro-batch 4 x accumulation 2 x 2 processes = 4 x 4 x 1
 BASE = FAST + [f"train.max_steps={STEPS}", "train.micro_batch_size=4", f"train.save_every_steps={STOP}",

@@ -22,6 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+pytestmark = pytest.mark.usefixtures("all_cpus")  # starts its own launchers: conftest.py
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ["setup.sh", "train.sh", "rft.sh", "tensorboard.sh"]
 GIB = 2**30

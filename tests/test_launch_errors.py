@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.usefixtures("all_cpus")  # starts its own launchers: conftest.py
+
 ROOT = Path(__file__).resolve().parent.parent
 BAD = "train.max_nonfinite_skips=-2"
 LINE = "harness: error: config key 'train.max_nonfinite_skips': must be >= 0, got -2"

@@ -84,6 +84,7 @@ def test_sampler_reads_this_machine_in_the_background():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("all_cpus")  # launches through scripts/gpu_check.py
 def test_gpu_check_script_runs_end_to_end_on_cpu(tmp_path):
     """scripts/gpu_check.py --cpu-smoke: the GPU script's own code path works before a GPU is rented for it: a
     DeepSpeed variant launched with a patched DeepSpeed JSON (real DeepSpeed on its CPU accelerator, regional

@@ -14,7 +14,7 @@ import pytest
 from harness_launch import (DEFAULT, FAST, MIX, ROOT, STAGES, final_weights, free_port, max_abs_diff, metrics,
                             rel_close, report)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("all_cpus")]  # own launchers: conftest.py
 
 STEPS = ["train.max_steps=6", "train.micro_batch_size=16", *FAST, *MIX]  # tests/test_zero.py's settings, 6 steps
 

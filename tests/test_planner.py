@@ -153,6 +153,7 @@ def test_the_training_clock_leaves_evaluations_and_saves_out(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("all_cpus")  # its plan measures throughput, its train is timed against it
 def test_plan_then_train_records_accuracy(tmp_path, repo_root):
     """A real calibration, a real run of the planned config, and report.json's estimate against actual; then a
     window too small: the plan says so and its first adjustment fits when re-planned from the same measurements."""

@@ -18,7 +18,7 @@ from harness.checkpoint import store
 from harness_launch import (FAST, ROOT, STAGE_STEPS, final_weights, free_port, max_abs_diff, metrics, rel_close,
                             run_train)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("all_cpus")]  # own launchers: conftest.py
 
 # conftest.py's 2-process DDP run of tests/test_zero.py (16 steps of 2 x 16 rows): its uninterrupted run is the
 # reference of the SIGTERM test below, shared (one launch less); the signals below come at steps 4-10

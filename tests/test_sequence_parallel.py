@@ -30,8 +30,8 @@ from harness.config import load_config
 from harness.data import IGNORE_INDEX
 from harness.distributed import sequence
 from harness.errors import ConfigError
-from harness_launch import (DEFAULT, FAST, ROOT, final_weights, free_port, max_abs_diff, metrics, rel_close, report,
-                            run_train)
+from harness_launch import (DEFAULT, FAST, ROOT, cpu_slots, final_weights, free_port, max_abs_diff, metrics, rel_close,
+                            report, run_train)
 
 STEPS = 10
 BASE = [*FAST, "data.packing=true", "data.max_len=1024", "train.micro_batch_size=1", "train.grad_accum=2",
@@ -193,12 +193,13 @@ def runs(tmp_path_factory):
     killed, trace = base / "killed", base / "t-killed"
     trace.mkdir()
     cmd, env = launch(killed, 2, "zero3", trace, ["train.sequence_parallel=2", "train.save_every_steps=4"])
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    marker, t0 = killed / "checkpoints" / "step-4" / "COMPLETE", time.time()
-    while not marker.exists() and proc.poll() is None and time.time() - t0 < 300:
-        time.sleep(0.2)
-    kill_tree(proc.pid)
-    proc.wait()
+    with cpu_slots(2):
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        marker, t0 = killed / "checkpoints" / "step-4" / "COMPLETE", time.time()
+        while not marker.exists() and proc.poll() is None and time.time() - t0 < 300:
+            time.sleep(0.2)
+        kill_tree(proc.pid)
+        proc.wait()
     assert marker.exists(), "the run ended before its step-4 checkpoint"
     ckpts = sorted(p.name for p in (killed / "checkpoints").iterdir())
     assert not (killed / "final").exists(), "the run finished before the kill"

@@ -138,6 +138,7 @@ def test_an_epochs_last_partial_step_is_the_same_on_two_processes(mode, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("all_cpus")  # launch/train.sh
 def test_entry_points_run_the_same_loop(one_process_16, tmp_path):
     """python -m harness.train (one_process_16: run_train's plain command; its evaluation changes no weight and no
     data order), the `harness train` console script and `accelerate launch harness/train.py`: the same first loss."""
