@@ -34,6 +34,17 @@ def quantization_kwargs(quantization: str, precision: str) -> dict:
     return {"quantization_config": qc, "device_map": {"": device}}
 
 
+def keep_4bit_training_layout(model) -> None:
+    """bitsandbytes 0.50 repacks a 4-bit layer's weight in place for its AVX512-BF16 CPU kernel (absmax in bf16) the
+    first time the layer runs in eval mode without gradients: an evaluation pass or the RL engine's generation. The
+    training passes after it then ran the repacked weight (a 64 x 64 layer's outputs 7e-3 off), and small layers
+    failed to repack ("shape '[32, 0]' is invalid"). Turned off here, every pass runs the layout training uses,
+    whatever the CPU's instruction set (tests/test_qlora.py)."""
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+
+
 def is_quantized(model) -> bool:
     base = model.get_base_model() if is_peft(model) else model
     return getattr(base, "hf_quantizer", None) is not None or getattr(base, "is_loaded_in_4bit", False) or \

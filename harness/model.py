@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from harness.config import ModelConfig
 from harness.errors import ConfigError
-from harness.lora import apply_lora, quantization_kwargs
+from harness.lora import apply_lora, keep_4bit_training_layout, quantization_kwargs
 from harness.data.chat import resolve_template, uses_markers
 from harness.losses import pool
 from harness.config.shape import pretrained_shape
@@ -104,6 +104,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
     if cfg.quantization != "none":
         from peft import prepare_model_for_kbit_training
 
+        keep_4bit_training_layout(model)
         # norms and embeddings to fp32, inputs' gradients on; activation checkpointing as below (non-reentrant)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if cfg.gradient_checkpointing:

@@ -96,6 +96,34 @@ def test_qlora_4bit_trains_on_cpu(tmp_path):
     assert len(moved) == len(start)  # every adapter and the added tokens' rows
 
 
+def test_an_evaluation_pass_leaves_the_4bit_weights_as_training_uses_them(tmp_path):
+    """bitsandbytes 0.50 repacks a 4-bit layer's weight in place for its AVX512-BF16 CPU kernel the first time the
+    layer runs in eval mode without gradients (an evaluation pass, the RL engine's generation): on such a CPU the
+    repack failed on this model's small layers ("shape '[32, 0]' is invalid"), and on wider ones the
+    training passes after it ran the repacked weight (absmax in bf16: 7e-3 off on a 64 x 64 layer). build_model keeps
+    the layout training uses, so an evaluation pass changes nothing: the same process, the same inputs and kernels,
+    so the losses before and after are compared exactly. (On a CPU without AVX512-BF16 bitsandbytes never repacks.)"""
+    import bitsandbytes as bnb
+
+    from harness.model import build_model, load_tokenizer
+
+    save_base(tmp_path / "base")
+    cfg = load_config(DEFAULT, [f"model.name_or_path={tmp_path / 'base'}", "model.config={}", "model.tokenizer=null",
+                                "model.quantization=4bit", "model.lora.enabled=true", "model.lora.r=8"])
+    tok = load_tokenizer(cfg.model)
+    model = build_model(cfg.model, tok, precision="fp32")
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and not any(m.support_avx512bf16_for_cpu for m in layers)
+    ids = tok(["<|user|>\nthe cat sat on the mat\n<|assistant|>\nhello world"] * 2, return_tensors="pt")["input_ids"]
+    before = model(input_ids=ids, labels=ids).loss
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids)
+    model.train()
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in layers)
+    assert torch.equal(model(input_ids=ids, labels=ids).loss, before)
+
+
 @pytest.mark.slow
 def test_qlora_run_exports_adapter_and_merged_model(tmp_path):
     """A QLoRA run (resumed once from a checkpoint): final/ holds the adapter, which loads onto the original base;
