@@ -22,6 +22,12 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+import harness_launch  # noqa: E402
+
+# Test modules import it as `harness_launch` or as `tests.harness_launch`: one module object under both names, so that
+# its record of the CPU slots this process holds (cpu_slots) is one (two copies: a nested launch would wait on itself).
+sys.modules.setdefault("tests.harness_launch", harness_launch)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 

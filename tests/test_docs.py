@@ -227,6 +227,7 @@ def test_every_block_with_a_harness_command_is_marked_as_it_is_checked():
     assert not wrong, "mark these blocks with one of " + ", ".join(MARKERS) + ":\n" + "\n".join(wrong)
 
 
+@pytest.mark.usefixtures("all_cpus")  # starts every dry run at once
 def test_launch_commands_of_plain_blocks_dry_run(tmp_path):
     """Each launch/*.sh command of a plain `bash` block, with --dry-run, on this machine: exit 0 (all at once: each
     is a shell and a Python start-up)."""
@@ -303,6 +304,7 @@ MARKED = [(doc, line, text) for doc in DOCS for line, info, text in blocks(doc) 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("doc", sorted({d for d, _, _ in MARKED}), ids=lambda d: str(d.relative_to(ROOT)))
+@pytest.mark.usefixtures("all_cpus")  # the blocks launch runs of their own (train.sh, accelerate launch)
 def test_offline_cpu_blocks_run(doc, tmp_path):
     repo = repo_copy(tmp_path / "repo")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",

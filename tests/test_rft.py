@@ -22,7 +22,7 @@ from harness.config import ModelConfig, load_config
 from harness.errors import ConfigError, DataError
 from harness.rft import generate as gen
 from harness.rft.tasks import ArithmeticTask, JsonlTask, Question, extract_answer, verify
-from tests.harness_launch import ROOT, free_port
+from tests.harness_launch import ROOT, cpu_slots, free_port
 
 RECIPE = str(ROOT / "configs" / "rft-tiny.yaml")
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -212,7 +212,8 @@ def run(args: list[str], nproc: int = 1, module: str = "harness.rft") -> subproc
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(free_port()), "-m", module, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    with cpu_slots(nproc):
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
 

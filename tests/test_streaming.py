@@ -205,18 +205,21 @@ def killed_before_step_4(out: Path, nproc: int, extra: list[str]) -> None:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(ROOT / "accelerate_configs" / "multi_gpu.yaml"), "--num_processes", str(nproc),
                "--main_process_port", str(free_port()), str(ROOT / "harness" / "train.py")]
-    proc = subprocess.Popen([*cmd, "--config", DEFAULT, *RUN, *extra, "train.save_every_steps=3",
-                             f"train.output_dir={out}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    marker, t0 = out / "checkpoints" / "step-3" / "COMPLETE", time.time()
-    while not marker.exists() and proc.poll() is None and time.time() - t0 < 900:
-        time.sleep(0.05)
-    for pid in [*descendants(proc.pid), proc.pid]:  # torch's launcher starts its workers in sessions of their own
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
+    from harness_launch import cpu_slots
+
+    with cpu_slots(nproc):
+        proc = subprocess.Popen([*cmd, "--config", DEFAULT, *RUN, *extra, "train.save_every_steps=3",
+                                 f"train.output_dir={out}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        marker, t0 = out / "checkpoints" / "step-3" / "COMPLETE", time.time()
+        while not marker.exists() and proc.poll() is None and time.time() - t0 < 900:
+            time.sleep(0.05)
+        for pid in [*descendants(proc.pid), proc.pid]:  # torch's launcher starts its workers in sessions of their own
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
     assert marker.exists() and not (out / "checkpoints" / "step-4").exists()
 
 
