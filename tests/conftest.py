@@ -146,8 +146,9 @@ def bf16_run(tmp_path_factory) -> Path:
 
 # Variants left out of the default run (pyproject's addopts: -m "not extended") to keep CI under its time: each is
 # another ZeRO stage, model family, recipe or file of a check whose other cases run every time. A launched run costs
-# about 13 s before its first step on the 2-core CI machine (imports of torch, transformers, DeepSpeed in the
-# launcher and both ranks), so the suite's time is mostly the number of launches (docs/bench/ci-durations.json).
+# about 7-13 s before its first step on the 2-core CI machine (imports of torch, transformers, DeepSpeed in the
+# launcher and both ranks), so the suite's time is mostly the number of launches (docs/bench/ci-durations.json:
+# 31 minutes on 2 workers, 75 on one before them).
 # Run them with `python -m pytest -m extended`, everything with `python -m pytest -m "extended or not extended"`.
 EXTENDED = {
     "test_zero::test_deepspeed_bf16_on_cpu_and_zero2_optimizer_offload",  # bf16 on ZeRO: test_weights; CPU Adam build
