@@ -149,6 +149,9 @@ def bf16_run(tmp_path_factory) -> Path:
 # about 7-13 s before its first step on the 2-core CI machine (imports of torch, transformers, DeepSpeed in the
 # launcher and both ranks), so the suite's time is mostly the number of launches (docs/bench/ci-durations.json:
 # 31 minutes on 2 workers, 75 on one before them).
+# Back in the default tier since the suite runs on 2 workers (2026-11-28, 33 minutes): two processes killed or stopped
+# on streamed data resuming on two or one (test_streaming), early stopping on two processes (test_early_stopping),
+# LoRA GRPO resumed exactly after kill -9 (test_rl).
 # Run them with `python -m pytest -m extended`, everything with `python -m pytest -m "extended or not extended"`.
 EXTENDED = {
     "test_zero::test_deepspeed_bf16_on_cpu_and_zero2_optimizer_offload",  # bf16 on ZeRO: test_weights; CPU Adam build
@@ -174,7 +177,6 @@ EXTENDED = {
     "test_train::test_an_epochs_last_partial_step_is_the_same_on_two_processes[generative]",  # the same stream
     "test_rl::test_two_processes_equal_one[zero2]",  # zero3's (gathered weights for the generation) runs
     "test_rl::test_two_processes_stopped_mid_batch_resume_on_one_as_uninterrupted[zero2]",  # ddp's runs by default
-    "test_rl::test_lora_grpo_resumes_exactly_after_kill_9",  # 3 runs; the full-weight kill -9 test runs by default
     # a minute (inductor's cold compile); CUDA's default train.compile for RL, whose eager twin runs by default
     "test_rl::test_regional_compile_trains_the_blocks_compiled_and_generates_from_the_eager_ones",
     "test_rl_resume::test_another_task_is_refused[jsonl]",  # two runs; the JSONL fingerprint is checked in process
@@ -197,11 +199,8 @@ EXTENDED = {
     # 2026-11-27, the merged round's suite ran 70 minutes on a quiet 2-core machine: each of these has a sibling that
     # runs by default
     "test_elastic::test_resume_on_another_process_count[zero3]",  # 94 s; the ddp case runs
-    "test_early_stopping::test_two_processes_answer_on_the_main_process_and_keep_the_best_to_the_planned_end",  # the
-    # 1-process eval_prompts and kill -9 runs
     "test_streaming::test_a_bad_record_met_in_training_stops_in_one_line_with_the_checkpoints_intact",  # the
     # stream-level bad record test
-    "test_streaming::test_two_processes_killed_or_stopped_resume_on_two_or_one",  # 6 launches; the 1-process kill's
     # 2026-11-27, the default tier toward 40 minutes: each of these has a sibling that runs by default
     "test_sequence_parallel::test_sp2_losses_equal_one_process_and_every_row_is_trained_once[z2]",  # z3's (its runs
     # fixture launches the ZeRO-2 run only when this case asks for it)
