@@ -1,5 +1,6 @@
 """Shared test setup: never touch the Hugging Face Hub; give tests the repository root without chdir."""
 
+import fcntl
 import os
 import sys
 
@@ -23,6 +24,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 import harness_launch  # noqa: E402
+from harness_launch import BF16_STEPS, STAGE_STEPS, STAGES, cpu_slots, run_train  # noqa: E402
 
 # Test modules import it as `harness_launch` or as `tests.harness_launch`: one module object under both names, so that
 # its record of the CPU slots this process holds (cpu_slots) is one (two copies: a nested launch would wait on itself).
@@ -94,10 +96,6 @@ def run_once(folder: Path, make, nproc: int) -> Path:
     file beside it makes the other workers wait for the one that runs it. The run's CPU slots are taken before that
     lock, as every launch takes them first: no worker then holds the lock while waiting for slots held by another
     that waits for the lock."""
-    import fcntl
-
-    from harness_launch import cpu_slots
-
     with cpu_slots(nproc), open(f"{folder}.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (folder / "report.json").is_file():
@@ -109,8 +107,6 @@ def run_once(folder: Path, make, nproc: int) -> Path:
 def all_cpus():
     """Hold every CPU slot for the test (harness_launch.cpu_slots): for tests that start their own launchers
     (train.sh, several ranks, kill and resume) rather than through run_train."""
-    from harness_launch import cpu_slots
-
     with cpu_slots(None):
         yield
 
@@ -121,8 +117,6 @@ def stage_run(tmp_path_factory):
     "ddp", "zero1", "zero2" or "zero3", run once per session (by whichever xdist worker asks first): tests/test_zero.py
     compares the stages with one another and with stopped-and-resumed runs, tests/test_multinode.py with two
     launchers."""
-    from harness_launch import STAGE_STEPS, STAGES, run_train
-
     root = shared_dir(tmp_path_factory, "stages")
 
     def run(name: str) -> Path:
@@ -136,8 +130,6 @@ def bf16_run(tmp_path_factory) -> Path:
     """The default recipe in bf16 (fp32 weights under autocast), one process, 8 steps of 8 rows: tests/test_fp8.py's
     reference for float8, and (its first 6 steps: the learning rate warms up over 10 steps whatever
     train.max_steps) tests/test_weights.py's plain path, run once per session (by whichever xdist worker asks first)."""
-    from harness_launch import BF16_STEPS, run_train
-
     return run_once(shared_dir(tmp_path_factory, "bf16") / "run",
                     lambda out: run_train([f"train.output_dir={out}", *BF16_STEPS]), 1)
 

@@ -46,7 +46,7 @@ STAGES = {"ddp": "multi_gpu", "zero1": "zero1", "zero2": "zero2", "zero3": "zero
 # The locks are flock()s: the kernel drops them when their process ends, so a killed test leaves none behind.
 # HARNESS_TEST_SLOTS=N sets the number of slots; 0 turns the gate off.
 SLOTS_DIR = Path(os.environ.get("HARNESS_TEST_SLOTS_DIR", f"/tmp/harness-test-slots-{os.getuid()}"))
-_held: list = []  # this process's open slot files while it holds them (a nested launch takes no more)
+_holding = False  # this process holds slots now: a nested launch (run_train in a test that holds them) takes no more
 
 
 def slot_count() -> int:
@@ -57,37 +57,33 @@ def slot_count() -> int:
 def cpu_slots(n: int | None = None):
     """Hold `n` of the machine's slots (None: all of them) for the block. Slots are taken in index order and a
     1-slot request takes whichever is free first, so two requests never wait on each other in a cycle."""
+    global _holding
     total = slot_count()
-    if total <= 0 or _held:
+    if total <= 0 or _holding:
         yield
         return
     need = total if n is None else max(1, min(n, total))
     SLOTS_DIR.mkdir(parents=True, exist_ok=True)
     files = [open(SLOTS_DIR / f"slot{i}.lock", "a+") for i in range(total)]
     try:
-        got = []
         if need == 1:
-            while not got:
-                for f in files:
-                    try:
-                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    except BlockingIOError:
-                        continue
-                    got.append(f)
+            for f in files:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
-                else:
-                    fcntl.flock(files[0], fcntl.LOCK_EX)  # every slot busy: wait for the first one
-                    got.append(files[0])
+                except BlockingIOError:
+                    continue
+            else:
+                fcntl.flock(files[0], fcntl.LOCK_EX)  # every slot busy: wait for the first one
         else:
             for f in files[:need]:
                 fcntl.flock(f, fcntl.LOCK_EX)
-                got.append(f)
-        _held.extend(got)
+        _holding = True
         yield
     finally:
-        _held.clear()
+        _holding = False
         for f in files:
-            f.close()  # closing drops the lock
+            f.close()  # closing drops whichever locks it holds
 
 
 def free_port() -> int:

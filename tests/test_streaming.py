@@ -24,7 +24,7 @@ from harness.data import streaming
 from harness.data.readers import Source
 from harness.data.stream_sources import SourceCursor
 from harness.errors import ConfigError, DataError
-from harness_launch import DEFAULT, FAST, ROOT, metrics, run_train
+from harness_launch import DEFAULT, FAST, ROOT, cpu_slots, free_port, metrics, run_train
 
 
 def write_jsonl(path: Path, rows: list[dict], gz: bool = False) -> Path:
@@ -199,14 +199,10 @@ def killed_before_step_4(out: Path, nproc: int, extra: list[str]) -> None:
     if nproc == 1:
         cmd = [sys.executable, "-m", "harness.train"]
     else:
-        from harness_launch import free_port
-
         env["ACCELERATE_USE_CPU"] = "1"
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(ROOT / "accelerate_configs" / "multi_gpu.yaml"), "--num_processes", str(nproc),
                "--main_process_port", str(free_port()), str(ROOT / "harness" / "train.py")]
-    from harness_launch import cpu_slots
-
     with cpu_slots(nproc):
         proc = subprocess.Popen([*cmd, "--config", DEFAULT, *RUN, *extra, "train.save_every_steps=3",
                                  f"train.output_dir={out}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
