@@ -230,6 +230,7 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
     if sampler is not None:
         opened.callback(sampler.stop)
     env = hardware.environment_report()
+    env["malloc"] = hardware.reuse_freed_memory(cfg.train.malloc_reuse)  # before the data and the model are built
     if not accelerator.is_main_process:
         import datasets
         import transformers

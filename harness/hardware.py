@@ -108,6 +108,38 @@ def enable_tf32(enabled: bool) -> bool:
     return on
 
 
+# glibc's mallopt parameters (malloc.h) and the values reuse_freed_memory sets
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD = 32 * 2**20  # glibc's largest (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit)
+_TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: 2 GiB of free heap top kept, in effect never trimmed
+_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+
+
+def reuse_freed_memory(enabled: bool) -> str:
+    """train.malloc_reuse: make glibc's malloc keep the memory a step frees for the next step. By default glibc
+    hands a block above its (adaptive) mmap threshold back to the kernel when it is freed, and trims the heap's free
+    top above its trim threshold; a CPU training step allocates and frees the same activations every step, so the
+    next step faults every page in again and the kernel zeroes it (measured on the default job, 2 cores: 25-85k
+    minor page faults a second, 7-17% of the time in the kernel, the harness's step 5% slower than the same loop in
+    a process that happened to fault less; none with this). Fixed thresholds (32 MiB mmap, 2 GiB trim, mallopt)
+    keep blocks under 32 MiB in the heap and never trim it: the process's resident size stays at its peak, which
+    every step reaches anyway. Left alone where the user tuned malloc (its environment variables, another allocator
+    preloaded) or the C library is not glibc. Returns what was done, for the start-of-run log."""
+    if not enabled:
+        return "default (train.malloc_reuse=false)"
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return "default (not glibc)"
+    tuned = [k for k in _MALLOC_ENV if os.environ.get(k)]
+    preload = os.environ.get("LD_PRELOAD", "")
+    if tuned or any(name in preload for name in ("jemalloc", "tcmalloc", "mimalloc")):
+        return f"default (left as set: {', '.join(tuned) or 'LD_PRELOAD'})"
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
+    return "freed memory reused (mmap threshold 32 MiB, no trim)" if ok else "default (mallopt refused)"
+
+
 def sdpa_backends() -> dict:
     """Which scaled-dot-product-attention kernels torch may pick (flash and memory-efficient need CUDA)."""
     b = torch.backends.cuda
@@ -126,7 +158,8 @@ def describe(env: dict) -> str:
     v = env["versions"]
     sdpa = "+".join(k for k, on in env["sdpa"].items() if on)
     return (f"{gpus}; torch {env['torch']} (CUDA {env['cuda']}), accelerate {v['accelerate']}, transformers "
-            f"{v['transformers']}, deepspeed {v['deepspeed']}; SDPA {sdpa}")
+            f"{v['transformers']}, deepspeed {v['deepspeed']}; SDPA {sdpa}" +
+            (f"; malloc {env['malloc']}" if env.get("malloc") else ""))
 
 
 def _version(pkg: str) -> Optional[str]:

@@ -215,6 +215,9 @@ class TrainConfig:
         "(DeepSpeed's bf16 mode; a run without a DeepSpeed launcher or train.deepspeed uses train.deepspeed=zero0): "
         "2 bytes less per parameter under ZeRO 1-2, half the ZeRO-3 gathers, no weight casts per forward.")
     tf32: bool = _f(True, "Allow TF32 matmuls on Ampere or newer GPUs.")
+    malloc_reuse: bool = _f(True, "Linux (glibc): the memory a step frees stays for the next step, not faulted in "
+                                  "again (mallopt: 32 MiB mmap threshold, no trim; hardware.reuse_freed_memory); "
+                                  "resident size stays at the step's peak. Not when MALLOC_* or LD_PRELOAD are set.")
     profile: Optional[str] = _f(None, "Speed profile (harness/config/profiles.py): conservative, balanced, aggressive, "
                                       "memory_efficient; applied below the recipe file and the overrides.")
     compile: Literal["auto", "regional", "full", "none"] = _f(
