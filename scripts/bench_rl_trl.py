@@ -19,9 +19,11 @@ machine during the start-up does not move. Sides alternate within a round (a loa
 side is reported. TRL runs with transformers' generate and, once (about 5 s a step here: one round;
 `--skip-paged` leaves it out), with its continuous-batching generation (`use_transformers_continuous_batching`, the
 new name of `use_transformers_paged`). Each side's mean reward over its long run is printed beside its time.
-`--compiled` adds our side with `rft.compile=true` (the engine's decode step compiled: off by default on a CPU;
-its compile time is start-up, which the difference cancels and the run's first steps show: each run compiles cold,
-in a fresh inductor cache).
+`--compiled` adds our side with `rft.compile=true` (the engine's decode step compiled: off by default on a CPU, on
+by default on CUDA) and with `rft.compile=true train.compile=regional` (the training pass's blocks compiled too: our
+defaults on CUDA). A compiled side's round starts with an unmeasured `--short`-step run that fills a fresh inductor
+cache, which its two measured runs then share: both start warm, so their start-ups cancel (compiling cold took 30-80 s
+here and moved by 5-25 s from run to run: seen 0.15 s/step from the difference against 0.27 in the loop).
 Not a test: the figures go to docs/rl.md with the date, the machine and its load.
 """
 
@@ -42,7 +44,7 @@ CONFIG = ROOT / "configs/grpo-tiny.yaml"
 QUESTIONS, GROUP, NEW_TOKENS, LR = 4, 16, 40, 1e-4
 
 
-def ours(model: str, steps: int, out: Path, extra: tuple = ()) -> tuple[list, dict]:
+def ours(model: str, steps: int, out: Path, extra: tuple = (), cache: str | None = None) -> tuple[list, dict]:
     """harness train configs/grpo-tiny.yaml for `steps` steps: (the per-step rewards of metrics.jsonl, the seconds
     since the training started at each step's end: metrics' elapsed_s)."""
     cmd = [sys.executable, "-m", "harness.cli", "train", str(CONFIG), f"model.name_or_path={model}",
@@ -51,7 +53,7 @@ def ours(model: str, steps: int, out: Path, extra: tuple = ()) -> tuple[list, di
            "train.save_every_steps=0", "train.progress_bar=false", "train.summary=false", "train.report_to=[]",
            f"rl.questions_per_step={QUESTIONS}", f"rl.num_generations={GROUP}", "rl.loss_type=dapo", "rl.beta=0",
            f"rft.max_new_tokens={NEW_TOKENS}", "rft.temperature=1.0", f"optim.lr={LR}", *extra]
-    run(cmd)
+    run(cmd, cache)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "reward" in r]
     return [r["reward"] for r in rows], {r["step"]: r["elapsed_s"] for r in rows}
@@ -67,14 +69,13 @@ def trl(model: str, steps: int, out: Path, paged: bool) -> tuple[list, dict]:
 THREADS: dict = {}  # OMP_NUM_THREADS for both sides (--threads)
 
 
-def run(cmd: list) -> None:
+def run(cmd: list, cache: str | None = None) -> None:
+    """cmd in ROOT with the benchmark's environment; inductor's on-disk cache in `cache` (a compiled side's, filled
+    by its warm-up run) or a fresh one (never the user's: a run must not find graphs an earlier run left)."""
     env = {**os.environ, **THREADS, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT),
            "ACCELERATE_USE_CPU": "1", "WANDB_DISABLED": "true"}
-    with tempfile.TemporaryDirectory(prefix="bench-rl-inductor-") as cache:
-        # each run compiles cold: with inductor's shared on-disk cache the run after another reused its graphs, and
-        # the start-up of the 5- and 45-step runs no longer cancelled (seen: 27 vs 22 s, 0.35 s/step against 0.48
-        # in the loop itself)
-        env["TORCHINDUCTOR_CACHE_DIR"] = cache
+    with tempfile.TemporaryDirectory(prefix="bench-rl-inductor-") as fresh:
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache or fresh
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-4000:]}")
@@ -146,21 +147,28 @@ def main() -> None:
         raise SystemExit(f"no model at {a.model}: make the warm-up model first (this script's docstring)")
     if a.threads:
         THREADS["OMP_NUM_THREADS"] = str(a.threads)
-    sides = {"harness": lambda n, d: ours(a.model, n, d), "trl_generate": lambda n, d: trl(a.model, n, d, False)}
+    sides = {"harness": lambda n, d, c: ours(a.model, n, d), "trl_generate": lambda n, d, c: trl(a.model, n, d, False)}
     if a.compiled:
-        sides["harness_compiled"] = lambda n, d: ours(a.model, n, d, ("rft.compile=true",))
-    paged = {"trl_paged": lambda n, d: trl(a.model, n, d, True)}
+        sides["harness_compiled"] = lambda n, d, c: ours(a.model, n, d, ("rft.compile=true",), c)
+        sides["harness_compiled_train"] = lambda n, d, c: ours(a.model, n, d, ("rft.compile=true",
+                                                                               "train.compile=regional"), c)
+    paged = {"trl_paged": lambda n, d, c: trl(a.model, n, d, True)}
     rows, load_start = [], [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(a.rounds):
             todo = dict(sides, **(paged if rnd == 0 and not a.skip_paged else {}))
             for name, fn in todo.items():
-                row = {"side": name, "round": rnd}
+                row, cache = {"side": name, "round": rnd}, None
+                if name.startswith("harness_compiled"):  # the warm-up run: both measured runs start warm
+                    cache = str(Path(tmp, f"{name}-{rnd}-inductor"))
+                    t0 = time.perf_counter()
+                    fn(a.short, Path(tempfile.mkdtemp(dir=tmp)), cache)
+                    row["warmup_wall_s"] = round(time.perf_counter() - t0, 3)
                 for n in (a.short, a.long):
                     d = Path(tmp, f"{name}-{rnd}-{n}")
                     d.mkdir()
                     t0 = time.perf_counter()
-                    rewards, elapsed = fn(n, d)
+                    rewards, elapsed = fn(n, d, cache)
                     row[f"wall_s_{n}"] = round(time.perf_counter() - t0, 3)
                     if n == a.long:
                         row["mean_reward"] = round(sum(rewards) / max(1, len(rewards)), 4)
