@@ -143,7 +143,9 @@ def bf16_run(tmp_path_factory) -> Path:
 # 31 minutes on 2 workers, 75 on one before them).
 # Back in the default tier since the suite runs on 2 workers (2026-11-28, 33 minutes): two processes killed or stopped
 # on streamed data resuming on two or one (test_streaming), early stopping on two processes (test_early_stopping),
-# LoRA GRPO resumed exactly after kill -9 (test_rl).
+# LoRA GRPO resumed exactly after kill -9 (test_rl); 2026-11-29: the GPU visit's preset end to end on the CPU
+# (test_gpu_findings, ~4 minutes holding every CPU: a broken preset would waste a GPU visit), RL with regional compile,
+# CUDA's default (test_rl, a minute of inductor's cold compile).
 # Run them with `python -m pytest -m extended`, everything with `python -m pytest -m "extended or not extended"`.
 EXTENDED = {
     "test_zero::test_deepspeed_bf16_on_cpu_and_zero2_optimizer_offload",  # bf16 on ZeRO: test_weights; CPU Adam build
@@ -169,8 +171,6 @@ EXTENDED = {
     "test_train::test_an_epochs_last_partial_step_is_the_same_on_two_processes[generative]",  # the same stream
     "test_rl::test_two_processes_equal_one[zero2]",  # zero3's (gathered weights for the generation) runs
     "test_rl::test_two_processes_stopped_mid_batch_resume_on_one_as_uninterrupted[zero2]",  # ddp's runs by default
-    # a minute (inductor's cold compile); CUDA's default train.compile for RL, whose eager twin runs by default
-    "test_rl::test_regional_compile_trains_the_blocks_compiled_and_generates_from_the_eager_ones",
     "test_rl_resume::test_another_task_is_refused[jsonl]",  # two runs; the JSONL fingerprint is checked in process
     "test_recipes::test_recipe_loads_and_dry_runs[configs/grpo-tiny.yaml]",  # every recipe loads
     *(f"test_metrics::test_disk_full_at_the_end_of_a_run_is_one_line_and_nothing_is_lost[{p}]" for p in
@@ -186,8 +186,6 @@ EXTENDED = {
     "test_gritlm::test_cached_representations_match_the_full_batch[1-None-4]",  # 2-zero3-2
     *(f"test_families::test_generative_zero3_packing[{f}]" for f in ("gemma2", "gpt2")),  # llama's; every family's
     # packing is checked in-process by test_packing_isolates_documents
-    "test_gpu_findings::test_the_visit_preset_runs_on_a_cpu",  # ~5 min of launches; test_the_visit_preset_fits_one_
-    # call_in_the_issues_order checks its plan and every variant's overrides, test_monitor's smoke the script's path
     # 2026-11-27, the merged round's suite ran 70 minutes on a quiet 2-core machine: each of these has a sibling that
     # runs by default
     "test_elastic::test_resume_on_another_process_count[zero3]",  # 94 s; the ddp case runs
