@@ -8,6 +8,7 @@ to a concrete precision.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 from importlib import metadata
@@ -133,8 +134,6 @@ def reuse_freed_memory(enabled: bool) -> str:
     preload = os.environ.get("LD_PRELOAD", "")
     if tuned or any(name in preload for name in ("jemalloc", "tcmalloc", "mimalloc")):
         return f"default (left as set: {', '.join(tuned) or 'LD_PRELOAD'})"
-    import ctypes
-
     libc = ctypes.CDLL(None)
     ok = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
     return "freed memory reused (mmap threshold 32 MiB, no trim)" if ok else "default (mallopt refused)"

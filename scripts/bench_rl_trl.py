@@ -133,7 +133,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--skip-paged", action="store_true", help="leave out TRL with continuous batching (~5 s/step)")
     p.add_argument("--compiled", action="store_true",
-                   help="also our side with rft.compile=true (the decode step compiled; off by default on a CPU)")
+                   help="also our side with rft.compile=true, and with train.compile=regional too (our CUDA defaults)")
     p.add_argument("--threads", type=int, default=1,
                    help="OMP_NUM_THREADS of both sides (0: torch default, one a core); 1 as docs/rl.md measured")
     p.add_argument("--json", default=None, help="write the rows and the summary here")

@@ -58,7 +58,7 @@ def measure(kind: str, config: str, start: float, window: float) -> dict:
         finally:
             proc.kill()
             proc.wait()
-    return {"kind": kind, "faults_per_s": (b[0] - a[0]) / window, "user": (b[1] - a[1]) / window,
+    return {"faults_per_s": (b[0] - a[0]) / window, "user": (b[1] - a[1]) / window,
             "sys": (b[2] - a[2]) / window}
 
 

@@ -144,8 +144,8 @@ def bf16_run(tmp_path_factory) -> Path:
 # Back in the default tier since the suite runs on 2 workers (2026-11-28, 33 minutes): two processes killed or stopped
 # on streamed data resuming on two or one (test_streaming), early stopping on two processes (test_early_stopping),
 # LoRA GRPO resumed exactly after kill -9 (test_rl); 2026-11-29: the GPU visit's preset end to end on the CPU
-# (test_gpu_findings, ~4 minutes holding every CPU: a broken preset would waste a GPU visit), RL with regional compile,
-# CUDA's default (test_rl, a minute of inductor's cold compile).
+# (test_gpu_findings, 145 s in CI holding every CPU: a broken preset would waste a GPU visit), RL with regional
+# compile, CUDA's default (test_rl, 32 s in CI: inductor's cold compile).
 # Run them with `python -m pytest -m extended`, everything with `python -m pytest -m "extended or not extended"`.
 EXTENDED = {
     "test_zero::test_deepspeed_bf16_on_cpu_and_zero2_optimizer_offload",  # bf16 on ZeRO: test_weights; CPU Adam build

@@ -184,7 +184,7 @@ def test_a_capped_variant_keeps_the_steady_figures_it_measured(monkeypatch, tmp_
 def test_the_visit_preset_runs_on_a_cpu(tmp_path, all_cpus):
     """`gpu_check.py --cpu-smoke --preset visit`: every variant of the visit runs its own code path on this CPU (the
     tiny default recipe; the engine bench on a random copy, GRPO, GritLM compiled and eager, ZeRO-3 under DeepSpeed's
-    CPU accelerator, fp8 emulated), each writing its row as it ends. About 4 minutes, holding every CPU slot (the
+    CPU accelerator, fp8 emulated), each writing its row as it ends. About 2.5 minutes, holding every CPU slot (the
     script starts its own launches); in the default tier because a preset that broke unseen would cost a GPU visit."""
     bench = tmp_path / "gpu-day.json"
     proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu-smoke", "--preset", "visit", "--steps", "2",
