@@ -5,7 +5,8 @@ A micro-batch of n pairs is one batch of 2n rows (the chosen sequences, then the
 run in one forward pass. The output head returns per-position log-probs of the labels instead of logits
 (`SequenceLogps`, through the model's wrappers as the chunked generative loss does): the logits of one chunk of
 positions exist at a time, and each chunk is recomputed in the backward pass (torch.utils.checkpoint), so no
-[2n, T, V] tensor is ever kept. The row sums over the completion tokens are the sequence log-probs.
+[2n, T, V] tensor is ever kept, once the pass's log-probs over the vocabulary would take more than 64 MiB (below
+that they are kept: no recomputation). The row sums over the completion tokens are the sequence log-probs.
 
 Scale: the loss of a step is the mean over the step's pairs on every process (plus, for ORPO, the NLL of the chosen
 completions per token of the step); a micro-batch back-propagates its sums times W * A / (pairs of the step), as the
@@ -39,6 +40,11 @@ from harness.files import disk_full
 from harness.state import StepSums, preference_figures
 
 REFERENCE_FILE = "reference_logps.pt"
+# token_logps keeps the head's chunks for the backward pass (no recomputation: the head's forward pass again, time
+# spent where memory is not short) while the pass's fp32 log-probs over the vocabulary (what autograd keeps of them)
+# take at most this; above it each chunk is recomputed. At most what zero-plan counts for one chunk of the head
+# (1,024 x vocab x 10 B; harness/tools/rl_plan.py: the output head always in chunks) for a vocabulary of 6,554 or more
+KEEP_LOGPS_BYTES = 64 * 2**20
 
 
 # ----------------------------------------------------------------------------------------------- sequence log-probs
@@ -58,7 +64,8 @@ def token_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
                 scored: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T] log p(labels[:, t + 1] | ..t) at position t (0 where the label is IGNORE_INDEX and at the last
     position), from the final hidden states, chunk_size positions at a time; with gradients each chunk is
-    recomputed in the backward pass (its logits are not kept). `scored`: the flat indices (into B x T) of the
+    recomputed in the backward pass (its logits are not kept) when the pass's fp32 log-probs would take more than
+    KEEP_LOGPS_BYTES (64 MiB), else kept for it. `scored`: the flat indices (into B x T) of the
     positions whose next label is not IGNORE_INDEX (`scored_positions`): only those go through the head (TRL's
     logits_to_keep, without the prompt and padding positions it keeps); None: every position. `targets` (with
     `scored`, which may then repeat a position): the token each scored position is scored on, in place of the next
@@ -71,10 +78,11 @@ def token_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
         flat = flat.index_select(0, scored)
         targets = targets if given else targets.index_select(0, scored)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    recompute = grad and flat.shape[0] * weight.shape[0] * 4 > KEEP_LOGPS_BYTES
     parts = []
     for start in range(0, flat.shape[0], chunk_size):
         args = (flat[start:start + chunk_size], weight, bias, targets[start:start + chunk_size], softcap)
-        parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False) if grad else _chunk_logps(*args))
+        parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False) if recompute else _chunk_logps(*args))
     picked = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
     if given:
         return picked.view(1, -1)

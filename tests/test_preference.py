@@ -170,6 +170,39 @@ def test_chunking_keeps_values(setup):
     assert ca.tolist() == cb.tolist() and min(ca.tolist()) > 0
 
 
+def test_the_heads_log_probs_are_recomputed_in_backward_only_when_large(monkeypatch):
+    """The output head's chunks are recomputed in the backward pass (torch.utils.checkpoint) only when the pass's
+    fp32 log-probs over the vocabulary would take more than KEEP_LOGPS_BYTES (64 MiB); below it the recomputation
+    (the head's forward pass again) cost time for memory no one needed.
+    The gradients are the same either way: the same operations on the same tensors in one process
+    (exact equality is justified: no reduction runs in another order)."""
+    import harness.preference as preference
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 9, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 9), generator=g)
+    labels[0, :3] = IGNORE_INDEX
+    calls = []
+    real = preference.checkpoint
+    monkeypatch.setattr(preference, "checkpoint", lambda fn, *a, **k: calls.append(1) or real(fn, *a, **k))
+    grads = {}
+    for threshold in (preference.KEEP_LOGPS_BYTES, 0):  # this size, then as if it were large
+        monkeypatch.setattr(preference, "KEEP_LOGPS_BYTES", threshold)
+        calls.clear()
+        out = preference.token_logps(hidden, weight, labels, chunk_size=4)
+        out.sum().backward()
+        grads[threshold] = (out.detach(), hidden.grad.clone(), weight.grad.clone(), len(calls))
+        hidden.grad, weight.grad = None, None
+    kept, recomputed = grads.values()
+    assert kept[3] == 0 and recomputed[3] == 5  # 18 positions in chunks of 4: 5 chunks checkpointed
+    assert all(torch.equal(a, b) for a, b in zip(kept[:3], recomputed[:3]))
+    with torch.no_grad():  # no gradients: never checkpointed
+        calls.clear()
+        preference.token_logps(hidden, weight, labels, chunk_size=4)
+        assert not calls
+
+
 def test_layouts_and_labels(setup):
     """TRL's three layouts: the implicit prompt is the shared turns; labels only on the completion."""
     row = pairs.preference_record(RECORDS[2], "f.jsonl:3")
