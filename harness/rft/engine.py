@@ -183,7 +183,7 @@ class ContinuousEngine:
         return torch.stack(cache.k), torch.stack(cache.v), logits
 
     # ------------------------------------------------------------------------------------------- the loop
-    @torch.no_grad()
+    @torch.inference_mode()  # (no_grad keeps autograd's bookkeeping, version counters and views, on every operation)
     def generate(self, prompts: list[str], n: int, temperature: float = 1.0, top_p: float = 1.0,
                  greedy: bool = False, seed=0,
                  on_done: Optional[Callable[[int, list[str]], None]] = None) -> list[list[str]]:
