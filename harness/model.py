@@ -42,8 +42,8 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str = "auto",
     try:
         tok = AutoTokenizer.from_pretrained(src, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
-        hint = (f" (model.tokenizer is null, so the tokenizer is model.name_or_path's own: set model.tokenizer to a "
-                f"hub id, a folder, or 'bundled')" if not cfg.tokenizer and cfg.name_or_path else "")
+        hint = (" (model.tokenizer is null, so the tokenizer is model.name_or_path's own: set model.tokenizer to a "
+                "hub id, a folder, or 'bundled')" if not cfg.tokenizer and cfg.name_or_path else "")
         raise ConfigError(f"config key 'model.tokenizer': cannot load tokenizer '{src}': "
                           f"{str(e).splitlines()[0]}{hint}")
     if tok.pad_token is None:
