@@ -375,6 +375,8 @@ def test_rollouts_train_on_the_tokens_sampled():
 
     seen, chunk = [], preference._chunk_logps
     preference._chunk_logps = lambda h, *a: seen.append(h.shape[0]) or chunk(h, *a)
+    for item in ro.items:  # (both greedy answers score alike: advantage 0, left out of the pass but for one row)
+        item["advantages"] = [1.0, -1.0]
     try:
         batch = ro.batch(ro.items)
         logps = completion_logps(model, batch, 64, 1.0)  # (at the sampling's 1e-6 the argmax's log-prob is 0)
@@ -471,7 +473,10 @@ def test_mask_truncated_completions_leaves_cut_answers_out_of_the_loss():
                       64, 0, lambda m: None)
         batches, _ = ro.generate([torch.tensor([0, 1, 2, 3])], step=1)
         answers = [a for it in ro.items for a in it["answers"]]
-        trained = (batches[0]["labels"] != IGNORE_INDEX).sum(1).tolist()
+        for item in ro.items:  # (a random model's rewards are all 0: every answer in the pass with advantage 0 but one)
+            item["advantages"] = [1.0] * len(item["answers"])
+        trained = (ro.batch(ro.items)["labels"] != IGNORE_INDEX).sum(1).tolist()
+        assert int(batches[0]["all_tokens"]) == sum(trained)  # the step's token count: the answers left out too
         got[on] = (answers, trained)
     answers, trained = got[True]
     assert answers == got[False][0]  # the same draws
@@ -479,6 +484,61 @@ def test_mask_truncated_completions_leaves_cut_answers_out_of_the_loss():
     assert any(cut) and not all(cut)
     assert trained == [0 if c else len(a) for a, c in zip(answers, cut)]
     assert got[False][1] == [len(a) for a in answers]
+
+
+def test_answers_of_advantage_0_are_left_out_of_the_pass_with_the_same_update():
+    """With rl.beta 0 an answer of advantage exactly 0 (a question whose answers all scored alike) adds nothing to the
+    loss or its gradient, so the training pass leaves it out (Rollouts.trained): the step's loss and every gradient
+    equal those of the pass over every answer (within 1e-5 relative: the rows are packed otherwise, so fp32 sums run
+    in another order), its token count (the dapo denominator, clip_fraction's) counts the answers left out, and a
+    micro-batch of flat questions only keeps one row (every process runs its pass)."""
+    from accelerate import Accelerator
+
+    from harness import model as model_lib
+    from harness.config import load_config
+    from harness.rft.tasks import build_task
+    from harness.rl.rollout import Rollouts
+
+    cfg = load_config("configs/grpo-tiny.yaml", [*TINY, "rl.num_generations=4", "rft.max_new_tokens=6",
+                                                 "rl.questions_per_step=3"])
+    tok = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
+    torch.manual_seed(0)
+    model = model_lib.build_model(cfg.model, tok).float()
+    ro = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, Accelerator(cpu=True), model, tok, build_task(cfg.rft),
+                  64, 0, lambda m: None)
+    ro.generate([torch.tensor([0, 1, 2])], step=1)
+    flat_rewards = [[1.0] * 4, [0.0, 1.0, 1.0, 0.0], [0.0] * 4]  # questions 0 and 2 flat, question 1 not
+    for item, r in zip(ro.items, flat_rewards):
+        item["rewards"] = r
+        item["advantages"] = rl_loss.advantages(torch.tensor(r), 4, "group")[0].tolist()
+    assert ro.items[0]["advantages"] == [0.0] * 4 and 0.0 not in ro.items[1]["advantages"]
+
+    def step(batch):
+        model.zero_grad(set_to_none=True)
+        logps = completion_logps(model, batch, 64)
+        mask = completion_mask(batch)
+        per_token, _, _ = rl_loss.per_token_terms(logps, None, batch["advantages"].to(logps.device), 0.2, 0.28,
+                                                  0.0, None, mask)
+        loss = rl_loss.loss_sum("dapo", per_token, mask) / int(batch["all_tokens"])
+        loss.backward()
+        return loss.detach(), _grads(model), int(mask.sum()) + int(batch["skipped_tokens"])
+    kept = ro.batch(ro.items)
+    assert kept["input_ids"].shape[0] == 4 and int(kept["all_answers"]) == 12  # question 1's answers only
+    every = Rollouts.trained
+    Rollouts.trained = lambda self, items: [(j, g) for j, it in enumerate(items) for g in range(len(it["answers"]))]
+    try:
+        full = ro.batch(ro.items)
+    finally:
+        Rollouts.trained = every
+    assert full["input_ids"].shape[0] == 12 and int(full["skipped_tokens"]) == 0
+    (loss_a, grads_a, tokens_a), (loss_b, grads_b, tokens_b) = step(kept), step(full)
+    assert abs(float(loss_a) - float(loss_b)) < 1e-6  # terms of ~1 (the ratio 1 x advantages of ~1) that cancel: ~0
+    assert tokens_a == tokens_b == int(full["all_tokens"]) and set(grads_a) == set(grads_b)
+    for name in grads_b:
+        _close(grads_a[name], grads_b[name])
+    for item in ro.items:  # every question flat: one row is kept
+        item["advantages"] = [0.0] * 4
+    assert ro.batch(ro.items)["input_ids"].shape[0] == 1
 
 
 def test_lora_rollouts_sample_the_adapted_model_and_score_the_reference_with_adapters_off():

@@ -64,10 +64,11 @@ def padding_free(batch: dict, pad_id: int) -> dict:
             "packed_tokens": torch.tensor(sum(lengths))}
 
 
-def shared_prompts(batch: dict, prompt_lens: list[int], group: int, pad_id: int) -> dict:
-    """The rows of `batch` (`rows`, with its `scored`; rows q x group .. (q + 1) x group - 1 answer question q, whose
-    prompt has prompt_lens[q] tokens) for a forward pass that runs each prompt once for several of its answers: a
-    unit is a prompt followed by answers of it, up to twice the batch's width in all (prompt + answers; a question's
+def shared_prompts(batch: dict, prompt_lens: list[int], group, pad_id: int) -> dict:
+    """The rows of `batch` (`rows`, with its `scored`; question q, whose prompt has prompt_lens[q] tokens, is answered
+    by the next group[q] rows, or by `group` rows each when an int) for a forward pass that runs each prompt once for
+    several of its answers: a unit is a prompt followed by answers of it, up to twice the batch's width in all (prompt
+    + answers; a question's
     answers that do not fit start another unit with the prompt again), units packed into rows (best-fit decreasing).
     An answer's tokens have the position ids its own row would give them (prompt length on) and attend to its prompt
     and to itself only: `packed_unit` and `packed_answer` ([rows, width] ids) from which `answer_mask` builds the
@@ -80,9 +81,13 @@ def shared_prompts(batch: dict, prompt_lens: list[int], group: int, pad_id: int)
     n_rows, width = mask.shape
     lengths, cap = mask.sum(1).tolist(), 2 * width
     units: list[tuple[int, list[int]]] = []  # (question, its answers' rows)
+    counts = [group] * len(prompt_lens) if isinstance(group, int) else list(group)
+    first = 0
     for q, p in enumerate(prompt_lens):
         unit, size = [], p
-        for i in range(q * group, (q + 1) * group):
+        rows_q = range(first, first + counts[q])
+        first += counts[q]
+        for i in rows_q:
             if unit and size + lengths[i] - p > cap:
                 units.append((q, unit))
                 unit, size = [], p

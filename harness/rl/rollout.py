@@ -233,8 +233,11 @@ class Rollouts:
                     with model.disable_adapter() if name == "ref_logps" and self.peft else contextlib.nullcontext():
                         batch[name] = completion_logps(model, batch, self.chunk_size, self.r.temperature)
                     on = completion_mask(batch).bool()
-                    for j, item in enumerate(items[k * per:(k + 1) * per]):
-                        item[name] = [batch[name][j * G + g][on[j * G + g]].cpu() for g in range(G)]
+                    mine = items[k * per:(k + 1) * per]
+                    for item in mine:
+                        item[name] = [None] * G  # (an answer left out of the pass has none: `trained`)
+                    for row, (j, g) in enumerate(self.trained(mine)):
+                        mine[j][name][g] = batch[name][row][on[row]].cpu()
         self.items = items
         self.scale(out)
         return out, self.figures_of(items)
@@ -245,19 +248,38 @@ class Rollouts:
         if not self.engine.compiled:
             self.engine.cache = None
 
+    def trained(self, items: list[dict]) -> list[tuple[int, int]]:
+        """The (item, answer) pairs of a micro-batch that its training pass runs, in row order. With rl.beta 0 an
+        answer of advantage exactly 0 (every answer of a question whose rewards are all equal, an answer no function
+        scored) adds exactly nothing to the loss or its gradient: -min(r x 0, clip(r) x 0) whatever its log-probs;
+        it is left out of the pass (its tokens still count in the step's denominator and the log). One is kept when
+        none is left, so that every process runs its pass (DDP's and DeepSpeed's collectives) and the loss check
+        sees one. With rl.beta > 0 every answer (the KL term has a gradient)."""
+        pairs = [(j, g) for j, it in enumerate(items) for g in range(len(it["answers"]))]
+        if self.rl.beta:
+            return pairs
+        return [(j, g) for j, g in pairs if items[j]["advantages"][g] != 0.0] or pairs[:1]
+
     def batch(self, items: list[dict]) -> dict:
-        """A micro-batch of questions' answers (G rows each), with the log-probs the items carry."""
-        G, dev = self.rl.num_generations, self.accelerator.device
-        batch = rows([it["prompt"] for it in items for _ in range(G)], [a for it in items for a in it["answers"]],
-                     self.tok.pad_token_id)
-        batch["advantages"] = torch.tensor([a for it in items for a in it["advantages"]], dtype=torch.float32)
+        """A micro-batch of questions' answers (a row each: `trained`), with the log-probs the items carry;
+        `all_answers` and `all_tokens` count every answer of the items and its tokens (the step's denominator),
+        `skipped_tokens` those of the answers left out."""
+        dev = self.accelerator.device
+        pairs = self.trained(items)
+        answers = [items[j]["answers"][g] for j, g in pairs]
+        batch = rows([items[j]["prompt"] for j, _ in pairs], answers, self.tok.pad_token_id)
+        batch["advantages"] = torch.tensor([items[j]["advantages"][g] for j, g in pairs], dtype=torch.float32)
         if self.rl.mask_truncated_completions:  # answers cut at rft.max_new_tokens: no loss (TRL's masking)
-            cut = [len(a) >= self.r.max_new_tokens and a[-1] != self.tok.eos_token_id
-                   for it in items for a in it["answers"]]
-            batch["labels"][torch.tensor(cut)] = IGNORE_INDEX
+            batch["labels"][torch.tensor([self.cut(a) for a in answers])] = IGNORE_INDEX
+        every = [a for it in items for a in it["answers"]]
+        tokens = sum(0 if self.rl.mask_truncated_completions and self.cut(a) else len(a) for a in every)
+        batch["all_answers"], batch["all_tokens"] = torch.tensor(len(every)), torch.tensor(tokens)
+        batch["skipped_tokens"] = torch.tensor(tokens - int((batch["labels"] != IGNORE_INDEX).sum()))
         batch["scored"] = scored_positions(batch["labels"])  # on the host: the head's positions, no device sync
         if self.layout == "shared_prompts":
-            batch.update(shared_prompts(batch, [len(it["prompt"]) for it in items], G, self.tok.pad_token_id))
+            counts = [sum(1 for j, _ in pairs if j == k) for k in range(len(items))]
+            batch.update(shared_prompts(batch, [len(it["prompt"]) for it, c in zip(items, counts) if c],
+                                        [c for c in counts if c], self.tok.pad_token_id))
         elif self.layout == "packed":
             batch.update(padding_free(batch, self.tok.pad_token_id))
         batch = {k: v.to(dev) for k, v in batch.items()}
@@ -265,9 +287,13 @@ class Rollouts:
         for name in ("old_logps", "ref_logps"):
             if name in items[0]:
                 t = torch.zeros(on.shape, dtype=torch.float32, device=dev)
-                t[on] = torch.cat([v.to(dev) for it in items for v in it[name]])
+                t[on] = torch.cat([items[j][name][g].to(dev) for j, g in pairs])
                 batch[name] = t
         return batch
+
+    def cut(self, answer: list[int]) -> bool:
+        """An answer cut at rft.max_new_tokens (no EOS): rl.mask_truncated_completions leaves it out of the loss."""
+        return len(answer) >= self.r.max_new_tokens and answer[-1] != self.tok.eos_token_id
 
     def figures_of(self, items: list[dict]) -> StepSums:
         """The batch's sums for the log line (and each reward function's, `fn_sums`)."""
@@ -328,9 +354,8 @@ class Rollouts:
 
     def scale(self, batches: list[dict]) -> None:
         """Each micro-batch's factor W x A / the step's denominator (rl.loss_type; one all-reduce of the counts)."""
-        local = torch.tensor([sum(b["labels"].shape[0] for b in batches),
-                              sum(int(completion_mask(b).sum()) for b in batches)], dtype=torch.float64,
-                             device=self.accelerator.device)
+        local = torch.tensor([sum(int(b["all_answers"]) for b in batches), sum(int(b["all_tokens"]) for b in batches)],
+                             dtype=torch.float64, device=self.accelerator.device)
         completions, tokens = self.accelerator.reduce(local, "sum").tolist()
         total = rl_loss.denominator(self.rl.loss_type, completions, tokens, self.r.max_new_tokens)
         factor = torch.tensor(rl_loss.step_factor(self.accelerator.num_processes, self.accum, total),
