@@ -67,9 +67,9 @@ def padding_free(batch: dict, pad_id: int) -> dict:
 def shared_prompts(batch: dict, prompt_lens: list[int], group, pad_id: int) -> dict:
     """The rows of `batch` (`rows`, with its `scored`; question q, whose prompt has prompt_lens[q] tokens, is answered
     by the next group[q] rows, or by `group` rows each when an int) for a forward pass that runs each prompt once for
-    several of its answers: a unit is a prompt followed by answers of it, up to twice the batch's width in all (prompt
-    + answers; a question's
-    answers that do not fit start another unit with the prompt again), units packed into rows (best-fit decreasing).
+    several of its answers: a unit is a prompt followed by answers of it, up to twice the batch's width in all
+    (prompt + answers; a question's answers that do not fit start another unit with the prompt again), units packed
+    into rows (best-fit decreasing).
     An answer's tokens have the position ids its own row would give them (prompt length on) and attend to its prompt
     and to itself only: `packed_unit` and `packed_answer` ([rows, width] ids) from which `answer_mask` builds the
     [rows, 1, width, width] boolean mask on the device (given to the model as a custom 4D mask: sdpa attention).
