@@ -183,7 +183,8 @@ def test_left_padded_prompts_and_two_micro_batches_equal_trl(fixed, loss_type):
         batch["scored"] = scored_positions(batch["labels"])
         # the forward pass as a run's (rl.rows: shared_prompts): the question's prompt once, its 3 answers after it
         batch.update(shared_prompts(batch, [len(plist[idx[0]])], GROUP, tok.pad_token_id))
-        assert batch["packed_input_ids"].shape[0] == 1
+        assert batch["packed_input_ids"].shape[0] == 2  # one row, and a row of padding (`two_rows`)
+        assert (batch["packed_input_ids"][1] == tok.pad_token_id).all()
         mask = completion_mask(batch)
         start = len(plist[idx[0]]) - 1
 
@@ -491,7 +492,7 @@ def test_answers_of_advantage_0_are_left_out_of_the_pass_with_the_same_update():
     loss or its gradient, so the training pass leaves it out (Rollouts.trained): the step's loss and every gradient
     equal those of the pass over every answer (within 1e-5 relative: the rows are packed otherwise, so fp32 sums run
     in another order), its token count (the dapo denominator, clip_fraction's) counts the answers left out, and a
-    micro-batch of flat questions only keeps one row (every process runs its pass)."""
+    micro-batch of flat questions keeps two answers (every process runs its pass, of more than one row)."""
     from accelerate import Accelerator
 
     from harness import model as model_lib
@@ -536,9 +537,42 @@ def test_answers_of_advantage_0_are_left_out_of_the_pass_with_the_same_update():
     assert tokens_a == tokens_b == int(full["all_tokens"]) and set(grads_a) == set(grads_b)
     for name in grads_b:
         _close(grads_a[name], grads_b[name])
-    for item in ro.items:  # every question flat: one row is kept
+    for item in ro.items:  # every question flat: two answers kept, in two packed rows (one of padding)
         item["advantages"] = [0.0] * 4
-    assert ro.batch(ro.items)["input_ids"].shape[0] == 1
+    lone = ro.batch(ro.items)
+    assert lone["input_ids"].shape[0] == 2 and lone["packed_input_ids"].shape[0] == 2
+
+
+@pytest.mark.parametrize("mode", ["packed", "shared_prompts"])
+def test_a_lone_packed_row_gets_a_row_of_padding_and_the_same_log_probs(mode):
+    """A training pass of one packed row (one question's short answers; the answers Rollouts.trained keeps from
+    flat questions) had a batch dimension of 1, for which torch.compile specializes: the blocks were compiled
+    again (1 recompile after step 1 in 45 steps of the RL benchmark under train.compile=regional). The packed forms
+    add a row of padding to a lone row (`two_rows`), its own document: the log-probs and gradients are the padded
+    rows' (within 1e-5: other shapes, other fp32 sums)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    model.config._attn_implementation = "sdpa"
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 64, (5,), generator=g).tolist()
+    comps = [torch.randint(3, 64, (n,), generator=g).tolist() for n in ((3,) if mode == "packed" else (3, 2))]
+    padded = rows([prompt] * len(comps), comps, 0)  # packed: prompt + answer whole a row; shared: one unit
+    padded["scored"] = scored_positions(padded["labels"])
+    extra = padding_free(padded, 0) if mode == "packed" else shared_prompts(padded, [5], 2, 0)
+    packed = {**padded, **extra}
+    assert packed["packed_input_ids"].shape[0] == 2 and (packed["packed_input_ids"][1] == 0).all()
+    got = []
+    for batch in (padded, packed):
+        model.zero_grad()
+        logps = completion_logps(model, batch, chunk_size=16)
+        logps.sum().backward()
+        got.append((logps.detach(), _grads(model)))
+    _close(got[1][0], got[0][0])
+    for name, grad in got[0][1].items():
+        _close(got[1][1][name], grad)
 
 
 def test_lora_rollouts_sample_the_adapted_model_and_score_the_reference_with_adapters_off():

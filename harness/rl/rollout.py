@@ -252,13 +252,14 @@ class Rollouts:
         """The (item, answer) pairs of a micro-batch that its training pass runs, in row order. With rl.beta 0 an
         answer of advantage exactly 0 (every answer of a question whose rewards are all equal, an answer no function
         scored) adds exactly nothing to the loss or its gradient: -min(r x 0, clip(r) x 0) whatever its log-probs;
-        it is left out of the pass (its tokens still count in the step's denominator and the log). One is kept when
-        none is left, so that every process runs its pass (DDP's and DeepSpeed's collectives) and the loss check
-        sees one. With rl.beta > 0 every answer (the KL term has a gradient)."""
+        it is left out of the pass (its tokens still count in the step's denominator and the log). Two are kept when
+        none is left, so that every process runs its pass (DDP's and DeepSpeed's collectives) of more than one row
+        (rl.rows padded: one row would make torch.compile compile the blocks again; the packed forms add a row,
+        `two_rows`). With rl.beta > 0 every answer (the KL term has a gradient)."""
         pairs = [(j, g) for j, it in enumerate(items) for g in range(len(it["answers"]))]
         if self.rl.beta:
             return pairs
-        return [(j, g) for j, g in pairs if items[j]["advantages"][g] != 0.0] or pairs[:1]
+        return [(j, g) for j, g in pairs if items[j]["advantages"][g] != 0.0] or pairs[:2]
 
     def batch(self, items: list[dict]) -> dict:
         """A micro-batch of questions' answers (a row each: `trained`), with the log-probs the items carry;
