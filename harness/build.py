@@ -225,6 +225,8 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
     start = resume.choose(replace(plan, cfg=cfg), accelerator, out, zero["zero_stage"], weights)
     # the compiler's model-independent start-up (imports, CPU ISA probe, worker pool) overlaps the set-up below
     watch = CompileWatch(compile_mode, accelerator.device, zero["zero_stage"]) if compile_mode != "none" else None
+    if watch is not None:
+        opened.callback(watch.close)
     tf32 = hardware.enable_tf32(cfg.train.tf32)
     sampler = monitor.start_sampler(cfg.train.monitor_interval_s, accelerator.is_main_process)  # GPU/CPU utilisation
     if sampler is not None:

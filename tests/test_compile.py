@@ -95,6 +95,41 @@ def test_probe_counts_without_recompiling_the_graph_it_sits_in():
     assert probe.calls == {"compiled": 12, "eager": 3}
 
 
+def test_code_compiled_over_the_blocks_runs_on_after_the_report_without_compiling_again():
+    """The run's report comes before its final evaluation; code compiled over the whole model (the RL engine's
+    decode step) guards on the blocks' forward hooks, so the probe stays on them until the run's exit (`close()`).
+    Before, the report removed it and the final evaluation compiled the decode step again (on CUDA: a new graph and
+    new CUDA graph captures for every batch bucket)."""
+    import torch
+    import torch._dynamo
+
+    from torch._dynamo.utils import counters
+
+    from harness.speed.compiling import CompileWatch, dynamo_counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+    watch = CompileWatch("full", torch.device("cpu"))
+    watch.model_built(torch.nn.Sequential(blocks))
+    watch.toolchain = watch.startup.join()
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def step(x):  # the model called inside a compiled function: its hooks are traced and guarded
+        for b in blocks:
+            x = torch.relu(b(x))
+        return x
+
+    step(torch.randn(2, 8))
+    watch.first_step_done(1.0)
+    rep = watch.report(1.0, 1, lambda line: None)
+    assert rep["block_calls_compiled"] == 2, rep
+    step(torch.randn(2, 8))  # the final evaluation
+    assert dynamo_counters()["graphs"] == watch.after_first["graphs"] == 1  # no second graph
+    watch.close()  # the run's exit: the blocks as they were
+    assert all(not b._forward_pre_hooks for b in blocks)
+
+
 def test_recompile_limit_hit_is_counted_and_said():
     """A code object past dynamo's recompile limit runs eagerly from then on with no more than a log warning; the
     run's compile watch catches that warning, names the function in the report and says so in one line."""
@@ -119,7 +154,8 @@ def test_recompile_limit_hit_is_counted_and_said():
     rep = watch.report(1.0, 1, said.append)
     assert len(rep["recompile_limit_hit"]) == 1 and "double" in rep["recompile_limit_hit"][0], rep
     assert sum("hit dynamo's recompile limit" in line for line in said) == 1, said
-    double(torch.ones(5))  # the watch is closed with the report: nothing more is counted
+    watch.close()  # at the run's exit
+    double(torch.ones(5))  # the watch is closed: nothing more is counted
     assert len(watch.limit.functions) == 1
 
 

@@ -270,8 +270,9 @@ class CompileWatch:
         self.first_step_s, self.after_first = seconds, dynamo_counters()
 
     def report(self, train_time_s: float, steps: int, say: Callable[[str], None]) -> dict:
-        self.probe.remove()
-        self.limit.close()
+        """report.json's `compile` section at the end of the loop. The probe stays on the blocks until `close()`:
+        code compiled over them (the RL engine's decode step traces the model whole) guards on the blocks' hooks,
+        and removing them here made the final evaluation compile that code again."""
         now, calls = dynamo_counters(), self.probe.calls  # calls: read off the device once
         before, after = self.before_first["compile_time_s"], self.after_first["compile_time_s"]
         out = {
@@ -304,3 +305,10 @@ class CompileWatch:
         if not out["ran_compiled"]:
             say("[harness] warning: torch.compile was requested but no compiled decoder block ever ran")
         return out
+
+    def close(self) -> None:
+        """At the run's exit (its ExitStack), after the final evaluation: the probe off the blocks, the recompile-limit
+        watch off dynamo's logger."""
+        if self.probe is not None:
+            self.probe.remove()
+        self.limit.close()
