@@ -336,6 +336,8 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
                                 rl_task(cfg.rl, cfg.rft, cfg.data.cache_dir), chunk_size, zero["zero_stage"], say,
                                 convert=float8.convert_blocks if started.precision == "fp8" else None)
         accelerator.register_for_checkpointing(objective.rl)  # the half-used generation batch, with each checkpoint
+        if started.compile is not None:  # the engine's compiled decode step: graphs of its own, not recompiles
+            started.compile.apart = lambda: objective.rl.engine.step.compiled_graphs
         say(f"[harness] rl: {cfg.rl.algorithm}, {cfg.rl.questions_per_step} questions x {cfg.rl.num_generations} "
             f"answers per generation batch, {cfg.rl.iterations} step(s) on each, loss_type {cfg.rl.loss_type}, "
             f"{len(objective.rl.questions)} train questions")

@@ -130,6 +130,49 @@ def test_code_compiled_over_the_blocks_runs_on_after_the_report_without_compilin
     assert all(not b._forward_pre_hooks for b in blocks)
 
 
+def test_graphs_compiled_apart_from_the_training_step_are_not_its_recompiles():
+    """loss.mode=rl with rft.compile (the CUDA default): the engine's decode step compiles graphs of its own after
+    step 1 (its greedy form at the first evaluation, a batch bucket first reached later). report.json gives them as
+    `generation_graphs`; `recompiles_after_first_step` stays the training step's (it said 1 for every such run)."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from harness.speed.compiling import CompileWatch
+
+    torch._dynamo.reset()
+    counters.clear()
+    watch = CompileWatch("full", torch.device("cpu"))
+    watch.model_built(torch.nn.Linear(2, 2))
+    watch.toolchain = watch.startup.join()
+    made = {"graphs": 0}
+    watch.apart = lambda: made["graphs"]
+
+    @torch.compile(backend="eager", dynamic=False)
+    def train(x):
+        return x * 2
+
+    @torch.compile(backend="eager", dynamic=False)
+    def decode(x):
+        return x + 1
+
+    def generate(n):  # the engine: counts what its calls compiled
+        before = counters["stats"]["unique_graphs"]
+        decode(torch.ones(n))
+        made["graphs"] += counters["stats"]["unique_graphs"] - before
+
+    generate(2)
+    train(torch.ones(2))
+    watch.first_step_done(1.0)
+    generate(3)  # a new bucket, after step 1
+    train(torch.ones(2))
+    rep = watch.report(2.0, 2, lambda line: None)
+    assert rep["recompiles_after_first_step"] == 0 and rep["generation_graphs"] == 2 and rep["graphs"] == 3, rep
+    train(torch.ones(5))  # the training step's own new shape: a recompile
+    assert watch.report(3.0, 3, lambda line: None)["recompiles_after_first_step"] == 1
+    watch.close()
+
+
 def test_recompile_limit_hit_is_counted_and_said():
     """A code object past dynamo's recompile limit runs eagerly from then on with no more than a log warning; the
     run's compile watch catches that warning, names the function in the report and says so in one line."""

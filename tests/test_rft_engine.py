@@ -76,7 +76,7 @@ def test_buckets():
 def test_the_compiled_step_runs_a_mixed_length_generation_without_recompiling(setup, monkeypatch):
     """torch.compile(fullgraph) of the decode step: one graph for all the buckets; after a first run has warmed it,
     a second whole generation (answers ending from the first token to max_new_tokens, rows refilled) compiles
-    nothing more."""
+    nothing more; a sampled one compiles the pick's other form. The step counts its own graphs."""
     import torch._dynamo
 
     model, tok, prompts, static = setup
@@ -94,6 +94,8 @@ def test_the_compiled_step_runs_a_mixed_length_generation_without_recompiling(se
     assert out == static and graphs() == warm  # no graph compiled, no recompilation
     assert e.cache.at is at and e.ring is ring
     assert e.compiled and e.stats.steps > 2 * NEW and max(e.stats.lengths) == NEW and min(e.stats.lengths) < 10
+    e.generate(prompts[:2], 2, temperature=1.0)  # sampled: the pick's other form, a graph of its own
+    assert e.step.compiled_graphs == graphs() - before == 2  # what the step compiled (CompileWatch reports it apart)
 
 
 def test_a_step_that_does_not_compile_runs_eagerly_with_one_line(setup):

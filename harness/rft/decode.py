@@ -240,6 +240,7 @@ class Step:
     def __init__(self, model, cache_arg: str, keep: dict, compiled: bool, say=print) -> None:
         self.model, self.cache_arg, self.keep, self.compiled, self.say = model, cache_arg, keep, compiled, say
         self.fn = self._run
+        self.compiled_graphs = 0  # graphs dynamo compiled in this step's calls (its buckets, both pick forms)
         self.cuda = next(model.parameters()).device.type == "cuda"
         _register_grouped()
         if compiled:
@@ -260,6 +261,7 @@ class Step:
 
     def _call(self, cache: SlotCache, n: int, ids, positions, table, *warpers) -> torch.Tensor:
         if self.compiled:
+            before = graphs()
             try:
                 return self._compiled(cache, n, ids, positions, table, *warpers)
             except torch.cuda.OutOfMemoryError:
@@ -268,6 +270,8 @@ class Step:
                 self.say(f"[rft] rft.compile: the decode step did not compile ({type(e).__name__}: "
                          f"{(str(e).strip().splitlines() or [''])[0][:200]}); it runs eagerly")
                 self.compiled, self.fn = False, self._run
+            finally:
+                self.compiled_graphs += graphs() - before
         return self.fn(ids, positions, cache, table, *warpers)
 
     def _compiled(self, cache: SlotCache, n: int, ids, positions, table, *warpers) -> torch.Tensor:

@@ -237,6 +237,10 @@ class CompileWatch:
         self.before_first = self.after_first = dynamo_counters()
         self.first_step_s = 0.0
         self.warmed: Optional[dict] = None  # harness.speed.buckets: embedding shapes run before step 1
+        # graphs compiled apart from the training step (loss.mode=rl: the engine's decode step, its batch buckets and
+        # its greedy form at the first evaluation): reported on their own, not as the step's recompiles
+        self.apart: Callable[[], int] = lambda: 0
+        self.apart_after_first = 0
 
     def model_built(self, model: torch.nn.Module) -> None:
         """Before `accelerator.prepare`."""
@@ -267,20 +271,21 @@ class CompileWatch:
 
     def first_step_done(self, seconds: float) -> None:
         """The first step of this process carries the (cold) compilation."""
-        self.first_step_s, self.after_first = seconds, dynamo_counters()
+        self.first_step_s, self.after_first, self.apart_after_first = seconds, dynamo_counters(), self.apart()
 
     def report(self, train_time_s: float, steps: int, say: Callable[[str], None]) -> dict:
         """report.json's `compile` section at the end of the loop. The probe stays on the blocks until `close()`:
         code compiled over them (the RL engine's decode step traces the model whole) guards on the blocks' hooks,
         and removing them here made the final evaluation compile that code again."""
-        now, calls = dynamo_counters(), self.probe.calls  # calls: read off the device once
+        now, calls, apart = dynamo_counters(), self.probe.calls, self.apart()  # calls: read off the device once
+        recompiles = now["graphs"] - self.after_first["graphs"] - (apart - self.apart_after_first)
         before, after = self.before_first["compile_time_s"], self.after_first["compile_time_s"]
         out = {
             "mode": self.mode, "first_step_s": self.first_step_s,
             "later_step_mean_s": (train_time_s - self.first_step_s) / max(1, steps - 1),
             "cold_compile_s": after, "compile_time_total_s": now["compile_time_s"],
             "graphs": now["graphs"], "frames_compiled": now["frames_compiled"],
-            "recompiles_after_first_step": now["graphs"] - self.after_first["graphs"],
+            "recompiles_after_first_step": recompiles, "generation_graphs": apart,
             "block_calls_compiled": calls["compiled"], "block_calls_eager": calls["eager"],
             "ran_compiled": calls["compiled"] > 0, "left_eager": self.left_eager,
             "compile_before_first_step_s": before, "recompile_limit_hit": list(self.limit.functions),
@@ -291,7 +296,9 @@ class CompileWatch:
             f"({self.first_step_s:.1f}s)"
             + (f", {before:.1f}s of it before the loop (warm-up / step-0 evaluation / batch trial)" if before else "")
             + f", {now['compile_time_s']:.1f}s in all; {now['graphs']} graphs, {out['recompiles_after_first_step']} "
-            f"recompiles after step 1; decoder-block calls compiled {calls['compiled']}, eager {calls['eager']}")
+            f"recompiles after step 1; decoder-block calls compiled {calls['compiled']}, eager {calls['eager']}"
+            + (f"; the generation's decode step: {apart} of the graphs (its batch buckets, sampled and greedy)"
+               if apart else ""))
         t = self.toolchain
         if t:
             say(f"[harness] compiler start-up before the first step: imports {t['toolchain_import_s']:.1f}s, "
