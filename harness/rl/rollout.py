@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+from collections import Counter
 
 import torch
 
@@ -263,8 +264,8 @@ class Rollouts:
 
     def batch(self, items: list[dict]) -> dict:
         """A micro-batch of questions' answers (a row each: `trained`), with the log-probs the items carry;
-        `all_answers` and `all_tokens` count every answer of the items and its tokens (the step's denominator),
-        `skipped_tokens` those of the answers left out."""
+        `all_answers` and `all_tokens` count every answer of the items and its tokens, those left out too (the
+        step's denominator)."""
         dev = self.accelerator.device
         pairs = self.trained(items)
         answers = [items[j]["answers"][g] for j, g in pairs]
@@ -275,10 +276,10 @@ class Rollouts:
         every = [a for it in items for a in it["answers"]]
         tokens = sum(0 if self.rl.mask_truncated_completions and self.cut(a) else len(a) for a in every)
         batch["all_answers"], batch["all_tokens"] = torch.tensor(len(every)), torch.tensor(tokens)
-        batch["skipped_tokens"] = torch.tensor(tokens - int((batch["labels"] != IGNORE_INDEX).sum()))
         batch["scored"] = scored_positions(batch["labels"])  # on the host: the head's positions, no device sync
         if self.layout == "shared_prompts":
-            counts = [sum(1 for j, _ in pairs if j == k) for k in range(len(items))]
+            kept = Counter(j for j, _ in pairs)  # answers kept per question
+            counts = [kept[k] for k in range(len(items))]
             batch.update(shared_prompts(batch, [len(it["prompt"]) for it, c in zip(items, counts) if c],
                                         [c for c in counts if c], self.tok.pad_token_id))
         elif self.layout == "packed":
