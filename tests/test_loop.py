@@ -133,6 +133,30 @@ def test_keep_best_checkpoints_a_new_best_and_rotation_keeps_it(tmp_path):
     assert not plain.due(2, forced=False) and plain.kept() is None
 
 
+def test_a_new_bests_export_is_left_out_of_the_training_clock(tmp_path):
+    """train.keep_best: the checkpoint of a new best evaluation is exported to best/ (save_pretrained: a minute for a
+    7B model); that time goes to the save, which the training clock leaves out (`on_saved`). It counted as training
+    before: the log interval's tokens/s after a new best fell (1/6 in a grpo-tiny run), and the report's step times
+    that `harness plan` calibrates from grew."""
+    import time
+
+    best = BestMetric("eval_loss", higher=False, patience=0, min_delta=0.0)
+    saved = []
+
+    def export():
+        time.sleep(0.2)
+        return tmp_path / "best"
+
+    ckpt = store.Checkpointer(None, tmp_path, every_steps=0, every_minutes=0, keep=1, say=print,
+                              on_saved=saved.append, best=best, export_best=export)
+    ckpt.write = lambda loop_state: ckpt.folder(loop_state["step"])  # the collective write: tests/test_checkpoint.py
+    best.observe(2, {"eval_loss": 3.0})
+    ckpt.save({"step": 2})
+    assert len(saved) == 1 and saved[0] >= 0.2, saved  # one save: the checkpoint and the export
+    ckpt.save({"step": 3})  # not a new best: the checkpoint alone
+    assert len(saved) == 2, saved
+
+
 def test_stop_at_step_equal_to_the_planned_end_is_no_early_stop():
     assert stop_reason(StopFlags(), 20, stop_at=20, total_steps=20, nonfinite=False) is None
 

@@ -282,10 +282,10 @@ class Checkpointer:
         t = time.time()
         path = self.write(loop_state)
         self.last_save, self.last_step = time.time(), loop_state["step"]
-        self.cost_s = self.last_save - t
-        self.on_saved(self.cost_s)
+        self.cost_s = self.last_save - t  # the checkpoint's own (the stop decision keeps room for one more)
         self.say(f"[harness] checkpoint: {path} ({self.cost_s:.1f}s)")
-        if self._new_best(loop_state["step"]):  # the same weights, exported (its time is the export's own)
+        if self._new_best(loop_state["step"]):  # the same weights, exported
             self.say(f"[harness] best {self.best.metric} {self.best.value:.4f} at step {self.best.step}: "
                      f"{self.export_best()}")
+        self.on_saved(time.time() - t)  # the checkpoint and its best/ export: out of the training clock
         return path
