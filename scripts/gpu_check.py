@@ -137,8 +137,11 @@ TOKENS_PER_ROW = 2048  # configs/gpu-1b.yaml data.max_len (packed rows)
 # DeepSpeed knobs for the bisection of the ZeRO loss gap: each a patch of the shipped ds_configs/zero2.json
 LONG_LENGTHS = (8192, 16384, 32768, 65536)
 # issue 57: GRPO on the random ~1B (the arithmetic task's prompts; a random model's answers run to max_new_tokens)
+# rft.num_test_questions=0: no greedy evaluation at the end (a graph of its own to compile and 100 answers of up to
+# 256 tokens, inside the variant's cap; the visit measures the steps)
 RL_1B = ("loss.mode=rl", "rl.questions_per_step=8", "rl.num_generations=16", "rl.loss_type=dapo", "rl.beta=0.0",
-         "rft.max_new_tokens=256", "train.log_every=1", "train.micro_batch_size=8", "data.packing=false")
+         "rft.max_new_tokens=256", "train.log_every=1", "train.micro_batch_size=8", "data.packing=false",
+         "rft.num_test_questions=0")
 # issue 57 / 52: the engine's mixed-length workload (answers from 1 to max_new_tokens: `harness rft bench --mixed`)
 MIXED_WORKLOAD = ("rft.max_new_tokens=512", "rft.stop_strings=[Question,'###']")
 BENCH_MIXED: tuple = ()  # harness rft bench's flag for that workload (issue 52's bench)
@@ -629,8 +632,11 @@ def train_command(name: str, v: Variant, steps: int, out_root: Path, extra: list
         extra = ["data.eval_files=[]", "train.log_every=1", *extra]
     patch = deep_merge(v.ds_patch or {}, ds_patch or {}) if v.accel.startswith("zero") else None
     accel_yaml, ds = launch_configs(name, v.accel, patch, out_root, cpu)
+    # no final checkpoint: the check reads metrics.jsonl and report.json, and the ~1B model's weights and AdamW state
+    # (~13 GB) took seconds to a minute of each variant's cap
     args = [f"train.output_dir={out_root / name}", f"train.max_steps={steps}", "train.resume=null",
-            "train.monitor_interval_s=1", *overrides, *(v.cpu_overrides if cpu else ()), *extra]
+            "train.monitor_interval_s=1", "train.save_final_checkpoint=false", *overrides,
+            *(v.cpu_overrides if cpu else ()), *extra]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accel_yaml), "--num_processes",
            str(v.processes), str(ROOT / "harness" / "train.py"), "--config", str(ROOT / "configs" / recipe), *args]
     return cmd, accel_yaml, {"json": ds, "patch": patch} if ds else None, args

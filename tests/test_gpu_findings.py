@@ -198,3 +198,6 @@ def test_the_visit_preset_runs_on_a_cpu(tmp_path, all_cpus):
     assert rows[0]["tokens_per_s"] > 0 and rows[1]["tokens_per_s"] > 0
     assert rows[2]["rl"]["gen_s_per_step"] > 0 and rows[2]["rl"]["train_s_per_step"] > 0
     assert rows[3]["compile"]["mode"] == "regional" and rows[5]["zero_stage"] == 3 and rows[6]["precision"] == "fp8"
+    # none of the visit's time on what it does not read: no final checkpoint, no greedy evaluation after GRPO's steps
+    assert not [r["variant"] for r in rows[2:] if (tmp_path / "runs" / r["variant"] / "checkpoints").exists()]
+    assert "eval at step" not in (tmp_path / "runs" / "grpo_1b.log").read_text()
