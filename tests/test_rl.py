@@ -182,7 +182,7 @@ def test_left_padded_prompts_and_two_micro_batches_equal_trl(fixed, loss_type):
         batch = rows([plist[i] for i in idx], [comps[i] for i in idx], tok.pad_token_id)
         batch["scored"] = scored_positions(batch["labels"])
         # the forward pass as a run's (rl.rows: shared_prompts): the question's prompt once, its 3 answers after it
-        batch.update(shared_prompts(batch, [len(plist[idx[0]])], GROUP, tok.pad_token_id))
+        batch.update(shared_prompts(batch, [len(plist[idx[0]])], [GROUP], tok.pad_token_id))
         assert batch["packed_input_ids"].shape[0] == 2  # one row, and a row of padding (`two_rows`)
         assert (batch["packed_input_ids"][1] == tok.pad_token_id).all()
         mask = completion_mask(batch)
@@ -243,7 +243,7 @@ def test_rows_without_padding_give_the_padded_rows_log_probs_and_gradients(fixed
         assert packed["packed_input_ids"].shape[1] <= width
         assert packed["packed_input_ids"].numel() < real * 1.3 < padded["input_ids"].numel()
     else:
-        packed = {**padded, **shared_prompts(padded, [len(p) for p in prompts], 4, tok.pad_token_id)}
+        packed = {**padded, **shared_prompts(padded, [len(p) for p in prompts], [4] * len(prompts), tok.pad_token_id)}
         assert packed["packed_input_ids"].shape[1] <= 2 * width
         held = int((packed["packed_input_ids"] != tok.pad_token_id).sum())  # (the random tokens are >= 10)
         assert held == real - 3 * sum(len(p) for p in prompts)  # each prompt once for its 4 answers, not 4 times
@@ -562,7 +562,7 @@ def test_a_lone_packed_row_gets_a_row_of_padding_and_the_same_log_probs(mode):
     comps = [torch.randint(3, 64, (n,), generator=g).tolist() for n in ((3,) if mode == "packed" else (3, 2))]
     padded = rows([prompt] * len(comps), comps, 0)  # packed: prompt + answer whole a row; shared: one unit
     padded["scored"] = scored_positions(padded["labels"])
-    extra = padding_free(padded, 0) if mode == "packed" else shared_prompts(padded, [5], 2, 0)
+    extra = padding_free(padded, 0) if mode == "packed" else shared_prompts(padded, [5], [2], 0)
     packed = {**padded, **extra}
     assert packed["packed_input_ids"].shape[0] == 2 and (packed["packed_input_ids"][1] == 0).all()
     got = []

@@ -9,6 +9,8 @@ the mask) are [rows, width - 1]: position t holds log p(token t + 1 | ..t), as h
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from harness.chunked_loss import ChunkedHeadLoss, head_params
@@ -72,12 +74,11 @@ def padding_free(batch: dict, pad_id: int) -> dict:
             "packed_tokens": torch.tensor(sum(lengths))}
 
 
-def shared_prompts(batch: dict, prompt_lens: list[int], group, pad_id: int) -> dict:
+def shared_prompts(batch: dict, prompt_lens: list[int], answers: list[int], pad_id: int) -> dict:
     """The rows of `batch` (`rows`, with its `scored`; question q, whose prompt has prompt_lens[q] tokens, is answered
-    by the next group[q] rows, or by `group` rows each when an int) for a forward pass that runs each prompt once for
-    several of its answers: a unit is a prompt followed by answers of it, up to twice the batch's width in all
-    (prompt + answers; a question's answers that do not fit start another unit with the prompt again), units packed
-    into rows (best-fit decreasing).
+    by the next answers[q] rows) for a forward pass that runs each prompt once for several of its answers: a unit is
+    a prompt followed by answers of it, up to twice the batch's width in all (prompt + answers; a question's answers
+    that do not fit start another unit with the prompt again), units packed into rows (best-fit decreasing).
     An answer's tokens have the position ids its own row would give them (prompt length on) and attend to its prompt
     and to itself only: `packed_unit` and `packed_answer` ([rows, width] ids) from which `answer_mask` builds the
     [rows, 1, width, width] boolean mask on the device (given to the model as a custom 4D mask: sdpa attention).
@@ -89,13 +90,10 @@ def shared_prompts(batch: dict, prompt_lens: list[int], group, pad_id: int) -> d
     n_rows, width = mask.shape
     lengths, cap = mask.sum(1).tolist(), 2 * width
     units: list[tuple[int, list[int]]] = []  # (question, its answers' rows)
-    counts = [group] * len(prompt_lens) if isinstance(group, int) else list(group)
-    first = 0
+    starts = [0, *itertools.accumulate(answers)]  # question q's rows: starts[q] .. starts[q + 1] - 1
     for q, p in enumerate(prompt_lens):
         unit, size = [], p
-        rows_q = range(first, first + counts[q])
-        first += counts[q]
-        for i in rows_q:
+        for i in range(starts[q], starts[q + 1]):
             if unit and size + lengths[i] - p > cap:
                 units.append((q, unit))
                 unit, size = [], p

@@ -278,10 +278,9 @@ class Rollouts:
         batch["all_answers"], batch["all_tokens"] = torch.tensor(len(every)), torch.tensor(tokens)
         batch["scored"] = scored_positions(batch["labels"])  # on the host: the head's positions, no device sync
         if self.layout == "shared_prompts":
-            kept = Counter(j for j, _ in pairs)  # answers kept per question
-            counts = [kept[k] for k in range(len(items))]
-            batch.update(shared_prompts(batch, [len(it["prompt"]) for it, c in zip(items, counts) if c],
-                                        [c for c in counts if c], self.tok.pad_token_id))
+            kept = Counter(j for j, _ in pairs)  # answers kept per question, in row order (questions with none: out)
+            batch.update(shared_prompts(batch, [len(items[j]["prompt"]) for j in kept], list(kept.values()),
+                                        self.tok.pad_token_id))
         elif self.layout == "packed":
             batch.update(padding_free(batch, self.tok.pad_token_id))
         batch = {k: v.to(dev) for k, v in batch.items()}

@@ -30,11 +30,11 @@ def micro_step(objective, batch: dict, scale: torch.Tensor) -> StepSums:
     world, accum = objective.world, objective.accum
     first = objective.check.micro == 0 and objective.accelerator.is_main_process
     on = mask.bool()
-    tokens = batch.get("all_tokens", on.sum())  # the answers of advantage 0 left out of the pass too (Rollouts.trained)
     return StepSums(rl_loss_sum=total.detach() * scale / (world * accum), rl_steps=int(first),
-                    rl_clipped=(clipped & on).sum(), rl_tokens=tokens, rl_kl_sum=(kl.detach() * mask).sum(),
+                    rl_clipped=(clipped & on).sum(), rl_tokens=batch["all_tokens"],  # advantage-0 answers' too
+                    rl_kl_sum=(kl.detach() * mask).sum(),
                     rl_train_s=(time.perf_counter() - t0) if objective.accelerator.is_main_process else 0.0,
                     tokens=batch["packed_tokens"] if "packed_tokens" in batch else real_tokens(batch),
                     positions=batch.get("packed_input_ids", batch["input_ids"]).numel(),
-                    samples=batch.get("all_answers", batch["input_ids"].shape[0]),
+                    samples=batch["all_answers"],
                     flops=objective.flops(batch, backward=True))
