@@ -34,15 +34,12 @@ from harness.observe.record import RunRecord
 from harness.observe.timing import Timings
 from harness.state import LoopState
 from harness.config.profiles import resolve_compile
+from harness.config.modes import facts
 from harness import model as model_lib
-from harness.chunked_loss import resolve_chunked_ce
-from harness.objective import Objective
+from harness import modes
+from harness.objective import Parts
 from harness.speed.float8 import check_fp8
-from harness.rl.rollout import question_loader
 from harness.speed import float8
-from harness import preference
-from harness.rl.prompts import rl_task
-from harness.rl.rollout import Rollouts
 
 
 @dataclass(frozen=True)
@@ -148,10 +145,8 @@ def build_run(cfg: Config, opened: contextlib.ExitStack) -> tuple[Job, LoopState
                    data.streams, say)
     # only now: a data or model error leaves the folder's config.yaml (which describes its checkpoints) as it was
     collectives.on_main(accelerator, lambda: rundir.write_run_files(cfg, started.out, started.record.env))
-    resumed = resume.restore(started.resume, accelerator, cfg.train, started.zero["zero_stage"], built.weights,
-                             data.streams, epoch_rows(data, data.streams), built.schedule["total_steps"], say,
-                             scheduler=built.scheduler, quantized=cfg.model.quantization != "none",
-                             gather_negatives=cfg.loss.gather_negatives, peak_lr=cfg.optim.lr)
+    resumed = resume.restore(started.resume, accelerator, built.weights, epoch_rows(data, data.streams),
+                             built.schedule["total_steps"], say, scheduler=built.scheduler)
     record = replace(started.record, parameters=built.parameters, held=built.held, peak_flops=built.peak_flops,
                      resize=resumed.resize, resume_changes=resumed.changes)
     job = Job(cfg=cfg, accelerator=accelerator, say=say, out=started.out, t_process=started.t_process,
@@ -254,11 +249,13 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
 
 
 def build_data(cfg: Config, accelerator, say: Callable[[str], None]) -> tuple[Any, loaders.RunData]:
+    mode = facts(cfg.loss.mode)
     tokenizer = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
-    data = loaders.build_loaders(cfg.data, cfg.train, cfg.loss.mode, cfg.model.pooling, accelerator, tokenizer)
-    if cfg.loss.mode == "rl":  # the stream is the rft task's train questions (indices), answered during the run
-        _, data.gen = question_loader(cfg.rl, cfg.rft, cfg.train.grad_accum, cfg.data.shuffle,
-                                      accelerator.num_processes, cfg.data.cache_dir)
+    data = loaders.build_loaders(cfg.data, cfg.train, mode, cfg.model.pooling, accelerator, tokenizer)
+    own = modes.own_stream(cfg, accelerator)  # a mode's own stream (rl: the task's train questions, as indices)
+    if own is not None:
+        source, loader = own
+        data = replace(data, source=source, gen=loader)
     for kind, st in data.stats.items():
         say(f"[harness] {kind} data: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                                     for k, v in st.items()
@@ -269,40 +266,70 @@ def build_data(cfg: Config, accelerator, say: Callable[[str], None]) -> tuple[An
 
 
 def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
-    """Model, optimizer and schedule (same seed on every rank: identical initial weights), prepared; the objective."""
-    from accelerate.utils import set_seed
-
-    cfg, accelerator, say, zero = started.cfg, started.accelerator, started.accelerator.print, started.zero
-    world, sp = accelerator.num_processes, started.sp
-    if cfg.model.quantization != "none" and zero["zero_stage"] == 3:  # a launcher's ZeRO-3; checks.py: the rest
-        raise ConfigError(quantization_zero3_error(cfg.model.quantization, "the accelerate config's DeepSpeed"))
-    set_seed(cfg.train.seed)
-    with model_init_context(accelerator, cfg.model.name_or_path is None or cfg.model.random_init):
-        model = model_lib.build_model(cfg.model, tokenizer, precision=hardware.compute_precision(started.precision),
-                                       packed_causal=cfg.loss.mode == "generative" and cfg.data.packing and sp is None)
-    if started.precision == "fp8":  # the blocks' Linear layers in float8 (LoRA's frozen base layers too)
-        say(float8.describe(*float8.convert_blocks(model)))
-    if cfg.loss.mode in ("embedding", "unified"):
-        model_lib.check_embedding_support(model.config.model_type, model.config._attn_implementation,
-                                          cfg.model.embed_attention)
-    parameters, matmul_params = model_lib.count_parameters(model), metrics.matmul_params(model)
-    if started.compile is not None:
-        started.compile.model_built(model)
-    optimizer = optim.build_optimizer(model, cfg.optim, offload=zero["offload_optimizer"] not in (None, "none"))
-    streams = data.streams
-    primary = data.loader(streams[0])
-    if sp is not None:  # DeepSpeed's Ulysses all-to-all around the attention kernel of training passes
-        say(f"[harness] sequence parallel {sp.size}: Ulysses attention around "
-            f"{sequence.install_attention(sp, model, cfg.train.micro_batch_size)}, groups of {sp.size} consecutive "
-            f"processes, each 1/{sp.size} of every row's positions")
-    dp = sp.dp_size if sp else world
+    """Model, optimizer and schedule (same seed on every rank: identical initial weights), prepared; the loss mode's
+    object (harness/modes/), which does its own set-up."""
+    cfg, accelerator, say = started.cfg, started.accelerator, started.accelerator.print
+    model, parameters, matmul_params = make_model(started, tokenizer)
+    optimizer = optim.build_optimizer(model, cfg.optim, offload=started.zero["offload_optimizer"] not in (None, "none"))
+    primary = data.loader(data.streams[0])
+    dp = started.sp.dp_size if started.sp else accelerator.num_processes
     schedule = loaders.schedule_steps(loaders.epoch_size(primary), primary.batch_size, dp, cfg.train.grad_accum,
                                       cfg.train.max_steps, cfg.train.epochs)  # harness plan's arithmetic too
     # The schedule acts on the raw optimizer's param groups, which DeepSpeed's ZeRO optimizers keep using. It is not
     # prepared (accelerate would step it once per process) but stepped once per optimizer step, and checkpointed.
     scheduler = optim.build_scheduler(optimizer, cfg.optim, schedule["total_steps"])
     accelerator.register_for_checkpointing(scheduler)
-    # a data.streaming loader deals its own slices (harness/data/streaming.py) and is checkpointed with its state
+    model, optimizer, prepared = prepare(started, model, optimizer, data)
+    weights = weights_dtype(model)
+    repair_stage0_optimizer(optimizer)  # DeepSpeed without ZeRO: its start-up step undone
+    mconf = accelerator.unwrap_model(model, keep_torch_compile=False).config
+    flop_dims = (matmul_params, getattr(mconf, "num_hidden_layers", 0), getattr(mconf, "hidden_size", 0))
+    objective = modes.build(cfg, Parts(
+        accelerator=accelerator, model=model, tokenizer=tokenizer, data=data, say=say,
+        zero_stage=started.zero["zero_stage"], sp=started.sp, flop_dims=flop_dims,
+        convert=float8.convert_blocks if started.precision == "fp8" else None))
+    held = accelerator.gather(torch.tensor([parameters_held(model)], device=accelerator.device)).tolist()
+    peak_flops = None  # all processes together; None where unknown (CPU)
+    if torch.cuda.is_available():
+        peak_one, _ = hardware.peak_flops(torch.cuda.get_device_name())
+        peak_flops = peak_one * accelerator.num_processes if peak_one else None  # (sequence-parallel ones included)
+    return Built(model=model, optimizer=optimizer, scheduler=scheduler, objective=objective,
+                 loaders=dict(zip(data.streams, prepared)), schedule=schedule, weights=weights, parameters=parameters,
+                 held=held, peak_flops=peak_flops)
+
+
+def make_model(started: Started, tokenizer) -> tuple[Any, int, int]:
+    """(the model, its parameters, the parameters of its matmuls): built with the same seed on every rank, in
+    ZeRO-3's partitioned init where it applies, fp8's float8 blocks, the embedding modes' support checked."""
+    from accelerate.utils import set_seed
+
+    cfg, say, zero, sp = started.cfg, started.accelerator.print, started.zero, started.sp
+    mode = facts(cfg.loss.mode)
+    if cfg.model.quantization != "none" and zero["zero_stage"] == 3:  # a launcher's ZeRO-3; checks.py: the rest
+        raise ConfigError(quantization_zero3_error(cfg.model.quantization, "the accelerate config's DeepSpeed"))
+    set_seed(cfg.train.seed)
+    with model_init_context(started.accelerator, cfg.model.name_or_path is None or cfg.model.random_init):
+        model = model_lib.build_model(cfg.model, tokenizer, precision=hardware.compute_precision(started.precision),
+                                       packed_causal=mode.packs_causal and cfg.data.packing and sp is None)
+    if started.precision == "fp8":  # the blocks' Linear layers in float8 (LoRA's frozen base layers too)
+        say(float8.describe(*float8.convert_blocks(model)))
+    if mode.embeds:
+        model_lib.check_embedding_support(model.config.model_type, model.config._attn_implementation,
+                                          cfg.model.embed_attention)
+    if started.compile is not None:
+        started.compile.model_built(model)
+    if sp is not None:  # DeepSpeed's Ulysses all-to-all around the attention kernel of training passes
+        say(f"[harness] sequence parallel {sp.size}: Ulysses attention around "
+            f"{sequence.install_attention(sp, model, cfg.train.micro_batch_size)}, groups of {sp.size} consecutive "
+            f"processes, each 1/{sp.size} of every row's positions")
+    return model, model_lib.count_parameters(model), metrics.matmul_params(model)
+
+
+def prepare(started: Started, model, optimizer, data: loaders.RunData) -> tuple[Any, Any, list]:
+    """accelerate.prepare of the model, the optimizer and the training loaders (a data.streaming loader deals its
+    own slices and is checkpointed with its state; sequence parallelism's loaders are sharded over the data-parallel
+    ranks); the regional compile narrowed to the blocks. Returns (model, optimizer, loaders in stream order)."""
+    accelerator, sp, streams = started.accelerator, started.sp, data.streams
     streamed = {n: data.loader(n) for n in streams if hasattr(data.loader(n), "batches")}
     model, optimizer, *prepared = accelerator.prepare(model, optimizer, *[data.loader(n) for n in streams
                                                                           if n not in streamed])
@@ -314,55 +341,8 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
         accelerator._dataloaders = [d for d in accelerator._dataloaders if d not in prepared] + mine
         prepared = mine
     if started.compile is not None:
-        started.compile.model_prepared(model, say, accelerator.state.dynamo_plugin.to_kwargs())
-    weights = weights_dtype(model)
-    repair_stage0_optimizer(optimizer)  # DeepSpeed without ZeRO: its start-up step undone
-    chunk_size = resolve_chunked_ce(cfg.loss, cfg.train.compile, model, longest_micro_batch(data), say) if cfg.loss.mode != "rl" else \
-        cfg.loss.chunked_ce_size  # rl: log-probs always through the output head in chunks
-    if cfg.loss.mode == "preference":  # sequence log-probs: always through the output head, in chunks
-        chunk_size = cfg.loss.chunked_ce_size
-        # the reference (dpo, ipo): the model as it starts, before a checkpoint is loaded; stored in output_dir
-        preference.attach_reference(cfg.loss.preference, cfg.model, cfg.train, accelerator, model,
-                                    {"train": data.gen, "eval": data.gen_eval}, chunk_size, say)
-    elif chunk_size is not None and cfg.loss.mode != "rl":
-        say(f"[harness] generative loss: chunked through the output head, {chunk_size} positions per chunk "
-            f"(loss.chunked_ce={cfg.loss.chunked_ce})")
-    mconf = accelerator.unwrap_model(model, keep_torch_compile=False).config
-    flop_dims = (matmul_params, getattr(mconf, "num_hidden_layers", 0), getattr(mconf, "hidden_size", 0))
-    objective = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, accelerator, model, chunk_size=chunk_size,
-                          flop_dims=flop_dims, sp=sp, rl=cfg.rl, rl_temperature=cfg.rft.temperature)
-    if cfg.loss.mode == "rl":  # before a checkpoint is loaded: the reference (rl.beta > 0) is the starting model
-        objective.rl = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, accelerator, model, tokenizer,
-                                rl_task(cfg.rl, cfg.rft, cfg.data.cache_dir), chunk_size, zero["zero_stage"], say,
-                                convert=float8.convert_blocks if started.precision == "fp8" else None)
-        accelerator.register_for_checkpointing(objective.rl)  # the half-used generation batch, with each checkpoint
-        if started.compile is not None:  # the engine's compiled decode step: graphs of its own, not recompiles
-            started.compile.apart = lambda: objective.rl.engine.step.compiled_graphs
-        say(f"[harness] rl: {cfg.rl.algorithm}, {cfg.rl.questions_per_step} questions x {cfg.rl.num_generations} "
-            f"answers per generation batch, {cfg.rl.iterations} step(s) on each, loss_type {cfg.rl.loss_type}, "
-            f"{len(objective.rl.questions)} train questions")
-    objective.widths = data.emb_widths  # data.embed_length_buckets (harness.speed.buckets), or None
-    held = accelerator.gather(torch.tensor([parameters_held(model)], device=accelerator.device)).tolist()
-    peak_flops = None  # all processes together; None where unknown (CPU)
-    if torch.cuda.is_available():
-        peak_one, _ = hardware.peak_flops(torch.cuda.get_device_name())
-        peak_flops = peak_one * world if peak_one else None  # (all processes, sequence-parallel ones included)
-    return Built(model=model, optimizer=optimizer, scheduler=scheduler, objective=objective,
-                 loaders=dict(zip(streams, prepared)), schedule=schedule, weights=weights, parameters=parameters,
-                 held=held, peak_flops=peak_flops)
-
-
-def longest_micro_batch(data: loaders.RunData) -> int:
-    """The most positions one generative micro-batch (training or evaluation) can have: batch size x the longest
-    row (packed rows: the packing width); 0 without generative data."""
-    most = 0
-    for loader in (data.gen, data.gen_eval):
-        if loader is None:
-            continue
-        width = (getattr(loader.collate_fn, "width", None) or getattr(loader, "max_len", None)
-                 or max(loader.dataset["length"], default=0))
-        most = max(most, loader.batch_size * width)
-    return most
+        started.compile.model_prepared(model, accelerator.print, accelerator.state.dynamo_plugin.to_kwargs())
+    return model, optimizer, prepared
 
 
 def describe_batch(cfg: Config, world: int, built: Built, streams: tuple, say: Callable[[str], None]) -> None:
@@ -373,11 +353,8 @@ def describe_batch(cfg: Config, world: int, built: Built, streams: tuple, say: C
                            f"{t.micro_batch_size} x grad_accum {accum} x {world} process(es); fix one of them, or "
                            f"use train.micro_batch_size=auto")
     parts = []
-    if cfg.loss.mode == "rl":
-        parts.append(f"{cfg.rl.questions_per_step} questions x {cfg.rl.num_generations} answers")
-    elif "gen" in built.loaders:  # preference rows are pairs (chosen and rejected: twice the sequences)
-        n = t.micro_batch_size * accum * world
-        parts.append(f"{n} {'pair' if cfg.loss.mode == 'preference' else 'sequence'}{'s' if n != 1 else ''}")
+    if "gen" in built.loaders:  # the mode's rows: sequences, pairs (chosen and rejected), questions x answers
+        parts.append(built.objective.describe_rows(t.micro_batch_size * accum * world))
     if "emb" in built.loaders:
         contrastive = t.emb_micro_batch_size * (world if cfg.loss.gather_negatives else 1)
         parts.append(f"{t.emb_micro_batch_size * accum * world} queries x {cfg.data.train_group_size} passages "

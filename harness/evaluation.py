@@ -10,40 +10,15 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
-from harness import IGNORE_INDEX
 from harness.data import samples as data_lib
 from harness.distributed.zero import gathered_for_generation
 from harness.observe import metrics
-from harness.objective import generative_loss_sum
-from harness.preference import evaluate_preference
+from harness.objective import evaluate_generative  # noqa: F401 (here before: the tests' import)
 from harness.rft.engine import ContinuousEngine, servable
-
-
-@torch.no_grad()
-def evaluate_generative(accelerator, model, loader, chunk_size: Optional[int] = None) -> float:
-    """Per-token generative loss on the eval set (`loader`: the unprepared DataLoader), over all processes, each
-    sample counted once whatever the process count. Process r evaluates rows r, r + W, r + 2W, ... in batches of the
-    loader's size; a process left with fewer batches than the others runs a batch whose labels are all ignored
-    (every process takes part in every forward: ZeRO-3). (accelerate's prepared loader would pad the last shards with
-    repeated samples, which the sums would count twice.) chunk_size: loss.chunked_ce resolved (the output head's
-    chunked loss, no [B, T, V] logits), or None for the full logits."""
-    world, rank, size, ds = accelerator.num_processes, accelerator.process_index, loader.batch_size, loader.dataset
-    rows = list(range(rank, len(ds), world))
-    model.eval()
-    totals = torch.zeros(2, device=accelerator.device, dtype=torch.float64)  # [loss sum, trained tokens]
-    for i in range(math.ceil(math.ceil(len(ds) / world) / size)):
-        samples = [ds[j] for j in rows[i * size:(i + 1) * size]]
-        samples = samples or [{**ds[0], "labels": [IGNORE_INDEX] * len(ds[0]["labels"])}]  # counts nothing
-        batch = {k: v.to(accelerator.device) for k, v in loader.collate_fn(samples).items()}
-        loss_sum, count = generative_loss_sum(model, batch, chunk_size)
-        totals += torch.stack([loss_sum.double(), count.double()])
-    model.train()
-    totals = accelerator.reduce(totals, "sum")
-    return (totals[0] / totals[1].clamp(min=1)).item()
 
 
 @torch.no_grad()
@@ -177,15 +152,8 @@ class Evaluator:
         return results
 
     def _metrics(self, step: int) -> dict:
-        results, job = {}, self.job
-        if job.data.gen_eval is not None and job.cfg.loss.mode == "preference":
-            results.update(evaluate_preference(job.accelerator, job.model, job.data.gen_eval, job.cfg.loss,
-                                               job.objective.chunk_size))
-        elif job.data.gen_eval is not None:
-            results["eval_loss"] = evaluate_generative(job.accelerator, job.model, job.data.gen_eval,
-                                                       job.objective.chunk_size)
-        if job.objective.rl is not None:  # loss.mode=rl: `rft test` accuracy on the task's test split
-            results.update(job.objective.rl.evaluate())
+        job = self.job
+        results = job.objective.evaluate(job.data)  # the mode's own (rl: `rft test` accuracy on the task's test split)
         if job.data.emb_eval is not None:
             r = evaluate_retrieval(job.accelerator, job.model, job.objective, job.data.emb_eval, self.encode_batch,
                                    job.tokenizer.pad_token_id)

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from harness.config import ModelConfig
+from harness.config.modes import facts
 from harness.errors import ConfigError
 from harness.lora import apply_lora, keep_4bit_training_layout, quantization_kwargs
 from harness.data.chat import resolve_template, uses_markers
@@ -60,7 +61,7 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str = "auto",
 def load_run_tokenizer(m: ModelConfig, chat_template: str, loss_mode: str) -> PreTrainedTokenizerBase:
     """A run's tokenizer (`m`: cfg.model): data.chat_template resolved; the GritLM markers only where they are used
     (the GritLM chat layout, or the embedding templates of loss.mode embedding/unified)."""
-    markers = True if loss_mode in ("embedding", "unified") else None
+    markers = True if facts(loss_mode).embeds else None
     return load_tokenizer(m, chat_template, markers=markers)
 
 

@@ -1,4 +1,7 @@
-"""The objective of one micro-step (GritLM-style): forward passes, the weighted losses, their backward passes.
+"""The generic objective: the face every loss mode shows the loop and train_step (`Objective`), and GritLM's
+micro-step (generative, embedding and unified modes: forward passes, the weighted losses, their backward passes).
+The other modes (harness/modes/: preference, rl, ...) are subclasses beside GritLM's, built by the registry; this
+module knows none of them.
 
     loss = gen_weight * L_gen + emb_weight * L_emb          (loss.mode=unified; one term alone in the other modes)
 
@@ -16,20 +19,37 @@ A and DDP/ZeRO average over W, so the update equals that of one process holding 
 from __future__ import annotations
 
 import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
 from harness import faults, losses
 from harness.distributed.processes import is_deepspeed
-from harness.config import LossConfig, ModelConfig, RlConfig
+from harness.config import LossConfig, ModelConfig
 from harness import IGNORE_INDEX
 from harness.data.samples import model_inputs, real_tokens
 from harness.chunked_loss import ChunkedHeadLoss
 from harness.model import embed
 from harness.observe import metrics
-from harness.state import StepSums
-from harness import preference
-from harness.rl import step
+from harness.state import StepSums, gritlm_figures
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What the build hands a mode's `build(cfg, parts)`: the prepared model and what the run was built with."""
+
+    accelerator: Any
+    model: Any  # prepared
+    tokenizer: Any = None
+    data: Any = None  # harness.data.loaders.RunData (loaders not prepared; `source`: a mode's own stream's source)
+    say: Callable[[str], None] = print
+    zero_stage: Optional[int] = None
+    sp: Any = None  # harness.distributed.sequence.SequenceParallel, or None
+    flop_dims: tuple = (0, 0, 0)  # (matmul parameters, layers, hidden), for MFU accounting
+    convert: Optional[Callable] = None  # what the build did to the model after building it (fp8's float8 blocks)
 
 @contextlib.contextmanager
 def deferred_sync(accelerator, model):
@@ -107,6 +127,29 @@ def generative_loss_sum(model, gen: dict, chunk_size: int | None) -> tuple[torch
     return head_loss.result(out)
 
 
+@torch.no_grad()
+def evaluate_generative(accelerator, model, loader, chunk_size: Optional[int] = None) -> float:
+    """Per-token generative loss on the eval set (`loader`: the unprepared DataLoader), over all processes, each
+    sample counted once whatever the process count. Process r evaluates rows r, r + W, r + 2W, ... in batches of the
+    loader's size; a process left with fewer batches than the others runs a batch whose labels are all ignored
+    (every process takes part in every forward: ZeRO-3). (accelerate's prepared loader would pad the last shards with
+    repeated samples, which the sums would count twice.) chunk_size: loss.chunked_ce resolved (the output head's
+    chunked loss, no [B, T, V] logits), or None for the full logits."""
+    world, rank, size, ds = accelerator.num_processes, accelerator.process_index, loader.batch_size, loader.dataset
+    rows = list(range(rank, len(ds), world))
+    model.eval()
+    totals = torch.zeros(2, device=accelerator.device, dtype=torch.float64)  # [loss sum, trained tokens]
+    for i in range(math.ceil(math.ceil(len(ds) / world) / size)):
+        samples = [ds[j] for j in rows[i * size:(i + 1) * size]]
+        samples = samples or [{**ds[0], "labels": [IGNORE_INDEX] * len(ds[0]["labels"])}]  # counts nothing
+        batch = {k: v.to(accelerator.device) for k, v in loader.collate_fn(samples).items()}
+        loss_sum, count = generative_loss_sum(model, batch, chunk_size)
+        totals += torch.stack([loss_sum.double(), count.double()])
+    model.train()
+    totals = accelerator.reduce(totals, "sum")
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
 class LossCheck:
     """Every backward pass of a training step goes through `backward`. Outside DeepSpeed it is accelerator.backward
     (a non-finite loss gives a non-finite gradient norm and the loop skips the update). Under DeepSpeed the engine
@@ -149,25 +192,57 @@ class LossCheck:
 
 
 class Objective:
-    def __init__(self, loss: LossConfig, m: ModelConfig, grad_accum: int, accelerator, model,
-                 chunk_size: int | None = None, flop_dims: tuple = (0, 0, 0), sp=None, *, rl: RlConfig,
-                 rl_temperature: float):
-        """`loss`, `m`, `rl`: cfg.loss, cfg.model, cfg.rl; grad_accum: train.grad_accum; rl_temperature:
-        rft.temperature (loss.mode=rl samples with it)."""
-        self.accelerator, self.model = accelerator, model
-        self.sp = sp  # harness.distributed.sequence.SequenceParallel, or None
+    """A loss mode's face, what the loop and train_step call: `step_batches` (the step's micro-batches), `shard`,
+    `gen_scale`, `micro_step` (its forward and backward passes), `check` (every backward pass), `figures` (the log
+    line's losses), `evaluate` (its held-out figures), `describe_rows`, `generation_graphs`. This class is GritLM's
+    objective (loss.mode generative, embedding, unified); the other modes subclass it (harness/modes/)."""
+
+    def __init__(self, loss: LossConfig, m: ModelConfig, grad_accum: int, parts: Parts, chunk_size: int | None = None,
+                 widths=None, combined: bool = False):
+        """`loss`, `m`: cfg.loss, cfg.model; grad_accum: train.grad_accum; parts: the accelerator, the prepared model,
+        sequence parallelism's group, the FLOP dimensions; widths: the (query, passage) widths of
+        data.embed_length_buckets, or None (harness.speed.buckets); combined: the weighted sum of both losses
+        (loss.mode=unified) is the logged loss."""
+        self.accelerator, self.model = parts.accelerator, parts.model
+        self.sp = parts.sp  # harness.distributed.sequence.SequenceParallel, or None
         self.chunk_size = chunk_size  # loss.chunked_ce resolved (resolve_chunked_ce): positions per chunk, or None
         self.loss = loss
-        self.mode = loss.mode
         self.pooling = m.pooling
         self.bidirectional = m.embed_attention == "bidirectional"
-        self.world = accelerator.num_processes
+        self.world = parts.accelerator.num_processes
         self.accum = grad_accum
-        self.flop_dims = flop_dims  # (matmul parameters, layers, hidden), for MFU accounting
-        self.check = LossCheck(accelerator, before_backward=is_deepspeed(accelerator))
-        self.rl = None  # loss.mode=rl: harness.rl.rollout.Rollouts (set by the build), the step's answers
-        self.rl_cfg, self.rl_temperature = rl, rl_temperature
-        self.widths = None  # (query, passage) widths of data.embed_length_buckets, or None (harness.speed.buckets)
+        self.flop_dims = parts.flop_dims  # (matmul parameters, layers, hidden), for MFU accounting
+        self.check = LossCheck(parts.accelerator, before_backward=is_deepspeed(parts.accelerator))
+        self.widths, self.combined = widths, combined
+
+    # ---- the face's defaults (a mode overrides what it does differently)
+
+    def step_batches(self, streams: dict, step: int, unlogged) -> tuple[list, list]:
+        """(generative, embedding) micro-batches of optimizer step `step`: grad_accum of each stream (None where the
+        run has no such stream); the wait for them is logged."""
+        t = time.perf_counter()
+        gen = [next(streams["gen"]) for _ in range(self.accum)] if "gen" in streams else [None] * self.accum
+        emb = [next(streams["emb"]) for _ in range(self.accum)] if "emb" in streams else [None] * self.accum
+        unlogged.add(StepSums(wait_s=time.perf_counter() - t))
+        return gen, emb
+
+    def figures(self, sums: StepSums) -> dict:
+        """The log line's losses from the interval's summed step sums."""
+        return gritlm_figures(sums, self.loss, self.combined)
+
+    def evaluate(self, data) -> dict:
+        """The mode's held-out figures (`data`: the run's RunData): the generative loss on data.gen_eval."""
+        if data.gen_eval is None:
+            return {}
+        return {"eval_loss": evaluate_generative(self.accelerator, self.model, data.gen_eval, self.chunk_size)}
+
+    def describe_rows(self, sequences: int) -> str:
+        """The generative part of the global batch, for the start-up line (`sequences`: rows per step)."""
+        return f"{sequences} sequence{'s' if sequences != 1 else ''}"
+
+    def generation_graphs(self) -> int:
+        """Graphs compiled apart from the training step (the RL engine's decode step): not recompiles."""
+        return 0
 
     def flops(self, batch: dict, backward: bool) -> float:
         """Model FLOPs of one pass over `batch`'s real tokens (attention over the padded row width)."""
@@ -187,10 +262,6 @@ class Objective:
     def gen_scale(self, gen_batches: list[dict]) -> torch.Tensor | float:
         """Token averaging: W * A / N with N the step's trained tokens over every process (one all-reduce; the
         result stays a device tensor, so the host does not wait for the GPU here)."""
-        if self.mode == "rl":  # W A / the step's denominator (rl.loss_type), set when the answers were generated
-            return gen_batches[0]["scale"]
-        if self.mode == "preference":  # [W A / pairs, W A / chosen tokens] of the step
-            return preference.step_scale(self.accelerator, self.world, self.accum, gen_batches)
         if self.loss.gen_averaging != "token":
             return 0.0
         local = torch.stack([(b["shift_labels"] != IGNORE_INDEX).sum() if "shift_labels" in b else
@@ -217,16 +288,16 @@ class Objective:
     # ---- one micro-step
 
     def micro_step(self, gen: dict | None, emb: dict | None, gen_scale) -> StepSums:
-        """Run the micro-step's forward and backward passes; returns its sums for the log line, as numbers or
-        device tensors: nothing here waits for the GPU."""
+        """Run the micro-step's forward and backward passes (`passes`); returns its sums for the log line, as numbers
+        or device tensors: nothing here waits for the GPU."""
+        if self.check.skipped:  # a non-finite loss earlier in this step: no more passes (on any process)
+            return StepSums()
+        return self.passes(gen, emb, gen_scale)
+
+    def passes(self, gen: dict | None, emb: dict | None, gen_scale) -> StepSums:
+        """GritLM's micro-step: the generative unit, then the embedding unit(s)."""
         accelerator, model = self.accelerator, self.model
         sums = StepSums()
-        if self.check.skipped:  # a non-finite loss earlier in this step: no more passes (on any process)
-            return sums
-        if self.mode == "preference":  # pairs (harness/preference.py): one forward of chosen + rejected
-            return preference.micro_step(self, gen, gen_scale)
-        if self.mode == "rl":  # sampled answers with their advantages (harness/rl/step.py)
-            return step.micro_step(self, gen, gen_scale)
         if gen is not None:
             deferred = deferred_sync(accelerator, model) if emb is not None else contextlib.nullcontext()
             with deferred:

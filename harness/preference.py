@@ -1,5 +1,6 @@
 """Preference training (loss.mode=preference; docs/preference.md): sequence log-probs, the reference model's
-log-probs computed once before training, the micro-step and the evaluation of pairs.
+log-probs computed once before training, the step's scale and the evaluation of pairs; the mode's micro-step is
+harness/modes/preference.py's.
 
 A micro-batch of n pairs is one batch of 2n rows (the chosen sequences, then the rejected ones: harness.data.pairs),
 run in one forward pass. The output head returns per-position log-probs of the labels instead of logits
@@ -33,11 +34,11 @@ from torch.utils.checkpoint import checkpoint
 from harness import losses
 from harness.chunked_loss import ChunkedHeadLoss, head_params
 from harness import IGNORE_INDEX
-from harness.data.samples import model_inputs, real_tokens
+from harness.data.samples import model_inputs
+from harness.state import preference_figures
 from harness.distributed.collectives import on_main
 from harness.errors import HarnessError, one_line
 from harness.files import disk_full
-from harness.state import StepSums, preference_figures
 
 REFERENCE_FILE = "reference_logps.pt"
 # token_logps keeps the head's chunks for the backward pass (no recomputation: the head's forward pass again, time
@@ -155,22 +156,6 @@ def step_scale(accelerator, world: int, accum: int, batches: list[dict]) -> torc
     return (world * accum / total.clamp(min=1)).float()
 
 
-def micro_step(objective, batch: dict, scale: torch.Tensor) -> StepSums:
-    """One pair micro-batch: forward, the step-averaged loss's backward pass, the sums for the log line."""
-    cfg_loss = objective.loss
-    logps, counts = sequence_logps(objective.model, batch, objective.chunk_size)
-    per_pair, rc, rr, nll, chosen_tokens = pair_terms(cfg_loss, logps, counts, batch)
-    loss = per_pair.sum() * scale[0]
-    if cfg_loss.preference == "orpo":
-        loss = loss + nll * scale[1]
-    objective.check.backward(loss)
-    n = per_pair.shape[0]
-    return StepSums(pref_sum=per_pair.detach().sum(), pref_pairs=n, nll_sum=nll.detach(), nll_count=chosen_tokens,
-                    reward_chosen_sum=rc.sum(), reward_rejected_sum=rr.sum(), reward_correct=(rc > rr).sum(),
-                    gen_micro=1, tokens=real_tokens(batch), positions=batch["input_ids"].numel(),
-                    samples=2 * n, flops=objective.flops(batch, backward=True))
-
-
 # ----------------------------------------------------------------------------------------------- shards of a data set
 
 
@@ -283,10 +268,14 @@ def write_reference(path: Path, values: dict, say=print) -> None:
                            f"space, then rerun") from None
 
 
-def attach_reference(preference: str, m, t, accelerator, model, loaders: dict, chunk_size: int, say=print) -> None:
-    """For dpo / ipo (`preference`: loss.preference; `m`, `t`: cfg.model, cfg.train): the reference log-probs of the training and eval pairs, read from <output_dir>/
+def attach_reference(preference: str, m, t, parts, chunk_size: int) -> None:
+    """For dpo / ipo (`preference`: loss.preference; `m`, `t`: cfg.model, cfg.train; `parts`: the build's
+    harness.objective.Parts, its accelerator, prepared model, data and say): the reference log-probs of the training
+    and eval pairs (the data's gen and gen_eval loaders), read from <output_dir>/
     reference_logps.pt when it holds this data and model's, else computed now (before any update) and saved;
     each loader's collator then puts them in its batches."""
+    accelerator, model, say = parts.accelerator, parts.model, parts.say
+    loaders = {"train": parts.data.gen, "eval": parts.data.gen_eval}
     if preference not in ("dpo", "ipo"):
         return
     path = Path(t.output_dir) / REFERENCE_FILE

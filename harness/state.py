@@ -53,6 +53,20 @@ class StepSums:
         return tuple(f.name for f in fields(cls))
 
 
+def gritlm_figures(sums, loss, combined: bool) -> dict:
+    """{"loss"} (and "loss_gen", "loss_emb" of a combined loss: loss.mode=unified) from summed StepSums; `loss`:
+    cfg.loss (gen_averaging, the two weights)."""
+    parts = {}
+    if sums.gen_micro:
+        parts["loss_gen"] = (sums.gen_sum / max(sums.gen_count, 1) if loss.gen_averaging == "token"
+                             else sums.gen_mean_sum / sums.gen_micro)
+    if sums.emb_count:
+        parts["loss_emb"] = sums.emb_sum / sums.emb_count
+    if combined:
+        return {"loss": loss.gen_weight * parts["loss_gen"] + loss.emb_weight * parts["loss_emb"], **parts}
+    return {"loss": next(iter(parts.values()))}
+
+
 def preference_figures(sums: dict, orpo: bool, prefix: str = "") -> dict:
     """{loss, rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies} (TRL's names; `prefix` eval_
     for the evaluation) from summed preference StepSums values."""

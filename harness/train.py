@@ -47,7 +47,7 @@ from harness.observe.profiling import StepProfiler
 from harness.observe.timing import SETTLE_STEPS, BudgetTracker
 from harness.rundir import finished
 from harness.speed.buckets import warm_run
-from harness.state import LoopState, StepSums, UnloggedSums
+from harness.state import LoopState, UnloggedSums
 from harness.config.best import DIRECTIONS, early_stopping_config
 from harness.stopping import (EARLY_STOPPING, EARLY_WITHOUT_EXPORT, NONFINITE, TIME_BUDGET, WRITE_FAILED, BestMetric,
                               NonfiniteGuard, StopDecision, exit_now, finite, stop_handlers, watch_launcher)
@@ -79,17 +79,12 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
 def train_loop(job: Job, state: LoopState, side: SideWork) -> Optional[str]:
     """Optimizer steps up to the last planned one; returns why the attempt stopped before it (None: it did not)."""
     streams = {n: loaders.micro_batches(job.accelerator, job.loaders[n], state.streams[n]) for n in job.streams}
-    questions = streams.pop("gen") if job.objective.rl is not None else None  # loss.mode=rl: question indices
     while state.step < side.stop.stop_at:
-        # ---- one optimizer step: `grad_accum` micro-batches of each stream (the step's trained-token count is
-        # needed before its first backward pass), then train_step
+        # ---- one optimizer step: the mode's micro-batches (`grad_accum` of each stream; rl: answers sampled to its
+        # questions), whose trained-token count is needed before the first backward pass; then train_step
         faults.pause(state.step + 1)  # test hook: a kill -9 between two steps
         t_step = time.perf_counter()
-        gen = [next(streams["gen"]) for _ in range(job.accum)] if "gen" in streams else [None] * job.accum
-        emb = [next(streams["emb"]) for _ in range(job.accum)] if "emb" in streams else [None] * job.accum
-        side.unlogged.add(StepSums(wait_s=time.perf_counter() - t_step))
-        if questions is not None:  # loss.mode=rl: every rl.iterations steps new questions, answered by these weights
-            gen = job.objective.rl.step_batches(questions, state.step + 1, side.unlogged)
+        gen, emb = job.objective.step_batches(streams, state.step + 1, side.unlogged)
         faults.trace_rows(state.step + 1, job.accelerator.process_index, {"gen": gen, "emb": emb})  # test hook
         if faults.dropped(state.step + 1):  # test hook: the reference run that never trains on these batches
             state.step += 1
@@ -176,7 +171,8 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
         job.say(f"[harness] early stopping at step {state.step}/{job.total_steps}: {side.best.describe()}")
     final_checkpoint(job, state, side)
     t_loop_end, eval_before_final = time.time(), timings.eval_s
-    compiled = job.compile.report(train_time, state.step - side.start_step, job.say) if job.compile else None
+    compiled = job.compile.report(train_time, state.step - side.start_step, job.say,
+                                  job.objective.generation_graphs()) if job.compile else None
     final_eval, new = side.evaluator.final(state.step)  # the loop's evaluation of this step (an early stop), or new
     if final_eval and new:
         side.log.write_eval(state.step, final_eval)
@@ -312,7 +308,7 @@ class SideWork:
         self.bar.update(1)
         done = step - self.start_step
         if done == 1 and self.job.compile is not None:
-            self.job.compile.first_step_done(self.meter.elapsed())
+            self.job.compile.first_step_done(self.meter.elapsed(), self.job.objective.generation_graphs())
         if done == SETTLE_STEPS:
             self.job.timings.warmup_done_s = self.meter.trained()
         self.profiler.step_done(step)

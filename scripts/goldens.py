@@ -3,9 +3,10 @@
     python scripts/goldens.py record docs/bench/goldens.json     # before moving code
     python scripts/goldens.py compare docs/bench/goldens.json    # after: exit 1 on any difference
 
-Six runs through the real entry point (one process, fp32 CPU): the default job (40 steps), the unified GritLM
+Eight runs through the real entry point (one process, fp32 CPU): the default job (40 steps), the unified GritLM
 recipe (40 steps), the default job stopped at step 20 and resumed, LoRA on the default job (8 steps; its adapter
-tensors are kept too), DPO on configs/dpo-tiny.yaml (8 steps; its reference log-probs are kept too), and the
+tensors are kept too), DPO on configs/dpo-tiny.yaml (8 steps; its reference log-probs are kept too), the GritLM recipe's embedding
+mode alone (20 steps), GRPO from a random tiny model (4 steps, rl.beta 0.1, two steps a generation batch), and the
 default job under DeepSpeed ZeRO-2 (one
 process through `accelerate launch` with accelerate_configs/zero2.yaml; launched without ACCELERATE_USE_CPU, which
 would quietly turn DeepSpeed off; report.json's zero_stage is kept and must be 2). What is kept of each:
@@ -26,7 +27,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DETERMINISTIC = {"step", "epoch", "loss", "loss_gen", "loss_emb", "lr", "grad_norm", "padding_share", "tokens"}
+DETERMINISTIC = {"step", "epoch", "loss", "loss_gen", "loss_emb", "lr", "grad_norm", "padding_share", "tokens",
+                 "reward", "reward_std", "kl", "clip_fraction", "completion_length", "flat_group_share"}
 COMMON = ["train.progress_bar=false", "train.report_to=[]", "train.summary=false", "train.precision=fp32",
           "train.compile=none"]
 RUNS = {
@@ -39,6 +41,18 @@ RUNS = {
     "lora": ("configs/default.yaml", ["train.max_steps=8", "train.log_every=2", "train.eval_every=4",
                                       "model.lora.enabled=true"]),
     "dpo": ("configs/dpo-tiny.yaml", ["train.max_steps=8", "train.log_every=2", "train.eval_every=4"]),
+    "embedding": ("configs/gritlm-tiny.yaml", ["loss.mode=embedding", "train.max_steps=20", "train.log_every=5",
+                                               "train.eval_every=10"]),
+    # GRPO from a random tiny model (tests/rl_rewards.py's digits reward): the KL term's reference (rl.beta > 0), two
+    # steps on each generation batch, the rft-test evaluation
+    "rl": ("configs/grpo-tiny.yaml", [
+        "model.name_or_path=null", "model.tokenizer=bundled",
+        "model.config={model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+        "num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 128}",
+        "rl.reward=rl_rewards:digits", "rl.beta=0.1", "train.max_steps=4", "rl.questions_per_step=4",
+        "rl.num_generations=4", "rl.iterations=2", "rft.max_new_tokens=8", "rft.num_test_questions=6",
+        "train.eval_every=2", "train.eval_at_start=false", "optim.lr=3e-3", "optim.warmup_steps=0",
+        "train.log_every=1"]),
 }
 LAUNCHED = {"zero2": "zero2"}  # run name -> accelerate_configs/<name>.yaml, one process through accelerate launch
 
@@ -50,7 +64,8 @@ def free_port() -> int:
 
 
 def train(config: str, overrides: list[str], accel: str | None = None) -> None:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}"}  # tests/rl_rewards.py for the rl run
     env.pop("ACCELERATE_USE_CPU", None)  # DeepSpeed on CPU runs only without it (docs: cpu-distributed notes)
     cmd = [sys.executable, "-m", "harness.train"]
     if accel:

@@ -72,7 +72,7 @@ def test_warm_up_compiles_every_shape_and_changes_nothing():
     from torch._dynamo.utils import counters
 
     from harness.config import load_config
-    from harness.objective import Objective
+    from harness.objective import Objective, Parts
     from harness.speed.compiling import dynamo_counters
 
     accelerator = Accelerator(cpu=True)
@@ -81,8 +81,7 @@ def test_warm_up_compiles_every_shape_and_changes_nothing():
     torch._dynamo.reset()
     counters.clear()
     compiled = compile_regions(model, backend="eager", dynamic=False)
-    objective = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, accelerator, compiled, rl=cfg.rl,
-                          rl_temperature=cfg.rft.temperature)
+    objective = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, Parts(accelerator, compiled))
     objective.widths = (FixedWidths((8, 16)), FixedWidths((16, 32)))
     shapes = embedding_shapes([4], group=2, widths=objective.widths, chunks=1)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -138,7 +137,7 @@ def test_the_packed_rows_short_last_batch_is_warmed_too():
 
     from harness.config import load_config
     from harness.data.samples import PackedCollator
-    from harness.objective import Objective
+    from harness.objective import Objective, Parts
     from harness.speed.buckets import warm_generative_tail
     from harness.speed.compiling import dynamo_counters
 
@@ -153,8 +152,7 @@ def test_the_packed_rows_short_last_batch_is_warmed_too():
     counters.clear()
     compiled = compile_regions(model, backend="eager", dynamic=False)
     cfg = load_config(ROOT / "configs" / "gritlm-tiny.yaml", ["data.packing=true"])
-    objective = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, Accelerator(cpu=True), compiled, rl=cfg.rl,
-                          rl_temperature=cfg.rft.temperature)
+    objective = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, Parts(Accelerator(cpu=True), compiled))
     rng = torch.get_rng_state()
     said = []
     assert warm_generative_tail(objective, compiled, loader, said.append) == 1 and "of 1 rows" in said[0]

@@ -18,7 +18,7 @@ from harness.data import IGNORE_INDEX
 from harness.errors import ConfigError
 from harness.model import build_model, load_tokenizer
 from harness.chunked_loss import AUTO_MIN_LOGITS_BYTES, resolve_chunked_ce
-from harness.objective import Objective
+from harness.objective import Objective, Parts
 from harness_launch import DEFAULT, FAST, final_weights, initial_weights, metrics, rel_close, report, run_train, \
     update_rel_diff
 
@@ -104,8 +104,8 @@ def _emb_batch(gen: torch.Generator, vocab: int, queries: int = 2, group: int = 
 def _step(model, cfg, chunk_size, gens, embs):
     """One optimizer step's gradients (train_step's loop, without the update) and the summed log figures."""
     model.zero_grad(set_to_none=True)
-    objective = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, _Accelerator(len(gens)), model,
-                          chunk_size=chunk_size, rl=cfg.rl, rl_temperature=cfg.rft.temperature)
+    objective = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, Parts(_Accelerator(len(gens)), model),
+                          chunk_size=chunk_size)
     scale = objective.gen_scale(gens) if gens[0] is not None else 0.0
     sums = [objective.micro_step(g, e, scale) for g, e in zip(gens, embs)]
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

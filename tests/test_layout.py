@@ -67,7 +67,7 @@ LAYERS = [
      "harness.evaluation", "harness.encode", "harness.auto_batch", "harness.data.samples", "harness.data.loaders", "harness.data.streaming",
      "harness.data.stream_sources",
      "harness.checkpoint", "harness.rundir", "harness.observe.reporting", "harness.data.pairs",
-     "harness.preference", "harness.rl", "harness.rft.tasks", "harness.rft.engine", "harness.rft.stats",
+     "harness.preference", "harness.rl", "harness.modes", "harness.rft.tasks", "harness.rft.engine", "harness.rft.stats",
      "harness.rft.decode"],
     # 3: the build; 4: the run
     ["harness.build"],
@@ -181,7 +181,8 @@ def test_the_job_is_built_once():
 
 
 # Where the whole run config may be taken: the run's assembly and checks; elsewhere a function takes its sections.
-WHOLE_CONFIG_PLACES = ("harness/build.py", "harness/train.py", "harness/config/")
+# the loss modes' builds (harness/modes/: `build(cfg, parts)`) assemble their part of the run as build.py does
+WHOLE_CONFIG_PLACES = ("harness/build.py", "harness/train.py", "harness/config/", "harness/modes/")
 
 
 def whole_config_takers() -> list[str]:
@@ -367,3 +368,71 @@ if __name__ == "__main__":  # print the layers block for docs/architecture.md
     for i, layer in enumerate(folder_layers(folder_graph())):
         print(f"{i}: {' '.join(layer)}")
     print("```")
+
+
+# ----------------------------------------------------------------------------------------------- the loss modes
+
+MODE_PLACES = ("harness/config/", "harness/modes/")  # the facts table and the registry read a mode's name
+# the comparisons of a loss mode's name that remain outside them, each named (<= 10): the planners' arithmetic and
+# the checkpoint's compared settings of the shipped modes
+MODE_COMPARISONS_LEFT = {
+    "harness/tools/bench.py:run_bench", "harness/tools/bench_loops.py:_build_common",  # the bench compares generative
+    "harness/tools/planner.py:calibrate", "harness/tools/planner.py:main", "harness/tools/planner.py:make_plan",
+    "harness/tools/zero_plan.py:plan",  # rl: the plans count the generation's seconds and its KV cache beside training
+}
+
+
+def _mode_expression(node: ast.AST) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id.endswith("mode") and node.id != "compile_mode"
+    if isinstance(node, ast.Attribute):
+        return node.attr == "mode" or node.attr == "loss_mode"
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == "mode"
+    return False
+
+
+def _strings(node: ast.AST) -> set:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+    return set()
+
+
+def mode_comparisons() -> list[str]:
+    """Comparisons of a loss mode's name with a string outside config/ and the registry (compile modes aside:
+    only the shipped modes' names count), as 'file:function:line'."""
+    from harness.config.modes import MODES
+
+    names, out = set(MODES), []
+
+    def visit(node: ast.AST, rel: str, fn: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            fn = node.name
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(_strings(s) & names for s in sides) and any(_mode_expression(s) for s in sides):
+                out.append(f"{rel}:{fn}:{node.lineno}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, rel, fn)
+
+    for path in MODULES.values():
+        rel = str(path.relative_to(ROOT))
+        if not rel.startswith(MODE_PLACES):
+            visit(ast.parse(path.read_text()), rel, "<module>")
+    return sorted(out)
+
+
+def test_the_loss_mode_is_read_in_few_places():
+    """A loss mode is a component (harness/modes/): its name is compared with a string in config/ (the facts table,
+    the checks) and the registry; anywhere else at most 10 times, each named here. objective.py imports no specific
+    mode; train.py names none; nothing reaches into `objective.rl`."""
+    found = mode_comparisons()
+    assert len(found) <= 10, "\n".join(found)
+    assert {f.rsplit(":", 1)[0] for f in found} <= MODE_COMPARISONS_LEFT, "\n".join(found)
+    objective = imports_of("harness.objective")
+    assert not {m for m in objective if m.startswith(("harness.rl", "harness.preference", "harness.modes"))}, objective
+    # the loop, the build and the generic objective name no mode: they call the mode's object, whatever it is
+    assert not [f for f in found if f.startswith(("harness/train.py", "harness/build.py", "harness/objective.py"))]
+    assert not [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if "objective.rl" in p.read_text()]

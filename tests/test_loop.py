@@ -13,8 +13,8 @@ import torch
 
 from harness.checkpoint import resume, store
 from harness.evaluation import Evaluator
-from harness.observe.reporting import StepLog, losses_of
-from harness.state import LoopState, StepSums, UnloggedSums
+from harness.observe.reporting import StepLog
+from harness.state import LoopState, StepSums, UnloggedSums, gritlm_figures
 from harness.stopping import (EARLY_STOPPING, NONFINITE, SIGNAL, STOP_AT_STEP, TIME_BUDGET, BestMetric, NonfiniteGuard,
                               StopFlags, stop_reason)
 
@@ -67,12 +67,14 @@ def test_checkpoints_from_before_the_named_sums_still_resume(accelerator):
 
 
 def test_losses_from_sums_token_and_mixed_averaging_and_unified():
-    cfg = lambda mode, avg: SimpleNamespace(mode=mode, gen_averaging=avg, gen_weight=1.0, emb_weight=0.5)  # noqa: E731
+    cfg = lambda avg: SimpleNamespace(gen_averaging=avg, gen_weight=1.0, emb_weight=0.5)  # noqa: E731
     s = StepSums(gen_sum=12.0, gen_count=4.0, gen_mean_sum=5.0, gen_micro=2.0, emb_sum=3.0, emb_count=2.0)
-    assert losses_of(s, cfg("generative", "token"), 0.0) == {"loss": 3.0}
-    assert losses_of(s, cfg("generative", "mixed"), 0.0) == {"loss": 2.5}
-    assert losses_of(StepSums(emb_sum=3.0, emb_count=2.0), cfg("embedding", "token"), 0.0) == {"loss": 1.5}
-    assert losses_of(s, cfg("unified", "token"), 0.0) == {"loss": 3.0 + 0.5 * 1.5, "loss_gen": 3.0, "loss_emb": 1.5}
+    assert gritlm_figures(StepSums(gen_sum=12.0, gen_count=4.0, gen_mean_sum=5.0, gen_micro=2.0),
+                          cfg("token"), False) == {"loss": 3.0}
+    assert gritlm_figures(StepSums(gen_sum=12.0, gen_count=4.0, gen_mean_sum=5.0, gen_micro=2.0),
+                          cfg("mixed"), False) == {"loss": 2.5}
+    assert gritlm_figures(StepSums(emb_sum=3.0, emb_count=2.0), cfg("token"), False) == {"loss": 1.5}
+    assert gritlm_figures(s, cfg("token"), True) == {"loss": 3.0 + 0.5 * 1.5, "loss_gen": 3.0, "loss_emb": 1.5}
 
 
 # ----------------------------------------------------------------------------------------------- stopping

@@ -16,7 +16,7 @@ import torch
 from harness.config import ModelConfig, load_config
 from harness.data.samples import pad_embed
 from harness.model import build_model, load_tokenizer
-from harness.objective import Objective, cache_chunks
+from harness.objective import Objective, Parts, cache_chunks
 
 DEFAULT = os.path.join(os.path.dirname(__file__), "..", "configs", "default.yaml")
 TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -74,8 +74,7 @@ def _loss_and_grads(model, chunks: int, emb: dict, gather: bool):
             f"train.emb_micro_batch_size={2 * chunks}", f"data.train_group_size={GROUP}",
             f"loss.gather_negatives={str(gather).lower()}"]
     cfg = load_config(DEFAULT, over)
-    obj = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, _Accelerator(), model, rl=cfg.rl,
-                    rl_temperature=cfg.rft.temperature)
+    obj = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, Parts(_Accelerator(), model))
     model.zero_grad(set_to_none=True)
     sums = obj.micro_step(None, emb, 0.0)
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}

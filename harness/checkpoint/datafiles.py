@@ -14,25 +14,24 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from harness.config.modes import facts
 from harness.data import sources
 from harness.errors import DataError
 from harness.files import fingerprint, fingerprint_change
 
-# other modes: train_files; rl reads no data list (its prompts: the rft task or rl.prompts)
-KEYS = {"embedding": ("emb_train_files",), "unified": ("train_files", "emb_train_files"), "rl": ()}
-
-
 def fingerprints(d, loss_mode: str, rft=None, rl=None) -> dict:
     """Every local training data file of the streams of `loss_mode` (`d`: cfg.data) with its fingerprint, by config
     key (files of a folder and of a save_to_disk dataset, sorted; a hub id has none). A missing file is the data's own
-    one-line error. loss.mode=rl (`rft`: cfg.rft, `rl`: cfg.rl): its questions' source too, as `rft.task` (rft/tasks.py
-    task_fingerprint: a JSONL task's file, or the arithmetic task's settings), and the files of `rl.prompts`."""
-    out = {}
-    if loss_mode == "rl" and rft is not None:
+    one-line error. A mode that reads the rft / rl sections (loss.mode=rl; `rft`: cfg.rft, `rl`: cfg.rl): its
+    questions' source too, as `rft.task` (rft/tasks.py task_fingerprint: a JSONL task's file, or the arithmetic task's
+    settings), and the files of `rl.prompts`."""
+    mode, out = facts(loss_mode), {}
+    if "rft" in mode.sections and rft is not None:
         out["rft.task"] = [task_fingerprint(rft)]
-    if loss_mode == "rl" and rl is not None and rl.prompts:
+    if "rl" in mode.sections and rl is not None and rl.prompts:
         out["rl.prompts"] = source_files(rl.prompts, "rl.prompts")
-    for key in KEYS.get(loss_mode, ("train_files",)):
+    keys = (("train_files",) if mode.reads_data else ()) + (("emb_train_files",) if mode.embeds else ())
+    for key in keys:
         out[f"data.{key}"] = source_files(getattr(d, key), f"data.{key}")
     return out
 

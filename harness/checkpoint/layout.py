@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+from harness.config.modes import facts
 from harness.errors import ConfigError
 
 
@@ -64,13 +65,14 @@ class Layout:
 
 
 def streams_of(loss_mode: str) -> tuple[str, ...]:
-    return {"generative": ("gen",), "embedding": ("emb",), "preference": ("gen",), "rl": ("gen",)}.get(
-        loss_mode, ("emb", "gen"))
+    mode = facts(loss_mode)
+    return (("emb",) if mode.embeds else ()) + (("gen",) if mode.gen_rows else ())
 
 
 def rl_questions(loss, rl) -> Optional[int]:
-    """rl.questions_per_step for loss.mode=rl (the question stream's global batch), else None (cfg.loss, cfg.rl)."""
-    return rl.questions_per_step if loss.mode == "rl" else None
+    """rl.questions_per_step for a mode whose stream is questions (loss.mode=rl: the question stream's global batch),
+    else None (cfg.loss, cfg.rl)."""
+    return rl.questions_per_step if facts(loss.mode).gen_rows == "questions" else None
 
 
 def layout_of(t, world: int, zero_stage: Optional[int] = None, weights: Optional[str] = None,

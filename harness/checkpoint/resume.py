@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
+from harness.config.modes import facts
 from harness.checkpoint import datafiles, settings
 from harness.checkpoint.layout import (Resize, carry_over, check_same_engine, check_same_weights, fit,
                                        layout_of, needs_universal, rl_questions, saved_layout)
@@ -60,6 +61,7 @@ class Start:
     data_changes: list = field(default_factory=list)  # how they differ from the checkpoint's (resume_changed_data)
     settings: dict = field(default_factory=dict)  # this run's compared settings (checkpoint/settings.py)
     changed: dict = field(default_factory=dict)  # those that differ from the checkpoint's: {key: (old, new)}
+    zero_stage: Optional[int] = None  # DeepSpeed's ZeRO stage of this run (None: no DeepSpeed)
 
     @property
     def notes(self) -> list[str]:
@@ -119,16 +121,18 @@ def choose(p: Plan, accelerator, out: Path, zero_stage: Optional[int], weights: 
                         f"position counts rows of the old data; put the old data back, set "
                         f"train.resume_changed_data=true to train the new data from the start of a new epoch, or "
                         f"train it in another train.output_dir")
-    return Start(p, path, saved, universal, incomplete, files, changes, now, changed)
+    return Start(p, path, saved, universal, incomplete, files, changes, now, changed, zero_stage)
 
 
-def restore(start: Start, accelerator, t, zero_stage: Optional[int], weights: str, streams: tuple, epoch_rows: dict,
-            total_steps: int, say: Callable[[str], None], scheduler=None, *, quantized: bool, gather_negatives: bool,
-            peak_lr: float) -> Resumed:
+def restore(start: Start, accelerator, weights: str, epoch_rows: dict, total_steps: int, say: Callable[[str], None],
+            scheduler=None) -> Resumed:
     """After prepare(): the loop state to train from, a checkpoint's (its weights, optimizer, schedule and RNG
     loaded on every process, its data position in this attempt's layout, this config's optim.lr: `new_peak_lr`) or
-    step 0's. `t`: cfg.train; quantized: model.quantization is not none; gather_negatives: loss.gather_negatives;
-    peak_lr: optim.lr."""
+    step 0's. `weights`: the trained parameters' dtype once prepared; `epoch_rows`: rows an epoch per training
+    stream, in stream order (the first defines epochs); the config is the run's (`start.plan.cfg`)."""
+    cfg = start.plan.cfg
+    t, zero_stage, streams = cfg.train, start.zero_stage, tuple(epoch_rows)
+    quantized, gather_negatives, peak_lr = cfg.model.quantization != "none", cfg.loss.gather_negatives, cfg.optim.lr
     questions = rl_questions(start.plan.cfg.loss, start.plan.cfg.rl)  # loss.mode=rl: rl.questions_per_step
     layout = layout_of(t, accelerator.num_processes, zero_stage, weights, questions)
     if start.path is None:
@@ -192,7 +196,7 @@ def check_same_start(path: Path, saved: Optional[dict], seed: int, random_start:
     does not choose the model: a pretrained start is the same whatever the seed. `seed`: train.seed; random_start:
     the model is a random init (no model.name_or_path, or model.random_init); `loss`: cfg.loss."""
     was = (saved or {}).get("seed")
-    if (was is None or was == seed or not random_start or loss.mode != "preference"
+    if (was is None or was == seed or not random_start or facts(loss.mode).gen_rows != "pairs"
             or loss.preference not in ("dpo", "ipo")):
         return
     raise ConfigError(f"config key 'train.seed': the run to resume ({path}) started from the random model of "

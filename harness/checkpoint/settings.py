@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.config.modes import facts
 from harness.errors import ConfigError
 
 RL_KEYS = ("rl.num_generations", "rl.reward", "rl.rewards", "rl.beta", "rl.iterations", "rl.loss_type",
@@ -32,12 +33,13 @@ def current(model, data, loss_mode: str, sections: dict) -> dict:
     if name is not None and Path(name).exists():  # a local folder: the same one however it is written
         name = str(Path(name).resolve())
     out = {"model.name_or_path": name}
-    if loss_mode == "rl":
+    mode = facts(loss_mode)
+    if "rl" in mode.sections:  # the sampling and GRPO settings of a mode that reads them
         for key in RL_KEYS:
             section, name = key.split(".")
             value = getattr(sections[section], name)
             out[key] = value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
-    elif loss_mode in ("generative", "unified", "preference"):  # (embedding rows: data.query/passage_max_len)
+    elif mode.reads_data:  # sequences or pairs of data.train_files (embedding rows: data.query/passage_max_len)
         out["data.max_len"] = data.max_len
         if data.max_len == "auto":
             out["data.max_len_percentile"] = data.max_len_percentile

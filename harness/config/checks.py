@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from harness.config.best import early_stopping_config
+from harness.config.modes import facts
 from harness.config.sections import NO_RESUME, Config, lora_config
 from harness.errors import ConfigError
 
@@ -18,6 +19,7 @@ from harness.errors import ConfigError
 def validate(cfg: Config) -> None:
     """Checks across keys that types alone cannot express."""
     t, d, o = cfg.train, cfg.data, cfg.optim
+    facts(cfg.loss.mode)  # a registered mode (harness/config/modes.py)
     if t.micro_batch_size == "auto" and t.global_batch_size < 1:
         raise ConfigError("config key 'train.global_batch_size': train.micro_batch_size=auto keeps the global batch "
                           "and needs it (sequences per optimizer step over all processes), e.g. 64")
@@ -136,9 +138,9 @@ def check_data_sources(cfg: Config) -> None:
     """The lists the mode needs (each entry's own checks, which need data/'s knowledge: harness.data.checks, called by
     the build)."""
     d, mode = cfg.data, cfg.loss.mode
-    if mode in ("generative", "unified", "preference") and not d.train_files:
+    if facts(mode).reads_data and not d.train_files:
         raise ConfigError(f"config key 'data.train_files': loss.mode={mode} needs generative JSONL files or folders")
-    if mode in ("embedding", "unified") and not d.emb_train_files:
+    if facts(mode).embeds and not d.emb_train_files:
         raise ConfigError(f"config key 'data.emb_train_files': loss.mode={mode} needs embedding JSONL files or folders")
     check_eval_split(cfg)
 

@@ -135,8 +135,8 @@ class DataConfig:
 
 @dataclass
 class LossConfig:
-    mode: Literal["generative", "embedding", "unified", "preference", "rl"] = _f(
-        "generative", "generative: next-token loss; embedding: contrastive loss; unified: their weighted sum "
+    mode: str = _f(
+        "generative", "A registered loss mode (harness/modes/). generative: next-token loss; embedding: contrastive loss; unified: their weighted sum "
         "(GritLM), one generative and one embedding micro-batch per micro-step; preference: pairs {prompt?, chosen, "
         "rejected} in data.train_files, the loss loss.preference (docs/preference.md); rl: GRPO on rft.task (docs/rl.md).")
     preference: Literal["dpo", "ipo", "simpo", "orpo"] = _f(

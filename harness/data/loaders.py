@@ -19,6 +19,7 @@ import torch
 
 from harness import IGNORE_INDEX
 from harness.config import DataConfig, TrainConfig
+from harness.config.modes import ModeFacts
 from harness.data import mixing, sources
 from harness.data import samples as data_lib
 from harness.distributed.collectives import main_first
@@ -74,6 +75,7 @@ class RunData:
     emb_eval: Optional[dict] = None  # the held-out retrieval set (queries, corpus, positives), or None
     stats: dict = field(default_factory=dict)  # "generative" / "embedding": token-length statistics
     emb_widths: Optional[tuple] = None  # (query, passage) Widths of data.embed_length_buckets, or None (unbucketed)
+    source: Any = None  # what a mode's own stream reads (harness.modes.own_stream; rl: the task), or None
 
     @property
     def streams(self) -> tuple[str, ...]:
@@ -84,9 +86,9 @@ class RunData:
         return {"emb": self.emb, "gen": self.gen}[stream]
 
 
-def build_loaders(d: DataConfig, t: TrainConfig, mode: str, pooling: str, accelerator, tokenizer) -> RunData:
-    """Validated, tokenized data sets and their loaders (not yet prepared) for loss.mode `mode` (`d`: cfg.data, `t`:
-    cfg.train, pooling: model.pooling)."""
+def build_loaders(d: DataConfig, t: TrainConfig, mode: ModeFacts, pooling: str, accelerator, tokenizer) -> RunData:
+    """Validated, tokenized data sets and their loaders (not yet prepared) for the loss mode `mode` (its facts; `d`:
+    cfg.data, `t`: cfg.train, pooling: model.pooling)."""
     from torch.utils.data import DataLoader
 
     cuda = torch.cuda.is_available()
@@ -95,9 +97,9 @@ def build_loaders(d: DataConfig, t: TrainConfig, mode: str, pooling: str, accele
     if d.num_workers > 0:
         common.update(prefetch_factor=d.prefetch_factor, persistent_workers=d.persistent_workers)
     with main_first(accelerator):  # rank 0 validates and tokenizes; the others read its cache (or get its error)
-        if mode == "generative" and d.streaming:  # read, tokenized and packed as training goes
+        if mode.gen_rows == "sequences" and d.streaming:  # read, tokenized and packed as training goes
             out.gen, out.gen_eval, out.stats["generative"] = streamed_loaders(d, t, accelerator, tokenizer, common)
-        elif mode in ("generative", "unified"):
+        elif mode.gen_rows == "sequences":
             rows, held = training_rows(d, t.seed, "generative", accelerator.print)
             max_len = resolve_max_len(d, rows, tokenizer, accelerator.print)
             ds, st = data_lib.tokenize_dataset(rows, tokenizer, max_len)
@@ -117,9 +119,9 @@ def build_loaders(d: DataConfig, t: TrainConfig, mode: str, pooling: str, accele
                 ds, _ = data_lib.tokenize_dataset(rows, tokenizer, max_len)
                 out.gen_eval = DataLoader(ds, batch_size=t.micro_batch_size, shuffle=False,
                                           collate_fn=padded, **common)
-        if mode == "preference":
+        if mode.gen_rows == "pairs":
             out.gen, out.gen_eval, out.stats["preference"] = preference_loaders(d, t, accelerator, tokenizer, common)
-        if mode in ("embedding", "unified"):
+        if mode.embeds:
             fmt = data_lib.EmbedFormat(d.emb_instruction_template, d.emb_plain_template,
                                        append_eos=pooling == "lasttoken")
             rows, held = training_rows(d, t.seed, "embedding", accelerator.print)
@@ -133,7 +135,7 @@ def build_loaders(d: DataConfig, t: TrainConfig, mode: str, pooling: str, accele
                                                                   t.seed)}
             widths = (data_lib.Widths(1, d.pad_buckets, d.query_max_len),
                       data_lib.Widths(1, d.pad_buckets, d.passage_max_len))
-            out.emb_widths = embedding_buckets(d, mode, accelerator, ds)
+            out.emb_widths = embedding_buckets(d, mode.name, accelerator, ds)
             out.emb = DataLoader(groups, batch_size=t.emb_micro_batch_size,
                                  collate_fn=data_lib.EmbeddingCollator(tokenizer.pad_token_id,
                                                                        *(out.emb_widths or widths)), **order, **common)
@@ -321,3 +323,16 @@ def schedule_steps(items: int, micro_batch: int, world: int, accum: int, max_ste
 def epoch_steps(micro_per_epoch: int, accum: int, epochs: float) -> int:
     """Optimizer steps of `epochs` epochs (the loop's rule when train.max_steps is -1)."""
     return max(1, math.ceil(epochs * micro_per_epoch / accum))
+
+
+def longest_micro_batch(data: RunData) -> int:
+    """The most positions one generative micro-batch (training or evaluation) can have: batch size x the longest
+    row (packed rows: the packing width); 0 without generative data."""
+    most = 0
+    for loader in (data.gen, data.gen_eval):
+        if loader is None:
+            continue
+        width = (getattr(loader.collate_fn, "width", None) or getattr(loader, "max_len", None)
+                 or max(loader.dataset["length"], default=0))
+        most = max(most, loader.batch_size * width)
+    return most

@@ -18,15 +18,11 @@ from typing import Callable, Optional
 
 import yaml
 
+from harness.config.modes import facts
 from harness.files import write_text
 
-MODE_TAGS = {"generative": ["text-generation"], "embedding": ["sentence-similarity", "feature-extraction"],
-             "unified": ["sentence-similarity", "feature-extraction", "text-generation"],
-             "preference": ["text-generation"], "rl": ["text-generation", "grpo"]}
 DATA_KEYS = [("train_files", "train"), ("eval_files", "eval"), ("emb_train_files", "embedding train"),
              ("emb_eval_files", "embedding eval")]
-PIPELINE = {"generative": "text-generation", "embedding": "feature-extraction", "unified": "text-generation",
-            "preference": "text-generation", "rl": "text-generation"}
 
 
 def _hub_id(name: Optional[str]) -> Optional[str]:
@@ -46,15 +42,14 @@ def _num(v) -> str:
 
 def front_matter(cfg: dict, lora: bool) -> dict:
     """The card's metadata (the hub reads it): library, base model, tags, pipeline."""
-    mode = cfg["loss"]["mode"]
+    mode = facts(cfg["loss"]["mode"])
     meta = {"library_name": "peft" if lora else "transformers"}
     base = _hub_id(cfg["model"].get("name_or_path"))
     if base:
         meta["base_model"] = base
-    extra = (["lora"] if lora else []) + (["gritlm"] if mode == "unified" else []) + \
-        ([loss_kind] if (loss_kind := cfg["loss"].get("preference")) and mode == "preference" else [])
-    meta["tags"] = ["harness", *extra, *MODE_TAGS[mode]]
-    meta["pipeline_tag"] = PIPELINE[mode]
+    extra = (["lora"] if lora else []) + ([kind] if mode.tag_key and (kind := cfg["loss"].get(mode.tag_key)) else [])
+    meta["tags"] = ["harness", *extra, *mode.tags]
+    meta["pipeline_tag"] = mode.pipeline
     return meta
 
 
@@ -77,24 +72,25 @@ def figures(report: dict) -> list[tuple[str, str]]:
 def settings(cfg: dict, report: dict) -> list[str]:
     """The loss mode and the settings that matter most, one bullet each."""
     m, d, loss, o, t = cfg["model"], cfg["data"], cfg["loss"], cfg["optim"], cfg["train"]
+    mode = facts(loss["mode"])
     accum, world = report.get("grad_accum", t["grad_accum"]), report.get("world_size", 1)
     out = [f"loss mode: {loss['mode']}",
            f"learning rate {o['lr']:g} ({o['scheduler']}, warmup {o['warmup_steps']} steps or ratio "
            f"{o['warmup_ratio']:g})",
            f"steps {report.get('steps', t['max_steps'])}, {world} process(es), gradient accumulation {accum}"]
-    if loss["mode"] in ("generative", "unified"):
+    if mode.gen_rows == "sequences":
         out.append(f"generative: micro-batch {report.get('micro_batch_size', t['micro_batch_size'])} (batch "
                    f"{_batch(report.get('micro_batch_size', t['micro_batch_size']), accum, world)}), max_len "
                    f"{d['max_len']}, packing {d['packing']}, loss averaging {loss['gen_averaging']}")
-    if loss["mode"] == "preference":
+    if mode.gen_rows == "pairs":
         out.append(f"preference: {loss['preference']}, beta {loss['beta']:g}, label smoothing "
                    f"{loss['label_smoothing']:g}, micro-batch {t['micro_batch_size']} pairs, max_len {d['max_len']}")
-    if loss["mode"] == "rl" and "rl" in cfg:
+    if mode.gen_rows == "questions" and "rl" in cfg:
         rl = cfg["rl"]
         out.append(f"rl: {rl['algorithm']}, {rl['questions_per_step']} questions x {rl['num_generations']} answers "
                    f"per generation batch, loss_type {rl['loss_type']}, beta {rl['beta']:g}, task "
                    f"{cfg['rft']['task']}")
-    if loss["mode"] in ("embedding", "unified"):
+    if mode.embeds:
         out.append(f"embedding: {t['emb_micro_batch_size']} queries per micro-batch (batch "
                    f"{_batch(t['emb_micro_batch_size'], accum, world)}), {d['train_group_size']} passages per query, "
                    f"temperature {loss['temperature']:g}, pooling {m['pooling']}, {m['embed_attention']} attention, "
@@ -109,7 +105,7 @@ def _batch(micro, accum: int, world: int) -> str:
     return str(micro * accum * world) if isinstance(micro, int) else str(micro)
 
 
-def usage(repo: str, mode: str, lora: bool, base: Optional[str], chat: bool) -> str:
+def usage(repo: str, embeds: bool, lora: bool, base: Optional[str], chat: bool) -> str:
     """How to load the model (transformers / peft), and for embeddings harness's encoder."""
     if lora:
         load = (f"from peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
@@ -126,7 +122,7 @@ def usage(repo: str, mode: str, lora: bool, base: Optional[str], chat: bool) -> 
                  "ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\")\n"
                  "print(tokenizer.decode(model.generate(ids, max_new_tokens=64)[0, ids.shape[1]:]))\n")
     text = f"```python\n{load}```\n\nOr chat in a terminal: `harness chat {repo}` (a local folder).\n"
-    if mode in ("embedding", "unified"):
+    if embeds:
         text += ("\nEmbeddings as in training (pooling, attention and templates from harness.json), with harness:\n\n"
                  "```python\nfrom harness.encode import GritModel\n\n"
                  f"m = GritModel.load(\"{repo}{'/merged' if lora else ''}\")  # a local folder\n"
@@ -158,7 +154,7 @@ def render(cfg: dict, report: dict, config_text: str, final: Path, repo: Optiona
              "## Data", "", *(data or ["(none listed)"]), "",
              "## Training", "", *[f"- {s}" for s in settings(cfg, report)], "",
              "## Results", "", "| figure | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in figures(report)], "",
-             "## How to use", "", usage(repo or str(final), mode, lora, base, chat),
+             "## How to use", "", usage(repo or str(final), facts(mode).embeds, lora, base, chat),
              "## Full config", "", "<details><summary>config.yaml</summary>", "", "```yaml", config_text.rstrip(),
              "```", "", "</details>", ""]
     return "\n".join(parts)

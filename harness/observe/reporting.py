@@ -8,35 +8,16 @@ the time window and the cost, and sends it to metrics.jsonl, the trackers, the p
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-from harness.config import LossConfig
 from harness.errors import HarnessError, one_line
 from harness.files import write_json
 from harness.observe import cost, metrics, monitor, timing
-from harness.state import LoopState, StepSums, UnloggedSums, preference_figures, rl_figures
+from harness.state import LoopState, UnloggedSums
 from harness.stopping import TIME_BUDGET
 from harness.checkpoint.store import list_checkpoints
 from harness.observe import modelcard, summary
-
-
-def losses_of(sums: StepSums, loss: LossConfig, rl_beta: float) -> dict:
-    """{"loss"} (and "loss_gen", "loss_emb" in unified mode) from summed step sums; `rl_beta`: cfg.rl.beta."""
-    if loss.mode == "preference":
-        return preference_figures(asdict(sums), loss.preference == "orpo")
-    if loss.mode == "rl":
-        return rl_figures(asdict(sums), rl_beta)
-    parts = {}
-    if sums.gen_micro:
-        parts["loss_gen"] = (sums.gen_sum / max(sums.gen_count, 1) if loss.gen_averaging == "token"
-                             else sums.gen_mean_sum / sums.gen_micro)
-    if sums.emb_count:
-        parts["loss_emb"] = sums.emb_sum / sums.emb_count
-    if loss.mode == "unified":
-        return {"loss": loss.gen_weight * parts["loss_gen"] + loss.emb_weight * parts["loss_emb"], **parts}
-    return {"loss": next(iter(parts.values()))}
 
 
 class StepLog:
@@ -62,9 +43,8 @@ class StepLog:
         sums = unlogged.total(job.accelerator, reset=True)
         interval_s = meter.interval()
         tok_s = sums.tokens / interval_s
-        record = {"step": state.step, "epoch": epoch_of(job, state), **losses_of(sums, self.cfg.loss, self.cfg.rl.beta)}
-        if job.objective.rl is not None:  # loss.mode=rl: each reward function's figures, sampled completions
-            record.update(job.objective.rl.logged())
+        # the mode's figures: its losses (rl: each reward function's figures and sampled completions too)
+        record = {"step": state.step, "epoch": epoch_of(job, state), **job.objective.figures(sums)}
         state.first_loss = record["loss"] if state.first_loss is None else state.first_loss
         state.tokens += int(sums.tokens)
         done, total = state.step - self.start_step, job.total_steps

@@ -20,6 +20,7 @@ from typing import Callable
 
 from harness.distributed import collectives
 from harness.config import Config, save_config
+from harness.config.modes import facts
 from harness.errors import ConfigError, HarnessError
 from harness.files import write_json
 from harness.rundir import lock
@@ -33,7 +34,8 @@ RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "report.json", "summary.
 
 def write_run_files(cfg: Config, out: Path, env: dict) -> None:
     """config.yaml and environment.json (main process); a full disk is one line, with nothing cut left behind."""
-    omit = () if cfg.loss.mode == "rl" else ("rft", "rl")  # sections the run does not read (rl reads both)
+    read = facts(cfg.loss.mode).sections  # sections the run reads beyond the common ones (rl reads both)
+    omit = tuple(name for name in ("rft", "rl") if name not in read)
     for name, write in (("config.yaml", lambda p: save_config(cfg, p, omit=omit)),
                         ("environment.json", lambda p: write_json(p, env))):
         try:

@@ -238,8 +238,8 @@ class CompileWatch:
         self.first_step_s = 0.0
         self.warmed: Optional[dict] = None  # harness.speed.buckets: embedding shapes run before step 1
         # graphs compiled apart from the training step (loss.mode=rl: the engine's decode step, its batch buckets and
-        # its greedy form at the first evaluation): reported on their own, not as the step's recompiles
-        self.apart: Callable[[], int] = lambda: 0
+        # its greedy form at the first evaluation; the objective's generation_graphs): reported on their own, not as
+        # the step's recompiles
         self.apart_after_first = 0
 
     def model_built(self, model: torch.nn.Module) -> None:
@@ -269,15 +269,16 @@ class CompileWatch:
         now = dynamo_counters()
         return {"compile_graphs": now["graphs"], "compile_s": now["compile_time_s"]}
 
-    def first_step_done(self, seconds: float) -> None:
-        """The first step of this process carries the (cold) compilation."""
-        self.first_step_s, self.after_first, self.apart_after_first = seconds, dynamo_counters(), self.apart()
+    def first_step_done(self, seconds: float, apart: int = 0) -> None:
+        """The first step of this process carries the (cold) compilation; `apart`: the graphs compiled apart from
+        the training step so far."""
+        self.first_step_s, self.after_first, self.apart_after_first = seconds, dynamo_counters(), apart
 
-    def report(self, train_time_s: float, steps: int, say: Callable[[str], None]) -> dict:
+    def report(self, train_time_s: float, steps: int, say: Callable[[str], None], apart: int = 0) -> dict:
         """report.json's `compile` section at the end of the loop. The probe stays on the blocks until `close()`:
         code compiled over them (the RL engine's decode step traces the model whole) guards on the blocks' hooks,
         and removing them here made the final evaluation compile that code again."""
-        now, calls, apart = dynamo_counters(), self.probe.calls, self.apart()  # calls: read off the device once
+        now, calls = dynamo_counters(), self.probe.calls  # calls: read off the device once
         recompiles = now["graphs"] - self.after_first["graphs"] - (apart - self.apart_after_first)
         before, after = self.before_first["compile_time_s"], self.after_first["compile_time_s"]
         out = {

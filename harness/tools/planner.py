@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from harness.config import Config, load_config, recipe_args
+from harness.config.modes import facts
 from harness.errors import ConfigError, HarnessError
 from harness.data.loaders import epoch_steps, schedule_steps
 from harness.observe.timing import SETTLE_STEPS, config_fingerprint, fmt_s
@@ -139,12 +140,12 @@ def calibrate(config_path: Optional[str], overrides: list[str], cfg: Config, set
 
 def analyse_data(cfg: Config) -> dict:
     """Samples, full and truncated token lengths, items per epoch of the primary stream (the loop's rules)."""
-    d, mode, out = cfg.data, cfg.loss.mode, {}
-    if mode == "rl":  # the stream is the rft task's train questions, answered during the run
+    d, mode, out = cfg.data, facts(cfg.loss.mode), {}
+    if mode.gen_rows == "questions":  # the stream is the rft task's train questions, answered during the run
         n = len(build_task(cfg.rft).split("train"))
         return {"primary": "rl", "rl": {"questions": n, "items": n}}
     tok = load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
-    if mode == "preference":  # a pair is two sequences (chosen, rejected) in one forward pass: both are counted
+    if mode.gen_rows == "pairs":  # a pair is two sequences (chosen, rejected) in one forward pass: both are counted
         rows, _ = training_rows(cfg.data, cfg.train.seed, "preference")
         max_len = d.max_len if d.max_len != "auto" else 1 << 20  # as the run's loader
         ds, st = pairs.tokenize_pair_dataset(rows, tok, max_len, chat.resolve_template(tok, d.chat_template))
@@ -154,7 +155,7 @@ def analyse_data(cfg: Config) -> dict:
                              "truncated_pairs": st["truncated"], "items": st["pairs"]}
         out["primary"] = "preference"
         return out
-    if mode in ("generative", "unified"):
+    if mode.gen_rows == "sequences":
         rows, _ = training_rows(cfg.data, cfg.train.seed, "generative")
         full_ds, _ = data_lib.tokenize_dataset(rows, tok, 1 << 30)
         full = list(full_ds["length"])
@@ -166,7 +167,7 @@ def analyse_data(cfg: Config) -> dict:
                              "p50_len": st["p50_len"], "p95_len": st["p95_len"], "longest": max(full),
                              "truncated_samples": st["truncated"], "truncated_tokens": sum(full) - st["tokens"],
                              "items": items, "packing": d.packing, "full_lengths": full}
-    if mode in ("embedding", "unified"):
+    if mode.embeds:
         rows, _ = training_rows(cfg.data, cfg.train.seed, "embedding")
         out["embedding"] = {"samples": len(rows), "items": len(rows)}
     out["primary"] = "embedding" if "embedding" in out else "generative"

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from harness.config import Config, LossConfig, lora_config
+from harness.config.modes import facts
 from harness.distributed.sequence import attention_heads
 from harness.model import build_model, load_tokenizer
 from harness.errors import ConfigError
@@ -128,13 +129,13 @@ def activation_terms(cfg: Config, shape: ModelShape, act_bytes: int) -> tuple[li
         seq = model_max or 4096
         lines.append(f"data.max_len=auto: taking {seq} tokens (the model's maximum) as the upper bound")
     passes = []  # (name, tokens, sequence length, with logits)
-    if cfg.loss.mode in ("generative", "unified"):
+    if facts(cfg.loss.mode).gen_rows == "sequences":
         sp = max(1, t.sequence_parallel)  # each process holds 1/N of every row's positions
         passes.append(("generative", t.micro_batch_size * seq // sp, seq, True))
         if sp > 1:
             lines.append(f"train.sequence_parallel={sp}: each GPU holds {seq} / {sp} = {seq // sp} positions of every "
                          f"row (activations per GPU divided by {sp})")
-    if cfg.loss.mode in ("embedding", "unified"):
+    if facts(cfg.loss.mode).embeds:
         texts = t.emb_micro_batch_size // cfg.loss.grad_cache_chunks
         tokens = texts * (d.query_max_len + d.train_group_size * d.passage_max_len)
         passes.append(("embedding", tokens, max(d.query_max_len, d.passage_max_len), False))
