@@ -145,6 +145,7 @@ def engine_all() -> dict:
 
     from harness.config import ModelConfig
     from harness.model import build_model, load_tokenizer
+    from harness.rft.contract import GREEDY, Sampling
     from harness.rft.engine import ContinuousEngine
     from harness.rft.hf_engine import TransformersEngine
     from harness.rft.sampling import StaticEngine, prompt_text
@@ -159,25 +160,28 @@ def engine_all() -> dict:
     model = build_model(cfg, tok).eval()
     t = ArithmeticTask(n_train=12, n_test=0, n_sft=0, max_operand=12)
     prompts = [prompt_text(t, q, tok) for q in t.split("train")]
-    sampled = dict(temperature=0.9, top_p=0.9, seed=11)
+    sampled = Sampling(temperature=0.9, top_p=0.9, seed=11)
     out = {}
     for slots in (64, 7, 3):
-        for form, kw in (("greedy", dict(greedy=True)), ("sampled", sampled)):
+        for form, kw in (("greedy", GREEDY), ("sampled", sampled)):
             e = ContinuousEngine(model, tok, ENGINE_NEW, max_slots=slots, top_k=20 if form == "sampled" else 0)
             n = 1 if form == "greedy" else 4
             texts, ids = engine_answers(e, tok, prompts, n, kw)
             out[f"continuous-{slots}-{form}"] = {"text": texts, "ids": ids}
     for name, e in (("static", StaticEngine(model, tok, ENGINE_NEW, micro=64, per_call=4, top_k=20)),
                     ("transformers", TransformersEngine(model, tok, ENGINE_NEW, top_k=20))):
-        out[f"{name}-greedy"] = {"text": engine_answers(e, tok, prompts, 1, dict(greedy=True))[0]}
+        out[f"{name}-greedy"] = {"text": engine_answers(e, tok, prompts, 1, GREEDY)[0]}
         out[f"{name}-sampled"] = {"text": engine_answers(e, tok, prompts[:6], 4, sampled)[0]}
     return out
 
 
-def engine_answers(engine, tok, prompts: list[str], n: int, kw: dict) -> tuple[list, list]:
-    """(the answers' text per prompt, their token ids per prompt where the engine gives them, else [])."""
-    texts = engine.generate(prompts, n, **kw)
-    return texts, [[list(x) for x in group] for group in getattr(engine, "last_ids", [])]
+def engine_answers(engine, tok, prompts: list[str], n: int, sampling) -> tuple[list, list]:
+    """(the answers' text per prompt, the continuous engine's token ids per prompt, else [])."""
+    from harness.rft.contract import encode, texts  # lazy: as engine_all's
+
+    got = engine.generate(encode(tok, prompts), n, sampling)
+    ids = [[list(c.ids) for c in group] for group in got] if engine.name == "continuous" else []
+    return texts(tok, got, engine.eos), ids
 
 
 def main() -> int:

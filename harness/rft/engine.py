@@ -25,14 +25,16 @@ what the uninterrupted run would), not the static path's samples.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from harness.distributed.sequence import attention_heads
 from harness.errors import HarnessError
+from harness.rft.contract import Completion, OnDone, Sampling
 from harness.rft.stats import Stats, eos_ids, logit_bytes
 from harness.rft.decode import (PromptCache, SlotCache, Step, StopStrings, bucket_for, buckets, draws, on, pick,
                                 sample_seed, width_buckets)
@@ -85,6 +87,7 @@ class ContinuousEngine:
         self.max_slots, self.kv_cache_gb, self.stop_strings = max_slots, kv_cache_gb, tuple(stop_strings)
         self.stopped = StopStrings(tokenizer, self.stop_strings)
         self.stats = Stats()
+        self.eos = eos_ids(model, tokenizer)  # the ids that end an answer (a caller drops them from its text)
         self.dtype = next(model.parameters()).dtype  # the weights'; the cache's is the compute dtype (`compute_dtype`)
         self.device = next(model.parameters()).device
         params = inspect.signature(model.forward).parameters
@@ -100,7 +103,6 @@ class ContinuousEngine:
         self.cache: Optional[SlotCache] = None  # kept between generate() calls: the compiled step reads it in place
         self.ring: list = []  # host buffers (pinned on CUDA) and events the tokens are read through (`_readable`)
         self.turn = 0
-        self.last_ids: list[list[list[int]]] = []  # the last generate() call's sampled token ids (EOS kept), as results
 
     @property
     def model(self):
@@ -108,11 +110,22 @@ class ContinuousEngine:
 
     @model.setter
     def model(self, model) -> None:
-        """Another model object (loss.mode=rl sets the one gathered for generation before each call): the step
-        runs it too."""
         self._model = model
         if hasattr(self, "step"):
             self.step.model = model
+
+    @contextlib.contextmanager
+    def serving(self, model) -> Iterator[None]:
+        """Within: the engine (its prefill and decode step) runs `model` (loss.mode=rl's weights gathered for the
+        generation, train.eval_prompts' model as it is now); on leaving, its own model again and, where the decode
+        step is eager, the KV cache freed (for the training pass; a compiled step reads its cache in place: kept)."""
+        was, self.model = self.model, model
+        try:
+            yield
+        finally:
+            self.model = was
+            if not self.compiled:
+                self.cache = None
 
     @property
     def compiled(self) -> bool:
@@ -184,27 +197,25 @@ class ContinuousEngine:
 
     # ------------------------------------------------------------------------------------------- the loop
     @torch.inference_mode()  # (no_grad keeps autograd's bookkeeping, version counters and views, on every operation)
-    def generate(self, prompts: list[str], n: int, temperature: float = 1.0, top_p: float = 1.0,
-                 greedy: bool = False, seed=0,
-                 on_done: Optional[Callable[[int, list[str]], None]] = None) -> list[list[str]]:
-        """n responses per prompt, grouped by prompt (each group in sample order). `on_done(i, responses)` is
-        called as soon as prompt i's n samples have ended (a resumable writer appends its record there).
-        `seed`: an int (sample j of prompt i is seeded from (seed, i, j)) or a callable `seed(i, j) -> int`; a
-        sample's draws are a function of its seed and its token positions only (decode.uniform), the same drawn
-        alone or with other prompts, whatever the slots."""
-        tok, dev, st = self.tok, self.device, self.stats
-        temp = torch.tensor(float(temperature), device=dev)
-        nucleus = torch.tensor(float(top_p), device=dev) if top_p < 1.0 and not greedy else None
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling = Sampling(),
+                 on_done: Optional[OnDone] = None) -> list[list[Completion]]:
+        """n completions per prompt (its token ids), grouped by prompt (each group in sample order). `on_done(i,
+        completions)` is called as soon as prompt i's n samples have ended (a resumable writer appends its record
+        there). A sample's draws are a function of its seed (`sampling.seed`) and its token positions only
+        (decode.uniform), the same drawn alone or with other prompts, whatever the slots."""
+        dev, st = self.device, self.stats
+        greedy, seed = sampling.greedy, sampling.seed
+        temp = torch.tensor(float(sampling.temperature), device=dev)
+        nucleus = torch.tensor(float(sampling.top_p), device=dev) if sampling.top_p < 1.0 and not greedy else None
         warp = (self.top_k, torch.tensor(self.min_p, device=dev) if self.min_p > 0 else None)  # top-k, min-p
-        eos = set(eos_ids(self.model, tok))  # as the static path, which passes the same list to generate()
+        eos = set(self.eos)  # as the static path, which passes the same list to generate()
         # the tokens whose arrival can complete a stop string (None: any token): the check is inline, a set lookup
         stopped, limit = self.stopped, self.max_new_tokens
         enders = stopped.enders() if stopped.strings else frozenset()
-        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        ids = [list(p) for p in prompts]
         cache = self._slot_cache(max(map(len, ids), default=0) + self.max_new_tokens)
         sizes = self._sizes(cache)
         results: list[list] = [[None] * n for _ in prompts]
-        self.last_ids = [[[] for _ in range(n)] for _ in prompts]  # what was sampled (loss.mode=rl trains on these)
         left = [n] * len(prompts)  # samples of each prompt not yet ended
         waiting = [(i, j) for i in range(len(prompts)) for j in range(n)]
         waiting.reverse()  # pop() takes the next in order
@@ -219,8 +230,7 @@ class ContinuousEngine:
             st.tokens += len(s.tokens)
             st.lengths.append(len(s.tokens))
             st.used_slot_steps += len(s.tokens) - 1  # the first token comes from the prefill
-            results[s.i][s.j] = tok.decode([t for t in s.tokens if t not in eos], skip_special_tokens=True).strip()
-            self.last_ids[s.i][s.j] = list(s.tokens)
+            results[s.i][s.j] = Completion(tuple(s.tokens))
             left[s.i] -= 1
             if left[s.i] == 0 and on_done is not None:
                 on_done(s.i, results[s.i])
