@@ -110,10 +110,10 @@ def test_the_compiled_step_runs_a_mixed_length_generation_without_recompiling(se
     assert ask(e, prompts, 1, greedy=True) == static
     warm = graphs()
     assert warm - before == 1 and len(set(sizes)) >= 2 and set(sizes) <= {2, 4, 5}  # one graph, several buckets
-    at, ring = e.cache.at, e.ring  # (the write columns: filled in place outside the compiled region)
+    at, ring = e.cache.at, e.runner.ring  # (the write columns: filled in place outside the compiled region)
     out = ask(e, prompts, 1, greedy=True)
     assert out == static and graphs() == warm  # no graph compiled, no recompilation
-    assert e.cache.at is at and e.ring is ring
+    assert e.cache.at is at and e.runner.ring is ring
     assert e.compiled and e.stats.steps > 2 * NEW and max(e.stats.lengths) == NEW and min(e.stats.lengths) < 10
     ask(e, prompts[:2], 2, temperature=1.0)  # sampled: the pick's other form, a graph of its own
     assert e.step.compiled_graphs == graphs() - before == 2  # what the step compiled (CompileWatch reports it apart)
@@ -138,8 +138,8 @@ def test_a_prompt_is_prefilled_once_for_its_samples_and_seeded_samples_repeat(se
     model, tok, prompts, static = setup
     e = ContinuousEngine(model, tok, NEW, max_slots=5)  # 4 samples of 3 prompts: a prompt's samples split
     calls = []
-    prefill = e._prefill
-    e._prefill = lambda ids: calls.append(len(ids)) or prefill(ids)
+    prefill = e.runner.prefill
+    e.runner.prefill = lambda ids: calls.append(len(ids)) or prefill(ids)
     a = ask(e, prompts[:3], 4, temperature=1.0, seed=7)
     assert sum(calls) == 3 and calls[0] == 2 and [len(g) for g in a] == [4, 4, 4] and len(set(a[0])) > 1
     assert ask(ContinuousEngine(model, tok, NEW, max_slots=5), prompts[:3], 4, temperature=1.0, seed=7) == a
@@ -258,7 +258,7 @@ def test_out_of_memory_halves_the_sequences_in_flight_and_loses_nothing(setup):
     model, tok, prompts, static = setup
     said = []
     e = ContinuousEngine(model, tok, NEW, max_slots=8, say=said.append)
-    prefill, step = e._prefill, e.step.fn
+    prefill, step = e.runner.prefill, e.step.fn
     prefills = []
 
     def small_gpu_prefill(ids):  # the second prefill fails once, with sequences running
@@ -272,7 +272,7 @@ def test_out_of_memory_halves_the_sequences_in_flight_and_loses_nothing(setup):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated limit of 2 sequences)")
         return step(ids, *args)
 
-    e._prefill, e.step.fn = small_gpu_prefill, small_gpu_step
+    e.runner.prefill, e.step.fn = small_gpu_prefill, small_gpu_step
     assert ask(e, prompts, 1, greedy=True) == static
     assert e.max_slots == 2 and len(said) == 2 and "out of memory" in said[0]  # 8 -> 4 -> 2
 
@@ -404,7 +404,7 @@ def test_the_compiled_step_of_a_grouped_query_model_reads_the_cache_without_repe
         torch._dynamo.reset()
         e = ContinuousEngine(model, tok, NEW, max_slots=4, compile=True, kv_cache_gb=None)
         e.step.fn = torch.compile(e.step._run, backend=record, fullgraph=True)
-        e._slot_cache(256)  # a wide cache (as a call with long prompts leaves it), of which ~50 columns are used
+        e.slots.cache_for(256, e.compiled)  # a wide cache (as a call with long prompts leaves it), of which ~50 columns are used
         out = ask(e, prompts[:6], 1, greedy=True)
         return out, shapes, e.cache.width
 
@@ -508,7 +508,7 @@ def test_the_cache_is_planned_once_and_reused_by_later_calls(setup, monkeypatch)
     monkeypatch.setattr(SlotCache, "__init__", lambda self, *a: made.append(a[1]) or init(self, *a))
     e = ContinuousEngine(model, tok, NEW, max_slots=8, compile=True)
     plans = iter([5, 3, 2, 1])
-    e.plan_slots = lambda width: next(plans)  # the free memory falls at each reading
+    e.slots.plan = lambda width: next(plans)  # the free memory falls at each reading
     assert ask(e, prompts[:6], 1, greedy=True) == static[:6]
     warm = graphs()
     for _ in range(2):
@@ -522,7 +522,7 @@ def test_no_queue_drain_when_the_tokens_are_read_one_step_behind(setup):
     CUDA), no step's tokens are read with no later step queued, admissions included; greedy text unchanged."""
     model, tok, prompts, static = setup
     e = ContinuousEngine(model, tok, NEW, max_slots=3)
-    e.lag = 1
+    e.runner.lag = 1
     assert ask(e, prompts, 1, greedy=True) == static
     assert min(e.stats.lengths) < 10 and max(e.stats.lengths) == NEW and e.stats.steps > NEW  # rows refilled
     assert e.stats.queue_drains == 0
@@ -554,7 +554,7 @@ def test_top_k_and_min_p_filter_as_transformers_warpers_and_the_draw_never_picks
         for x in (0.0, 0.5, 1 - 2**-48, 1.0):  # the edges of the draw: never a filtered token
             got = pick(logits, torch.full((8, 1), x, dtype=torch.float64), *args)
             assert (ref.gather(1, got[:, None]) > 0).all(), (k, p, m, x)
-    from harness.rft import decode, engine
+    from harness.rft import decode
 
     model, tok, prompts, static = setup
     draws = []
@@ -566,8 +566,7 @@ def test_top_k_and_min_p_filter_as_transformers_warpers_and_the_draw_never_picks
         draws.append(len(got))
         return got
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(decode, "pick", checked)
-        mp.setattr(engine, "pick", checked)
+        mp.setattr(decode, "pick", checked)  # (the step's pick and the first tokens' (decode.Picker))
         a = ask(ContinuousEngine(model, tok, 8, max_slots=4, top_k=2, min_p=0.3), prompts[:3], 3, seed=5)
     assert sum(draws) >= 9
     assert a == ask(ContinuousEngine(model, tok, 8, max_slots=2, top_k=2, min_p=0.3), prompts[:3], 3, seed=5)
@@ -599,15 +598,15 @@ def test_repeated_steps_read_their_tokens_through_one_ring_of_host_buffers(setup
     one ring, allocated once per engine; two whole generations (rows refilled, one step behind) reuse it."""
     model, tok, prompts, static = setup
     e = ContinuousEngine(model, tok, NEW, max_slots=3)
-    e.lag = 1  # as on CUDA: the most entries pending at once
+    e.runner.lag = 1  # as on CUDA: the most entries pending at once
     buffers = set()
-    readable = e._readable
-    e._readable = lambda *a, **k: (lambda got: buffers.add(got[0].untyped_storage().data_ptr()) or got)(
-        readable(*a, **k))
+    readable = e.runner.readable
+    e.runner.readable = lambda *a, **k: readable(*a, **k) or buffers.add(
+        e.runner.pending[-1][0].untyped_storage().data_ptr())
     assert ask(e, prompts, 1, greedy=True) == static
-    ring, at = e.ring, e.cache.at
+    ring, at = e.runner.ring, e.cache.at
     assert ask(e, prompts, 1, greedy=True) == static
-    assert e.ring is ring and e.cache.at is at and len(ring) == 6 and e.stats.steps > 2 * NEW
+    assert e.runner.ring is ring and e.cache.at is at and len(ring) == 6 and e.stats.steps > 2 * NEW
     assert buffers == {b.untyped_storage().data_ptr() for b, _ in ring}  # every buffer of the ring, no other
 
 

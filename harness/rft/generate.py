@@ -107,8 +107,9 @@ def _run(r, model: Optional[str], acc, stop_after: int) -> Optional[dict]:
     try:  # (an error ends the bar's line first: its one line is not printed after the bar)
         if todo:  # each sample (continuous) or batch (static: its first question's) seeded from rft.seed, the
             # question's id and the sample's index: a restart draws what the uninterrupted run would (continuous)
-            seeds = Sampling(r.temperature, r.top_p, seed=lambda i, j: zlib.crc32(f"{r.seed}/{todo[i].qid}/{j}".encode()))
-            engine.generate(encode(tok, [prompt_text(task, q, tok) for q in todo]), r.oversample, seeds,
+            seeded = Sampling(r.temperature, r.top_p,
+                              seed=lambda i, j: zlib.crc32(f"{r.seed}/{todo[i].qid}/{j}".encode()))
+            engine.generate(encode(tok, [prompt_text(task, q, tok) for q in todo]), r.oversample, seeded,
                             on_done=on_done)
     finally:
         bar.close()

@@ -3,8 +3,8 @@
     harness rft generate configs/rft-tiny.yaml rft.engine=vllm
 
 vLLM loads the model folder itself (the harness's copy is not used) with its own scheduler, paged KV cache and
-sampler: the same temperature and top-p, other random draws; greedy is temperature 0. It takes the prompts' ids and gives the
-completions' ids (vLLM's TokensPrompt; its text is not read). No test runs it (no vLLM in
+sampler: the same temperature and top-p, other random draws; greedy is temperature 0. It takes the prompts' ids and
+gives the completions' ids (vLLM's TokensPrompt; its text is not read). No test runs it (no vLLM in
 the test environment); the shards, merge and report are the harness's, as for the other engines.
 """
 
