@@ -282,14 +282,14 @@ class Step:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.fn = torch.compile(self._run, fullgraph=True, mode="reduce-overhead" if self.cuda else None)
 
-    def __call__(self, cache: SlotCache, n: int, sample: bool, temperature, top_p, top_k: int = 0,
-                 min_p=None) -> torch.Tensor:
-        """`sample`: draw (each row's uniform number for the position of the token drawn, from its row of
-        `cache.draws`) under the warpers `pick` applies, else argmax."""
+    def __call__(self, cache: SlotCache, n: int, picker: Picker) -> torch.Tensor:
+        """Sampled (`picker.greedy` false): a draw (each row's uniform number for the position of the token drawn,
+        from its row of `cache.draws`) under the warpers `pick` applies, else argmax."""
+        sample, *warpers = picker.args  # (temperature, top_p, top_k, min_p: the compiled function's inputs)
         ids, positions, table = cache.cur[:n], cache.pos[:n], cache.draws[:n] if sample else None
         torch.clamp(positions, max=cache.attend - 1, out=cache.at[:n])  # padding rows: a column of their free row
         with _Attention(self.model):
-            return self._call(cache, n, ids, positions, table, temperature, top_p, top_k, min_p)
+            return self._call(cache, n, ids, positions, table, *warpers)
 
     def _call(self, cache: SlotCache, n: int, ids, positions, table, *warpers) -> torch.Tensor:
         if self.compiled:

@@ -203,7 +203,7 @@ class ContinuousEngine:
         cache.attend = bucket_for(used, width_buckets(cache.width)) if self.compiled else \
             min(cache.width, -(-used // 32) * 32)
         m = time.perf_counter()
-        picked = self.runner.step(cache, b, *picker.args)
+        picked = self.runner.step(cache, b, picker)
         cache.cur[:b] = picked
         cache.pos[:b] += 1
         st.model_seconds += time.perf_counter() - m
