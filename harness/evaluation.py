@@ -18,6 +18,7 @@ from harness.data import samples as data_lib
 from harness.distributed.zero import gathered_for_generation
 from harness.observe import metrics
 from harness.objective import evaluate_generative  # noqa: F401 (here before: the tests' import)
+from harness.rft.contract import GREEDY, encode, texts
 from harness.rft.engine import ContinuousEngine, servable
 
 
@@ -63,8 +64,8 @@ class PromptAnswers:
         self.accelerator, self.model, self.tok, self.zero_stage, self.say = accelerator, model, tokenizer, zero_stage, say
         self.max_new_tokens = max_new_tokens
         self.shown = [p["text"] if isinstance(p, dict) else p for p in prompts]  # as the user wrote them
-        self.texts = [p["text"] if isinstance(p, dict) else tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False) for p in prompts]
+        self.ids = encode(tokenizer, [p["text"] if isinstance(p, dict) else tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False) for p in prompts])  # once
         self.engine = None  # built on first use, on the main process
 
     def answer(self) -> list[dict]:
@@ -84,20 +85,20 @@ class PromptAnswers:
         if self.engine is None:
             why = servable(model)
             if why is None:
-                self.engine = ContinuousEngine(model, self.tok, self.max_new_tokens, len(self.texts), say=self.say)
+                self.engine = ContinuousEngine(model, self.tok, self.max_new_tokens, len(self.ids), say=self.say)
             else:
                 self.engine = "static"
                 self.say(f"[harness] train.eval_prompts: the continuous engine cannot serve {why}: model.generate")
         if self.engine != "static":
-            self.engine.model = model
-            return [group[0] for group in self.engine.generate(self.texts, 1, greedy=True)]
-        return static_greedy(model, self.tok, self.texts, self.max_new_tokens)
+            with self.engine.serving(model):
+                got = self.engine.generate(self.ids, 1, GREEDY)
+            return [group[0] for group in texts(self.tok, got, self.engine.eos)]
+        return static_greedy(model, self.tok, self.ids, self.max_new_tokens)
 
 
 @torch.no_grad()
-def static_greedy(model, tok, texts: list[str], max_new_tokens: int) -> list[str]:
+def static_greedy(model, tok, ids: list[list[int]], max_new_tokens: int) -> list[str]:
     """Greedy answers through model.generate, the prompts left-padded in one batch (as rft's static engine)."""
-    ids = tok(texts, add_special_tokens=False)["input_ids"]
     width, dev = max(map(len, ids)), next(model.parameters()).device
     input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids], device=dev)
     mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=dev)

@@ -2,6 +2,8 @@
 
     python scripts/goldens.py record docs/bench/goldens.json     # before moving code
     python scripts/goldens.py compare docs/bench/goldens.json    # after: exit 1 on any difference
+    python scripts/goldens.py engine record docs/bench/goldens-engine.json   # the generation engines' (`engine_all`)
+    python scripts/goldens.py engine compare docs/bench/goldens-engine.json
 
 Eight runs through the real entry point (one process, fp32 CPU): the default job (40 steps), the unified GritLM
 recipe (40 steps), the default job stopped at step 20 and resumed, LoRA on the default job (8 steps; its adapter
@@ -143,12 +145,70 @@ def differences(a, b, where: str = "") -> list[str]:
     return [] if a == b else [f"{where}: {a!r} vs {b!r}"]
 
 
+# ----------------------------------------------------------------------------------------------- the engine's goldens
+ENGINE_NEW = 30  # new tokens at most (tests/test_rft_engine.py's NEW)
+
+
+def engine_all() -> dict:
+    """The generation engines' answers bit for bit, in one process on the CPU, on tests/test_rft_engine.py's tiny
+    random model (its TINY config, seed 0) and 12 arithmetic prompts: the continuous engine at 64, 7 and 3 slots,
+    greedy and sampled (4 answers a prompt, temperature 0.9, top-p 0.9, top-k 20, seeds 11), its token ids and text;
+    the static engine's and the transformers engine's greedy text and seeded samples (text)."""
+    # lazy: the training goldens run in subprocesses; this process loads torch and the engines only for these
+    import torch
+    from accelerate.utils import set_seed
+
+    from harness.config import ModelConfig
+    from harness.model import build_model, load_tokenizer
+    from harness.rft.contract import GREEDY, Sampling
+    from harness.rft.engine import ContinuousEngine
+    from harness.rft.hf_engine import TransformersEngine
+    from harness.rft.sampling import StaticEngine, prompt_text
+    from harness.rft.tasks import ArithmeticTask
+    from tests.test_rft_engine import TINY
+
+    torch.set_num_threads(1)
+    cfg = ModelConfig(config=dict(TINY))
+    tok = load_tokenizer(cfg)
+    tok.padding_side = "left"
+    set_seed(0)
+    model = build_model(cfg, tok).eval()
+    t = ArithmeticTask(n_train=12, n_test=0, n_sft=0, max_operand=12)
+    prompts = [prompt_text(t, q, tok) for q in t.split("train")]
+    sampled = Sampling(temperature=0.9, top_p=0.9, seed=11)
+    out = {}
+    for slots in (64, 7, 3):
+        for form, kw in (("greedy", GREEDY), ("sampled", sampled)):
+            e = ContinuousEngine(model, tok, ENGINE_NEW, max_slots=slots, top_k=20 if form == "sampled" else 0)
+            n = 1 if form == "greedy" else 4
+            texts, ids = engine_answers(e, tok, prompts, n, kw)
+            out[f"continuous-{slots}-{form}"] = {"text": texts, "ids": ids}
+    for name, e in (("static", StaticEngine(model, tok, ENGINE_NEW, micro=64, per_call=4, top_k=20)),
+                    ("transformers", TransformersEngine(model, tok, ENGINE_NEW, top_k=20))):
+        out[f"{name}-greedy"] = {"text": engine_answers(e, tok, prompts, 1, GREEDY)[0]}
+        out[f"{name}-sampled"] = {"text": engine_answers(e, tok, prompts[:6], 4, sampled)[0]}
+    return out
+
+
+def engine_answers(engine, tok, prompts: list[str], n: int, sampling) -> tuple[list, list]:
+    """(the answers' text per prompt, the continuous engine's token ids per prompt, else [])."""
+    from harness.rft.contract import encode, texts  # lazy: as engine_all's
+
+    got = engine.generate(encode(tok, prompts), n, sampling)
+    ids = [[list(c.ids) for c in group] for group in got] if engine.name == "continuous" else []
+    return texts(tok, got, engine.eos), ids
+
+
 def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "engine":  # the engine's goldens: record / compare
+        sys.argv, record = [sys.argv[0], sys.argv[2], sys.argv[3]], engine_all
+    else:
+        record = record_all
     if len(sys.argv) != 3 or sys.argv[1] not in ("record", "compare"):
         print(__doc__)
         return 2
     verb, path = sys.argv[1], Path(sys.argv[2])
-    now = record_all()
+    now = record()
     if verb == "record":
         path.write_text(json.dumps(now, indent=1) + "\n")
         print(f"[goldens] written to {path}")

@@ -22,6 +22,7 @@ import torch
 
 def main() -> None:
     from harness.config import load_config
+    from harness.rft.contract import Sampling, encode
     from harness.rft.engine import ContinuousEngine
     from harness.rft.sampling import load_for_generation, prompt_text
     from harness.rft.tasks import build_task
@@ -35,7 +36,7 @@ def main() -> None:
     r = load_config("configs/rft-tiny.yaml", ["rft.max_new_tokens=64"]).rft
     task = build_task(r)
     model, tok = load_for_generation(a.model, torch.device("cpu"))
-    prompts = [prompt_text(task, q, tok) for q in task.split("train")[:a.questions]]
+    prompts = encode(tok, [prompt_text(task, q, tok) for q in task.split("train")[:a.questions]])  # ids in
     stops = ("Question:", "answer.")
     engines = {"none": ContinuousEngine(model, tok, 64, 256, say=lambda m: None),
                "two": ContinuousEngine(model, tok, 64, 256, stop_strings=stops, say=lambda m: None)}
@@ -43,7 +44,7 @@ def main() -> None:
     for _ in range(a.rounds):
         for name, e in engines.items():
             e.stats = type(e.stats)()
-            e.generate(prompts, 8, 1.0, 1.0, seed=0)
+            e.generate(prompts, 8, Sampling(1.0, 1.0, seed=0))
             st = e.stats
             runs[name].append({"host_ms_per_step": round(st.host_ms_per_step(), 3),
                                "model_ms_per_step": round(1000 * st.model_seconds / st.steps, 3),

@@ -67,8 +67,9 @@ LAYERS = [
      "harness.evaluation", "harness.encode", "harness.auto_batch", "harness.data.samples", "harness.data.loaders", "harness.data.streaming",
      "harness.data.stream_sources",
      "harness.checkpoint", "harness.rundir", "harness.observe.reporting", "harness.data.pairs",
-     "harness.preference", "harness.rl", "harness.modes", "harness.rft.tasks", "harness.rft.engine", "harness.rft.stats",
-     "harness.rft.decode"],
+     "harness.preference", "harness.rl", "harness.modes", "harness.rft.tasks", "harness.rft.engine",
+     "harness.rft.stats", "harness.rft.decode", "harness.rft.contract", "harness.rft.scheduler", "harness.rft.runner",
+     "harness.rft.slots"],
     # 3: the build; 4: the run
     ["harness.build"],
     ["harness.train"],
@@ -208,6 +209,74 @@ def test_few_functions_take_the_whole_config():
     or plain values: at most 20 functions outside build.py, train.py and config/ take the whole Config."""
     takers = whole_config_takers()
     assert len(takers) <= 20, f"{len(takers)} functions take the whole Config:\n" + "\n".join(takers)
+
+
+# ----------------------------------------------------------------------------------------------- the engine's shape
+
+ENGINE_PARTS = ("model", "cache", "step", "runner", "slots", "ring", "last_ids")  # what only harness/rft/ touches
+
+
+def engine_reaches() -> list[str]:
+    """Outside harness/rft/: each read of `last_ids` (the sampled ids as a side attribute, gone: they are the
+    completions), and each assignment to an engine's parts (`<...>.engine.model = ...`, `engine.cache = ...`:
+    a caller hands the engine a model with `serving(model)`)."""
+    out = []
+    for name, path in MODULES.items():
+        rel = str(path.relative_to(ROOT))
+        if rel.startswith("harness/rft/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "last_ids":
+                out.append(f"{rel}:{node.lineno} reads last_ids")
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                owner = t.value if isinstance(t, ast.Attribute) else None
+                owner = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+                if isinstance(t, ast.Attribute) and owner.endswith("engine") and t.attr in ENGINE_PARTS:
+                    out.append(f"{rel}:{node.lineno} sets {ast.unparse(t)}")
+    return out
+
+
+def test_no_caller_reads_the_engines_side_attributes_or_sets_its_parts():
+    """Issue 70: loss.mode=rl read the sampled ids from `engine.last_ids` and set `engine.model` and `engine.cache`
+    from outside. The engine takes ids and gives completions (harness/rft/contract.py), and serves another model
+    within `serving(model)`."""
+    assert engine_reaches() == []
+
+
+def test_the_continuous_engines_generate_is_a_short_loop_over_steps():
+    """Issue 70: `ContinuousEngine.generate` was 92 lines, its scheduler in six local variables shared with two
+    closures and `_admit` (12 parameters). Split as a small engine is (scheduler.py, slots.py, runner.py,
+    decode.Picker), it is a loop over steps of at most 30 lines (docstring included), and no function of
+    harness/rft/engine.py takes more than 4 parameters besides self except the engine's constructor."""
+    tree = ast.parse((PACKAGE / "rft" / "engine.py").read_text())
+    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ContinuousEngine")
+    methods = {n.name: n for n in engine.body if isinstance(n, ast.FunctionDef)}
+    generate = methods["generate"]
+    assert generate.end_lineno - generate.lineno + 1 <= 30, generate.end_lineno - generate.lineno + 1
+    wide = [name for name, n in methods.items() if name != "__init__" and len(n.args.args + n.args.kwonlyargs) > 5]
+    assert wide == []
+
+
+def test_every_engine_takes_ids_and_gives_completions_behind_one_interface():
+    """The continuous, static, transformers and vllm engines' generate() and serving() have the signatures of
+    contract.Engine (prompt ids, n, one Sampling, on_done -> completions; the model to serve)."""
+    import inspect
+
+    from harness.rft.contract import Engine
+    from harness.rft.engine import ContinuousEngine
+    from harness.rft.hf_engine import TransformersEngine
+    from harness.rft.sampling import StaticEngine
+    from harness.rft.vllm_engine import VllmEngine
+
+    for method in ("generate", "serving"):
+        want = inspect.signature(getattr(Engine, method))
+        for cls in (ContinuousEngine, StaticEngine, TransformersEngine, VllmEngine):
+            got = inspect.signature(inspect.unwrap(getattr(cls, method)))
+            assert [(p.name, p.default) for p in got.parameters.values()] == \
+                [(p.name, p.default) for p in want.parameters.values()], (cls.__name__, method, got)
+    assert inspect.signature(Engine.generate).parameters["prompts"].annotation == "list[list[int]]"
 
 
 # ------------------------------------------------------------------------- the folders' graph, lazy imports included

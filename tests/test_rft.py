@@ -21,6 +21,7 @@ import torch
 from harness.config import ModelConfig, load_config
 from harness.errors import ConfigError, DataError
 from harness.rft import generate as gen
+from harness.rft.contract import GREEDY, Completion, Sampling, encode
 from harness.rft.tasks import ArithmeticTask, JsonlTask, Question, extract_answer, verify
 from tests.harness_launch import ROOT, cpu_slots, free_port
 
@@ -170,11 +171,13 @@ def test_batched_sampling_with_left_padding_equals_one_question_at_a_time(tiny_m
     assert prompts[0].startswith("<s><|user|>\nWhat") or prompts[0].startswith("<s><|user|>\nHow")
     assert prompts[0].endswith("\n<|assistant|>\n")
     s = gen.Sampler(model, tok, max_new_tokens=6, micro=64)
-    batched = s.sample(prompts, 1, greedy=True)
-    single = [s.sample([p], 1, greedy=True)[0] for p in prompts]
+    ids = encode(tok, prompts)  # (the engines take ids: harness/rft/contract.py)
+    batched = s.sample(ids, 1, GREEDY)
+    single = [s.sample([p], 1, GREEDY)[0] for p in ids]
     assert batched == single and s.sequences == 2 * len(prompts)
+    assert all(0 < len(g[0].ids) <= 6 for g in batched)  # the tokens drawn, without the batch's padding
     torch.manual_seed(0)
-    sampled = s.sample(prompts[:2], 3, temperature=1.0)
+    sampled = s.sample(ids[:2], 3, Sampling(temperature=1.0))
     assert [len(x) for x in sampled] == [3, 3]
 
 
@@ -182,22 +185,22 @@ def test_out_of_memory_halves_the_micro_batch(tiny_model):
     class SmallGpu(gen.Sampler):
         calls: list = []
 
-        def _generate(self, texts, temperature, top_p, greedy):
-            self.calls.append(len(texts))
-            if len(texts) > 3:
+        def _generate(self, ids, sampling):
+            self.calls.append(len(ids))
+            if len(ids) > 3:
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated limit of 3 sequences)")
-            return [f"{t}|{i}" for i, t in enumerate(texts)]
+            return [Completion((p[0], i)) for i, p in enumerate(ids)]
 
     said = []
     s = SmallGpu(*tiny_model, max_new_tokens=4, micro=16, say=said.append)
-    out = s.sample(["a", "b", "c"], 4)
+    out = s.sample([[1], [2], [3]], 4)
     assert s.micro == 2 and s.calls[:3] == [12, 8, 4]
-    assert [[x.split("|")[0] for x in group] for group in out] == [["a"] * 4, ["b"] * 4, ["c"] * 4]
+    assert [[c.ids[0] for c in group] for group in out] == [[1] * 4, [2] * 4, [3] * 4]
     assert s.sequences == 12 and len(said) == 3
     never = SmallGpu(*tiny_model, max_new_tokens=4, micro=1)
     never._generate = lambda *a: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("oom"))
     with pytest.raises(gen.HarnessError, match="one sequence"):
-        never.sample(["a"], 1)
+        never.sample([[1]], 1)
 
 
 # ----------------------------------------------------------------------------------------------- end to end

@@ -17,9 +17,11 @@ import torch
 from harness.config import ModelConfig, load_config
 from harness.errors import ConfigError, HarnessError
 from harness.rft import generate as gen
+from harness.rft.contract import Completion, Sampling, encode, texts
 from harness.rft.decode import SlotCache, Step, bucket_for, buckets, graphs, pick
 from harness.rft.engine import ContinuousEngine, servable
 from harness.rft.sampling import StaticEngine, make_engine
+from harness.rft.stats import eos_ids
 from harness.rft.tasks import ArithmeticTask, Question
 from tests.harness_launch import ROOT
 
@@ -29,6 +31,25 @@ TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num
         "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 128,
         "tie_word_embeddings": False, "initializer_range": 0.3}
 NEW = 30
+
+
+def ask(engine, prompts: list[str], n: int, on_done=None, **sampling) -> list[list[str]]:
+    """The engine's answers as text, as its callers get them: the prompts encoded once, ids in, completions out,
+    decoded by the caller (harness/rft/contract.py)."""
+    tok = engine.sampler.tok if isinstance(engine, StaticEngine) else engine.tok
+    return texts(tok, engine.generate(encode(tok, prompts), n, Sampling(**sampling), on_done=on_done), engine.eos)
+
+
+def drawn(engine, prompts: list[str], n: int, **sampling) -> list[list[list[int]]]:
+    """The token ids the engine drew (EOS kept), per prompt: what loss.mode=rl trains on."""
+    got = engine.generate(encode(engine.tok, prompts), n, Sampling(**sampling))
+    return [[list(c.ids) for c in group] for group in got]
+
+
+def sample(sampler, prompts: list[str], n: int, **sampling) -> list[list[str]]:
+    """The static path's answers (model.generate, gen.Sampler) as text."""
+    return texts(sampler.tok, sampler.sample(encode(sampler.tok, prompts), n, Sampling(**sampling)),
+                 eos_ids(sampler.model, sampler.tok))
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +67,7 @@ def setup():
     model = build_model(cfg, tok).eval()
     t = ArithmeticTask(n_train=12, n_test=0, n_sft=0, max_operand=12)
     prompts = [gen.prompt_text(t, q, tok) for q in t.split("train")]
-    static = gen.Sampler(model, tok, max_new_tokens=NEW, micro=64).sample(prompts, 1, greedy=True)
+    static = sample(gen.Sampler(model, tok, max_new_tokens=NEW, micro=64), prompts, 1, greedy=True)
     yield model, tok, prompts, static
     torch.set_num_threads(threads)
 
@@ -58,13 +79,13 @@ def test_greedy_text_equals_the_static_path_with_slots_refilled_in_buckets(setup
     monkeypatch.setattr(SlotCache, "move", lambda self, s, d, c: moves.append(len(s)) or move(self, s, d, c))
     monkeypatch.setattr(Step, "__call__", lambda self, c, b, *a: sizes.append(b) or step(self, c, b, *a))
     e = ContinuousEngine(model, tok, NEW, max_slots=3)
-    out = e.generate(prompts, 1, greedy=True)
+    out = ask(e, prompts, 1, greedy=True)
     assert out == static and moves  # running sequences moved into the rows of ended ones
     assert {2, 3} <= set(sizes) <= {1, 2, 3} and e.step.compiled is False  # buckets(3); no compile on CPU
     assert min(e.stats.lengths) < 10 and max(e.stats.lengths) == NEW  # mixed lengths: early EOS and the cap
     assert e.stats.sequences == len(prompts) and 1 < e.stats.mean_batch() <= 3
     s = gen.Sampler(model, tok, max_new_tokens=NEW, micro=64)
-    s.sample(prompts, 1, greedy=True)  # one batch waits for its longest: the early-ended rows are padding
+    sample(s, prompts, 1, greedy=True)  # one batch waits for its longest: the early-ended rows are padding
     assert s.stats.waste() == pytest.approx(1 - sum(s.stats.lengths) / (len(prompts) * NEW))
 
 
@@ -86,15 +107,15 @@ def test_the_compiled_step_runs_a_mixed_length_generation_without_recompiling(se
     torch._dynamo.reset()
     before = graphs()
     e = ContinuousEngine(model, tok, NEW, max_slots=5, compile=True)  # compiled buckets 2, 4, 5
-    assert e.generate(prompts, 1, greedy=True) == static
+    assert ask(e, prompts, 1, greedy=True) == static
     warm = graphs()
     assert warm - before == 1 and len(set(sizes)) >= 2 and set(sizes) <= {2, 4, 5}  # one graph, several buckets
-    at, ring = e.cache.at, e.ring  # (the write columns: filled in place outside the compiled region)
-    out = e.generate(prompts, 1, greedy=True)
+    at, ring = e.cache.at, e.runner.ring  # (the write columns: filled in place outside the compiled region)
+    out = ask(e, prompts, 1, greedy=True)
     assert out == static and graphs() == warm  # no graph compiled, no recompilation
-    assert e.cache.at is at and e.ring is ring
+    assert e.cache.at is at and e.runner.ring is ring
     assert e.compiled and e.stats.steps > 2 * NEW and max(e.stats.lengths) == NEW and min(e.stats.lengths) < 10
-    e.generate(prompts[:2], 2, temperature=1.0)  # sampled: the pick's other form, a graph of its own
+    ask(e, prompts[:2], 2, temperature=1.0)  # sampled: the pick's other form, a graph of its own
     assert e.step.compiled_graphs == graphs() - before == 2  # what the step compiled (CompileWatch reports it apart)
 
 
@@ -109,7 +130,7 @@ def test_a_step_that_does_not_compile_runs_eagerly_with_one_line(setup):
         raise Unsupported("graph break in a model's forward (simulated)")
 
     e.step.fn = untraceable
-    assert e.generate(prompts, 1, greedy=True) == static
+    assert ask(e, prompts, 1, greedy=True) == static
     assert not e.compiled and len(said) == 1 and "did not compile (Unsupported" in said[0]
 
 
@@ -117,13 +138,13 @@ def test_a_prompt_is_prefilled_once_for_its_samples_and_seeded_samples_repeat(se
     model, tok, prompts, static = setup
     e = ContinuousEngine(model, tok, NEW, max_slots=5)  # 4 samples of 3 prompts: a prompt's samples split
     calls = []
-    prefill = e._prefill
-    e._prefill = lambda ids: calls.append(len(ids)) or prefill(ids)
-    a = e.generate(prompts[:3], 4, temperature=1.0, seed=7)
+    prefill = e.runner.prefill
+    e.runner.prefill = lambda ids: calls.append(len(ids)) or prefill(ids)
+    a = ask(e, prompts[:3], 4, temperature=1.0, seed=7)
     assert sum(calls) == 3 and calls[0] == 2 and [len(g) for g in a] == [4, 4, 4] and len(set(a[0])) > 1
-    assert ContinuousEngine(model, tok, NEW, max_slots=5).generate(prompts[:3], 4, temperature=1.0, seed=7) == a
+    assert ask(ContinuousEngine(model, tok, NEW, max_slots=5), prompts[:3], 4, temperature=1.0, seed=7) == a
     # top-p at its limit keeps the most likely token only: sampling is then greedy decoding
-    assert e.generate(prompts, 1, temperature=0.7, top_p=1e-6, seed=1) == static
+    assert ask(e, prompts, 1, temperature=0.7, top_p=1e-6, seed=1) == static
 
 
 def test_a_sample_draws_the_same_tokens_alone_batched_or_at_another_slot_count(setup):
@@ -139,8 +160,8 @@ def test_a_sample_draws_the_same_tokens_alone_batched_or_at_another_slot_count(s
 
     def draw(these, slots):
         e = ContinuousEngine(model, tok, NEW, max_slots=slots)
-        e.generate(these, 3, temperature=1.0, seed=seeded(these))
-        return {(qid[p], j): e.last_ids[i][j] for i, p in enumerate(these) for j in range(3)}
+        got = drawn(e, these, 3, temperature=1.0, seed=seeded(these))
+        return {(qid[p], j): got[i][j] for i, p in enumerate(these) for j in range(3)}
 
     together = draw(prompts, 5)  # all 12 prompts x 3 samples through 5 slots: rows refilled and moved
     assert len({tuple(t) for t in together.values()}) > 20  # samples differ from one another
@@ -150,8 +171,8 @@ def test_a_sample_draws_the_same_tokens_alone_batched_or_at_another_slot_count(s
     alone = draw([prompts[7]], 2)
     assert alone == {k: together[k] for k in alone}
     e = ContinuousEngine(model, tok, NEW, max_slots=3)
-    assert e.generate(prompts[:4], 1, temperature=1.0, seed=5) != e.generate(prompts[:4], 1, temperature=1.0, seed=6)
-    assert e.generate(prompts, 1, greedy=True, seed=3) == static
+    assert ask(e, prompts[:4], 1, temperature=1.0, seed=5) != ask(e, prompts[:4], 1, temperature=1.0, seed=6)
+    assert ask(e, prompts, 1, greedy=True, seed=3) == static
 
 
 def test_the_device_draws_are_uniform_and_a_pure_function_of_seed_and_position():
@@ -192,7 +213,9 @@ def test_the_device_pick_applies_transformers_warpers_then_draws_from_them():
     assert torch.allclose(torch.bincount(draws, minlength=4) / 20000, p.exp()[0], atol=0.02)
 
 
-def test_a_model_set_on_the_engine_is_the_one_it_decodes_with(setup):
+def test_a_model_served_by_the_engine_is_the_one_it_decodes_with(setup):
+    """`serving(model)`: the engine runs another model object within (loss.mode=rl's gathered weights), its own
+    after; nothing outside sets its model or cache."""
     import copy
 
     model, tok, prompts, static = setup
@@ -200,17 +223,19 @@ def test_a_model_set_on_the_engine_is_the_one_it_decodes_with(setup):
     with torch.no_grad():
         other.lm_head.weight.mul_(-1)  # another model: other greedy answers
     e = ContinuousEngine(model, tok, NEW, max_slots=4)
-    assert e.generate(prompts[:4], 1, greedy=True) == static[:4]
-    e.model = other  # as loss.mode=rl does before each call
-    want = gen.Sampler(other, tok, max_new_tokens=NEW, micro=64).sample(prompts[:4], 1, greedy=True)
-    assert want != static[:4] and e.generate(prompts[:4], 1, greedy=True) == want
+    assert ask(e, prompts[:4], 1, greedy=True) == static[:4]
+    want = sample(gen.Sampler(other, tok, max_new_tokens=NEW, micro=64), prompts[:4], 1, greedy=True)
+    with e.serving(other):  # as loss.mode=rl does for each call
+        assert want != static[:4] and ask(e, prompts[:4], 1, greedy=True) == want
+    assert e.model is model and e.cache is None  # its own model again; the eager step's cache freed
+    assert ask(e, prompts[:4], 1, greedy=True) == static[:4]
 
 
 def test_on_done_comes_as_each_prompt_ends(setup):
     model, tok, prompts, static = setup
     seen = []
-    ContinuousEngine(model, tok, NEW, max_slots=5).generate(prompts, 2, greedy=True,
-                                                           on_done=lambda i, r: seen.append((i, r)))
+    ask(ContinuousEngine(model, tok, NEW, max_slots=5), prompts, 2, greedy=True,
+        on_done=lambda i, r: seen.append((i, texts(tok, [r], eos_ids(model, tok))[0])))  # completions
     assert sorted(i for i, _ in seen) == list(range(len(prompts)))
     assert all(r == [static[i][0]] * 2 for i, r in seen)
     assert [i for i, _ in seen] != list(range(len(prompts)))  # short answers are written before long ones
@@ -220,7 +245,7 @@ def test_stop_strings_end_the_answer(setup):
     model, tok, prompts, static = setup
     long = next(s[0] for s in static if len(s[0]) > 20)
     stop = long[8:12]
-    out = ContinuousEngine(model, tok, NEW, max_slots=4, stop_strings=(stop,)).generate(prompts, 1, greedy=True)
+    out = ask(ContinuousEngine(model, tok, NEW, max_slots=4, stop_strings=(stop,)), prompts, 1, greedy=True)
     for (got,), (full,) in zip(out, static):
         assert full.startswith(got)
         if stop in full:  # ended at the token that completes the stop string, which the text keeps
@@ -233,7 +258,7 @@ def test_out_of_memory_halves_the_sequences_in_flight_and_loses_nothing(setup):
     model, tok, prompts, static = setup
     said = []
     e = ContinuousEngine(model, tok, NEW, max_slots=8, say=said.append)
-    prefill, step = e._prefill, e.step.fn
+    prefill, step = e.runner.prefill, e.step.fn
     prefills = []
 
     def small_gpu_prefill(ids):  # the second prefill fails once, with sequences running
@@ -247,8 +272,8 @@ def test_out_of_memory_halves_the_sequences_in_flight_and_loses_nothing(setup):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated limit of 2 sequences)")
         return step(ids, *args)
 
-    e._prefill, e.step.fn = small_gpu_prefill, small_gpu_step
-    assert e.generate(prompts, 1, greedy=True) == static
+    e.runner.prefill, e.step.fn = small_gpu_prefill, small_gpu_step
+    assert ask(e, prompts, 1, greedy=True) == static
     assert e.max_slots == 2 and len(said) == 2 and "out of memory" in said[0]  # 8 -> 4 -> 2
 
 
@@ -320,11 +345,11 @@ def test_rft_engine_transformers_gives_the_static_greedy_text(setup):
     e = make_engine(r, model, tok)
     assert isinstance(e, TransformersEngine) and e.max_slots == r.micro_batch_sequences
     seen = []
-    assert e.generate(prompts, 1, greedy=True, on_done=lambda i, got: seen.append(i)) == static
+    assert ask(e, prompts, 1, greedy=True, on_done=lambda i, got: seen.append(i)) == static
     assert sorted(seen) == list(range(len(prompts))) and max(e.stats.lengths) == NEW and min(e.stats.lengths) < 10
-    a = e.generate(prompts[:3], 4, temperature=1.0, seed=7)
+    a = ask(e, prompts[:3], 4, temperature=1.0, seed=7)
     assert [len(g) for g in a] == [4, 4, 4] and len(set(a[0])) > 1
-    assert TransformersEngine(model, tok, NEW).generate(prompts[:3], 4, temperature=1.0, seed=7) == a
+    assert ask(TransformersEngine(model, tok, NEW), prompts[:3], 4, temperature=1.0, seed=7) == a
     assert model.config._attn_implementation == "sdpa"  # the manager gave the model its attention back
 
 
@@ -337,11 +362,11 @@ def test_transformers_engine_stops_at_a_stop_string_during_generation(setup):
     model, tok, prompts, static = setup
     k = max(range(len(prompts)), key=lambda i: len(static[i][0]))  # the longest greedy answer
     full = ContinuousEngine(model, tok, NEW, max_slots=2)
-    assert full.generate([prompts[k]], 1, greedy=True) == [static[k]] and len(static[k][0]) > 20
+    assert ask(full, [prompts[k]], 1, greedy=True) == [static[k]] and len(static[k][0]) > 20
     stop = static[k][0][6:9]
-    want = ContinuousEngine(model, tok, NEW, max_slots=2, stop_strings=(stop,)).generate([prompts[k]], 2, greedy=True)
+    want = ask(ContinuousEngine(model, tok, NEW, max_slots=2, stop_strings=(stop,)), [prompts[k]], 2, greedy=True)
     e = TransformersEngine(model, tok, NEW, stop_strings=(stop,))
-    got = e.generate([prompts[k]], 2, greedy=True)
+    got = ask(e, [prompts[k]], 2, greedy=True)
     assert got == want and stop in got[0][0] and len(got[0][0]) < len(static[k][0])
     assert e.stats.lengths[0] < full.stats.lengths[0] and e.computed < 2 * full.stats.lengths[0], \
         (e.stats.lengths, e.computed, full.stats.lengths)
@@ -364,7 +389,7 @@ def test_the_compiled_step_of_a_grouped_query_model_reads_the_cache_without_repe
     _, tok, prompts, _ = setup
     set_seed(1)
     model = build_model(ModelConfig(config=dict(GQA)), tok).eval()
-    static = gen.Sampler(model, tok, max_new_tokens=NEW, micro=64).sample(prompts[:6], 1, greedy=True)
+    static = sample(gen.Sampler(model, tok, max_new_tokens=NEW, micro=64), prompts[:6], 1, greedy=True)
 
     def graph_shapes():
         shapes = []
@@ -379,8 +404,8 @@ def test_the_compiled_step_of_a_grouped_query_model_reads_the_cache_without_repe
         torch._dynamo.reset()
         e = ContinuousEngine(model, tok, NEW, max_slots=4, compile=True, kv_cache_gb=None)
         e.step.fn = torch.compile(e.step._run, backend=record, fullgraph=True)
-        e._slot_cache(256)  # a wide cache (as a call with long prompts leaves it), of which ~50 columns are used
-        out = e.generate(prompts[:6], 1, greedy=True)
+        e.slots.cache_for(256, e.compiled)  # a wide cache (as a call with long prompts leaves it), of which ~50 columns are used
+        out = ask(e, prompts[:6], 1, greedy=True)
         return out, shapes, e.cache.width
 
     out, shapes, width = graph_shapes()
@@ -403,17 +428,17 @@ def test_every_eos_id_of_the_generation_config_ends_an_answer(setup):
 
     model, tok, prompts, static = setup
     e = ContinuousEngine(model, tok, NEW, max_slots=4)
-    e.generate(prompts, 1, greedy=True)
-    long = [ids[0] for ids in e.last_ids if len(ids[0]) >= 12]
+    long = [ids[0] for ids in drawn(e, prompts, 1, greedy=True) if len(ids[0]) >= 12]
     second = long[0][5]  # a token that a greedy answer draws in its middle
     other = copy.deepcopy(model)
     other.generation_config.eos_token_id = [tok.eos_token_id, second]
     e = ContinuousEngine(other, tok, NEW, max_slots=4)
-    out = e.generate(prompts, 1, greedy=True)
-    assert out == gen.Sampler(other, tok, max_new_tokens=NEW, micro=64).sample(prompts, 1, greedy=True)
-    ended = [ids[0] for ids in e.last_ids if second in ids[0]]
+    got = drawn(e, prompts, 1, greedy=True)
+    assert texts(tok, [[Completion(tuple(g[0]))] for g in got], e.eos) == \
+        sample(gen.Sampler(other, tok, max_new_tokens=NEW, micro=64), prompts, 1, greedy=True)
+    ended = [ids[0] for ids in got if second in ids[0]]
     assert ended and all(ids.index(second) == len(ids) - 1 for ids in ended)  # each stopped at the second id
-    assert len(ended[0]) < len(long[0]) and tok.eos_token_id in e.last_ids[0][0] + [tok.eos_token_id]
+    assert len(ended[0]) < len(long[0]) and tok.eos_token_id in got[0][0] + [tok.eos_token_id]
 
 
 def test_stop_strings_decode_only_the_tokens_that_can_end_one(setup):
@@ -483,11 +508,11 @@ def test_the_cache_is_planned_once_and_reused_by_later_calls(setup, monkeypatch)
     monkeypatch.setattr(SlotCache, "__init__", lambda self, *a: made.append(a[1]) or init(self, *a))
     e = ContinuousEngine(model, tok, NEW, max_slots=8, compile=True)
     plans = iter([5, 3, 2, 1])
-    e.plan_slots = lambda width: next(plans)  # the free memory falls at each reading
-    assert e.generate(prompts[:6], 1, greedy=True) == static[:6]
+    e.slots.plan = lambda width: next(plans)  # the free memory falls at each reading
+    assert ask(e, prompts[:6], 1, greedy=True) == static[:6]
     warm = graphs()
     for _ in range(2):
-        assert e.generate(prompts[:6], 1, greedy=True) == static[:6]
+        assert ask(e, prompts[:6], 1, greedy=True) == static[:6]
     assert made == [5] and e.cache.slots == 5 and graphs() == warm  # one cache, no recompilation
 
 
@@ -497,12 +522,12 @@ def test_no_queue_drain_when_the_tokens_are_read_one_step_behind(setup):
     CUDA), no step's tokens are read with no later step queued, admissions included; greedy text unchanged."""
     model, tok, prompts, static = setup
     e = ContinuousEngine(model, tok, NEW, max_slots=3)
-    e.lag = 1
-    assert e.generate(prompts, 1, greedy=True) == static
+    e.runner.lag = 1
+    assert ask(e, prompts, 1, greedy=True) == static
     assert min(e.stats.lengths) < 10 and max(e.stats.lengths) == NEW and e.stats.steps > NEW  # rows refilled
     assert e.stats.queue_drains == 0
     e = ContinuousEngine(model, tok, NEW, max_slots=3)  # CPU: each step read at once, counted as drains
-    e.generate(prompts[:2], 1, greedy=True)
+    ask(e, prompts[:2], 1, greedy=True)
     assert e.stats.queue_drains >= e.stats.steps and e.stats.host_ms_per_step() > 0
 
 
@@ -529,7 +554,7 @@ def test_top_k_and_min_p_filter_as_transformers_warpers_and_the_draw_never_picks
         for x in (0.0, 0.5, 1 - 2**-48, 1.0):  # the edges of the draw: never a filtered token
             got = pick(logits, torch.full((8, 1), x, dtype=torch.float64), *args)
             assert (ref.gather(1, got[:, None]) > 0).all(), (k, p, m, x)
-    from harness.rft import decode, engine
+    from harness.rft import decode
 
     model, tok, prompts, static = setup
     draws = []
@@ -541,12 +566,11 @@ def test_top_k_and_min_p_filter_as_transformers_warpers_and_the_draw_never_picks
         draws.append(len(got))
         return got
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(decode, "pick", checked)
-        mp.setattr(engine, "pick", checked)
-        a = ContinuousEngine(model, tok, 8, max_slots=4, top_k=2, min_p=0.3).generate(prompts[:3], 3, seed=5)
+        mp.setattr(decode, "pick", checked)  # (the step's pick and the first tokens' (decode.Picker))
+        a = ask(ContinuousEngine(model, tok, 8, max_slots=4, top_k=2, min_p=0.3), prompts[:3], 3, seed=5)
     assert sum(draws) >= 9
-    assert a == ContinuousEngine(model, tok, 8, max_slots=2, top_k=2, min_p=0.3).generate(prompts[:3], 3, seed=5)
-    assert a != ContinuousEngine(model, tok, 8, max_slots=4).generate(prompts[:3], 3, seed=5)
+    assert a == ask(ContinuousEngine(model, tok, 8, max_slots=2, top_k=2, min_p=0.3), prompts[:3], 3, seed=5)
+    assert a != ask(ContinuousEngine(model, tok, 8, max_slots=4), prompts[:3], 3, seed=5)
     r = load_config(str(ROOT / "configs" / "rft-tiny.yaml"), ["rft.top_k=7", "rft.min_p=0.1"]).rft
     made = [make_engine(r.__class__(**{**r.__dict__, "engine": x}), model, tok) for x in ("continuous", "static")]
     assert [(x.top_k, x.min_p) for x in (made[0], made[1].sampler)] == [(7, 0.1)] * 2
@@ -561,12 +585,12 @@ def test_the_cache_holds_the_compute_dtype_bf16_under_autocast(setup):
     model, tok, prompts, static = setup
     e = ContinuousEngine(model, tok, NEW, max_slots=4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = e.generate(prompts[:4], 1, greedy=True)
-        want = gen.Sampler(model, tok, max_new_tokens=NEW, micro=64).sample(prompts[:4], 1, greedy=True)
+        out = ask(e, prompts[:4], 1, greedy=True)
+        want = sample(gen.Sampler(model, tok, max_new_tokens=NEW, micro=64), prompts[:4], 1, greedy=True)
         assert e.slot_bytes(10) == 2 * 2 * 2 * 32 * 10 * 2  # keys and values, 2 layers, 2 heads of 32, 2 bytes
     assert e.cache.kv.dtype == torch.bfloat16 and next(model.parameters()).dtype == torch.float32
     assert sum(a == b for a, b in zip(out, want)) >= 3, (out, want)  # bf16 argmax ties may flip one
-    assert e.generate(prompts[:4], 1, greedy=True) == static[:4] and e.cache.kv.dtype == torch.float32
+    assert ask(e, prompts[:4], 1, greedy=True) == static[:4] and e.cache.kv.dtype == torch.float32
 
 
 def test_repeated_steps_read_their_tokens_through_one_ring_of_host_buffers(setup):
@@ -574,15 +598,15 @@ def test_repeated_steps_read_their_tokens_through_one_ring_of_host_buffers(setup
     one ring, allocated once per engine; two whole generations (rows refilled, one step behind) reuse it."""
     model, tok, prompts, static = setup
     e = ContinuousEngine(model, tok, NEW, max_slots=3)
-    e.lag = 1  # as on CUDA: the most entries pending at once
+    e.runner.lag = 1  # as on CUDA: the most entries pending at once
     buffers = set()
-    readable = e._readable
-    e._readable = lambda *a, **k: (lambda got: buffers.add(got[0].untyped_storage().data_ptr()) or got)(
-        readable(*a, **k))
-    assert e.generate(prompts, 1, greedy=True) == static
-    ring, at = e.ring, e.cache.at
-    assert e.generate(prompts, 1, greedy=True) == static
-    assert e.ring is ring and e.cache.at is at and len(ring) == 6 and e.stats.steps > 2 * NEW
+    readable = e.runner.readable
+    e.runner.readable = lambda *a, **k: readable(*a, **k) or buffers.add(
+        e.runner.pending[-1][0].untyped_storage().data_ptr())
+    assert ask(e, prompts, 1, greedy=True) == static
+    ring, at = e.runner.ring, e.cache.at
+    assert ask(e, prompts, 1, greedy=True) == static
+    assert e.runner.ring is ring and e.cache.at is at and len(ring) == 6 and e.stats.steps > 2 * NEW
     assert buffers == {b.untyped_storage().data_ptr() for b, _ in ring}  # every buffer of the ring, no other
 
 

@@ -439,8 +439,8 @@ def test_rollouts_generate_under_the_trainings_autocast():
         model = accelerator.prepare(model_lib.build_model(cfg.model, tok).float())
         ro = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, accelerator, model, tok, build_task(cfg.rft), 64, 0,
                       lambda m: None)
-        held, free = [], ro.free
-        ro.free = lambda: held.append(ro.engine.cache.kv.dtype) or free()
+        held, generate = [], ro.engine.generate  # the cache the call decoded with, read before it is freed
+        ro.engine.generate = lambda *a, **k: (generate(*a, **k), held.append(ro.engine.cache.kv.dtype))[0]
         ro.generate([torch.tensor([0, 1])], step=1)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)

@@ -67,7 +67,7 @@ class RlMode(Objective):
         return f"{self.rl.questions_per_step} questions x {self.rl.num_generations} answers"
 
     def generation_graphs(self) -> int:
-        return self.rollouts.engine.step.compiled_graphs  # the engine's compiled decode step: graphs of its own
+X
 
 
 def question_stream(cfg: Config, accelerator):

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from harness.errors import ConfigError
+from harness.rft.contract import GREEDY, Sampling, encode, texts
 from harness.rft.engine import ContinuousEngine, compile_default
 from harness.rft.stats import Stats
 from harness.rft.sampling import StaticEngine
@@ -70,7 +71,7 @@ def bench(r, model: Optional[str], questions: int = 32, repeats: int = 1,
     qs = task.split("train")[:questions]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tok = load_for_generation(model, device)
-    prompts = [prompt_text(task, q, tok) for q in qs]
+    prompts = encode(tok, [prompt_text(task, q, tok) for q in qs])
     best: dict[str, dict] = {}
     compiled: dict[str, list] = {n: [] for n in engines}  # graphs dynamo compiled in each run of the engine
     first: dict[str, float] = {}
@@ -84,8 +85,9 @@ def bench(r, model: Optional[str], questions: int = 32, repeats: int = 1,
                 torch.cuda.synchronize()
             util = UtilisationSampler(0.5).start()  # GPU busy share (NVML) or CPU, sampled while it runs
             t0 = time.perf_counter()
-            out = e.generate(prompts, r.oversample, r.temperature, r.top_p, seed=r.seed + rep)
+            got = e.generate(prompts, r.oversample, Sampling(r.temperature, r.top_p, seed=r.seed + rep))
             secs = time.perf_counter() - t0
+            out = texts(tok, got, e.eos)  # (decoded outside the timed call, as a caller does)
             busy = util.stop()["metrics"]
             compiled[name].append(graphs() - before)
             first.setdefault(name, round(secs, 2))  # with compilation, when the step is compiled
@@ -119,7 +121,7 @@ def bench(r, model: Optional[str], questions: int = 32, repeats: int = 1,
     for name in engines:
         e = built[name]
         fresh(e)
-        greedy[name] = [g[0] for g in e.generate(prompts, 1, greedy=True)]
+        greedy[name] = [g[0] for g in texts(tok, e.generate(prompts, 1, GREEDY), e.eos)]
         lens = lens or e.stats.lengths
     ref = greedy.get("static", next(iter(greedy.values())))
     return {"rows": rows, "greedy": {

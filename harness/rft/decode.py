@@ -119,6 +119,31 @@ def pick(logits: torch.Tensor, uniform: Optional[torch.Tensor], temperature: tor
     return torch.minimum(got, torch.searchsorted(cdf, total, right=False)[:, 0])
 
 
+class Picker:
+    """How one generate() call picks its tokens on the device: argmax (greedy), or drawn under the call's temperature
+    and top-p (`contract.Sampling`) and the engine's top-k and min-p (rft.top_k, rft.min_p), each sample's uniform
+    numbers from its own seed (`sample_seed`, `draws`). `args`: what decode.Step's pick takes."""
+
+    def __init__(self, sampling, top_k: int, min_p: float, device) -> None:
+        self.greedy, self.seed, self.device = sampling.greedy, sampling.seed, device
+        self.temperature = torch.tensor(float(sampling.temperature), device=device)
+        self.top_p = torch.tensor(float(sampling.top_p), device=device) \
+            if sampling.top_p < 1.0 and not sampling.greedy else None
+        self.warp = (top_k, torch.tensor(min_p, device=device) if min_p > 0 else None)  # top-k, min-p
+        self.args = (not self.greedy, self.temperature, self.top_p, *self.warp)
+
+    def first(self, logits: torch.Tensor, seqs: list, cache: "SlotCache", rows: torch.Tensor) -> torch.Tensor:
+        """The first token of each admitted sample (`seqs`, in `rows` of the cache, their positions set) from its
+        prompt's last logits; sampled, each row's uniform numbers written to the cache first (the token at the
+        prompt's length draws the number of that position)."""
+        noise = None
+        if not self.greedy:
+            table = draws(on(self.device, [sample_seed(self.seed, s.i, s.j) for s in seqs]), cache.draws.shape[1])
+            cache.draws[rows] = table
+            noise = table.gather(1, cache.pos[rows][:, None])
+        return pick(logits, noise, self.temperature, self.top_p, *self.warp)
+
+
 GROUPED = "harness_grouped_sdpa"  # the attention a decode step of an sdpa model runs (registered by `Step`)
 
 
@@ -206,6 +231,13 @@ class SlotCache:
     def get_seq_length(self, *args, **kwargs) -> int:
         return 0
 
+    def fill(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """A prefill's keys and values [layers, len(rows), heads, width, head_dim] into the first columns of `rows`
+        (in the cache's dtype: fp32 under autocast after RoPE)."""
+        width = keys.shape[3]
+        self.kv[:, 0, rows, :, :width] = keys.to(self.kv.dtype)
+        self.kv[:, 1, rows, :, :width] = values.to(self.kv.dtype)
+
     def move(self, src: list[int], dst: list[int], columns: int) -> None:
         """Rows src -> dst (keys and values of their first `columns` columns, next token, position, draws), one
         copy each."""
@@ -250,14 +282,14 @@ class Step:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.fn = torch.compile(self._run, fullgraph=True, mode="reduce-overhead" if self.cuda else None)
 
-    def __call__(self, cache: SlotCache, n: int, sample: bool, temperature, top_p, top_k: int = 0,
-                 min_p=None) -> torch.Tensor:
-        """`sample`: draw (each row's uniform number for the position of the token drawn, from its row of
-        `cache.draws`) under the warpers `pick` applies, else argmax."""
+    def __call__(self, cache: SlotCache, n: int, picker: Picker) -> torch.Tensor:
+        """Sampled (`picker.greedy` false): a draw (each row's uniform number for the position of the token drawn,
+        from its row of `cache.draws`) under the warpers `pick` applies, else argmax."""
+        sample, *warpers = picker.args  # (temperature, top_p, top_k, min_p: the compiled function's inputs)
         ids, positions, table = cache.cur[:n], cache.pos[:n], cache.draws[:n] if sample else None
         torch.clamp(positions, max=cache.attend - 1, out=cache.at[:n])  # padding rows: a column of their free row
         with _Attention(self.model):
-            return self._call(cache, n, ids, positions, table, temperature, top_p, top_k, min_p)
+            return self._call(cache, n, ids, positions, table, *warpers)
 
     def _call(self, cache: SlotCache, n: int, ids, positions, table, *warpers) -> torch.Tensor:
         if self.compiled:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from harness.rft.contract import GREEDY, encode, texts
 from harness.rft.generate import make_accelerator
 from harness.rft.sampling import StaticEngine, load_engine, prompt_text, resolve_model_path
 from harness.files import write_json
@@ -32,7 +33,8 @@ def run(r, path: Optional[str], out: Optional[str] = None, split: str = "test") 
     mine = questions[acc.process_index::acc.num_processes]
     t0 = time.time()
     rows = []
-    responses = engine.generate([prompt_text(task, q, tok) for q in mine], 1, greedy=True)
+    responses = texts(tok, engine.generate(encode(tok, [prompt_text(task, q, tok) for q in mine]), 1, GREEDY),
+                      engine.eos)
     for q, (resp,) in zip(mine, responses):
         rows.append({"qid": q.qid, "question": q.question, "answer": q.answer, "response": resp,
                      "extracted": task.extract(resp), "correct": task.verify(resp, q)})

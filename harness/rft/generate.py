@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from harness.errors import ConfigError, HarnessError  # noqa: F401
+from harness.rft.contract import Sampling, encode, text
 from harness.rft.sampling import (Sampler, StaticEngine, load_engine, load_for_generation,  # noqa: F401
                                   make_engine, prompt_text, resolve_model_path)
 from harness.rft.shards import (OUTPUT, PAIRS, SETTINGS, SHARDS, STATS, append_records, check_settings,  # noqa: F401
@@ -92,7 +93,8 @@ def _run(r, model: Optional[str], acc, stop_after: int) -> Optional[dict]:
     bar = tqdm(total=len(todo), desc="rft generate", disable=not acc.is_main_process, dynamic_ncols=True)
     tally = {"correct": 0, "samples": 0, "t0": time.perf_counter()}
 
-    def on_done(i: int, responses: list[str]) -> None:  # a question's samples have all ended: its line, at once
+    def on_done(i: int, completions: list) -> None:  # a question's samples have all ended: its line, at once
+        responses = [text(tok, c, eos) for c in completions]
         rec = judge(task, todo[i], responses, r.keep_per_question)
         append_records(shard, [rec])
         tally["correct"] += rec["correct"]
@@ -101,11 +103,14 @@ def _run(r, model: Optional[str], acc, stop_after: int) -> Optional[dict]:
         bar.set_postfix(success=f"{tally['correct'] / max(tally['samples'], 1):.1%}",
                         seq_s=f"{tally['samples'] / max(time.perf_counter() - tally['t0'], 1e-9):.1f}")
 
+    eos = set(engine.eos)
     try:  # (an error ends the bar's line first: its one line is not printed after the bar)
         if todo:  # each sample (continuous) or batch (static: its first question's) seeded from rft.seed, the
             # question's id and the sample's index: a restart draws what the uninterrupted run would (continuous)
-            engine.generate([prompt_text(task, q, tok) for q in todo], r.oversample, r.temperature, r.top_p,
-                            seed=lambda i, j: zlib.crc32(f"{r.seed}/{todo[i].qid}/{j}".encode()), on_done=on_done)
+            seeded = Sampling(r.temperature, r.top_p,
+                              seed=lambda i, j: zlib.crc32(f"{r.seed}/{todo[i].qid}/{j}".encode()))
+            engine.generate(encode(tok, [prompt_text(task, q, tok) for q in todo]), r.oversample, seeded,
+                            on_done=on_done)
     finally:
         bar.close()
     from accelerate.utils import gather_object

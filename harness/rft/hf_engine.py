@@ -16,18 +16,20 @@ thread), so samples are not the same run to run on every device.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable, Optional
 
 import torch
 
 from harness.errors import HarnessError
+from harness.rft.contract import Completion, OnDone, Sampling, holding
 from harness.rft.decode import StopStrings
 from harness.rft.stats import Stats, eos_ids
 
 
 class TransformersEngine:
-    """`generate(prompts, n, ...)` through transformers' continuous batching manager; n responses per prompt."""
+    """`generate(prompts, n, ...)` through transformers' continuous batching manager; n completions per prompt."""
 
     name = "transformers"
 
@@ -39,28 +41,33 @@ class TransformersEngine:
         self.stop_strings = tuple(stop_strings)
         self.stopped = StopStrings(tokenizer, self.stop_strings)
         self.stats = Stats()
+        self.eos = eos_ids(model, tokenizer)  # the ids that end an answer (a caller drops them from its text)
         self.computed = 0  # new tokens the manager computed (a cancelled request's last few included)
         self.dtype = next(model.parameters()).dtype
 
+    def serving(self, model) -> contextlib.AbstractContextManager:
+        """Within: the manager runs `model` (`contract.Engine.serving`)."""
+        return holding(self, model)
+
     @torch.no_grad()
-    def generate(self, prompts: list[str], n: int, temperature: float = 1.0, top_p: float = 1.0,
-                 greedy: bool = False, seed=0,
-                 on_done: Optional[Callable[[int, list[str]], None]] = None) -> list[list[str]]:
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling = Sampling(),
+                 on_done: Optional[OnDone] = None) -> list[list[Completion]]:
         from transformers import GenerationConfig
         from transformers.generation import ContinuousBatchingConfig
 
         tok, st = self.tok, self.stats
-        eos = eos_ids(self.model, tok)  # the tokenizer's and every one of generation_config.eos_token_id
-        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        eos = self.eos  # the tokenizer's and every one of generation_config.eos_token_id
+        ids, greedy = [list(p) for p in prompts], sampling.greedy
         if not ids:
             return []
         copies = n if greedy else 1  # greedy: each prompt n times; sampling: n return sequences per request
-        kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p,
+        kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=sampling.temperature,
+                                                       top_p=sampling.top_p,
                                                        top_k=self.top_k, min_p=self.min_p or None,
                                                        num_return_sequences=n)
         config = GenerationConfig(max_new_tokens=self.max_new_tokens, eos_token_id=eos, pad_token_id=tok.pad_token_id,
                                   **kw)
-        seed = seed(0, 0) if callable(seed) else seed
+        seed = sampling.seed(0, 0) if callable(sampling.seed) else sampling.seed
         torch.manual_seed(seed)
         cpu = next(self.model.parameters()).device.type == "cpu"
         page = 256  # tokens per cache block (transformers' default); on CPU the cache sized for the sequences in
@@ -110,7 +117,7 @@ class TransformersEngine:
                         manager.cancel_request(rid)
                 seen[rid] = None
                 i, j = where[rid]
-                results[i][j] = tok.decode([t for t in tokens if t not in eos], skip_special_tokens=True).strip()
+                results[i][j] = Completion(tuple(tokens))
                 st.sequences += 1
                 st.tokens += len(tokens)
                 st.lengths.append(len(tokens))

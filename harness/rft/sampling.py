@@ -6,6 +6,7 @@ batches of repeated prompts; `make_engine` picks the engine that `rft generate |
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -13,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from harness.errors import ConfigError, HarnessError
+from harness.rft.contract import Completion, OnDone, Sampling, holding
 from harness.rft.engine import ContinuousEngine, compile_default, servable
 from harness.rft.stats import Stats, eos_ids
 from harness.rft.tasks import Question, Task
@@ -80,17 +82,16 @@ class Sampler:
     def seconds(self) -> float:  # spent in generate()
         return self.stats.seconds
 
-    def sample(self, prompts: list[str], n: int, temperature: float = 1.0, top_p: float = 1.0,
-               greedy: bool = False) -> list[list[str]]:
-        """n responses per prompt, grouped by prompt."""
+    def sample(self, prompts: list[list[int]], n: int, sampling: Sampling = Sampling()) -> list[list[Completion]]:
+        """n completions per prompt (its token ids), grouped by prompt."""
         seqs = [p for p in prompts for _ in range(n)]
-        out: list[str] = []
+        out: list[Completion] = []
         i = 0
         while i < len(seqs):
             chunk = seqs[i:i + self.micro]
             try:
                 t0 = time.perf_counter()
-                out += self._generate(chunk, temperature, top_p, greedy)
+                out += self._generate(chunk, sampling)
                 self.stats.seconds += time.perf_counter() - t0
             except torch.cuda.OutOfMemoryError:
                 if self.micro == 1:
@@ -106,22 +107,21 @@ class Sampler:
         return [out[k * n:(k + 1) * n] for k in range(len(prompts))]
 
     @torch.no_grad()
-    def _generate(self, texts: list[str], temperature: float, top_p: float, greedy: bool) -> list[str]:
+    def _generate(self, ids: list[list[int]], sampling: Sampling) -> list[Completion]:
         tok, dev = self.tok, self.model.device
-        ids = tok(texts, add_special_tokens=False)["input_ids"]  # the chat template writes bos where it wants one
         width = max(map(len, ids))
         input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids], device=dev)
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=dev)
-        kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p,
-                                                       top_k=self.top_k, min_p=self.min_p or None)
+        kw = dict(do_sample=False) if sampling.greedy else dict(
+            do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=self.top_k,
+            min_p=self.min_p or None)
         if self.stop_strings:
             kw.update(stop_strings=self.stop_strings, tokenizer=tok)
         eos = eos_ids(self.model, tok)
         gen = self.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=self.max_new_tokens,
                                   pad_token_id=tok.pad_token_id, eos_token_id=eos, **kw)
         self._count(gen[:, width:])
-        new = gen[:, width:].masked_fill(torch.isin(gen[:, width:], torch.tensor(eos, device=dev)), tok.pad_token_id)
-        return [t.strip() for t in tok.batch_decode(new, skip_special_tokens=True)]  # without the ending ids
+        return [Completion(tuple(row)) for row in answers(gen[:, width:].tolist(), eos, tok.pad_token_id)]
 
     def _count(self, new: torch.Tensor) -> None:
         """New tokens per row (EOS included; the padding after a finished row not) and the slot-steps of the call."""
@@ -136,6 +136,20 @@ class Sampler:
         self.stats.steps += steps
 
 
+def answers(rows: list[list[int]], eos: list[int], pad: int) -> list[list[int]]:
+    """model.generate's new tokens per row as the answers drawn: up to the first ending id (kept), else without the
+    padding after a row that a stop string ended (the rows of a batch wait for its longest)."""
+    ends, out = set(eos), []
+    for row in rows:
+        end = next((k + 1 for k, t in enumerate(row) if t in ends), None)
+        if end is None:
+            end = len(row)
+            while end and row[end - 1] == pad:
+                end -= 1
+        out.append(row[:end])
+    return out
+
+
 class StaticEngine:
     """rft.engine=static: model.generate over fixed batches of `per_call` questions x n samples (today's path, kept
     for comparison); each batch seeded with seed(i, 0), i its first prompt's index, and waits for its longest answer."""
@@ -146,7 +160,20 @@ class StaticEngine:
                  say: Callable = print, top_k: int = 0, min_p: float = 0.0) -> None:
         self.sampler = Sampler(model, tokenizer, max_new_tokens, micro, say, stop_strings, top_k, min_p)
         self.per_call = per_call
+        self.eos = eos_ids(model, tokenizer)  # the ids that end an answer (a caller drops them from its text)
         self.dtype = next(model.parameters()).dtype
+
+    @property
+    def model(self):
+        return self.sampler.model
+
+    @model.setter
+    def model(self, model) -> None:
+        self.sampler.model = model
+
+    def serving(self, model) -> contextlib.AbstractContextManager:
+        """Within: model.generate runs `model` (`contract.Engine.serving`)."""
+        return holding(self, model)
 
     @property
     def stats(self) -> Stats:
@@ -156,12 +183,13 @@ class StaticEngine:
     def stats(self, stats: Stats) -> None:  # (`rft bench` counts each run afresh)
         self.sampler.stats = stats
 
-    def generate(self, prompts: list[str], n: int, temperature: float = 1.0, top_p: float = 1.0,
-                 greedy: bool = False, seed=0, on_done: Optional[Callable] = None) -> list[list[str]]:
-        out: list[list[str]] = []
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling = Sampling(),
+                 on_done: Optional[OnDone] = None) -> list[list[Completion]]:
+        out: list[list[Completion]] = []
+        seed = sampling.seed
         for i in range(0, len(prompts), self.per_call):
             torch.manual_seed(seed(i, 0) if callable(seed) else seed + i)
-            got = self.sampler.sample(prompts[i:i + self.per_call], n, temperature, top_p, greedy)
+            got = self.sampler.sample(prompts[i:i + self.per_call], n, sampling)
             for k, responses in enumerate(got):
                 if on_done is not None:
                     on_done(i + k, responses)
@@ -190,6 +218,8 @@ def load_engine(r, path: Optional[str], device, say: Callable = print):
     if r.engine == "vllm":
         path = resolve_model_path(path)
         engine = VllmEngine(path, r.max_new_tokens, tuple(r.stop_strings), say)
-        return engine, load_tokenizer(ModelConfig(name_or_path=path), markers=None)
+        tok = load_tokenizer(ModelConfig(name_or_path=path), markers=None)
+        engine.eos = eos_ids(None, tok)
+        return engine, tok
     model, tok = load_for_generation(path, device)
     return make_engine(r, model, tok, say), tok

@@ -3,7 +3,8 @@
     harness rft generate configs/rft-tiny.yaml rft.engine=vllm
 
 vLLM loads the model folder itself (the harness's copy is not used) with its own scheduler, paged KV cache and
-sampler: the same temperature and top-p, other random draws; greedy is temperature 0. No test runs it (no vLLM in
+sampler: the same temperature and top-p, other random draws; greedy is temperature 0. It takes the prompts' ids and
+gives the completions' ids (vLLM's TokensPrompt; its text is not read). No test runs it (no vLLM in
 the test environment); the shards, merge and report are the harness's, as for the other engines.
 """
 
@@ -13,12 +14,14 @@ import time
 from typing import Callable, Optional
 
 from harness.errors import ConfigError
+from harness.rft.contract import Completion, OnDone, Sampling
 from harness.rft.stats import Stats
 
 
 class VllmEngine:
     name = "vllm"
     dtype = "auto (vllm)"
+    eos: list = []  # the ids that end an answer: its tokenizer's (sampling.load_engine)
 
     def __init__(self, model_path: Optional[str], max_new_tokens: int, stop_strings: tuple = (),
                  say: Callable = print) -> None:
@@ -32,20 +35,25 @@ class VllmEngine:
         self.stats = Stats()
         say(f"[rft] vllm {vllm.__version__} serving {model_path}")
 
-    def generate(self, prompts: list[str], n: int, temperature: float = 1.0, top_p: float = 1.0,
-                 greedy: bool = False, seed=0, on_done: Optional[Callable] = None) -> list[list[str]]:
-        params = self.vllm.SamplingParams(n=n, temperature=0.0 if greedy else temperature, top_p=top_p,
-                                          max_tokens=self.max_new_tokens, stop=self.stop or None,
-                                          seed=seed(0, 0) if callable(seed) else seed)
+    def serving(self, model):
+        """vLLM serves the folder it loaded: another model object cannot be handed to it."""
+        raise ConfigError("config key 'rft.engine': vllm serves the model folder it loaded, not the model in training")
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling = Sampling(),
+                 on_done: Optional[OnDone] = None) -> list[list[Completion]]:
+        seed = sampling.seed(0, 0) if callable(sampling.seed) else sampling.seed
+        params = self.vllm.SamplingParams(n=n, temperature=0.0 if sampling.greedy else sampling.temperature,
+                                          top_p=sampling.top_p, max_tokens=self.max_new_tokens,
+                                          stop=self.stop or None, seed=seed)
         t0 = time.perf_counter()
-        outs = self.llm.generate(prompts, params)
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params)  # (vllm's TokensPrompt)
         self.stats.seconds += time.perf_counter() - t0
         results = []
         for i, o in enumerate(outs):
-            texts = [c.text.strip() for c in o.outputs]
-            self.stats.sequences += len(texts)
-            self.stats.tokens += sum(len(c.token_ids) for c in o.outputs)
-            results.append(texts)
+            got = [Completion(tuple(c.token_ids)) for c in o.outputs]
+            self.stats.sequences += len(got)
+            self.stats.tokens += sum(len(c.ids) for c in got)
+            results.append(got)
             if on_done is not None:
-                on_done(i, texts)
+                on_done(i, got)
         return results

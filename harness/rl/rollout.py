@@ -28,6 +28,7 @@ from harness.data import IGNORE_INDEX
 from harness.distributed.collectives import agreed
 from harness.distributed.zero import gathered_for_generation, partitioned_copy
 from harness.errors import ConfigError, HarnessError
+from harness.rft.contract import GREEDY, Sampling, encode, texts as answer_texts
 from harness.rft.engine import ContinuousEngine, compile_default, servable
 from harness.rft.tasks import Question, Task, check_context
 from harness.rl import loss as rl_loss
@@ -197,20 +198,19 @@ class Rollouts:
         accelerator, G, dev = self.accelerator, self.rl.num_generations, self.accelerator.device
         qs = [[self.questions[int(i)] for i in b] for b in picked]
         flat = [q for b in qs for q in b]
-        texts_in = [self.prompt_text(q) for q in flat]
-        prompts = [self.tok(t, add_special_tokens=False)["input_ids"] for t in texts_in]  # as the engine encodes
+        prompts = encode(self.tok, [self.prompt_text(q) for q in flat])  # once: the engine's and the rows' ids
         index = [int(i) for b in picked for i in b]
         with gathered_for_generation(accelerator, self.model, self.zero_stage) as model:
             was = model.training
             model.eval()
-            self.engine.model = served(model)
             # one engine call for every question of the batch; answer j of question `index[i]` seeded by (rft.seed,
             # step, the question, j) alone: the same tokens whatever shares the call and on any process count
-            texts = self.engine.generate(texts_in, G, self.r.temperature, self.r.top_p,
-                                         seed=lambda i, j: (self.r.seed, step, index[i], j))
-            sampled = self.engine.last_ids  # the tokens drawn (EOS kept): what the loss scores
-            self.free()
+            with self.engine.serving(served(model)):  # (its eager KV cache freed after, for the training pass)
+                got = self.engine.generate(prompts, G, Sampling(self.r.temperature, self.r.top_p,
+                                                                seed=lambda i, j: (self.r.seed, step, index[i], j)))
             model.train(was)
+        sampled = [[list(c.ids) for c in group] for group in got]  # the tokens drawn (EOS kept): what the loss scores
+        texts = answer_texts(self.tok, got, self.engine.eos)
         # (a reward that fails on any process: its line raised on every process, printed once by the main one)
         weighted, per = agreed(accelerator, lambda: self.rewards.score(
             [q for q in flat for _ in range(G)], [t for a in texts for t in a], [ids for a in sampled for ids in a]))
@@ -242,12 +242,6 @@ class Rollouts:
         self.items = items
         self.scale(out)
         return out, self.figures_of(items)
-
-    def free(self) -> None:
-        """The engine's KV cache freed for the training pass, where the decode step is eager (a compiled one reads
-        its cache in place: kept, sized for the generation batch)."""
-        if not self.engine.compiled:
-            self.engine.cache = None
 
     def trained(self, items: list[dict]) -> list[tuple[int, int]]:
         """The (item, answer) pairs of a micro-batch that its training pass runs, in row order. With rl.beta 0 an
@@ -375,10 +369,11 @@ class Rollouts:
         with gathered_for_generation(accelerator, self.model, self.zero_stage) as model:
             was = model.training
             model.eval()
-            self.engine.model = served(model)
-            texts = self.engine.generate([self.prompt_text(q) for q in mine], 1, greedy=True) if mine else []
-            self.free()
+            with self.engine.serving(served(model)):
+                got = self.engine.generate(encode(self.tok, [self.prompt_text(q) for q in mine]), 1, GREEDY) \
+                    if mine else []
             model.train(was)
+        texts = answer_texts(self.tok, got, self.engine.eos)
         right = sum(self.task.verify(t[0], q) for q, t in zip(mine, texts))
         answered = sum(self.task.extract(t[0]) is not None for t in texts)
         totals = accelerator.reduce(torch.tensor([right, answered, len(mine)], dtype=torch.float64,
