@@ -349,6 +349,8 @@ def test_rollouts_train_on_the_tokens_sampled():
     from harness import model as model_lib
     from harness.config import load_config
     from harness.rft.tasks import build_task
+    from harness.objective import Parts
+    from harness.rl.generation import SamplingSettings
     from harness.rl.rollout import Rollouts
 
     cfg = load_config("configs/grpo-tiny.yaml", [*TINY, "rl.num_generations=2", "rft.max_new_tokens=12",
@@ -357,8 +359,8 @@ def test_rollouts_train_on_the_tokens_sampled():
     tok = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
     model = model_lib.build_model(cfg.model, tok).float().eval()
     task = build_task(cfg.rft)
-    ro = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, Accelerator(cpu=True), model, tok, task, 64, 0,
-                  lambda m: None)
+    ro = Rollouts(cfg.rl, SamplingSettings.of(cfg.rft), cfg.train.grad_accum,
+                  Parts(Accelerator(cpu=True), model, tok, zero_stage=0, say=lambda m: None), task, 64)
     ro.generate([torch.tensor([0, 1, 2])], step=1)
     differs = 0
     for item in ro.items:
@@ -396,6 +398,8 @@ def test_a_seeded_steps_answers_are_the_same_generated_together_or_one_by_one():
     from harness import model as model_lib
     from harness.config import load_config
     from harness.rft.tasks import build_task
+    from harness.objective import Parts
+    from harness.rl.generation import SamplingSettings
     from harness.rl.rollout import Rollouts
 
     cfg = load_config("configs/grpo-tiny.yaml", [*TINY, "rl.num_generations=3", "rft.max_new_tokens=10",
@@ -403,8 +407,8 @@ def test_a_seeded_steps_answers_are_the_same_generated_together_or_one_by_one():
     torch.manual_seed(0)
     tok = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
     model = model_lib.build_model(cfg.model, tok).float().eval()
-    ro = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, Accelerator(cpu=True), model, tok, build_task(cfg.rft), 64,
-                  0, lambda m: None)
+    ro = Rollouts(cfg.rl, SamplingSettings.of(cfg.rft), cfg.train.grad_accum,
+                  Parts(Accelerator(cpu=True), model, tok, zero_stage=0, say=lambda m: None), build_task(cfg.rft), 64)
     ro.generate([torch.tensor([5, 1, 7, 2])], step=3)
     together = [it["answers"] for it in ro.items]
     assert ro.gen_calls == 1 and ro.engine.cache is None  # one call; the cache freed for the training pass
@@ -428,6 +432,8 @@ def test_rollouts_generate_under_the_trainings_autocast():
     from harness import model as model_lib
     from harness.config import load_config
     from harness.rft.tasks import build_task
+    from harness.objective import Parts
+    from harness.rl.generation import SamplingSettings
     from harness.rl.rollout import Rollouts
 
     cfg = load_config("configs/grpo-tiny.yaml", [*TINY, "rl.num_generations=2", "rft.max_new_tokens=4"])
@@ -437,8 +443,8 @@ def test_rollouts_generate_under_the_trainings_autocast():
     try:
         accelerator = Accelerator(cpu=True, mixed_precision="bf16")
         model = accelerator.prepare(model_lib.build_model(cfg.model, tok).float())
-        ro = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, accelerator, model, tok, build_task(cfg.rft), 64, 0,
-                      lambda m: None)
+        ro = Rollouts(cfg.rl, SamplingSettings.of(cfg.rft), cfg.train.grad_accum,
+                  Parts(accelerator, model, tok, zero_stage=0, say=lambda m: None), build_task(cfg.rft), 64)
         held, generate = [], ro.engine.generate  # the cache the call decoded with, read before it is freed
         ro.engine.generate = lambda *a, **k: (generate(*a, **k), held.append(ro.engine.cache.kv.dtype))[0]
         ro.generate([torch.tensor([0, 1])], step=1)
@@ -457,6 +463,8 @@ def test_mask_truncated_completions_leaves_cut_answers_out_of_the_loss():
     from harness.config import load_config
     from harness.data import IGNORE_INDEX
     from harness.rft.tasks import build_task
+    from harness.objective import Parts
+    from harness.rl.generation import SamplingSettings
     from harness.rl.rollout import Rollouts
 
     torch.manual_seed(0)
@@ -470,8 +478,8 @@ def test_mask_truncated_completions_leaves_cut_answers_out_of_the_loss():
         bias = torch.zeros(model.lm_head.out_features)  # EOS drawn ~18% of the time: ~half the answers cut at 4
         bias[tok.eos_token_id] = math.log(model.lm_head.out_features) - 1.5
         model.lm_head.bias = torch.nn.Parameter(bias)
-        ro = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, Accelerator(cpu=True), model, tok, build_task(cfg.rft),
-                      64, 0, lambda m: None)
+        ro = Rollouts(cfg.rl, SamplingSettings.of(cfg.rft), cfg.train.grad_accum,
+                  Parts(Accelerator(cpu=True), model, tok, zero_stage=0, say=lambda m: None), build_task(cfg.rft), 64)
         batches, _ = ro.generate([torch.tensor([0, 1, 2, 3])], step=1)
         answers = [a for it in ro.items for a in it["answers"]]
         for item in ro.items:  # (a random model's rewards are all 0: every answer in the pass with advantage 0 but one)
@@ -498,6 +506,8 @@ def test_answers_of_advantage_0_are_left_out_of_the_pass_with_the_same_update():
     from harness import model as model_lib
     from harness.config import load_config
     from harness.rft.tasks import build_task
+    from harness.objective import Parts
+    from harness.rl.generation import SamplingSettings
     from harness.rl.rollout import Rollouts
 
     cfg = load_config("configs/grpo-tiny.yaml", [*TINY, "rl.num_generations=4", "rft.max_new_tokens=6",
@@ -505,8 +515,8 @@ def test_answers_of_advantage_0_are_left_out_of_the_pass_with_the_same_update():
     tok = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
     torch.manual_seed(0)
     model = model_lib.build_model(cfg.model, tok).float()
-    ro = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, Accelerator(cpu=True), model, tok, build_task(cfg.rft),
-                  64, 0, lambda m: None)
+    ro = Rollouts(cfg.rl, SamplingSettings.of(cfg.rft), cfg.train.grad_accum,
+                  Parts(Accelerator(cpu=True), model, tok, zero_stage=0, say=lambda m: None), build_task(cfg.rft), 64)
     ro.generate([torch.tensor([0, 1, 2])], step=1)
     flat_rewards = [[1.0] * 4, [0.0, 1.0, 1.0, 0.0], [0.0] * 4]  # questions 0 and 2 flat, question 1 not
     for item, r in zip(ro.items, flat_rewards):
@@ -585,6 +595,8 @@ def test_lora_rollouts_sample_the_adapted_model_and_score_the_reference_with_ada
     from harness import model as model_lib
     from harness.config import load_config
     from harness.rft.tasks import build_task
+    from harness.objective import Parts
+    from harness.rl.generation import SamplingSettings
     from harness.rl.rollout import Rollouts
 
     cfg = load_config("configs/grpo-tiny.yaml", [*TINY, "model.lora.enabled=true", "rl.beta=0.1",
@@ -617,8 +629,8 @@ def test_lora_rollouts_sample_the_adapted_model_and_score_the_reference_with_ada
                 and tuple(t.shape) in shapes and t.device.type == "cpu"} - own
 
     before = others()
-    ro = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, Accelerator(cpu=True), model, tok, build_task(cfg.rft), 64,
-                  0, lambda m: None)
+    ro = Rollouts(cfg.rl, SamplingSettings.of(cfg.rft), cfg.train.grad_accum,
+                  Parts(Accelerator(cpu=True), model, tok, zero_stage=0, say=lambda m: None), build_task(cfg.rft), 64)
     assert ro.reference is model  # no second copy
     batches, _ = ro.generate([torch.tensor([0, 1])], step=1)
     added = others() - before

@@ -15,6 +15,7 @@ from harness.data.samples import real_tokens
 from harness.objective import Objective, Parts
 from harness.rl import loss as rl_loss
 from harness.rl.batch import completion_logps, completion_mask
+from harness.rl.generation import SamplingSettings
 from harness.rl.rollout import Rollouts, question_loader
 from harness.state import StepSums, rl_figures
 
@@ -67,7 +68,7 @@ class RlMode(Objective):
         return f"{self.rl.questions_per_step} questions x {self.rl.num_generations} answers"
 
     def generation_graphs(self) -> int:
-X
+        return self.rollouts.engine.compiled_graphs  # the engine's compiled decode step: graphs of its own
 
 
 def question_stream(cfg: Config, accelerator):
@@ -79,9 +80,8 @@ def question_stream(cfg: Config, accelerator):
 
 def build(cfg: Config, parts: Parts) -> RlMode:
     """Before a checkpoint is loaded: the reference (rl.beta > 0) is the starting model."""
-    rollouts = Rollouts(cfg.rl, cfg.rft, cfg.train.grad_accum, parts.accelerator, parts.model, parts.tokenizer,
-                        parts.data.source, cfg.loss.chunked_ce_size, parts.zero_stage, parts.say,
-                        convert=parts.convert)
+    rollouts = Rollouts(cfg.rl, SamplingSettings.of(cfg.rft), cfg.train.grad_accum, parts, parts.data.source,
+                        cfg.loss.chunked_ce_size)
     parts.accelerator.register_for_checkpointing(rollouts)  # the half-used generation batch, with each checkpoint
     parts.say(f"[harness] rl: {cfg.rl.algorithm}, {cfg.rl.questions_per_step} questions x {cfg.rl.num_generations} "
               f"answers per generation batch, {cfg.rl.iterations} step(s) on each, loss_type {cfg.rl.loss_type}, "

@@ -26,11 +26,11 @@ import torch
 
 from harness.data import IGNORE_INDEX
 from harness.distributed.collectives import agreed
-from harness.distributed.zero import gathered_for_generation, partitioned_copy
-from harness.errors import ConfigError, HarnessError
-from harness.rft.contract import GREEDY, Sampling, encode, texts as answer_texts
-from harness.rft.engine import ContinuousEngine, compile_default, servable
-from harness.rft.tasks import Question, Task, check_context
+from harness.distributed.zero import partitioned_copy
+from harness.errors import ConfigError
+from harness.rft.contract import GREEDY, texts as answer_texts
+from harness.rft.tasks import Question, Task
+from harness.rl.generation import Generation, Prompts, SamplingSettings, served  # noqa: F401 (served: here before)
 from harness.rl import loss as rl_loss
 from harness.rl.batch import (completion_logps, completion_mask, padding_free, rows, scored_positions,
                               shared_prompts)
@@ -62,11 +62,6 @@ def question_loader(rl, rft, grad_accum: int, shuffle: bool, world: int, cache_d
                             collate_fn=index_batch)
 
 
-
-
-def served(model):
-    """What the engine runs: a peft model's base module (its LoRA layers injected, adapters active), else the model."""
-    return model.get_base_model() if hasattr(model, "disable_adapter") and hasattr(model, "get_base_model") else model
 
 
 def share(state: dict, world: int, rank: int, accum: int, questions: int) -> tuple[list, str]:
@@ -106,48 +101,41 @@ def unfit(state: dict, rl) -> str:
     return ""
 
 
+def reference_model(beta: float, peft: bool, parts):
+    """The reference of rl.beta > 0 (None at 0): with peft, TRL's way, the same model with its adapters disabled;
+    under ZeRO-3 the model as it starts, partitioned as the trained one is; else a frozen copy of it."""
+    unwrapped = parts.accelerator.unwrap_model(parts.model, keep_torch_compile=False)
+    if not beta:
+        return None
+    if peft:
+        return unwrapped
+    if parts.zero_stage == 3:
+        return partitioned_copy(parts.accelerator, parts.model, parts.convert)
+    return copy.deepcopy(unwrapped).eval().requires_grad_(False)
+
+
 class Rollouts:
     """The generation batches of a run (see the module docstring): `step_batches(questions, step)` gives the step's
     grad_accum training micro-batches; `evaluate()` the greedy accuracy on the task's test split."""
 
-    def __init__(self, rl, rft, grad_accum: int, accelerator, model, tokenizer, task: Task, chunk_size: int,
-                 zero_stage: int, say, convert=None) -> None:
-        """`rl`, `rft`: cfg.rl, cfg.rft; grad_accum: train.grad_accum; convert: what the build did to the model after
-        building it (train.precision=fp8's float8 blocks), done to ZeRO-3's reference copy too."""
-        self.rl, self.r, self.accum = rl, rft, grad_accum
+    def __init__(self, rl, sampling: SamplingSettings, grad_accum: int, parts, task: Task, chunk_size: int) -> None:
+        """`rl`: cfg.rl; sampling: the rft section's sampling settings; grad_accum: train.grad_accum; parts: the
+        build's harness.objective.Parts (accelerator, prepared model, tokenizer, ZeRO stage, say, and `convert`: what
+        the build did to the model after building it, train.precision=fp8's float8 blocks, done to ZeRO-3's reference
+        copy too); task: the questions (built once, with the question stream)."""
+        accelerator, model, tokenizer, say = parts.accelerator, parts.model, parts.tokenizer, parts.say
+        self.rl, self.r, self.accum = rl, sampling, grad_accum
         self.accelerator, self.model, self.tok, self.task = accelerator, model, tokenizer, task
-        self.chunk_size, self.zero_stage, self.say = chunk_size, zero_stage, say
-        self.questions = task.split("train")
-        # the test split read now, not after the last step: a bad rft.test_file is one line before any training
-        self.test = None if getattr(task, "files", {}).get("test", "") is None else task.split("test")
-        if self.test is None:
-            say("[harness] rl: the JSONL task has no rft.test_file: no eval_accuracy in this run")
+        self.chunk_size, self.zero_stage, self.say = chunk_size, parts.zero_stage, say
+        self.prompts = Prompts(task, tokenizer, say)  # each prompt encoded once
+        self.questions, self.test = self.prompts.train, self.prompts.test
         # rl.rewards, or rl.reward as one function (failing to load on any process: one line)
         self.rewards = agreed(accelerator, lambda: Rewards(rl, task))
-        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-        # model.lora (and QLoRA): the engine runs the peft model's base module, its LoRA layers in place (the
-        # adapted model, no merged copy); bitsandbytes' quantized layers run eagerly
-        self.peft = hasattr(unwrapped, "disable_adapter") and hasattr(unwrapped, "get_base_model")
-        why = servable(served(unwrapped))
-        quantized = why == "a quantized model" and self.peft
-        why = None if quantized else why
-        if why is not None:
-            raise HarnessError(f"loss.mode=rl generates with the continuous engine, which cannot serve {why}")
-        config = unwrapped.config  # every prompt and its answer within the context, checked before step 1
-        check_context({q.qid: len(tokenizer(self.prompt_text(q), add_special_tokens=False)["input_ids"])
-                       for q in [*self.questions, *(self.test or [])]}, self.r.max_new_tokens,
-                      getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None))
-        # one call per generation batch: its cache sized for this process's answers of the batch (slots), compiled
-        # when rft.compile says so (not under ZeRO-3: the gathered weights move between batches, where CUDA graphs
-        # read them in place); freed after an eager call, for the training pass
-        answers = rl.questions_per_step // accelerator.num_processes * rl.num_generations
-        compiled = compile_default(self.r.compile, unwrapped) and zero_stage != 3 and not quantized
-        if compile_default(self.r.compile, unwrapped) and zero_stage == 3:
-            say("[harness] rl: rft.compile is off under ZeRO-3 (the gathered weights move between generations)")
-        self.engine = ContinuousEngine(served(unwrapped), tokenizer, self.r.max_new_tokens,
-                                       min(self.r.micro_batch_sequences, answers), self.r.kv_cache_gb,
-                                       tuple(self.r.stop_strings), say, compile=compiled, top_k=self.r.top_k,
-                                       min_p=self.r.min_p)
+        config = accelerator.unwrap_model(model, keep_torch_compile=False).config
+        answers = rl.questions_per_step // accelerator.num_processes * rl.num_generations  # this process's a batch
+        self.generation = Generation(sampling, answers, parts)  # (a model it cannot serve: one line)
+        self.engine, self.peft = self.generation.engine, self.generation.peft
+        self.prompts.check_context(config, sampling.max_new_tokens)  # every prompt and its answer, before step 1
         # the training pass's rows (rl.rows): a prompt shared by its answers needs a custom 4D mask, which only
         # sdpa attention reads as given here (eager adds it, flash and flex take no dense mask)
         self.layout = rl.rows
@@ -155,13 +143,7 @@ class Rollouts:
             self.layout = "packed"
             say(f"[harness] rl: rl.rows=shared_prompts needs sdpa attention (this model runs "
                 f"{getattr(config, '_attn_implementation', None)}): the answers are packed, one prompt each")
-        self.reference = None
-        if self.rl.beta and self.peft:  # TRL's way with peft: the same model with its adapters disabled
-            self.reference = unwrapped
-        elif self.rl.beta and zero_stage == 3:  # the model as it starts, partitioned as the trained one is
-            self.reference = partitioned_copy(accelerator, model, convert)
-        elif self.rl.beta:
-            self.reference = copy.deepcopy(unwrapped).eval().requires_grad_(False)  # the model as it starts
+        self.reference = reference_model(rl.beta, self.peft, parts)
         self.current: list = []  # the generation batch's micro-batches (on the device)
         self.figures = StepSums()  # its rewards and lengths, logged with every step trained on it
         self.items: list = []  # the same as questions: prompt, answers, rewards, advantages, old / reference log-probs
@@ -172,7 +154,7 @@ class Rollouts:
 
     def prompt_text(self, q: Question) -> str:
         """The question in the model's chat template, ending where the answer starts (as `rft generate` asks)."""
-        return self.tok.apply_chat_template(self.task.messages(q), add_generation_prompt=True, tokenize=False)
+        return self.prompts.text(q)
 
     def step_batches(self, questions, step: int, unlogged) -> list[dict]:
         """The micro-batches of optimizer step `step`: a new generation batch every rl.iterations steps (the next
@@ -198,17 +180,11 @@ class Rollouts:
         accelerator, G, dev = self.accelerator, self.rl.num_generations, self.accelerator.device
         qs = [[self.questions[int(i)] for i in b] for b in picked]
         flat = [q for b in qs for q in b]
-        prompts = encode(self.tok, [self.prompt_text(q) for q in flat])  # once: the engine's and the rows' ids
+        prompts = self.prompts.ids(flat)  # encoded once: the engine's and the rows' ids
         index = [int(i) for b in picked for i in b]
-        with gathered_for_generation(accelerator, self.model, self.zero_stage) as model:
-            was = model.training
-            model.eval()
-            # one engine call for every question of the batch; answer j of question `index[i]` seeded by (rft.seed,
-            # step, the question, j) alone: the same tokens whatever shares the call and on any process count
-            with self.engine.serving(served(model)):  # (its eager KV cache freed after, for the training pass)
-                got = self.engine.generate(prompts, G, Sampling(self.r.temperature, self.r.top_p,
-                                                                seed=lambda i, j: (self.r.seed, step, index[i], j)))
-            model.train(was)
+        # one engine call for every question of the batch; answer j of question `index[i]` seeded by (rft.seed,
+        # step, the question, j) alone: the same tokens whatever shares the call and on any process count
+        got = self.generation.answer(prompts, G, self.r.call(lambda i, j: (self.r.seed, step, index[i], j)))
         sampled = [[list(c.ids) for c in group] for group in got]  # the tokens drawn (EOS kept): what the loss scores
         texts = answer_texts(self.tok, got, self.engine.eos)
         # (a reward that fails on any process: its line raised on every process, printed once by the main one)
@@ -366,13 +342,7 @@ class Rollouts:
         if not self.test:  # no rft.test_file, or rl.prompts: no test split to answer
             return {}
         mine = self.test[accelerator.process_index::accelerator.num_processes]
-        with gathered_for_generation(accelerator, self.model, self.zero_stage) as model:
-            was = model.training
-            model.eval()
-            with self.engine.serving(served(model)):
-                got = self.engine.generate(encode(self.tok, [self.prompt_text(q) for q in mine]), 1, GREEDY) \
-                    if mine else []
-            model.train(was)
+        got = self.generation.answer(self.prompts.ids(mine), 1, GREEDY)  # (every process: ZeRO-3 gathers)
         texts = answer_texts(self.tok, got, self.engine.eos)
         right = sum(self.task.verify(t[0], q) for q, t in zip(mine, texts))
         answered = sum(self.task.extract(t[0]) is not None for t in texts)
