@@ -45,7 +45,8 @@ class SequenceMeanMode(Objective):
                         flops=self.flops(gen, backward=True))
 
     def figures(self, sums: StepSums) -> dict:
-        return {"loss": sums.gen_sum / max(sums.gen_count, 1), "sequence_mean_loss": sums.gen_sum / max(sums.gen_count, 1)}
+        loss = sums.gen_sum / max(sums.gen_count, 1)
+        return {"loss": loss, "sequence_mean_loss": loss}
 
 
 def build_toy(cfg, parts: Parts) -> SequenceMeanMode:

@@ -136,10 +136,11 @@ def test_loss_and_gradients_equal_trl(fixed, loss_type, beta, level):
     mask = completion_mask(batch)
     assert torch.equal(place(cmask.float()), mask.float())
     logps = completion_logps(ours, batch, chunk_size=5, temperature=temperature)
-    loss = rl_loss.grpo_loss(loss_type, logps, place(old), adv, mask, 0.2, 0.28, beta,
-                             place(ref) if beta else None, max_new_tokens=COMPLETION, level=level)
+    grpo = rl_loss.Grpo(loss_type, 0.2, 0.28, beta, level, max_new_tokens=COMPLETION)
+    loss = rl_loss.grpo_loss(logps, place(old), adv, mask, grpo, place(ref) if beta else None)
     loss.backward()
-    _, clipped, _ = rl_loss.per_token_terms(logps.detach(), place(old), adv, 0.2, 0.28, mask=mask, level=level)
+    clip = rl_loss.Grpo(epsilon=0.2, epsilon_high=0.28, level=level)
+    _, clipped, _ = rl_loss.per_token_terms(logps.detach(), place(old), adv, clip, mask=mask)
     if level == "token":  # (one ratio an answer, from the mean of +-0.4 moves: rarely clipped)
         assert 0 < int((clipped & mask.bool()).sum()) < int(mask.sum())  # the batch exercises the clipping
     _close(loss.detach(), ref_loss)
@@ -194,7 +195,8 @@ def test_left_padded_prompts_and_two_micro_batches_equal_trl(fixed, loss_type):
             return out
 
         logps = completion_logps(ours, batch, chunk_size=5, temperature=temperature)
-        per_token, _, _ = rl_loss.per_token_terms(logps, place(old), adv[list(idx)], 0.2, 0.28, 0.1, place(ref),
+        per_token, _, _ = rl_loss.per_token_terms(logps, place(old), adv[list(idx)],
+                                                  rl_loss.Grpo(epsilon=0.2, epsilon_high=0.28, beta=0.1), place(ref),
                                                   mask)
         # as step.micro_step: the sum times W x A / the step's denominator (W = 1, A = 2), back-propagated / A (as
         # the objective's accumulation does)
@@ -528,8 +530,8 @@ def test_answers_of_advantage_0_are_left_out_of_the_pass_with_the_same_update():
         model.zero_grad(set_to_none=True)
         logps = completion_logps(model, batch, 64)
         mask = completion_mask(batch)
-        per_token, _, _ = rl_loss.per_token_terms(logps, None, batch["advantages"].to(logps.device), 0.2, 0.28,
-                                                  0.0, None, mask)
+        per_token, _, _ = rl_loss.per_token_terms(logps, None, batch["advantages"].to(logps.device),
+                                                  rl_loss.Grpo(epsilon=0.2, epsilon_high=0.28), None, mask)
         loss = rl_loss.loss_sum("dapo", per_token, mask) / int(batch["all_tokens"])
         loss.backward()
         return loss.detach(), _grads(model), int(mask.sum())

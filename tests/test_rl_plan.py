@@ -27,20 +27,21 @@ TINY = ["model.name_or_path=null", "model.tokenizer=bundled",
 def test_kv_cache_arithmetic_by_hand_and_as_the_engine_sizes_it():
     cfg = load_config("configs/grpo-tiny.yaml", [*TINY, "rft.max_new_tokens=12", "rl.num_generations=6"])
     # 2 (key, value) x 2 layers x 2 kv heads x 8 head_dim x (20 + 12) positions x 4 B (fp32) = 8,192 B a slot
-    m = rl_plan.generation_memory(cfg.rl, cfg.rft, 2, 2, 8, 2048, 20, 4)
+    m = rl_plan.generation_memory(cfg.rl, cfg.rft, rl_plan.KvShape(2, 2, 8, 2048), 20, 4)
     # the slots: the answers of a generation batch (one engine call: 4 questions x 6), rft.micro_batch_sequences
     # (256 by default) at most
     assert (m.width, m.slot_bytes, m.slots) == (32, 8192, 24)
     # a decode step's logits per slot and vocabulary entry: fp32 logits 4 + the sampling's peak (stats.PICK_BYTES)
     assert m.kv == 24 * 8192 and m.logits == 24 * 40 * 2048
-    assert rl_plan.generation_memory(cfg.rl, cfg.rft, 2, 2, 8, 2048, 20, 4, world=2).slots == 12  # 2 questions each
+    kv = rl_plan.KvShape(2, 2, 8, 2048)
+    assert rl_plan.generation_memory(cfg.rl, cfg.rft, kv, 20, 4, world=2).slots == 12  # 2 questions each
     # one rollout call: 24 answers x (8,192 + 81,920) B = 2,162,688 B = 0.0020 GiB, rounded up to 0.01
     assert m.rollout_gb == 0.01
     # a budget: 0.001 GiB = 1,073,741.8 B over 90,112 B a slot (KV + logits) = 11 slots
     capped = load_config("configs/grpo-tiny.yaml", [*TINY, "rft.max_new_tokens=12", "rft.kv_cache_gb=0.001"])
-    assert rl_plan.generation_memory(capped.rl, capped.rft, 2, 2, 8, 2048, 20, 4).slots == 11
+    assert rl_plan.generation_memory(capped.rl, capped.rft, rl_plan.KvShape(2, 2, 8, 2048), 20, 4).slots == 11
     # 16-bit weights: half the bytes
-    assert rl_plan.generation_memory(cfg.rl, cfg.rft, 2, 2, 8, 2048, 20, 2).slot_bytes == 4096
+    assert rl_plan.generation_memory(cfg.rl, cfg.rft, rl_plan.KvShape(2, 2, 8, 2048), 20, 2).slot_bytes == 4096
 
     # the engine's own sizing of the same model (its slot_bytes and plan_slots under the same budget)
     import torch

@@ -24,6 +24,7 @@ class RlMode(Objective):
     def __init__(self, cfg: Config, parts: Parts, rollouts: Rollouts):
         super().__init__(cfg.loss, cfg.model, cfg.train.grad_accum, parts, chunk_size=cfg.loss.chunked_ce_size)
         self.rl, self.temperature = cfg.rl, cfg.rft.temperature  # the answers were sampled at rft.temperature
+        self.grpo = rl_loss.Grpo.of(cfg.rl, cfg.rft.max_new_tokens)
         self.rollouts = rollouts
 
     def step_batches(self, streams: dict, step: int, unlogged) -> tuple[list, list]:
@@ -36,14 +37,11 @@ class RlMode(Objective):
 
     def passes(self, batch: dict, emb, scale: torch.Tensor) -> StepSums:
         t0 = time.perf_counter()
-        rl = self.rl
-        eps_high = rl.epsilon if rl.epsilon_high is None else rl.epsilon_high
         logps = completion_logps(self.model, batch, self.chunk_size, self.temperature)
         mask = completion_mask(batch)
         per_token, clipped, kl = rl_loss.per_token_terms(logps, batch.get("old_logps"), batch["advantages"],
-                                                         rl.epsilon, eps_high, rl.beta, batch.get("ref_logps"), mask,
-                                                         rl.importance_sampling)
-        total = rl_loss.loss_sum(rl.loss_type, per_token, mask)
+                                                         self.grpo, batch.get("ref_logps"), mask)
+        total = rl_loss.loss_sum(self.grpo.loss_type, per_token, mask)
         self.check.backward(total * scale)
         main = self.accelerator.is_main_process
         on = mask.bool()

@@ -22,6 +22,7 @@ gives the update of the whole batch in one piece, which is TRL's with one micro-
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -29,17 +30,38 @@ import torch
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 
 
-def per_token_terms(logps: torch.Tensor, old_logps: Optional[torch.Tensor], advantages: torch.Tensor,
-                    epsilon: float, epsilon_high: float, beta: float = 0.0,
-                    ref_logps: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
-                    level: str = "token") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class Grpo:
+    """The loss's settings: rl.loss_type, rl.epsilon, rl.epsilon_high (None: epsilon), rl.beta,
+    rl.importance_sampling (`level`) and rft.max_new_tokens (dr_grpo's denominator)."""
+
+    loss_type: str = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None
+    beta: float = 0.0
+    level: str = "token"
+    max_new_tokens: int = 0
+
+    @classmethod
+    def of(cls, rl, max_new_tokens: int) -> "Grpo":
+        return cls(rl.loss_type, rl.epsilon, rl.epsilon_high, rl.beta, rl.importance_sampling, max_new_tokens)
+
+    @property
+    def high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+def per_token_terms(logps: torch.Tensor, old_logps: Optional[torch.Tensor], advantages: torch.Tensor, grpo: Grpo,
+                    ref_logps: Optional[torch.Tensor] = None,
+                    mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-token loss [B, T], clipped [B, T] bool: the ratio outside the clip range on the advantage's side, KL
     [B, T] (zeros at beta 0)).
 
     logps, old_logps, ref_logps: [B, T] log-probs of the completion tokens under the policy (with gradient), the
     policy that sampled them (None: the policy itself, detached: the first update on fresh samples), the reference;
-    advantages: [B]. level (rl.importance_sampling): `token`, a ratio per token, or `sequence` (GSPO, TRL's
+    advantages: [B]. grpo.level (rl.importance_sampling): `token`, a ratio per token, or `sequence` (GSPO, TRL's
     importance_sampling_level): one ratio per completion, exp of its mean log-ratio over `mask`'s tokens."""
+    epsilon, epsilon_high, beta, level = grpo.epsilon, grpo.high, grpo.beta, grpo.level
     old = logps.detach() if old_logps is None else old_logps
     adv = advantages.unsqueeze(1)
     log_ratio = logps - old
@@ -89,15 +111,13 @@ def step_factor(world: int, accum: int, total) -> torch.Tensor | float:
     return world * accum / max(total, 1)
 
 
-def grpo_loss(loss_type: str, logps: torch.Tensor, old_logps: Optional[torch.Tensor], advantages: torch.Tensor,
-              mask: torch.Tensor, epsilon: float = 0.2, epsilon_high: Optional[float] = None, beta: float = 0.0,
-              ref_logps: Optional[torch.Tensor] = None, max_new_tokens: int = 0, level: str = "token") -> torch.Tensor:
+def grpo_loss(logps: torch.Tensor, old_logps: Optional[torch.Tensor], advantages: torch.Tensor, mask: torch.Tensor,
+              grpo: Grpo, ref_logps: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The loss of one whole batch of completions (one process, one micro-batch): loss_sum / denominator."""
-    eps_high = epsilon if epsilon_high is None else epsilon_high
-    per_token, _, _ = per_token_terms(logps, old_logps, advantages, epsilon, eps_high, beta, ref_logps, mask, level)
-    total = denominator(loss_type, mask.shape[0], mask.sum(), max_new_tokens)
-    return loss_sum(loss_type, per_token, mask) / (total.clamp(min=1) if isinstance(total, torch.Tensor)
-                                                   else max(total, 1))
+    per_token, _, _ = per_token_terms(logps, old_logps, advantages, grpo, ref_logps, mask)
+    total = denominator(grpo.loss_type, mask.shape[0], mask.sum(), grpo.max_new_tokens)
+    return loss_sum(grpo.loss_type, per_token, mask) / (total.clamp(min=1) if isinstance(total, torch.Tensor)
+                                                        else max(total, 1))
 
 
 def nanstd(x: torch.Tensor, dim=None) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple
 
 from harness.rft.stats import logit_bytes
 from harness.rft.tasks import build_task
@@ -65,12 +65,20 @@ class GenerationMemory:
     rollout_gb: float  # the rft.kv_cache_gb that holds one rollout call (rl.num_generations sequences)
 
 
-def generation_memory(rl, rft, layers: int, kv_heads: int, head_dim: int, vocab: int, prompt_len: int,
-                      dtype_bytes: int, world: int = 1) -> GenerationMemory:
+class KvShape(NamedTuple):
+    """What a KV cache's slot size reads of the model: layers, kv heads, their width, the vocabulary (the logits)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+
+def generation_memory(rl, rft, kv: KvShape, prompt_len: int, dtype_bytes: int, world: int = 1) -> GenerationMemory:
     """The engine's plan_slots arithmetic for sequences of prompt_len + rft.max_new_tokens positions (rl, rft: the
     config sections): at most the answers of a process's generation batch (harness.rl.rollout: one engine call)."""
-    width = prompt_len + rft.max_new_tokens
-    slot = kv_slot_bytes(layers, kv_heads, head_dim, width, dtype_bytes)
+    width, vocab = prompt_len + rft.max_new_tokens, kv.vocab
+    slot = kv_slot_bytes(kv.layers, kv.kv_heads, kv.head_dim, width, dtype_bytes)
     per_slot = slot + logit_bytes(dtype_bytes) * vocab
     answers = rl.questions_per_step // max(1, world) * rl.num_generations
     slots = min(rft.micro_batch_sequences, answers)
@@ -108,8 +116,8 @@ class GenerationPlan:
 
     def memory(self, dtype_bytes: int) -> GenerationMemory:
         s = self.shape
-        return generation_memory(self.rl, self.rft, s.layers, s.kv_heads, self.head_dim, s.vocab, self.prompt,
-                                 dtype_bytes, self.world)
+        kv = KvShape(s.layers, s.kv_heads, self.head_dim, s.vocab)
+        return generation_memory(self.rl, self.rft, kv, self.prompt, dtype_bytes, self.world)
 
     def apply(self, row, w: int) -> None:
         """Adds to a zero_plan Row (weights of w bytes): the cache (kept through the training pass), the reference
