@@ -133,6 +133,18 @@ def fingerprint(path: str | Path, block: int = FINGERPRINT_BLOCK) -> dict:
     return {"size": size, "ends": digest.hexdigest()}
 
 
+def prefix_fingerprint(path: str | Path, size: int, block: int = FINGERPRINT_BLOCK) -> str:
+    """A hash of the file's first `size` bytes as `fingerprint` hashes a file (its first and last `block` bytes of
+    them): what a streamed checkpoint read of a file (data.streaming: its byte offset), compared on resume."""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        digest.update(f.read(min(block, size)))
+        if size > block:
+            f.seek(max(block, size - block))
+            digest.update(f.read(size - max(block, size - block)))
+    return digest.hexdigest()
+
+
 def fingerprint_change(old: dict, new: dict) -> str:
     """What differs between two fingerprints of one source, in a few words: `fingerprint`'s (size, ends) of a file, or
     the settings of a task made from settings (harness.checkpoint.datafiles.task_fingerprint)."""

@@ -37,7 +37,7 @@ from harness.build import Job, build_run, check_machine
 from harness.checkpoint.export import export_final
 from harness.checkpoint.store import Checkpointer
 from harness.config import Config, describe, load_config, preflight, recipe_args
-from harness.data import loaders
+from harness.data import loaders, streaming
 from harness.distributed import collectives
 from harness.encode import embedding_settings
 from harness.errors import HarnessError
@@ -321,6 +321,7 @@ class SideWork:
         """The loop state for a checkpoint, with every process's unlogged sums folded in (collective)."""
         state.unwritten = list(self.log.logger.unwritten)  # (the main process's; a full disk kept them out)
         state.best = self.best.state() if self.best is not None else {}
+        state.data_files = streaming.mark_read(state.data_files, self.job.loaders)  # what a resume depends on
         return state.to_save(self.meter.elapsed(), self.unlogged.total(self.job.accelerator, reset=False))
 
     def _evaluated(self, seconds: float) -> None:

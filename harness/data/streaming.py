@@ -34,6 +34,7 @@ from harness.data import chat, sources
 from harness.data.samples import pack_rows, tokenize_generative
 from harness.data.stream_sources import SourceCursor
 from harness.errors import ConfigError, DataError
+from harness.files import prefix_fingerprint
 
 PACK_WINDOW = 32  # rows' worth of tokens that packing places at a time (best-fit over the window)
 CHUNK = 64  # records tokenized in one call (the fast tokenizers' batching)
@@ -216,6 +217,27 @@ class StreamLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.restore(state)
+
+
+def mark_read(data_files: dict, loaders: dict) -> dict:
+    """The training files' fingerprints (`data_files`, harness/checkpoint/datafiles.py) with what the streams have
+    read of each plain JSON lines file they are in: {"read": {"bytes": offset, "ends": prefix_fingerprint}}, the
+    part of the file a resume depends on (it seeks to the offset; the records read are in the stream's state). A
+    file a stream is not in (read whole this pass, or not reached) is read again only from its start: 0 bytes."""
+    offsets = {}
+    for loader in loaders.values():
+        if is_stream(loader):
+            for c in loader.stream.cursors:
+                if c.kind == "files":
+                    for i, unit in enumerate(c.units):
+                        if str(unit).lower().endswith(".jsonl"):  # (gzip: an offset of the uncompressed text)
+                            here = c.pos["offset"] if i == c.pos["unit"] else 0
+                            offsets[str(unit)] = max(offsets.get(str(unit), 0), here)
+    out = {}
+    for key, files in data_files.items():
+        out[key] = [[p, {**fp, "read": {"bytes": offsets[p], "ends": prefix_fingerprint(p, offsets[p])}}]
+                    if p in offsets and isinstance(fp, dict) and "size" in fp else [p, fp] for p, fp in files]
+    return out
 
 
 def is_stream(loader) -> bool:
