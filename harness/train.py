@@ -280,7 +280,7 @@ class SideWork:
         self.evaluator = Evaluator(job, self._evaluated, logger.log_samples, self.best)
         self.checkpointer = Checkpointer(accelerator, job.out, t.save_every_steps, t.save_every_minutes,
                                          t.save_total_limit, job.say, self._saved, job.epoch_rows, self.best,
-                                         (lambda: export_model(job, "best")) if t.keep_best else None)
+                                         (lambda: export_model(job, "best")) if t.keep_best else None, state.step)
         # this process's sums since the last log line; rank 0 carries what the resumed checkpoint had not logged
         self.profiler = StepProfiler(t.profile_steps, job.out, state.step, accelerator.is_main_process, job.say)
         opened.callback(self.profiler.close)

@@ -181,3 +181,25 @@ def test_two_processes_answer_on_the_main_process_and_keep_the_best_to_the_plann
     assert (out / "best" / "model.safetensors").is_file() and (out / "final" / "model.safetensors").is_file()
     state = json.loads((out / "checkpoints" / "step-4" / "harness_state.json").read_text())
     assert state["best"]["step"] == best_step and state["best"]["value"] == evals[best_step]
+
+
+def test_a_best_export_cut_short_is_redone_on_resume(tmp_path):
+    """The checkpoint of step 2 (the best evaluation's) is complete and its best/ export never landed (a kill -9 or a
+    full disk during it: here best/ removed after the run stopped at step 2). Resumed, the run writes best/ again
+    from the checkpoint's weights before going on, says so, and report.json's best/ holds that step's model
+    (failed before: best/ stayed missing, or held an older best, while report.json named it)."""
+    out = tmp_path / "run"
+    run_train([f"train.output_dir={out}", *RUN, "train.stop_at_step=2"])
+    assert json.loads((out / "best" / "best_step.json").read_text()) == {"step": 2}
+    import shutil
+
+    shutil.rmtree(out / "best")
+    proc = run_train([f"train.output_dir={out}", *RUN])  # to the early stop
+    assert "[harness] best/ holds no model, not step 2's, the best (its export was cut short): exported again" in \
+        proc.stdout
+    rep = report(out)
+    assert rep["resumed_from"].endswith("step-2") and rep["best"]["step"] == 2 and rep["best"]["dir"] == str(out / "best")
+    saved = load_file(out / "checkpoints" / "step-2" / "model.safetensors")
+    best = load_file(out / "best" / "model.safetensors")
+    assert len(best) > 5 and all(torch.equal(t, saved[n]) for n, t in best.items())
+    assert json.loads((out / "best" / "best_step.json").read_text()) == {"step": 2}
