@@ -80,7 +80,7 @@ def train_loop(job: Job, state: LoopState, side: SideWork) -> Optional[str]:
     """Optimizer steps up to the last planned one; returns why the attempt stopped before it (None: it did not)."""
     streams = {n: loaders.micro_batches(job.accelerator, job.loaders[n], state.streams[n]) for n in job.streams}
     questions = streams.pop("gen") if job.objective.rl is not None else None  # loss.mode=rl: question indices
-    while state.step < side.stop.stop_at:
+    while state.step < side.stop.stop_at and not side.stop.patience_spent():  # (spent: a resume, lower patience)
         # ---- one optimizer step: `grad_accum` micro-batches of each stream (the step's trained-token count is
         # needed before its first backward pass), then train_step
         faults.pause(state.step + 1)  # test hook: a kill -9 between two steps
