@@ -76,7 +76,10 @@ def disk_full(exc: BaseException, folder: Path) -> bool:
 
 def lost_errno(exc: BaseException) -> bool:
     """A failed write whose exception lost the OS error: torch.save's zip writer says only 'unexpected pos ... vs ...'
-    or 'PytorchStreamWriter failed writing file' (its errno, EFBIG, EDQUOT or ENOSPC, is dropped)."""
+    or 'PytorchStreamWriter failed writing file' (its errno, EFBIG, EDQUOT or ENOSPC, is dropped); safetensors
+    raises its own SafetensorError, the errno only in its words ('File too large (os error 27)', 122: a quota)."""
+    if type(exc).__name__ == "SafetensorError":
+        return any(f"(os error {n})" in str(exc) for n in (errno.EFBIG, errno.EDQUOT, errno.ENOSPC))
     return isinstance(exc, RuntimeError) and any(s in str(exc) for s in ("unexpected pos", "failed writing file"))
 
 
