@@ -76,7 +76,10 @@ def disk_full(exc: BaseException, folder: Path) -> bool:
 
 def lost_errno(exc: BaseException) -> bool:
     """A failed write whose exception lost the OS error: torch.save's zip writer says only 'unexpected pos ... vs ...'
-    or 'PytorchStreamWriter failed writing file' (its errno, EFBIG, EDQUOT or ENOSPC, is dropped)."""
+    or 'PytorchStreamWriter failed writing file' (its errno, EFBIG, EDQUOT or ENOSPC, is dropped); safetensors
+    raises its own SafetensorError, the errno only in its words ('File too large (os error 27)', 122: a quota)."""
+    if type(exc).__name__ == "SafetensorError":
+        return any(f"(os error {n})" in str(exc) for n in (errno.EFBIG, errno.EDQUOT, errno.ENOSPC))
     return isinstance(exc, RuntimeError) and any(s in str(exc) for s in ("unexpected pos", "failed writing file"))
 
 
@@ -131,6 +134,18 @@ def fingerprint(path: str | Path, block: int = FINGERPRINT_BLOCK) -> dict:
             f.seek(max(block, size - block))
             digest.update(f.read(block))
     return {"size": size, "ends": digest.hexdigest()}
+
+
+def prefix_fingerprint(path: str | Path, size: int, block: int = FINGERPRINT_BLOCK) -> str:
+    """A hash of the file's first `size` bytes as `fingerprint` hashes a file (its first and last `block` bytes of
+    them): what a streamed checkpoint read of a file (data.streaming: its byte offset), compared on resume."""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        digest.update(f.read(min(block, size)))
+        if size > block:
+            f.seek(max(block, size - block))
+            digest.update(f.read(size - max(block, size - block)))
+    return digest.hexdigest()
 
 
 def fingerprint_change(old: dict, new: dict) -> str:

@@ -84,7 +84,9 @@ def token_logps(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     for start in range(0, flat.shape[0], chunk_size):
         args = (flat[start:start + chunk_size], weight, bias, targets[start:start + chunk_size], softcap)
         parts.append(checkpoint(_chunk_logps, *args, use_reentrant=False) if recompute else _chunk_logps(*args))
-    picked = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
+    if not parts:  # no scored position (every answer of an rl micro-batch masked): none, still in the graph, so
+        parts = [_chunk_logps(flat[:0], weight, bias, targets[:0], softcap)]  # the pass back-propagates zeros
+    picked = torch.cat(parts)
     if given:
         return picked.view(1, -1)
     if scored is None:

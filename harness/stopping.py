@@ -79,6 +79,9 @@ class BestMetric:
 
     def __init__(self, metric: str, higher: bool, patience: int, min_delta: float, saved: Optional[dict] = None):
         self.metric, self.higher, self.patience, self.min_delta = metric, higher, patience, min_delta
+        self.changed = [f"{k} {saved[k]} -> {now}" for k, now in (("metric", metric), ("patience", patience),
+                                                                    ("min_delta", min_delta))
+                        if saved and k in saved and saved[k] != now]  # said by the run (train.early_stopping.*)
         saved = saved if saved and saved.get("metric") == metric else {}
         self.value: Optional[float] = saved.get("value")
         self.step: Optional[int] = saved.get("step")
@@ -101,7 +104,8 @@ class BestMetric:
         return self.patience > 0 and self.bad >= self.patience
 
     def state(self) -> dict:
-        return {"metric": self.metric, "value": self.value, "step": self.step, "bad": self.bad}
+        return {"metric": self.metric, "value": self.value, "step": self.step, "bad": self.bad,
+                "patience": self.patience, "min_delta": self.min_delta}
 
     def describe(self) -> str:
         return (f"{self.metric} did not improve on {self.value:.4f} (step {self.step}) by more than {self.min_delta} "
@@ -109,7 +113,8 @@ class BestMetric:
 
     def report(self, best_dir) -> dict:
         """report.json's `best`: the metric, its best value and step, the evaluations since; `dir`: best/ (keep_best)."""
-        return {**self.state(), "dir": str(best_dir) if best_dir is not None and self.step is not None else None}
+        kept = {k: v for k, v in self.state().items() if k not in ("patience", "min_delta")}
+        return {**kept, "dir": str(best_dir) if best_dir is not None and self.step is not None else None}
 
 
 class StopDecision:
@@ -121,6 +126,10 @@ class StopDecision:
         self.accelerator, self.stop_at, self.total_steps, self.deadline = accelerator, stop_at, total_steps, deadline
         self.best = best
         self.signals = StopSignals()
+        if best is not None and best.changed and accelerator.is_main_process:  # a resume with other keys
+            print(f"[harness] train.early_stopping changed since the checkpoint: {', '.join(best.changed)}; applied "
+                  f"from here ({best.bad} evaluation(s) without improvement so far"
+                  f"{', the patience is spent: the run stops now' if best.spent else ''})", flush=True)
 
     def agree(self, save_due: bool, step_s: float, save_cost_s: float, write_failed: bool = False) -> StopFlags:
         """This process's facts, agreed with every other process (collective). The window is closing when two

@@ -37,7 +37,7 @@ from harness.build import Job, build_run, check_machine
 from harness.checkpoint.export import export_final
 from harness.checkpoint.store import Checkpointer
 from harness.config import Config, describe, load_config, preflight, recipe_args
-from harness.data import loaders
+from harness.data import loaders, streaming
 from harness.distributed import collectives
 from harness.encode import embedding_settings
 from harness.errors import HarnessError
@@ -79,7 +79,7 @@ def run(cfg: Config, auto_batch: Optional[dict] = None) -> dict:
 def train_loop(job: Job, state: LoopState, side: SideWork) -> Optional[str]:
     """Optimizer steps up to the last planned one; returns why the attempt stopped before it (None: it did not)."""
     streams = {n: loaders.micro_batches(job.accelerator, job.loaders[n], state.streams[n]) for n in job.streams}
-    while state.step < side.stop.stop_at:
+    while state.step < side.stop.stop_at and not side.stop.patience_spent():  # (spent: a resume, lower patience)
         # ---- one optimizer step: the mode's micro-batches (`grad_accum` of each stream; rl: answers sampled to its
         # questions), whose trained-token count is needed before the first backward pass; then train_step
         faults.pause(state.step + 1)  # test hook: a kill -9 between two steps
@@ -276,7 +276,7 @@ class SideWork:
         self.evaluator = Evaluator(job, self._evaluated, logger.log_samples, self.best)
         self.checkpointer = Checkpointer(accelerator, job.out, t.save_every_steps, t.save_every_minutes,
                                          t.save_total_limit, job.say, self._saved, job.epoch_rows, self.best,
-                                         (lambda: export_model(job, "best")) if t.keep_best else None)
+                                         (lambda: export_model(job, "best")) if t.keep_best else None, state.step)
         # this process's sums since the last log line; rank 0 carries what the resumed checkpoint had not logged
         self.profiler = StepProfiler(t.profile_steps, job.out, state.step, accelerator.is_main_process, job.say)
         opened.callback(self.profiler.close)
@@ -317,6 +317,7 @@ class SideWork:
         """The loop state for a checkpoint, with every process's unlogged sums folded in (collective)."""
         state.unwritten = list(self.log.logger.unwritten)  # (the main process's; a full disk kept them out)
         state.best = self.best.state() if self.best is not None else {}
+        state.data_files = streaming.mark_read(state.data_files, self.job.loaders)  # what a resume depends on
         return state.to_save(self.meter.elapsed(), self.unlogged.total(self.job.accelerator, reset=False))
 
     def _evaluated(self, seconds: float) -> None:

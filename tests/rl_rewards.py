@@ -46,3 +46,12 @@ def a_string(prompts, completions, **_) -> list:
 
 def fails(prompts, completions, **_) -> list:
     raise RuntimeError("reward server down")
+
+
+def a_nan(prompts, completions, **_) -> list:
+    return [float("nan")] * len(completions)
+
+
+def never_scores(prompts, completions, **_) -> list:
+    """A column-name mistake: the column it reads is never there, so every value is None."""
+    return [None] * len(completions)

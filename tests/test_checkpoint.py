@@ -704,6 +704,35 @@ def test_a_checkpoint_past_a_file_size_limit_is_one_line_with_its_errno_and_the_
     assert [s for s, _ in list_checkpoints(tmp_path)[0]] == [1] and not list_checkpoints(tmp_path)[1]
 
 
+def test_a_weights_file_past_a_file_size_limit_is_one_line_as_torch_saves(tmp_path):
+    """Issue 73, fault 10: the weights file (safetensors, from accelerate's save_state) past a file-size limit fails
+    with safetensors' 'File too large (os error 27)', not an OSError: it was taken for a bug (a raw traceback). Now
+    the same one line as torch.save's (the errno found again), the partial folder removed, the steps kept named."""
+    import resource
+
+    import torch
+    from accelerate import Accelerator
+
+    from harness.checkpoint.store import list_checkpoints, save_checkpoint
+    from harness.errors import HarnessError
+
+    acc = Accelerator(cpu=True)
+    model, opt = acc.prepare(torch.nn.Linear(64, 64), torch.optim.AdamW(torch.nn.Linear(1, 1).parameters()))
+    save_checkpoint(acc, tmp_path, {"step": 1}, 2)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8000, hard))  # the weights (16.6 KB) do not fit
+    try:
+        with pytest.raises(HarnessError) as e:
+            save_checkpoint(acc, tmp_path, {"step": 2}, 2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(e.value) == (f"could not write checkpoint {tmp_path}/checkpoints/step-2 ([Errno 27] File too large: "
+                            f"this process's file-size limit (ulimit -f) is 7.8 KiB); the partial folder is removed "
+                            f"(never marked complete); steps 1-1 are kept (step-1, the newest complete checkpoint: a "
+                            f"resume continues after it)")
+    assert [s for s, _ in list_checkpoints(tmp_path)[0]] == [1] and not list_checkpoints(tmp_path)[1]
+
+
 def test_a_resume_with_another_max_len_is_refused_as_changed_data(tmp_path):
     """Issue 55, fault 10: data.max_len changed on resume was accepted without a line, though it decides the rows the
     data position counts (rows cut, packed). Now it is a change of the training data: refused in one line naming

@@ -181,3 +181,58 @@ def test_two_processes_answer_on_the_main_process_and_keep_the_best_to_the_plann
     assert (out / "best" / "model.safetensors").is_file() and (out / "final" / "model.safetensors").is_file()
     state = json.loads((out / "checkpoints" / "step-4" / "harness_state.json").read_text())
     assert state["best"]["step"] == best_step and state["best"]["value"] == evals[best_step]
+
+
+def test_a_best_export_cut_short_is_redone_on_resume(tmp_path):
+    """The checkpoint of step 2 (the best evaluation's) is complete and its best/ export never landed (a kill -9 or a
+    full disk during it: here best/ removed after the run stopped at step 2). Resumed, the run writes best/ again
+    from the checkpoint's weights before going on, says so, and report.json's best/ holds that step's model
+    (failed before: best/ stayed missing, or held an older best, while report.json named it)."""
+    out = tmp_path / "run"
+    run_train([f"train.output_dir={out}", *RUN, "train.stop_at_step=2"])
+    assert json.loads((out / "best" / "best_step.json").read_text()) == {"step": 2}
+    import shutil
+
+    shutil.rmtree(out / "best")
+    proc = run_train([f"train.output_dir={out}", *RUN])  # to the early stop
+    assert "[harness] best/ holds no model, not step 2's, the best (its export was cut short): exported again" in \
+        proc.stdout
+    rep = report(out)
+    assert rep["resumed_from"].endswith("step-2") and rep["best"]["step"] == 2 and rep["best"]["dir"] == str(out / "best")
+    saved = load_file(out / "checkpoints" / "step-2" / "model.safetensors")
+    best = load_file(out / "best" / "model.safetensors")
+    assert len(best) > 5 and all(torch.equal(t, saved[n]) for n, t in best.items())
+    assert json.loads((out / "best" / "best_step.json").read_text()) == {"step": 2}
+
+
+def test_a_finished_early_stopped_run_stays_finished(uninterrupted, tmp_path):
+    """The early-stopped run's command run again (on a copy of its folder) does nothing and says why, even with a
+    larger train.max_steps (failed before: each rerun resumed from its last checkpoint, trained one more step and
+    replaced final/ and report.json)."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    before = {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("*")}
+    steps = report(out)["steps"]
+    for more in ([], ["train.max_steps=40"]):
+        again = run_train([f"train.output_dir={out}", *RUN, *more])
+        assert again.stdout.strip().splitlines()[-1].startswith(
+            f"[harness] {out} holds a finished run (step {steps}/20, stopped early: its evaluations stopped improving "
+            f"(train.early_stopping)): final model "), again.stdout[-2000:]
+    assert {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
+def test_a_patience_lowered_on_resume_stops_at_once_and_is_said(tmp_path):
+    """Paused at step 4 (one evaluation without improvement, patience 2), resumed with patience 1: the patience is
+    spent at the checkpoint, so the run stops there, step 4, without training a step, and says the change (failed
+    before: it trained step 5, not a word)."""
+    out = tmp_path / "run"
+    run_train([f"train.output_dir={out}", *RUN, "train.stop_at_step=4"])
+    lower = "train.early_stopping={metric: eval_loss, patience: 1, min_delta: 1.0}"
+    proc = run_train([f"train.output_dir={out}", *RUN, lower])
+    assert ("[harness] train.early_stopping changed since the checkpoint: patience 2 -> 1; applied from here (1 "
+            "evaluation(s) without improvement so far, the patience is spent: the run stops now)") in proc.stdout
+    rep = report(out)
+    assert rep["stopped_by"] == "early_stopping" and rep["steps"] == 4, rep
+    assert not (out / "checkpoints" / "step-5").exists()

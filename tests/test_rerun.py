@@ -51,7 +51,7 @@ def test_what_counts_as_finished(tmp_path):
         return finished.finished_run(tmp_path)
 
     assert finished.finished_run(tmp_path) is None  # no report
-    assert rep(stopped_by=None) and rep(stopped_by="time_budget")
+    assert rep(stopped_by=None) and rep(stopped_by="time_budget") and rep(stopped_by="early_stopping")
     assert rep(stopped_by=None, final_dir=str(tmp_path / "final")) is None  # its export is gone
     (tmp_path / "final").mkdir()
     assert rep(stopped_by=None, final_dir=str(tmp_path / "final"))

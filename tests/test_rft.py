@@ -163,6 +163,47 @@ def tiny_model():
     return build_model(cfg, tok).eval(), tok
 
 
+@pytest.mark.parametrize("command", ["generate", "test"])
+def test_generation_commands_check_the_context_as_training_does(tiny_model, tmp_path, command):
+    """Issue 73, fault 7: `rft generate` (and `rft test`) took rft.max_new_tokens past the model's context of 128
+    positions, which `harness train` refuses; now every generation path checks it before sampling: one line naming
+    the key, exit 2, nothing sampled (failed before: generate sampled, exit 0)."""
+    from harness.errors import ConfigError as Refused
+    from harness.rft import evaluate
+
+    model, tok = tiny_model
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    r = load_config(RECIPE, [f"rft.output_dir={tmp_path / 'gen'}", "rft.max_new_tokens=200", "rft.oversample=2",
+                             "rft.num_train_questions=2", "rft.num_test_questions=2"]).rft
+    with pytest.raises(Refused) as e:
+        if command == "generate":
+            gen.run(r, str(tmp_path / "m"))
+        else:
+            evaluate.run(r, str(tmp_path / "m"))
+    assert str(e.value) == ("config key 'rft.max_new_tokens': 200 answer tokens do not fit the model's context of 128 "
+                            "positions (max_position_embeddings) after a prompt; lower it")
+    assert not list((tmp_path / "gen").glob("shards/rank-*.jsonl"))
+
+
+def test_a_damaged_generation_config_is_one_line_naming_the_file(tiny_model, tmp_path):
+    """Issue 73, fault 8: generation_config.json with `"eos_token_id": ["x"]` gave a raw traceback (int('x') in
+    eos_ids, 11 frames) naming no file; now one line naming the file and the field, before anything is sampled."""
+    from harness.errors import DataError as Damaged
+
+    model, tok = tiny_model
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": ["x"]}))
+    r = load_config(RECIPE, [f"rft.output_dir={tmp_path / 'gen'}", "rft.oversample=2", "rft.num_train_questions=2",
+                             "rft.max_new_tokens=8"]).rft
+    with pytest.raises(Damaged) as e:
+        gen.run(r, str(tmp_path / "m"))
+    assert str(e.value) == (f"{path}: field 'eos_token_id' must be a token id (an integer from 0 to "
+                            f"{model.config.vocab_size - 1}) or a list of them, got ['x']")
+
+
 def test_batched_sampling_with_left_padding_equals_one_question_at_a_time(tiny_model):
     model, tok = tiny_model
     t = ArithmeticTask(n_train=3, n_test=0, n_sft=0, max_operand=12)

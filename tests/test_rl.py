@@ -901,3 +901,36 @@ def test_an_rl_run_reads_no_data_train_files(tmp_path):
 
     cfg = load_config("configs/grpo-tiny.yaml", [f"data.train_files=[{tmp_path / 'missing.jsonl'}]"])
     assert datafiles.fingerprints(cfg.data, cfg.loss.mode) == {}
+
+
+def test_a_micro_batch_whose_answers_are_all_cut_trains_loss_0(tmp_path):
+    """rl.mask_truncated_completions with every answer cut at rft.max_new_tokens (1 token: a random model draws no
+    EOS in these seeded steps): the micro-batch has no trained token, and its pass still runs, loss 0 (TRL's), every
+    parameter given a gradient (zeros: DDP's and DeepSpeed's reductions see every parameter), and the run goes on to
+    its planned end (failed before: RuntimeError 'element 0 of tensors does not require grad' at step 1)."""
+    run_train([*TINY, "rl.reward=rl_rewards:digits", "train.max_steps=2", "rl.questions_per_step=2",
+               "rl.num_generations=2", "rft.max_new_tokens=1", "rl.mask_truncated_completions=true",
+               "rft.num_test_questions=0", "train.eval_at_start=false", "train.progress_bar=false",
+               "train.summary=false", "train.log_every=1", f"train.output_dir={tmp_path}"],
+              config=str(ROOT / "configs/grpo-tiny.yaml"), extra_env=ENV)
+    steps = [m for m in metrics(tmp_path) if "reward" in m]
+    assert [m["step"] for m in steps] == [1, 2] and all(m["loss"] == 0.0 for m in steps)
+
+
+def test_no_trained_token_still_gives_every_parameter_a_gradient():
+    """completion_logps of rows whose labels are all ignored: zeros connected to the model (the head and every
+    block get a zero gradient), so a pass of an all-masked micro-batch back-propagates like any other."""
+    from harness import model as model_lib
+    from harness.config import load_config
+    from harness import IGNORE_INDEX
+
+    cfg = load_config("configs/grpo-tiny.yaml", TINY)
+    tok = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
+    torch.manual_seed(0)
+    model = model_lib.build_model(cfg.model, tok).float()
+    batch = rows([[5, 6, 7], [8, 9]], [[10, 11], [12]], tok.pad_token_id)
+    batch["labels"][:] = IGNORE_INDEX
+    logps = completion_logps(model, batch, 16)
+    assert logps.requires_grad and float(logps.abs().sum()) == 0.0
+    rl_loss.loss_sum("dapo", logps, completion_mask(batch)).backward()
+    assert all(p.grad is not None and float(p.grad.abs().sum()) == 0.0 for p in model.parameters())

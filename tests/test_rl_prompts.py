@@ -61,12 +61,54 @@ def test_rewards_are_weighted_and_none_is_left_out(tmp_path, monkeypatch):
     assert weighted.tolist() == pytest.approx([0.5 * 5 / 40 + 2, 0.5 / 40 + 2, 0.5 * 2 / 40, 0.5 * 4 / 40])
 
 
+def _no_target(tmp_path):
+    path = tmp_path / "untargeted.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Say {i}.", "target": None}) + "\n" for i in range(4)))
+    return path
+
+
+def test_rewards_that_never_score_are_said_once_then_stop_the_run(tmp_path, monkeypatch, capsys):
+    """Every function returns None for every answer (a column-name mistake): the first such generation batch is a
+    warning naming the functions, said once; NO_SCORE_BATCHES of them before any score stop the run in one line
+    (failed before: it trained nothing at full price, without a word). A batch with one score ends the count."""
+    from harness.errors import HarnessError
+    from harness.rl.prompts import NO_SCORE_BATCHES, Rewards, rl_task
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    cfg = _config(tmp_path, "rl.rewards=[rl_rewards:never_scores, rl_rewards:target_digit]",
+                  f"rl.prompts=[{_no_target(tmp_path)}]")
+    task = rl_task(cfg.rl, cfg.rft)
+    rewards = Rewards(cfg.rl, task)
+    args = (task.split("train"), ["a", "b", "c", "d"], [[1]] * 4)
+    assert [q.columns["target"] for q in args[0]] == [None] * 4  # target_digit: None without a target
+    for _ in range(NO_SCORE_BATCHES - 1):
+        weighted, _ = rewards.score(*args)
+        assert torch.isnan(weighted).all()
+    said = [line for line in capsys.readouterr().out.splitlines() if "scored none" in line]
+    assert said == ["[harness] warning: rl.rewards: rl_rewards:never_scores, rl_rewards:target_digit scored none of "
+                    "this generation batch's answers (every value None): its answers train nothing"]
+    with pytest.raises(HarnessError) as e:
+        rewards.score(*args)
+    assert str(e.value) == (f"config key 'rl.rewards': rl_rewards:never_scores, rl_rewards:target_digit scored none "
+                            f"of the answers (every value None) of {NO_SCORE_BATCHES} generation batches: nothing "
+                            f"trains; check the columns they read")
+    ok_cfg = _config(tmp_path)
+    ok_task = rl_task(ok_cfg.rl, ok_cfg.rft)
+    ok = Rewards(ok_cfg.rl, ok_task)  # target_digit scores 3 of 4: no warning, never stopped
+    for _ in range(NO_SCORE_BATCHES + 1):
+        ok.score(ok_task.split("train"), *args[1:])
+    assert "scored none" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("fn, said", [
     ("wrong_count", "config key 'rl.rewards[1]': rl_rewards:wrong_count returned 3 values for 4 completions "
                     "(one float or None each)"),
     ("a_string", "config key 'rl.rewards[1]': rl_rewards:a_string returned 'high' (str) for completion 0: a finite "
                  "float or None is needed"),
     ("fails", "config key 'rl.rewards[1]': rl_rewards:fails raised RuntimeError: reward server down"),
+    # failed before: NaN taken as None ("no score") without a word
+    ("a_nan", "config key 'rl.rewards[1]': rl_rewards:a_nan returned nan (float) for completion 0: a finite float "
+              "or None is needed"),
 ])
 def test_a_bad_reward_function_is_one_line_naming_it(tmp_path, monkeypatch, fn, said):
     from harness.errors import HarnessError

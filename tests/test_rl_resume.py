@@ -212,6 +212,13 @@ def test_prompts_and_answers_past_the_context_are_refused_before_step_1(tmp_path
                                           r"rft.max_new_tokens to 28 or less"):
         check_context({"a": 5, "b": 100}, 40, 128)
     check_context({"a": 5, "b": 100}, 28, 128)
+    from harness.errors import DataError
+
+    with pytest.raises(DataError) as e:  # issue 73, fault 9: the advice was "lower rft.max_new_tokens to -552 or less"
+        check_context({"a": 5, "b": 680}, 40, 128)
+    assert str(e.value) == ("question b's prompt has 680 tokens, the model's whole context of 128 positions "
+                            "(max_position_embeddings) or more, before any answer token: shorten the question, or use "
+                            "a model with a longer context")
     proc = run_train([*RUN, f"train.output_dir={tmp_path / 'run'}", "rft.max_new_tokens=120"], config=CONFIG,
                      extra_env=ENV, check=False)
     line = error_line(proc)

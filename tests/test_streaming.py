@@ -149,6 +149,52 @@ def test_a_bad_record_is_one_line_naming_file_and_line(tmp_path):
         [s._record() for _ in range(2)]
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_stream_with_no_trainable_sample_stops_in_one_line(tmp_path, weighted):
+    """Every record loses its trained tokens (labels all ignored: prompts longer than data.max_len): once a whole
+    pass of every source has been read with nothing kept, the stream stops with one line (failed before: next()
+    looped for ever, one 'skipped' line a record); the skipped records are named one by one only up to
+    SAID_SKIPS, then at 100, 1,000, ...; a stream where some record is trainable goes on."""
+    from harness import IGNORE_INDEX
+
+    a = write_jsonl(tmp_path / "a.jsonl", texts(30, "a"))
+    b = write_jsonl(tmp_path / "b.jsonl", texts(20, "b"))
+    calls, said = [0], []
+
+    def nothing_trained(cols: dict) -> dict:
+        calls[0] += 1
+        assert calls[0] < 100, "the stream never stopped"
+        out = fake_tokenize(cols)
+        out["labels"] = [[IGNORE_INDEX] * len(x) for x in out["input_ids"]]
+        return out
+
+    entries = [{"path": str(a), "weight": 1.0}, {"path": str(b), "weight": 1.0}] if weighted else [a, b]
+    srcs = [Source(**e) if isinstance(e, dict) else Source(str(e)) for e in entries]
+    s = streaming.GlobalStream([SourceCursor(x, "data.train_files", None) for x in srcs], [x.weight for x in srcs],
+                               3, 16, nothing_trained, None, say=said.append)
+    with pytest.raises(DataError) as e:
+        s.next()
+    assert str(e.value).startswith("data.train_files: a whole epoch of the stream gave no sample with a trained "
+                                   "token (") and "\n" not in str(e.value)
+    assert len(said) <= streaming.SAID_SKIPS + 2 and s.dropped >= 50
+    ok = stream_of([a, b])  # the same records, trainable: rows come
+    assert ok.next()["input_ids"]
+
+
+def test_a_streamed_run_whose_records_are_all_too_long_stops_in_one_line(tmp_path):
+    """data.max_len shorter than every record's prompt: the run stops before step 1 with the stream's one line and a
+    non-zero exit, its log a few lines (failed before: no step, no end, a 'skipped' line a record)."""
+    rows = [{"messages": [{"role": "user", "content": f"question {i} " + "and more words " * 20},
+                          {"role": "assistant", "content": "yes"}]} for i in range(40)]
+    data, out = write_jsonl(tmp_path / "long.jsonl", rows), tmp_path / "run"
+    proc = run_train([*FAST, "data.streaming=true", "train.max_steps=3", "data.max_len=16", f"data.train_files=[{data}]",
+                      "train.eval_at_start=false", f"train.output_dir={out}"], check=False, timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "harness: error: data.train_files: a whole epoch of the stream gave no sample with a trained token" in \
+        proc.stderr
+    assert proc.stdout.count("skipped (") <= streaming.SAID_SKIPS + 4
+
+
 def test_an_epoch_of_unknown_size_needs_max_steps():
     with pytest.raises(ConfigError, match="config key 'train.max_steps': data.streaming does not know the size of an "
                                           "epoch .JSON lines"):
@@ -292,3 +338,38 @@ def test_a_bad_record_met_in_training_stops_in_one_line_with_the_checkpoints_int
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert f"harness: error: {data}:90: field 'messages' has no assistant turn" in proc.stderr
     assert (out / "checkpoints" / "step-15" / "COMPLETE").exists() and not (out / "checkpoints" / "step-20").exists()
+
+
+def test_a_bad_record_fixed_beyond_the_read_position_resumes_exactly(tmp_path):
+    """The run stopped by record 90 at step 5 (16 rows a step; after the checkpoint of step 4, whose stream had read
+    64 records) is run again once the record is fixed: it resumes from step 4 and its steps 5-6 equal those of a run
+    on the fixed file
+    from the start (the same weights and rows: bit-equal on this CPU, 1e-6 relative allowed for a kernel's order);
+    failed before: resume refused, 'the training data changed', with advice (train.resume_changed_data=true) that
+    streaming refuses. A change inside what the stream read is still refused, with advice a stream accepts."""
+    lines = (ROOT / "data/sample/gen.jsonl").read_text().splitlines()[:100]
+    good = lines[89]
+    lines[89] = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+    data = tmp_path / "gen.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    out, ref = tmp_path / "run", tmp_path / "ref"
+    args = [*FAST, "data.streaming=true", "train.max_steps=6", "data.shuffle_buffer=0", "train.micro_batch_size=16",
+            f"data.train_files=[{data}]", "train.eval_at_start=false", "train.save_every_steps=2"]
+    proc = run_train([*args, f"train.output_dir={out}"], check=False)
+    assert f"{data}:90: field 'messages' has no assistant turn" in proc.stderr
+    lines[89] = good
+    data.write_text("\n".join(lines) + "\n")
+    resumed = run_train([*args, f"train.output_dir={out}"])
+    assert f"resumed from {out}/checkpoints/step-4: step 4" in resumed.stdout
+    run_train([*args, f"train.output_dir={ref}"])
+    got, want = losses(out), losses(ref)
+    assert sorted(k for k in got if k > 4) == [5, 6]
+    for k in (5, 6):
+        assert abs(got[k] - want[k]) <= 1e-6 * abs(want[k]), (k, got[k], want[k])
+    lines[10] = lines[11]  # inside what the checkpoint of step 6 had read
+    data.write_text("\n".join(lines) + "\n")
+    refused = run_train([*args, "train.max_steps=8", f"train.output_dir={out}"], check=False)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("harness: error: the training data changed since") and "resume_changed_data" not in last
+    assert "a stream resumes on files changed only beyond what it had read of them" in last

@@ -17,7 +17,7 @@ from pathlib import Path
 from harness.config.modes import facts
 from harness.data import sources
 from harness.errors import DataError
-from harness.files import fingerprint, fingerprint_change
+from harness.files import fingerprint, fingerprint_change, prefix_fingerprint
 
 def fingerprints(d, loss_mode: str, rft=None, rl=None) -> dict:
     """Every local training data file of the streams of `loss_mode` (`d`: cfg.data) with its fingerprint, by config
@@ -56,9 +56,13 @@ def compare(saved: dict, now: dict) -> list[str]:
     for key in sorted(set(saved) | set(now)):
         if key == "rft.task" and key not in saved:  # a checkpoint of an older harness: its task is not known
             continue
-        before, after = saved.get(key, []), now.get(key, [])
+        read, after = saved.get(key, []), now.get(key, [])
+        before = [[p, {k: v for k, v in fp.items() if k != "read"} if isinstance(fp, dict) else fp] for p, fp in read]
         if [fp for _, fp in before] == [fp for _, fp in after]:
             continue
+        if [p for p, _ in read] == [p for p, _ in after] and all(read_unchanged(p, fp, now_fp) for (p, fp), (_, now_fp)
+                                                                  in zip(read, after)):
+            continue  # streamed files changed only beyond what the checkpoint's stream had read of them
         old, new = dict((p, fp) for p, fp in before), dict((p, fp) for p, fp in after)
         kept, contents = [fp for _, fp in before], [fp for _, fp in after]
         found = [f"{key}: {p} changed ({fingerprint_change(old[p], fp)})" if p in old else
@@ -67,6 +71,18 @@ def compare(saved: dict, now: dict) -> list[str]:
         found += [f"{key}: {p} is gone" for p, fp in before if fp not in contents and p not in new]
         out += found or [f"{key}: the same files in another order or number"]
     return out
+
+
+def read_unchanged(path: str, saved: dict, now: dict) -> bool:
+    """A streamed file whose content changed only beyond what the checkpoint's stream read of it (data.streaming
+    saves `read`: its byte offset and the fingerprint of the bytes before it; the resume seeks there): no change
+    to the run. A file whose fingerprint is the same is unchanged too."""
+    if {k: v for k, v in saved.items() if k != "read"} == now:
+        return True
+    read = saved.get("read")
+    return read is not None and now.get("size", -1) >= read["bytes"] and \
+        prefix_fingerprint(path, read["bytes"]) == read["ends"]
+
 
 def task_fingerprint(rft) -> list:
     """The train questions' source as a training file's entry `[label, fingerprint]` (harness/files.py; compared as

@@ -50,7 +50,7 @@ def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optiona
             need, what = sum(n for _, n in tensors), "the size of the weights"
         free = free_bytes(dest.parent)
         if free < need:
-            raise HarnessError(f"not enough disk space for the final export in {dest.parent}: about {human_bytes(need)} "
+            raise HarnessError(f"not enough disk space for the {what_export(dest)} in {dest.parent}: about {human_bytes(need)} "
                                f"needed ({what}), {human_bytes(free)} free; the checkpoints are intact: free some "
                                f"space, then run again with train.resume=auto")
         try:
@@ -60,7 +60,7 @@ def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optiona
             shutil.rmtree(tmp, ignore_errors=True)
             if not full:
                 raise
-            raise HarnessError(f"disk full while writing the final export to {dest.parent} ({one_line(e)}): about "
+            raise HarnessError(f"disk full while writing the {what_export(dest)} to {dest.parent} ({one_line(e)}): about "
                                f"{human_bytes(need)} needed ({what}), {human_bytes(free_bytes(dest.parent))} free after "
                                f"removing the partial {tmp.name}/; the checkpoints are intact: free some space, then "
                                f"run again with train.resume=auto") from e
@@ -68,6 +68,11 @@ def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optiona
 
     on_main(accelerator, write)  # also where every rank waits for the main process
     return dest
+
+
+def what_export(dest: Path) -> str:
+    """The export's name in its messages: the final export (final/), or the best/ export of train.keep_best."""
+    return "final export" if dest.name == "final" else f"{dest.name}/ export"
 
 
 def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, extra: Optional[dict],

@@ -117,10 +117,11 @@ def choose(p: Plan, accelerator, out: Path, zero_stage: Optional[int], weights: 
     settings.check_model(path, changed)
     changes += settings.data_changes(changed)
     if changes and not cfg.train.resume_changed_data:
+        how = (" (a stream resumes on files changed only beyond what it had read of them)" if cfg.data.streaming else
+               ", set train.resume_changed_data=true to train the new data from the start of a new epoch")
         raise DataError(f"the training data changed since {path} was written ({'; '.join(changes)}): its data "
-                        f"position counts rows of the old data; put the old data back, set "
-                        f"train.resume_changed_data=true to train the new data from the start of a new epoch, or "
-                        f"train it in another train.output_dir")
+                        f"position counts rows of the old data; put the old data back{how}, or train it in another "
+                        f"train.output_dir")
     return Start(p, path, saved, universal, incomplete, files, changes, now, changed, zero_stage)
 
 

@@ -17,6 +17,7 @@ process, naming the steps kept; its partial folder (never marked complete) remov
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -236,17 +237,19 @@ class Checkpointer:
     is saved with `samples` (rows of the epoch read by all processes in the loop state's `layout`: what a resume
     under another layout converts; epoch_rows: rows an epoch per stream). train.keep_best (`best`, the run's
     stopping.BestMetric, and `export_best`, which writes best/): a step whose evaluation is the new best is due, its
-    checkpoint is exported to best/ and kept beyond train.save_total_limit while it is the best."""
+    checkpoint is exported to best/ and kept beyond train.save_total_limit while it is the best; `resumed_at`: the
+    step resumed from (an export of it that was cut short is redone: `redo_best`)."""
 
     def __init__(self, accelerator, output_dir: Path, every_steps: int, every_minutes: float, keep: int,
                  say: Callable[[str], None], on_saved: Callable[[float], None], epoch_rows: Optional[dict] = None,
-                 best=None, export_best: Optional[Callable[[], Path]] = None):
+                 best=None, export_best: Optional[Callable[[], Path]] = None, resumed_at: int = 0):
         self.accelerator, self.output_dir, self.keep, self.say, self.on_saved = accelerator, output_dir, keep, say, on_saved
         self.epoch_rows, self.best, self.export_best = epoch_rows, best, export_best
         self.every_steps, self.every_minutes = every_steps, every_minutes
         self.last_save = time.time()
         self.last_step: Optional[int] = None  # the step of this attempt's latest checkpoint
         self.cost_s = 10.0  # until the first save measures it
+        self.redo_best(resumed_at)  # (collective) a resume at the best's step whose best/ export was cut short
 
     def minutes_due(self) -> bool:
         """train.save_every_minutes have passed since the last save (or the loop's start), by this process's clock."""
@@ -286,6 +289,34 @@ class Checkpointer:
         self.say(f"[harness] checkpoint: {path} ({self.cost_s:.1f}s)")
         if self._new_best(loop_state["step"]):  # the same weights, exported
             self.say(f"[harness] best {self.best.metric} {self.best.value:.4f} at step {self.best.step}: "
-                     f"{self.export_best()}")
+                     f"{self._export_best()}")
         self.on_saved(time.time() - t)  # the checkpoint and its best/ export: out of the training clock
         return path
+
+    def _export_best(self) -> Path:
+        """best/ written, then the step it holds (BEST_STEP): what `redo_best` compares on resume."""
+        dest = self.export_best()
+        on_main(self.accelerator, lambda: write_json(dest / BEST_STEP, {"step": self.best.step}))
+        return dest
+
+    def redo_best(self, step: int) -> None:
+        """On resume at `step` (collective): where that step's checkpoint is the best evaluation's and best/ does not
+        hold it (the export was cut by a kill -9 or a full disk: the checkpoint was complete before it), best/ is
+        written again from these weights, the checkpoint's: the save and its export are one transaction."""
+        if not step or not self._new_best(step):
+            return
+        held = on_main(self.accelerator, lambda: _best_step(self.output_dir / "best"))
+        if held != step:
+            self.say(f"[harness] best/ holds {'no model' if held is None else f'step {held}'}, not step {step}'s, the "
+                     f"best (its export was cut short): exported again")
+            self.say(f"[harness] best {self.best.metric} {self.best.value:.4f} at step {step}: {self._export_best()}")
+
+
+BEST_STEP = "best_step.json"  # in best/: the step whose model it holds
+
+
+def _best_step(best: Path) -> Optional[int]:
+    try:
+        return int(json.loads((best / BEST_STEP).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

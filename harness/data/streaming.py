@@ -33,10 +33,12 @@ from harness import IGNORE_INDEX
 from harness.data import chat, sources
 from harness.data.samples import pack_rows, tokenize_generative
 from harness.data.stream_sources import SourceCursor
-from harness.errors import ConfigError
+from harness.errors import ConfigError, DataError
+from harness.files import prefix_fingerprint
 
 PACK_WINDOW = 32  # rows' worth of tokens that packing places at a time (best-fit over the window)
 CHUNK = 64  # records tokenized in one call (the fast tokenizers' batching)
+SAID_SKIPS = 10  # records skipped for having no trained token that are named one by one (then at 100, 1,000, ...)
 _MIX, _SHUFFLE = 0x6D6978, 0x736866  # stream tags, as harness.data.mixing's
 
 
@@ -59,6 +61,7 @@ class GlobalStream:
         self.buffer: list[dict] = []  # canonical rows waiting in the shuffle buffer
         self.pending: list[dict] = []  # tokenized samples waiting for a packing window
         self.ready: deque = deque()  # rows made and not yet read
+        self.barren = [0] * len(cursors)  # each source's passes begun since the last sample kept (`_fill`)
 
     # ---- sizes
     def epoch_size(self) -> Optional[int]:
@@ -85,6 +88,7 @@ class GlobalStream:
         row = self.cursors[s].next()
         if row is None:
             self.cursors[s].new_pass()
+            self.barren[s] += 1
             row = self.cursors[s].next()
         return row
 
@@ -116,6 +120,7 @@ class GlobalStream:
         self.epoch, self.current, self.drained = self.epoch + 1, 0, False
         for c in self.cursors:
             c.new_pass()
+        self.barren = [n + 1 for n in self.barren]
         self.shuffle_rng = np.random.default_rng([self.seed, _SHUFFLE, self.epoch])
 
     # ---- samples: tokenized, then packed
@@ -127,10 +132,16 @@ class GlobalStream:
         for i, origin in enumerate(cols["origin"]):
             if not any(x != IGNORE_INDEX for x in out["labels"][i][1:]):  # as tokenize_dataset: nothing to train
                 self.dropped += 1
-                self.say(f"[harness] data.streaming: {origin} has no trained token left after truncation: skipped "
-                         f"({self.dropped} so far)")
+                if self.dropped <= SAID_SKIPS or str(self.dropped).strip("0") == "1":  # 1..10, 100, 1000, ...
+                    self.say(f"[harness] data.streaming: {origin} has no trained token left after truncation: "
+                             f"skipped ({self.dropped} so far)")
                 continue
+            self.barren = [0] * len(self.cursors)
             self.pending.append({"input_ids": out["input_ids"][i], "labels": out["labels"][i]})
+        if min(self.barren) >= 2:  # a whole pass of every source read after the last sample kept, all skipped
+            raise DataError(f"data.train_files: a whole epoch of the stream gave no sample with a trained token "
+                            f"({self.dropped} records skipped, each cut to data.max_len before its first trained "
+                            f"token): raise data.max_len or shorten the prompts")
         if self.pack_len is None:
             self.ready.extend(self.pending)
             self.pending = []
@@ -206,6 +217,27 @@ class StreamLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.restore(state)
+
+
+def mark_read(data_files: dict, loaders: dict) -> dict:
+    """The training files' fingerprints (`data_files`, harness/checkpoint/datafiles.py) with what the streams have
+    read of each plain JSON lines file they are in: {"read": {"bytes": offset, "ends": prefix_fingerprint}}, the
+    part of the file a resume depends on (it seeks to the offset; the records read are in the stream's state). A
+    file a stream is not in (read whole this pass, or not reached) is read again only from its start: 0 bytes."""
+    offsets = {}
+    for loader in loaders.values():
+        if is_stream(loader):
+            for c in loader.stream.cursors:
+                if c.kind == "files":
+                    for i, unit in enumerate(c.units):
+                        if str(unit).lower().endswith(".jsonl"):  # (gzip: an offset of the uncompressed text)
+                            here = c.pos["offset"] if i == c.pos["unit"] else 0
+                            offsets[str(unit)] = max(offsets.get(str(unit), 0), here)
+    out = {}
+    for key, files in data_files.items():
+        out[key] = [[p, {**fp, "read": {"bytes": offsets[p], "ends": prefix_fingerprint(p, offsets[p])}}]
+                    if p in offsets and isinstance(fp, dict) and "size" in fp else [p, fp] for p, fp in files]
+    return out
 
 
 def is_stream(loader) -> bool:

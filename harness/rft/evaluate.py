@@ -27,7 +27,7 @@ def run(r, path: Optional[str], out: Optional[str] = None, split: str = "test") 
     task = build_task(r)
     questions = task.split(split)
     acc = make_accelerator()
-    engine, tok = load_engine(r, path, acc.device, acc.print)
+    engine, tok = load_engine(r, path, acc.device, acc.print, task, questions)  # (every process: all of them)
     if isinstance(engine, StaticEngine):
         engine.per_call = max(1, r.micro_batch_sequences)  # one generate() call per that many questions
     mine = questions[acc.process_index::acc.num_processes]

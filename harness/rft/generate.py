@@ -85,7 +85,7 @@ def _run(r, model: Optional[str], acc, stop_after: int) -> Optional[dict]:
     remaining = [q for q in questions if q.qid not in done]
     mine = remaining[acc.process_index::acc.num_processes]
     todo = mine[:stop_after * r.questions_per_batch] if stop_after else mine
-    engine, tok = load_engine(r, model, acc.device, say)
+    engine, tok = load_engine(r, model, acc.device, say, task, remaining)  # (every process: all of them)
     say(f"[rft] {len(questions)} questions, {len(done)} already done, {len(remaining)} to sample on "
         f"{acc.num_processes} process(es) x {r.oversample} samples (temperature {r.temperature}, "
         f"max_new_tokens {r.max_new_tokens}, {describe(engine)}, device {acc.device}, "

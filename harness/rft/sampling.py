@@ -17,7 +17,7 @@ from harness.errors import ConfigError, HarnessError
 from harness.rft.contract import Completion, OnDone, Sampling, holding
 from harness.rft.engine import ContinuousEngine, compile_default, servable
 from harness.rft.stats import Stats, eos_ids
-from harness.rft.tasks import Question, Task
+from harness.rft.tasks import Question, Task, check_context
 from harness import hardware
 from harness.config import ModelConfig
 from harness.model import load_tokenizer
@@ -213,8 +213,11 @@ def make_engine(r, model, tokenizer, say: Callable = print):
                         **warp)
 
 
-def load_engine(r, path: Optional[str], device, say: Callable = print):
-    """(engine, tokenizer) for the model at `path` on `device`, as rft.engine says (vllm loads the model itself)."""
+def load_engine(r, path: Optional[str], device, say: Callable = print, task: Optional[Task] = None,
+                questions: Optional[list] = None):
+    """(engine, tokenizer) for the model at `path` on `device`, as rft.engine says (vllm loads the model itself).
+    Every prompt of `questions` (of `task`) and rft.max_new_tokens answer tokens are checked to fit the model's
+    context first (tasks.check_context, as loss.mode=rl's rollouts check theirs; vllm checks its own max_model_len)."""
     if r.engine == "vllm":
         path = resolve_model_path(path)
         engine = VllmEngine(path, r.max_new_tokens, tuple(r.stop_strings), say)
@@ -222,4 +225,12 @@ def load_engine(r, path: Optional[str], device, say: Callable = print):
         engine.eos = eos_ids(None, tok)
         return engine, tok
     model, tok = load_for_generation(path, device)
+    fits_context(r, model.config, tok, task, questions or [])
     return make_engine(r, model, tok, say), tok
+
+
+def fits_context(r, config, tok, task: Optional[Task], questions: list) -> None:
+    """rft.max_new_tokens, and each question's prompt with them, within the context of the model of `config`."""
+    lengths = {q.qid: len(tok(prompt_text(task, q, tok), add_special_tokens=False)["input_ids"]) for q in questions}
+    check_context(lengths, r.max_new_tokens,
+                  getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None))

@@ -7,7 +7,10 @@ and the ids that end an answer (`eos_ids`): shared by rft.engine=continuous (har
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
+
+from harness.errors import DataError
 
 
 class Stats:
@@ -42,8 +45,18 @@ class Stats:
 def eos_ids(model, tokenizer) -> list[int]:
     """The ids that end an answer: the tokenizer's EOS and every id of the model's generation_config.eos_token_id
     (an int or a list: Llama-3's <|eot_id|>, Qwen's <|im_end|> and <|endoftext|>)."""
-    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    gen = getattr(model, "generation_config", None)
+    listed = getattr(gen, "eos_token_id", None)
     listed = listed if isinstance(listed, (list, tuple)) else [listed]
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    for name in ("eos_token_id", "bos_token_id", "pad_token_id"):  # what the engines read of it
+        value = getattr(gen, name, None)
+        for t in value if isinstance(value, (list, tuple)) else [value]:
+            if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab and t >= vocab)):
+                where = getattr(getattr(model, "config", None), "_name_or_path", "") or "the model's folder"
+                raise DataError(f"{Path(where) / 'generation_config.json'}: field '{name}' must be a token id (an "
+                                f"integer from 0 to {vocab - 1 if vocab else 'the vocabulary size'}) or a list of "
+                                f"them, got {value!r}")
     return list(dict.fromkeys(int(t) for t in [tokenizer.eos_token_id, *listed] if t is not None))
 
 

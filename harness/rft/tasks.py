@@ -211,6 +211,10 @@ def check_context(lengths: dict, max_new_tokens: int, context: Optional[int]) ->
         raise ConfigError(f"config key 'rft.max_new_tokens': {max_new_tokens} answer tokens do not fit the model's "
                           f"context of {context} positions (max_position_embeddings) after a prompt; lower it")
     qid, longest = max(lengths.items(), key=lambda kv: kv[1], default=(None, 0))
+    if longest >= context:  # no answer token fits after it, whatever rft.max_new_tokens
+        raise DataError(f"question {qid}'s prompt has {longest} tokens, the model's whole context of {context} "
+                        f"positions (max_position_embeddings) or more, before any answer token: shorten the "
+                        f"question, or use a model with a longer context")
     if longest + max_new_tokens > context:
         raise ConfigError(f"config key 'rft.max_new_tokens': question {qid}'s prompt has {longest} tokens, and with "
                           f"{max_new_tokens} answer tokens it exceeds the model's context of {context} positions "

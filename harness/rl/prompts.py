@@ -141,6 +141,9 @@ def _load(spec: str, key: str) -> Callable:
                           f"'module:function'") from None
 
 
+NO_SCORE_BATCHES = 3  # generation batches without one score, from the start, that stop a run (Rewards)
+
+
 class Rewards:
     """The rewards of a generation batch: `score(questions, texts, ids)` -> (weighted sum [answers], each function's
     [answers, functions], NaN where it gave None). `names`: each function's logged name (empty for rl.reward)."""
@@ -183,7 +186,21 @@ class Rewards:
         weights = torch.tensor([w for _, _, w, _ in self.fns], dtype=torch.float64)
         weighted = torch.nansum(per * weights, dim=1)
         weighted[torch.isnan(per).all(1)] = float("nan")  # no function scored it: out of its group's baseline (TRL)
+        self._none_scored(bool(torch.isnan(per).all()))
         return weighted, per
+
+    def _none_scored(self, none: bool) -> None:
+        """A generation batch no function scored (every value None: a column-name mistake trains nothing at full
+        price): said once, with the functions' names; NO_SCORE_BATCHES of them before any score stops the run."""
+        self.scored = getattr(self, "scored", False) or not none
+        self.unscored = getattr(self, "unscored", 0) + none
+        names = ", ".join(spec for spec, _, _, _ in self.fns)
+        if none and not self.scored and self.unscored >= NO_SCORE_BATCHES:
+            raise HarnessError(f"config key 'rl.rewards': {names} scored none of the answers (every value None) of "
+                               f"{self.unscored} generation batches: nothing trains; check the columns they read")
+        if none and self.unscored == 1:
+            print(f"[harness] warning: rl.rewards: {names} scored none of this generation batch's answers (every "
+                  f"value None): its answers train nothing", flush=True)
 
     @staticmethod
     def _call(fn, spec: str, j: int, prompts, completions, ids, columns: dict) -> list[float]:
@@ -201,7 +218,7 @@ class Rewards:
         for k, v in enumerate(out):
             if v is None:
                 values.append(float("nan"))
-            elif isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isinf(v):
+            elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 values.append(float(v))
             else:
                 raise HarnessError(f"{where} returned {_short(v, 60)} ({type(v).__name__}) for completion "

@@ -11,7 +11,7 @@ from typing import Optional
 
 from harness.checkpoint.store import list_checkpoints
 from harness.errors import HarnessError
-from harness.stopping import TIME_BUDGET
+from harness.stopping import EARLY_STOPPING, TIME_BUDGET
 
 
 def finished_run(output_dir: str | Path) -> Optional[dict]:
@@ -21,7 +21,8 @@ def finished_run(output_dir: str | Path) -> Optional[dict]:
         rep = json.loads(Path(output_dir, "report.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(rep, dict) or "stopped_by" not in rep or rep["stopped_by"] not in (None, TIME_BUDGET):
+    if not isinstance(rep, dict) or "stopped_by" not in rep or \
+            rep["stopped_by"] not in (None, TIME_BUDGET, EARLY_STOPPING):
         return None
     final = rep.get("final_dir")
     return rep if final is None or Path(final).is_dir() else None
@@ -30,7 +31,10 @@ def finished_run(output_dir: str | Path) -> Optional[dict]:
 def more_steps(t, rep: dict) -> Optional[str]:
     """What in the train section `t` (cfg.train) asks the finished run of report `rep` for more steps than it planned
     (e.g. "train.max_steps=6 (it planned 3)"), or None: its rerun has nothing to do. With train.max_steps=-1, more
-    epochs than its config.yaml names."""
+    epochs than its config.yaml names. An early-stopped run asks nothing more: its patience is spent, so a step more
+    would stop it again after one step (each rerun replacing final/ and report.json)."""
+    if rep.get("stopped_by") == EARLY_STOPPING:
+        return None
     planned = rep.get("planned_steps") or 0
     if t.max_steps > 0:
         return f"train.max_steps={t.max_steps} (it planned {planned})" if t.max_steps > max(planned, rep["steps"]) \
@@ -62,12 +66,16 @@ def continue_finished(output_dir: str | Path, rep: dict, asks: str) -> str:
             f"the new schedule; final/ and report.json are replaced at the end")
 
 
+STOPPED = {TIME_BUDGET: ", stopped by its time budget", EARLY_STOPPING: ", stopped early: its evaluations stopped "
+           "improving (train.early_stopping)"}
+
+
 def describe_finished(output_dir: str | Path, rep: dict) -> str:
     """The rerun's one line: where the finished run's outputs are."""
     out = Path(output_dir)
     final = f"final model {rep['final_dir']}, " if rep.get("final_dir") else ""
     return (f"[harness] {out} holds a finished run (step {rep.get('steps')}/{rep.get('planned_steps')}"
-            f"{', stopped by its time budget' if rep['stopped_by'] else ''}): {final}report {out / 'report.json'}, "
+            f"{STOPPED.get(rep['stopped_by'], '')}): {final}report {out / 'report.json'}, "
             f"metrics {out / 'metrics.jsonl'}; nothing to do (train.overwrite=true trains it again)")
 
 
