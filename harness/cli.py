@@ -30,6 +30,7 @@ import sys
 
 from harness.config import describe, load_config, recipe_args
 from harness.data.checks import check_data
+from harness.rundir.finished import finished_nothing_asked
 from harness.errors import HarnessError
 
 
@@ -43,6 +44,8 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     cfg = load_config(args.config, args.overrides)  # every config problem at once, before torch is imported
     check_data(cfg.data, cfg.rl.prompts)
+    if finished_nothing_asked(cfg.to_dict()):  # the same command on a finished run: said at once, without torch
+        return 0
     from harness import train  # lazy: start-up time (`harness -h` and the light commands load no torch)
 
     return train.main(["--config", args.config, *args.overrides])

@@ -451,3 +451,17 @@ def test_a_stop_string_yaml_reads_as_a_mapping_is_taken_as_written():
 
     cfg = load_config("configs/rft-tiny.yaml", ["rft.stop_strings=[Question:, 'Q2:', 'Answer']"])
     assert cfg.rft.stop_strings == ["Question:", "Q2:", "Answer"]
+
+
+@pytest.mark.parametrize("argv", [["-m", "harness.train", "--help"], ["-m", "harness.train", "--help-config"],
+                                  ["-m", "harness.cli", "train", "--help"], ["-m", "harness.cli", "--help"]])
+def test_help_is_answered_before_torch(argv):
+    """--help and --help-config of the training entry points print without importing torch (a second, not 10-25)."""
+    probe = ("import runpy, sys; sys.argv = [sys.argv[1], *sys.argv[2:]]\n"
+             "try:\n    runpy.run_module(sys.argv[0], run_name='__main__')\n"
+             "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules, file=sys.stderr)")
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", probe, *argv[1:]], capture_output=True, text=True, cwd=root,
+                          timeout=120)
+    assert proc.stderr.strip().splitlines()[-1] in ("exit 0 False", "exit None False"), proc.stderr
+    assert "usage: harness" in proc.stdout or "name_or_path (str or null" in proc.stdout
