@@ -115,3 +115,15 @@ def test_six_wrong_keys_six_lines_in_one_run_before_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe, str(recipe)], capture_output=True, text=True, env=env,
                          cwd=ROOT, timeout=120).stdout.split()
     assert out == ["2", "False", "False"]
+
+
+def test_micro_batch_size_in_rl_mode_is_refused_not_ignored():
+    """TRL's per_device_train_batch_size counts completions; harness's rl mode never read train.micro_batch_size and
+    said nothing: given in a recipe or an override it is now one line (left at its default it is not a problem)."""
+    rl = [*VALID, "loss.mode=rl", "data.train_files=[]"]
+    assert load_config(ROOT / "configs/grpo-tiny.yaml").loss.mode == "rl"
+    load_config(None, rl)
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs/grpo-tiny.yaml", ["train.micro_batch_size=4"])
+    assert str(e.value).startswith("config key 'train.micro_batch_size': loss.mode=rl does not read it: a step "
+                                   "trains rl.questions_per_step x rl.num_generations answers")

@@ -121,7 +121,7 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
             problems.append((at(key) if i < n_file else "") + str(e))
     cfg = Config(**{s: SECTIONS[s](**raw.get(s, {})) for s in SECTIONS})
     try:
-        validate(cfg)
+        validate(cfg, frozenset(k for k, _ in pairs))
     except ConfigError as e:
         problems += [at(m.group(1)) + p if (m := re.match(r"config key '([\w.]+)", p)) else p for p in problems_of(e)]
     raise_all(problems)

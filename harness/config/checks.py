@@ -15,13 +15,14 @@ from harness.config.sections import NO_RESUME, Config, lora_config
 from harness.errors import ConfigError, problems_of, raise_all
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg: Config, given: frozenset = frozenset()) -> None:
     """Checks across keys that types alone cannot express, every one of them: each group's problems are collected
-    and raised together (one line each: `errors.raise_all`), so a recipe's mistakes come out in one run."""
+    and raised together (one line each: `errors.raise_all`), so a recipe's mistakes come out in one run. `given`:
+    the keys the recipe and the overrides set (a key that the mode does not read is refused, never ignored)."""
     problems: list[str] = []
     for check in (check_batch, check_ranges, check_streaming, check_run_folder, check_data_sources,
                   check_sequence_parallel, lambda c: check_eval_prompts(c.train), early_stopping_config,
-                  check_embedding, check_preference, check_quantization, lambda c: check_rft(c.rft), check_rl,
+                  check_embedding, check_preference, check_quantization, lambda c: check_rft(c.rft), lambda c: check_rl(c, given),
                   lambda c: check_model(c.model)):
         try:
             check(cfg)
@@ -199,11 +200,17 @@ def check_rft(r) -> None:
         raise ConfigError("config key 'rft.stop_strings': non-empty strings needed (an empty one would stop every answer at once)")
 
 
-def check_rl(cfg: Config) -> None:
-    """loss.mode=rl: groups of at least 2 answers, ranges, no packing (one answer a row)."""
+def check_rl(cfg: Config, given: frozenset = frozenset()) -> None:
+    """loss.mode=rl: groups of at least 2 answers, ranges, no packing (one answer a row); train.micro_batch_size
+    given (`given`: the keys set) is refused: rl mode does not read it."""
     rl = cfg.rl
     if cfg.loss.mode != "rl":
         return
+    if "train.micro_batch_size" in given:
+        raise ConfigError("config key 'train.micro_batch_size': loss.mode=rl does not read it: a step trains "
+                          "rl.questions_per_step x rl.num_generations answers (TRL's per_device_train_batch_size "
+                          "counts completions per device), split over the processes and train.grad_accum "
+                          "micro-batches; remove it and set rl.questions_per_step or train.grad_accum")
     if rl.num_generations < 2:
         raise ConfigError(f"config key 'rl.num_generations': must be >= 2 (an answer's advantage is its reward against "
                           f"the other answers to its question), got {rl.num_generations}")
