@@ -41,7 +41,8 @@ def test_finished_run_is_not_run_again_unless_overwrite(tmp_path):
     again = run_train(args)
     seconds = time.perf_counter() - start
     assert again.stdout.strip().splitlines() == [line]
-    assert seconds < 15, seconds  # answered before torch is imported (0.20-0.33 s measured on the 2-core machine: docs/bench/config-errors-cpu.txt)
+    # answered before torch is imported: 0.20-0.33 s measured on the 2-core machine (docs/bench/config-errors-cpu.txt)
+    assert seconds < 15, seconds
     cli = subprocess.run([sys.executable, "-m", "harness.cli", "train", DEFAULT, *args], capture_output=True,
                          text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert cli.returncode == 0 and cli.stdout.strip().splitlines() == [line], cli.stderr
