@@ -22,8 +22,8 @@ def validate(cfg: Config, given: frozenset = frozenset()) -> None:
     problems: list[str] = []
     for check in (check_batch, check_ranges, check_streaming, check_run_folder, check_data_sources,
                   check_sequence_parallel, lambda c: check_eval_prompts(c.train), early_stopping_config,
-                  check_embedding, check_preference, check_quantization, lambda c: check_rft(c.rft), lambda c: check_rl(c, given),
-                  lambda c: check_model(c.model)):
+                  check_embedding, check_preference, check_quantization, lambda c: check_rft(c.rft),
+                  lambda c: check_rl(c, given), lambda c: check_model(c.model)):
         try:
             check(cfg)
         except ConfigError as e:
