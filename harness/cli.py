@@ -28,19 +28,26 @@ import argparse
 import json
 import sys
 
-from harness.config import recipe_args
+from harness.config import describe, load_config, recipe_args
+from harness.data.checks import check_data
+from harness.rundir.finished import finished_nothing_asked
 from harness.errors import HarnessError
 
 
 def _train(args: argparse.Namespace) -> int:
-    from harness import train  # lazy: start-up time (`harness -h` and the light commands load no torch)
-
     if args.help_config:
-        return train.main(["--help-config"])
+        print(describe())
+        return 0
     if args.config is None:
         print("harness train: a recipe is needed, e.g. harness train configs/default.yaml (every key: harness train "
               "--help-config)", file=sys.stderr)
         return 2
+    cfg = load_config(args.config, args.overrides)  # every config problem at once, before torch is imported
+    check_data(cfg.data, cfg.rl.prompts)
+    if finished_nothing_asked(cfg.to_dict()):  # the same command on a finished run: said at once, without torch
+        return 0
+    from harness import train  # lazy: start-up time (`harness -h` and the light commands load no torch)
+
     return train.main(["--config", args.config, *args.overrides])
 
 

@@ -18,6 +18,29 @@ class ConfigError(HarnessError):
     exit_code = 2
 
 
+class ConfigErrors(ConfigError):
+    """Several config problems found in one pass (load_config reports every one, not the first): one line each. Its
+    text is the lines joined with the entry points' own `harness: error: ` prefix, so that each printer, which writes
+    `harness: error: <message>`, shows every problem as its own line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\nharness: error: ".join(self.problems))
+
+
+def problems_of(e: ConfigError) -> list[str]:
+    """The one-line problems an error holds (ConfigErrors: each of them)."""
+    return list(getattr(e, "problems", None) or [str(e)])
+
+
+def raise_all(problems: list[str]) -> None:
+    """Nothing when `problems` is empty; a ConfigError for one, ConfigErrors for several."""
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigErrors(problems)
+
+
 class DataError(HarnessError):
     """A missing, empty or malformed data file; the message names file:line and the field."""
 

@@ -21,8 +21,10 @@ if __name__ == "__main__" and not __package__:
 if __name__ == "__main__":  # the launch, the config and its data entries before the heavy imports (config/preflight.py)
     from harness.config.preflight import early_check
     from harness.data.checks import check_data
+    from harness.rundir.finished import finished_nothing_asked
 
-    early_check(sys.argv[1:], (lambda cfg: check_data(cfg.data, cfg.rl.prompts),))
+    early_check(sys.argv[1:], (lambda cfg: check_data(cfg.data, cfg.rl.prompts),),
+                done=lambda cfg: finished_nothing_asked(cfg.to_dict()))
 
 import argparse
 import contextlib
@@ -338,12 +340,7 @@ class SideWork:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="harness train",
-        description="Train a language model. Precedence: defaults < --config file < section.key=value overrides.",
-    )
-    recipe_args.add(p)
-    p.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
+    p = recipe_args.train_parser()
     return recipe_args.resolve(p.parse_args(argv), p, required=False)
 
 

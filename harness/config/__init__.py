@@ -18,6 +18,7 @@ This module must stay light: it imports neither torch nor transformers.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import typing
 from pathlib import Path
@@ -29,8 +30,8 @@ from harness.config.best import EARLY_STOPPING_HELP, EarlyStoppingConfig
 from harness.config.coerce import coerce, section_fields, type_name, unknown
 from harness.config.sections import (NO_RESUME, SECTIONS, Config, DataConfig, LoraConfig, LossConfig, ModelConfig, OptimConfig,
                                      RftConfig, RlConfig, TrainConfig, lora_config)
-from harness.config.yaml_loader import TooLong, read_yaml
-from harness.errors import ConfigError
+from harness.config.yaml_loader import TooLong, key_lines, read_yaml
+from harness.errors import ConfigError, problems_of, raise_all
 from harness.config.checks import validate
 from harness.config.profiles import profile_overrides
 
@@ -42,13 +43,13 @@ def _apply(raw: dict, key: str, value: Any) -> None:
     parts = key.split(".")
     section = parts[0]
     if section not in SECTIONS:
-        raise unknown("section", section, list(SECTIONS))
+        raise unknown("section", section, list(SECTIONS), _keys())
     if len(parts) == 1:
         raise ConfigError(f"config key '{key}': give section.key=value")
     fields = section_fields(SECTIONS[section])
     name = parts[1]
     if name not in fields:
-        raise unknown("key", key, list(fields))
+        raise unknown("key", key, list(fields), {s: k for s, k in _keys().items() if s != section})
     if len(parts) > 2:  # a key inside a dict-valued field, e.g. model.config.hidden_size=64
         if fields[name] is not dict:
             raise ConfigError(f"config key '{key}': '{section}.{name}' has no sub-keys")
@@ -60,6 +61,11 @@ def _apply(raw: dict, key: str, value: Any) -> None:
         d[parts[-1]] = value
         return
     raw.setdefault(section, {})[name] = coerce(key, value, fields[name])
+
+
+def _keys() -> dict[str, list[str]]:
+    """Every section's keys (where a name given in the wrong section is found)."""
+    return {s: list(section_fields(cls)) for s, cls in SECTIONS.items()}
 
 
 # ----------------------------------------------------------------------------------------------- loading
@@ -81,56 +87,87 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def load_config(path: Optional[str | Path] = None, overrides: list[str] | None = None) -> Config:
-    """Build a Config from defaults, then the YAML file at `path`, then `overrides` (see module docstring)."""
-    pairs: list[tuple[str, Any]] = []  # (key, value) from the file, then from the overrides
-    if path is not None:
-        p = Path(path)
-        if p.is_dir():
-            recipes = sorted(p.glob("*.yaml"), key=lambda r: r.name != "default.yaml")
-            raise ConfigError(f"config file {p} is a folder; give a recipe file"
-                              + (f", e.g. {recipes[0]}" if recipes else ""))
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
+    """Build a Config from defaults, then the YAML file at `path`, then `overrides` (see module docstring). Every
+    problem is found before any is raised: each unknown key, wrong value and failed check across keys is one line
+    (the file's lines prefixed `file:line:`), raised together (errors.ConfigErrors)."""
+    problems: list[str] = []
+    pairs, lines = _read_recipe(Path(path), problems) if path is not None else ([], {})
+    n_file = len(pairs)
+    for text in overrides or []:
         try:
-            raw_bytes = p.read_bytes()
-            loaded = read_yaml(raw_bytes.decode("utf-8")) or {}
-        except OSError as e:
-            raise ConfigError(f"{p}: cannot read the config file ({e.strerror or e})") from None
-        except UnicodeDecodeError as e:
-            line = raw_bytes.count(b"\n", 0, e.start) + 1
-            column = e.start - (raw_bytes.rfind(b"\n", 0, e.start) + 1) + 1
-            raise ConfigError(f"{p}:{line}: not UTF-8 text (byte 0x{raw_bytes[e.start]:02x} at column {column}); "
-                              f"convert the file, e.g. iconv -f latin1 -t utf-8") from None
-        except RecursionError:
-            raise ConfigError(f"{p}: invalid YAML (nested too deeply: more than about {sys.getrecursionlimit()} "
-                              f"levels)") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"{p}:{mark.line + 1}" if mark else str(p)
-            raise ConfigError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: expected a mapping of sections (model:, data:, optim:, train:)")
-        for section, values in loaded.items():
-            if section not in SECTIONS:
-                raise unknown("section", str(section), list(SECTIONS))
-            if not isinstance(values, dict):
-                raise ConfigError(f"{p}: section '{section}' must be a mapping of keys")
-            pairs += [(f"{section}.{name}", value) for name, value in values.items()]
-    pairs += [parse_override(text) for text in overrides or []]
+            pairs.append(parse_override(text))
+        except ConfigError as e:
+            problems.append(str(e))
+    overridden = {k for k, _ in pairs[n_file:]}
+
+    def at(key: str) -> str:  # where `key` was written: its line in the recipe, or nothing (an override, a default)
+        return f"{path}:{lines[key]}: " if key in lines and key not in overridden else ""
+
     raw: dict[str, dict] = {}
     profile = next((v for k, v in reversed(pairs) if k == "train.profile"), None)
     if profile is not None:
         mode = next((v for k, v in reversed(pairs) if k == "loss.mode"), None)
-        for key, value in profile_overrides(str(profile)).items():
-            if key == "data.packing" and mode in ("preference", "rl"):
-                continue  # pairs, answers are scored one sequence a row: a profile's packing is for the modes that pack
+        try:
+            for key, value in profile_overrides(str(profile)).items():
+                if key == "data.packing" and mode in ("preference", "rl"):
+                    continue  # pairs, answers are scored one sequence a row: a profile's packing is for the modes that pack
+                _apply(raw, key, value)
+        except ConfigError as e:
+            problems.append(at("train.profile") + str(e))
+    for i, (key, value) in enumerate(pairs):
+        try:
             _apply(raw, key, value)
-    for key, value in pairs:
-        _apply(raw, key, value)
+        except ConfigError as e:
+            problems.append((at(key) if i < n_file else "") + str(e))
     cfg = Config(**{s: SECTIONS[s](**raw.get(s, {})) for s in SECTIONS})
-
-    validate(cfg)
+    try:
+        validate(cfg, frozenset(k for k, _ in pairs))
+    except ConfigError as e:
+        problems += [at(m.group(1)) + p if (m := re.match(r"config key '([\w.]+)", p)) else p for p in problems_of(e)]
+    raise_all(problems)
     return cfg
+
+
+def _read_recipe(p: Path, problems: list[str]) -> tuple[list[tuple[str, Any]], dict[str, int]]:
+    """A recipe's (key, value) pairs in file order and each key's line; an unknown section or one that is not a
+    mapping is a problem added to `problems`; a file that cannot be read as a recipe at all is raised."""
+    if p.is_dir():
+        recipes = sorted(p.glob("*.yaml"), key=lambda r: r.name != "default.yaml")
+        raise ConfigError(f"config file {p} is a folder; give a recipe file"
+                          + (f", e.g. {recipes[0]}" if recipes else ""))
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        raw_bytes = p.read_bytes()
+        text = raw_bytes.decode("utf-8")
+        loaded = read_yaml(text) or {}
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read the config file ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        line = raw_bytes.count(b"\n", 0, e.start) + 1
+        column = e.start - (raw_bytes.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ConfigError(f"{p}:{line}: not UTF-8 text (byte 0x{raw_bytes[e.start]:02x} at column {column}); "
+                          f"convert the file, e.g. iconv -f latin1 -t utf-8") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: invalid YAML (nested too deeply: more than about {sys.getrecursionlimit()} "
+                          f"levels)") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}" if mark else str(p)
+        raise ConfigError(f"{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{p}: expected a mapping of sections (model:, data:, optim:, train:)")
+    lines = key_lines(text)
+    pairs: list[tuple[str, Any]] = []
+    for section, values in loaded.items():
+        where = f"{p}:{lines[str(section)]}: " if str(section) in lines else f"{p}: "
+        if section not in SECTIONS:
+            problems.append(where + str(unknown("section", str(section), list(SECTIONS), _keys())))
+        elif not isinstance(values, dict):
+            problems.append(f"{where}section '{section}' must be a mapping of keys")
+        else:
+            pairs += [(f"{section}.{name}", value) for name, value in values.items()]
+    return pairs, lines
 
 
 def save_config(cfg: Config, path: str | Path, omit: tuple = ()) -> None:

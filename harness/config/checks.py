@@ -1,6 +1,6 @@
 """The config's checks across keys, which types alone cannot express: ranges, the data lists the loss mode needs,
-the model to build, QLoRA's conditions, the rft section. `load_config` runs `validate` on every config it builds; each
-failure is a `ConfigError` naming the key. Imports no torch.
+the model to build, QLoRA's conditions, the rft section. `load_config` runs `validate` on every config it builds; every
+failure is one line naming the key, all of them raised together (ConfigErrors). Imports no torch.
 """
 
 from __future__ import annotations
@@ -13,57 +13,68 @@ from typing import Optional
 from harness.config.best import early_stopping_config
 from harness.config.modes import facts
 from harness.config.sections import NO_RESUME, Config, lora_config
-from harness.errors import ConfigError
+from harness.errors import ConfigError, problems_of, raise_all
 
 
-def validate(cfg: Config) -> None:
-    """Checks across keys that types alone cannot express."""
-    t, d, o = cfg.train, cfg.data, cfg.optim
-    facts(cfg.loss.mode)  # a registered mode (harness/config/modes.py)
+def validate(cfg: Config, given: frozenset = frozenset()) -> None:
+    """Checks across keys that types alone cannot express, every one of them: each group's problems are collected
+    and raised together (one line each: `errors.raise_all`), so a recipe's mistakes come out in one run. `given`:
+    the keys the recipe and the overrides set (a key that the mode does not read is refused, never ignored)."""
+    facts(cfg.loss.mode)  # a registered mode (harness/config/modes.py): the other checks read its facts
+    problems: list[str] = []
+    for check in (check_batch, check_ranges, check_streaming, check_run_folder, check_data_sources,
+                  check_sequence_parallel, lambda c: check_eval_prompts(c.train), early_stopping_config,
+                  check_embedding, check_preference, check_quantization, lambda c: check_rft(c.rft),
+                  lambda c: check_rl(c, given), lambda c: check_model(c.model)):
+        try:
+            check(cfg)
+        except ConfigError as e:
+            problems += problems_of(e)
+    raise_all(problems)
+
+
+def check_batch(cfg: Config) -> None:
+    """train.micro_batch_size=auto's conditions."""
+    t = cfg.train
     if t.micro_batch_size == "auto" and t.global_batch_size < 1:
         raise ConfigError("config key 'train.global_batch_size': train.micro_batch_size=auto keeps the global batch "
                           "and needs it (sequences per optimizer step over all processes), e.g. 64")
     if t.micro_batch_size == "auto" and cfg.loss.mode != "generative":
         raise ConfigError(f"config key 'train.micro_batch_size': auto sizes generative micro-batches (loss.mode="
                           f"generative); with loss.mode={cfg.loss.mode} set it and train.emb_micro_batch_size")
-    if t.global_batch_size < 0:
-        raise ConfigError(f"config key 'train.global_batch_size': must be >= 0, got {t.global_batch_size}")
-    positive = {
+
+
+def check_ranges(cfg: Config) -> None:
+    """Each number's range: every key out of its range is one line."""
+    t, d, o, loss = cfg.train, cfg.data, cfg.optim, cfg.loss
+    rules = [(k, v, v >= 1, ">= 1") for k, v in {
         "train.micro_batch_size": t.micro_batch_size if t.micro_batch_size != "auto" else 1,
-        "train.grad_accum": t.grad_accum,
-        "train.log_every": t.log_every,
-        "data.max_len": d.max_len if d.max_len != "auto" else 1,
-        "data.prefetch_factor": d.prefetch_factor,
-    }
-    for key, v in positive.items():
-        if v < 1:
-            raise ConfigError(f"config key '{key}': must be >= 1, got {v}")
-    check_streaming(cfg)
-    if t.max_steps == 0 or t.max_steps < -1:
-        raise ConfigError(f"config key 'train.max_steps': must be -1 (use epochs) or >= 1, got {t.max_steps}")
-    if t.max_steps == -1 and t.epochs <= 0:
-        raise ConfigError(f"config key 'train.epochs': must be > 0 when train.max_steps is -1, got {t.epochs}")
-    if o.lr <= 0:
-        raise ConfigError(f"config key 'optim.lr': must be > 0, got {o.lr}")
-    if not 0 <= o.warmup_ratio < 1:
-        raise ConfigError(f"config key 'optim.warmup_ratio': must be in [0, 1), got {o.warmup_ratio}")
-    if t.save_every_minutes < 0 or t.time_budget_hours < 0:
-        bad = "train.save_every_minutes" if t.save_every_minutes < 0 else "train.time_budget_hours"
-        raise ConfigError(f"config key '{bad}': must be >= 0")
-    if min(t.save_every_steps, t.save_total_limit, t.stop_at_step, t.profile_steps) < 0:
-        bad = next(k for k, v in [("train.save_every_steps", t.save_every_steps), ("train.save_total_limit",
-                   t.save_total_limit), ("train.stop_at_step", t.stop_at_step),
-                   ("train.profile_steps", t.profile_steps)] if v < 0)
-        raise ConfigError(f"config key '{bad}': must be >= 0")
-    if o.warmup_steps < 0 or o.max_grad_norm < 0 or d.num_workers < 0 or t.eval_every < 0:
-        bad = next(k for k, v in [("optim.warmup_steps", o.warmup_steps), ("optim.max_grad_norm", o.max_grad_norm),
-                                  ("data.num_workers", d.num_workers), ("train.eval_every", t.eval_every)] if v < 0)
-        raise ConfigError(f"config key '{bad}': must be >= 0")
-    if t.monitor_interval_s < 0 or t.price_per_hour < 0:
-        raise ConfigError(f"config key '{'train.price_per_hour' if t.price_per_hour < 0 else 'train.monitor_interval_s'}"
-                          "': must be >= 0")
-    if t.max_nonfinite_skips < 0:
-        raise ConfigError(f"config key 'train.max_nonfinite_skips': must be >= 0, got {t.max_nonfinite_skips}")
+        "train.grad_accum": t.grad_accum, "train.log_every": t.log_every,
+        "data.max_len": d.max_len if d.max_len != "auto" else 1, "data.prefetch_factor": d.prefetch_factor,
+        "data.train_group_size": d.train_group_size, "data.query_max_len": d.query_max_len,
+        "data.passage_max_len": d.passage_max_len, "train.emb_micro_batch_size": t.emb_micro_batch_size,
+        "loss.grad_cache_chunks": loss.grad_cache_chunks, "loss.chunked_ce_size": loss.chunked_ce_size}.items()]
+    rules += [(k, v, v >= 0, ">= 0") for k, v in {
+        "train.global_batch_size": t.global_batch_size, "train.save_every_minutes": t.save_every_minutes,
+        "train.time_budget_hours": t.time_budget_hours, "train.save_every_steps": t.save_every_steps,
+        "train.save_total_limit": t.save_total_limit, "train.stop_at_step": t.stop_at_step,
+        "train.profile_steps": t.profile_steps, "optim.warmup_steps": o.warmup_steps,
+        "optim.max_grad_norm": o.max_grad_norm, "data.num_workers": d.num_workers, "train.eval_every": t.eval_every,
+        "train.monitor_interval_s": t.monitor_interval_s, "train.price_per_hour": t.price_per_hour,
+        "train.max_nonfinite_skips": t.max_nonfinite_skips}.items()]
+    rules += [("train.max_steps", t.max_steps, t.max_steps == -1 or t.max_steps >= 1, "-1 (use epochs) or >= 1"),
+              ("train.epochs", t.epochs, t.max_steps != -1 or t.epochs > 0, "> 0 when train.max_steps is -1"),
+              ("optim.lr", o.lr, o.lr > 0, "> 0"),
+              ("optim.warmup_ratio", o.warmup_ratio, 0 <= o.warmup_ratio < 1, "in [0, 1)"),
+              ("loss.temperature", loss.temperature, loss.temperature > 0, "> 0"),
+              ("data.embed_length_buckets", d.embed_length_buckets,
+               d.embed_length_buckets == "auto" or d.embed_length_buckets >= 0, "auto or >= 0")]
+    raise_all([f"config key '{k}': must be {must}, got {v}" for k, v, ok, must in rules if not ok])
+
+
+def check_run_folder(cfg: Config) -> None:
+    """train.output_dir: a folder that can be made; train.overwrite against train.resume."""
+    t = cfg.train
     if not t.output_dir.strip():  # an unset shell variable (train.output_dir=$OUT): never the current folder
         raise ConfigError("config key 'train.output_dir': is empty (an unset shell variable?); give the run folder, "
                           "e.g. train.output_dir=runs/my-run")
@@ -75,35 +86,20 @@ def validate(cfg: Config) -> None:
     if t.overwrite and t.resume not in (*NO_RESUME, "auto"):
         raise ConfigError(f"config key 'train.overwrite': starts the run over, so it cannot resume from "
                           f"train.resume={t.resume}")
-    check_data_sources(cfg)
-    check_sequence_parallel(cfg)
-    check_eval_prompts(cfg.train)
-    early_stopping_config(cfg)  # a known metric this run logs, evaluations during training
-    for key, v in {"data.train_group_size": d.train_group_size, "data.query_max_len": d.query_max_len,
-                   "data.passage_max_len": d.passage_max_len, "train.emb_micro_batch_size": t.emb_micro_batch_size,
-                   "loss.grad_cache_chunks": cfg.loss.grad_cache_chunks,
-                   "loss.chunked_ce_size": cfg.loss.chunked_ce_size}.items():
-        if v < 1:
-            raise ConfigError(f"config key '{key}': must be >= 1, got {v}")
-    if d.embed_length_buckets != "auto" and d.embed_length_buckets < 0:
-        raise ConfigError(f"config key 'data.embed_length_buckets': must be auto or >= 0, got "
-                          f"{d.embed_length_buckets}")
+
+
+def check_embedding(cfg: Config) -> None:
+    """The embedding objective's keys against each other, and loss.chunked_ce against train.compile."""
+    t, d = cfg.train, cfg.data
     if cfg.loss.chunked_ce is True and t.compile == "full":
         raise ConfigError("config key 'loss.chunked_ce': true is not supported with train.compile=full (the chunked "
                           "loss replaces the output head's forward, inside the compiled graph); use "
                           "train.compile=regional or loss.chunked_ce=false")
-    if cfg.loss.temperature <= 0:
-        raise ConfigError(f"config key 'loss.temperature': must be > 0, got {cfg.loss.temperature}")
-    if t.emb_micro_batch_size % cfg.loss.grad_cache_chunks:
+    if cfg.loss.grad_cache_chunks >= 1 and t.emb_micro_batch_size % cfg.loss.grad_cache_chunks:
         raise ConfigError(f"config key 'loss.grad_cache_chunks': must divide train.emb_micro_batch_size "
                           f"({t.emb_micro_batch_size}), got {cfg.loss.grad_cache_chunks}")
     if "{instruction}" not in d.emb_instruction_template:
         raise ConfigError("config key 'data.emb_instruction_template': must contain {instruction}")
-    check_preference(cfg)
-    check_quantization(cfg)
-    check_rft(cfg.rft)
-    check_rl(cfg)
-    check_model(cfg.model)
 
 
 def check_eval_prompts(t) -> None:
@@ -206,11 +202,17 @@ def check_rft(r) -> None:
         raise ConfigError("config key 'rft.stop_strings': non-empty strings needed (an empty one would stop every answer at once)")
 
 
-def check_rl(cfg: Config) -> None:
-    """loss.mode=rl: groups of at least 2 answers, ranges, no packing (one answer a row)."""
+def check_rl(cfg: Config, given: frozenset = frozenset()) -> None:
+    """loss.mode=rl: groups of at least 2 answers, ranges, no packing (one answer a row); train.micro_batch_size
+    given (`given`: the keys set) is refused: rl mode does not read it."""
     rl = cfg.rl
     if cfg.loss.mode != "rl":
         return
+    if "train.micro_batch_size" in given:
+        raise ConfigError("config key 'train.micro_batch_size': loss.mode=rl does not read it: a step trains "
+                          "rl.questions_per_step x rl.num_generations answers (TRL's per_device_train_batch_size "
+                          "counts completions per device), split over the processes and train.grad_accum "
+                          "micro-batches; remove it and set rl.questions_per_step or train.grad_accum")
     if rl.num_generations < 2:
         raise ConfigError(f"config key 'rl.num_generations': must be >= 2 (an answer's advantage is its reward against "
                           f"the other answers to its question), got {rl.num_generations}")

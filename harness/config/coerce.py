@@ -1,15 +1,15 @@
 """The config's types as the user meets them: a value checked against its declared type (coerce), the type's name in
-an error (type_name), a section's keys and types (section_fields), an unknown key with its closest match (unknown).
+an error (type_name), a section's keys and types (section_fields), an unknown key with what it may mean (unknown).
 Light: no torch."""
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import types
 import typing
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
+from harness.config.foreign import hint
 from harness.errors import ConfigError
 
 
@@ -61,10 +61,10 @@ def section_fields(section_cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
 
 
-def unknown(kind: str, key: str, known: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(key.split(".")[-1], known, n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    return ConfigError(f"unknown config {kind} '{key}'{hint}")
+def unknown(kind: str, key: str, known: list[str], elsewhere: Optional[dict[str, list[str]]] = None) -> ConfigError:
+    """An unknown section or key, with a suggestion only from names close in meaning (config/foreign.py's hint: the
+    name another tool uses, the same name in another section (`elsewhere`), a typo)."""
+    return ConfigError(f"unknown config {kind} '{key}'{hint(key, known, elsewhere)}")
 
 
 def nested_section(section_cls: type, values: dict, prefix: str):

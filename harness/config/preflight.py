@@ -17,9 +17,10 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Callable, Optional
 
 from harness.errors import ConfigError, HarnessError
-from harness.config import load_config, recipe_args
+from harness.config import describe, load_config, recipe_args
 
 WAIT_S = 30.0  # how long a non-main process waits for the launcher to end it after a user error
 
@@ -49,10 +50,11 @@ def report(e: HarnessError) -> int:
     return e.exit_code
 
 
-def early_check(argv: list[str], checks: tuple = ()) -> None:
+def early_check(argv: list[str], checks: tuple = (), done: Optional[Callable] = None) -> None:
     """The launch and the config, before the heavy imports (the caller is train.py's `__main__`), and `checks` (each
     called with the loaded config: the layers above config/ hand theirs in): a user error exits here through `report`.
-    Anything argparse refuses, and --help-config, is left to the entry point."""
+    `done(cfg)` true (a finished run asked nothing more: it says so) exits 0 here. --help and --help-config are
+    answered here too; anything argparse refuses is left to the entry point."""
     import argparse
 
     p = argparse.ArgumentParser(add_help=False)
@@ -64,6 +66,12 @@ def early_check(argv: list[str], checks: tuple = ()) -> None:
         recipe_args.resolve(args, None, required=False)
     except SystemExit:
         return
+    if args.help and not unknown:
+        recipe_args.train_parser().print_help()
+        sys.exit(0)
+    if args.help_config and not unknown:
+        print(describe())
+        sys.exit(0)
     if args.help or args.help_config or unknown or any(o.startswith("-") for o in args.overrides):
         return
     try:
@@ -71,7 +79,11 @@ def early_check(argv: list[str], checks: tuple = ()) -> None:
         cfg = load_config(args.config, args.overrides)
         for check in checks:
             check(cfg)
+        finished = done is not None and done(cfg)
     except HarnessError as e:
         code = report(e)
         sys.stdout.flush()
         os._exit(code)
+    if finished:
+        sys.stdout.flush()
+        os._exit(0)

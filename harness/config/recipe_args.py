@@ -40,3 +40,14 @@ def resolve(args: argparse.Namespace, p: Optional[argparse.ArgumentParser], requ
     if args.config is None and required:
         error("a recipe is needed: FILE or --config FILE, e.g. configs/default.yaml")
     return args
+
+
+def train_parser() -> argparse.ArgumentParser:
+    """The training entry point's parser (python -m harness.train, accelerate launch harness/train.py)."""
+    p = argparse.ArgumentParser(
+        prog="harness train",
+        description="Train a language model. Precedence: defaults < --config file < section.key=value overrides.",
+    )
+    add(p)
+    p.add_argument("--help-config", action="store_true", help="list every config key with its default and exit")
+    return p

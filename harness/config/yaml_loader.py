@@ -58,3 +58,18 @@ Loader.add_implicit_resolver(
 
 def read_yaml(text: str):
     return yaml.load(text, Loader=Loader)
+
+
+def key_lines(text: str) -> dict[str, int]:
+    """Each section and `section.key` of a recipe's text -> its line (1-based), for the errors that name them; {}
+    where the text is not a mapping of mappings."""
+    try:
+        node = yaml.compose(text, Loader=Loader)
+    except (yaml.YAMLError, RecursionError):
+        return {}
+    lines: dict[str, int] = {}
+    for key, value in node.value if isinstance(node, yaml.MappingNode) else ():
+        lines[str(key.value)] = key.start_mark.line + 1
+        for sub, _ in value.value if isinstance(value, yaml.MappingNode) else ():
+            lines[f"{key.value}.{sub.value}"] = sub.start_mark.line + 1
+    return lines

@@ -18,13 +18,11 @@ import signal
 from pathlib import Path
 from typing import Callable
 
-from harness.distributed import collectives
 from harness.config import Config, save_config
 from harness.config.modes import facts
 from harness.errors import ConfigError, HarnessError
 from harness.files import write_json
 from harness.rundir import lock
-from harness.stopping import stop_handlers
 from harness.config import SECTIONS
 
 # what a training run writes into its output folder and train.overwrite=true deletes (config.yaml, environment.json
@@ -56,6 +54,8 @@ def hold(out: Path, accelerator, opened: contextlib.ExitStack) -> None:
             held = lock.acquire(out, accelerator.print)
             opened.callback(lock.release, held)
 
+    from harness.distributed import collectives  # lazy: start-up time (rundir.finished's check runs before torch)
+
     collectives.on_main(accelerator, take)
 
 
@@ -65,6 +65,8 @@ def stop_signals_held():
     set-up's, train.main). Python runs signal handlers in the main thread whichever thread received the signal, so
     the handlers are swapped rather than the signal mask (blocking it in this thread alone let another thread take
     it). Outside the main thread: nothing is held."""
+    from harness.stopping import stop_handlers  # lazy: start-up time (rundir.finished's check runs before torch)
+
     noted = []
     try:
         with stop_handlers(lambda signum, frame: noted.append(signum)):

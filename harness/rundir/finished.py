@@ -9,9 +9,14 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from harness.checkpoint.store import list_checkpoints
+import yaml
+
 from harness.errors import HarnessError
-from harness.stopping import EARLY_STOPPING, TIME_BUDGET
+
+# stopping.TIME_BUDGET and stopping.EARLY_STOPPING (tests/test_rerun.py holds them equal): this module is read before
+# torch is imported (train.py's entry answers "nothing to do" in a second), and stopping.py imports torch
+STOPPED_BY_TIME, STOPPED_EARLY = "time_budget", "early_stopping"
+TIME_BUDGET, EARLY_STOPPING = STOPPED_BY_TIME, STOPPED_EARLY
 
 
 def finished_run(output_dir: str | Path) -> Optional[dict]:
@@ -40,8 +45,6 @@ def more_steps(t, rep: dict) -> Optional[str]:
         return f"train.max_steps={t.max_steps} (it planned {planned})" if t.max_steps > max(planned, rep["steps"]) \
             else None
     try:
-        import yaml
-
         before = yaml.safe_load(Path(t.output_dir, "config.yaml").read_text())["train"]
         old_steps, old_epochs = int(before["max_steps"]), float(before["epochs"])
     except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
@@ -56,6 +59,8 @@ def continue_finished(output_dir: str | Path, rep: dict, asks: str) -> str:
     schedule; a one-line HarnessError when it has none."""
     out = Path(output_dir)
     done = f"{out} holds a finished run (step {rep.get('steps')}/{rep.get('planned_steps')})"
+    from harness.checkpoint.store import list_checkpoints  # lazy: start-up time (the check runs before torch)
+
     saved, _ = list_checkpoints(out)
     if not saved:
         raise HarnessError(f"{done} and {asks} asks for more, but it has no checkpoint to continue from: train a new "
@@ -90,3 +95,22 @@ def nothing_to_do(t) -> bool:
     if line is not None and os.environ.get("RANK", "0") == "0":
         print(line, flush=True)
     return done is not None and asks is None
+
+
+def finished_nothing_asked(settings: dict) -> bool:
+    """The entry points' answer before torch is imported (`settings`: the resolved config as a dict,
+    Config.to_dict()): True, with the finished run's one line (main process), when the folder holds a finished run
+    whose config.yaml is this config (the same command again: its machine checks passed when it ran, and nothing
+    will run); else False, saying nothing: a changed config (a bad override included) is checked in full first, and
+    `nothing_to_do` answers after the machine checks."""
+    t = settings["train"]
+    done = None if t["overwrite"] else finished_run(t["output_dir"])
+    try:
+        saved = yaml.safe_load(Path(t["output_dir"], "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    if done is None or not isinstance(saved, dict) or any(settings.get(k) != v for k, v in saved.items()):
+        return False
+    if os.environ.get("RANK", "0") == "0":
+        print(describe_finished(t["output_dir"], done), flush=True)
+    return True
