@@ -248,7 +248,7 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
         lines.append(f"cost: {base['total_s'] / 3600:.3f} h x {cfg.train.price_per_hour:g} per {cfg.train.price_unit} per "
                      f"hour" + (f" x {cal.world_size} GPUs" if cfg.train.price_unit == "gpu" else "")
                      + f" = {format_cost(base['cost'])}")
-    adjustments = [] if ok else propose(cfg, data, sched, base, run_estimate, window, flop_dims, world)
+    adjustments = [] if ok else propose(cfg, data, sched, run_estimate, window, flop_dims, world)
     for i, a in enumerate(adjustments, 1):
         a["estimate"]["cost"] = price(a["estimate"])
         paid = f", cost {format_cost(a['estimate']['cost'])}" if a["estimate"]["cost"] is not None else ""
@@ -262,10 +262,12 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
                      for k, v in data.items()}}
 
 
-def propose(cfg: Config, data: dict, sched: dict, base: dict, run_estimate, window: float,
+def propose(cfg: Config, data: dict, sched: dict, run_estimate, window: float,
             flop_dims: Optional[tuple[int, int, int]], world: int) -> list[dict]:
-    """Adjustments that bring the run into the window, each re-estimated with `run_estimate`, with its reason."""
+    """Adjustments that bring the run into the window, each re-estimated with `run_estimate` (the planned run's
+    estimate is run_estimate of the schedule's steps), with its reason."""
     t, out = cfg.train, []
+    base = run_estimate(sched["total_steps"])
     fixed = base["total_s"] - base["train_s"]
 
     def add(overrides: dict, est: dict, reason: str) -> None:
