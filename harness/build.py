@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from harness import hardware, optim, rundir
+from harness import hardware, moe, optim, rundir
 from harness.checkpoint import resume
 from harness.speed.compiling import CompileWatch
 from harness.config import Config
@@ -285,7 +285,8 @@ def build_model(started: Started, tokenizer, data: loaders.RunData) -> Built:
     if cfg.loss.mode in ("embedding", "unified"):
         model_lib.check_embedding_support(model.config.model_type, model.config._attn_implementation,
                                           cfg.model.embed_attention)
-    parameters, matmul_params = model_lib.count_parameters(model), metrics.matmul_params(model)
+    parameters = model_lib.count_parameters(model)
+    matmul_params = moe.active_matmul_params(model, metrics.matmul_params(model))  # MoE: top-k of the experts
     if started.compile is not None:
         started.compile.model_built(model)
     optimizer = optim.build_optimizer(model, cfg.optim, offload=zero["offload_optimizer"] not in (None, "none"))

@@ -28,7 +28,7 @@ from harness.chunked_loss import ChunkedHeadLoss
 from harness.model import embed
 from harness.observe import metrics
 from harness.state import StepSums
-from harness import preference
+from harness import moe, preference
 from harness.rl import step
 
 @contextlib.contextmanager
@@ -167,6 +167,7 @@ class Objective:
         self.check = LossCheck(accelerator, before_backward=is_deepspeed(accelerator))
         self.rl = None  # loss.mode=rl: harness.rl.rollout.Rollouts (set by the build), the step's answers
         self.rl_cfg, self.rl_temperature = rl, rl_temperature
+        self.router_coef = m.router_aux_loss_coef  # MoE: null = the model's own (harness/moe.py)
         self.widths = None  # (query, passage) widths of data.embed_length_buckets, or None (harness.speed.buckets)
 
     def flops(self, batch: dict, backward: bool) -> float:
@@ -229,15 +230,16 @@ class Objective:
             return step.micro_step(self, gen, gen_scale)
         if gen is not None:
             deferred = deferred_sync(accelerator, model) if emb is not None else contextlib.nullcontext()
-            with deferred:
+            with deferred, moe.RouterLoss(model, self.router_coef) as router:  # MoE: the router's aux loss
                 total, count = self.generative_loss_sum(gen)
                 scale = gen_scale if self.loss.gen_averaging == "token" else losses.mixed_scale(count)
-                self.check.backward(self.loss.gen_weight * total * scale)
+                self.check.backward(self.loss.gen_weight * total * scale + router.term)
             total = total.detach()
             first = self.sp is None or self.sp.rank == 0  # a group's rows are counted once
             sums = StepSums(gen_sum=total, gen_count=count, gen_mean_sum=total / count.clamp(min=1),
                             gen_micro=int(first), tokens=real_tokens(gen), positions=gen["input_ids"].numel(),
-                            samples=gen["input_ids"].shape[0] if first else 0, flops=self.flops(gen, backward=True))
+                            samples=gen["input_ids"].shape[0] if first else 0, flops=self.flops(gen, backward=True),
+                            **router.sums())
         if emb is not None:
             chunks = self.loss.grad_cache_chunks
             loss_emb = self._embedding_plain(emb) if chunks == 1 else self._embedding_cached(emb, chunks)

@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
+from harness import moe
 from harness.config import LossConfig
 from harness.errors import HarnessError, one_line
 from harness.files import write_json
@@ -34,9 +35,11 @@ def losses_of(sums: StepSums, loss: LossConfig, rl_beta: float) -> dict:
                              else sums.gen_mean_sum / sums.gen_micro)
     if sums.emb_count:
         parts["loss_emb"] = sums.emb_sum / sums.emb_count
+    term, router = moe.router_figures(asdict(sums))  # MoE: coef * aux_loss in the loss; aux_loss, expert_load
     if loss.mode == "unified":
-        return {"loss": loss.gen_weight * parts["loss_gen"] + loss.emb_weight * parts["loss_emb"], **parts}
-    return {"loss": next(iter(parts.values()))}
+        return {"loss": loss.gen_weight * parts["loss_gen"] + loss.emb_weight * parts["loss_emb"] + term, **parts,
+                **router}
+    return {"loss": next(iter(parts.values())) + term, **router}
 
 
 class StepLog:
