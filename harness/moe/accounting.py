@@ -15,7 +15,7 @@ def expert_params(model) -> tuple[int, int]:
     if not n:
         return 0, 0
     total = sum(getattr(p, "ds_numel", p.numel()) for name, p in base_model(model).named_parameters()
-                if _routed(name) and "lora_" not in name)
+                if _routed(name))  # their adapters (model.lora.experts) with them
     return total, total * k // n
 
 
@@ -48,3 +48,16 @@ def active_matmul_params(model, linear: int) -> int:
 
 def _routed(name: str) -> bool:
     return ".experts." in f".{name}." and "shared" not in name
+
+
+def mlp_width(config, default: int) -> int:
+    """The MLP width a token's activations see, for the memory arithmetic: a mixture of experts' top-k experts' widths
+    (moe_intermediate_size, else intermediate_size: the expert's own) plus its shared experts'; a dense model's
+    intermediate_size (`default` without one)."""
+    n, k = experts_of(config)
+    dense = getattr(config, "intermediate_size", None) or default
+    if not n:
+        return dense
+    expert = getattr(config, "moe_intermediate_size", None) or dense
+    shared = getattr(config, "shared_expert_intermediate_size", None) or 0
+    return k * expert + shared
