@@ -233,3 +233,52 @@ def test_zero_plan_prints_total_and_active_parameters():
     assert tiny.shape.intermediate == 2 * 128 and "4*256)" in tiny.text  # top-2 of 128-wide experts, not 1000
     lora = plan(load_config(QWEN3_30B, []), Hardware(8, 80))
     assert lora.choice == "3", lora.text  # the frozen 30.5B base partitioned over 8: stages 0-2 do not fit
+
+
+# ----------------------------------------------------------------------------------------------- LoRA on the experts
+
+def test_lora_on_the_experts_reloads_and_merges_to_the_trained_logits(tmp_path, monkeypatch):
+    """model.lora.experts=true with target_modules [q_proj, v_proj]: the adapter holds deltas of the experts' 3-D
+    weights (peft's target_parameters), moved by training; peft's AutoPeftModelForCausalLM on final/ and the merged
+    final/merged/ give the trained model's logits within 1e-5."""
+    from peft import AutoPeftModelForCausalLM
+    from safetensors.torch import load_file
+
+    seen = {}
+    real = Objective.micro_step
+
+    def keep_model(self, gen, emb, gen_scale):
+        seen["model"] = self.model
+        return real(self, gen, emb, gen_scale)
+
+    monkeypatch.setattr(Objective, "micro_step", keep_model)
+    out = tmp_path / "run"
+    train.run(load_config(MOE_TINY, [f"train.output_dir={out}", *FAST, "train.max_steps=3", "optim.lr=5e-2",
+                                     "optim.warmup_steps=0", "model.lora.enabled=true", "model.lora.experts=true",
+                                     "model.lora.target_modules=[q_proj, v_proj]"]))
+    trained = unwrap(seen["model"]).eval()
+    adapter = load_file(str(out / "final" / "adapter_model.safetensors"))
+    experts = {k: v for k, v in adapter.items() if ".experts." in k}
+    assert {k.split("experts.")[-1].rsplit(".", 1)[0] for k in experts} >= {"lora_A", "lora_B", "base_layer.lora_A",
+                                                                           "base_layer.lora_B"}, sorted(adapter)
+    assert all(v.abs().max() > 0 for k, v in experts.items() if "lora_B" in k)  # trained (lora_B starts at 0)
+    ids = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = trained(input_ids=ids).logits
+        auto = AutoPeftModelForCausalLM.from_pretrained(out / "final").eval()
+        merged = AutoModelForCausalLM.from_pretrained(out / "final" / "merged").eval()
+        for name, model in (("AutoPeft", auto), ("merged", merged)):
+            diff = (model(input_ids=ids).logits - want).abs().max().item()
+            assert diff <= 1e-5, (name, diff)
+
+
+def test_lora_experts_refusals():
+    """One line each: a dense model (nothing to adapt), QLoRA (bitsandbytes leaves the 3-D experts unquantized)."""
+    from harness.errors import ConfigError
+    from harness.model import build_model, load_tokenizer
+
+    cfg = load_config(str(ROOT / "configs" / "default.yaml"), ["model.lora.enabled=true", "model.lora.experts=true"])
+    with pytest.raises(ConfigError, match="model.lora.experts.*no fused 3-D expert weights"):
+        build_model(cfg.model, load_tokenizer(cfg.model))
+    with pytest.raises(ConfigError, match="model.lora.experts.*not with model.quantization=4bit"):
+        load_config(QWEN3_30B, ["model.quantization=4bit", "model.lora.experts=true"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from harness.errors import ConfigError
 from harness.moe.router import ROUTER_NAMES, base_model, experts_of
 
 
@@ -61,3 +62,15 @@ def mlp_width(config, default: int) -> int:
     expert = getattr(config, "moe_intermediate_size", None) or dense
     shared = getattr(config, "shared_expert_intermediate_size", None) or 0
     return k * expert + shared
+
+
+def expert_targets(model) -> list[str]:
+    """model.lora.experts: peft's `target_parameters` for the routed experts' fused 3-D weights (transformers 5:
+    `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`), as `experts.<name>` suffixes. A dense model, or experts as
+    separate nn.Linear modules (reached by model.lora.target_modules), is refused in one line."""
+    names = sorted({"experts." + name.rsplit(".", 1)[-1] for name, p in base_model(model).named_parameters()
+                    if _routed(name) and p.dim() == 3})
+    if not names:
+        raise ConfigError("config key 'model.lora.experts': the model has no fused 3-D expert weights (a dense model, "
+                          "or experts as separate Linear modules: name them in model.lora.target_modules)")
+    return names
