@@ -282,3 +282,63 @@ def test_lora_experts_refusals():
         build_model(cfg.model, load_tokenizer(cfg.model))
     with pytest.raises(ConfigError, match="model.lora.experts.*not with model.quantization=4bit"):
         load_config(QWEN3_30B, ["model.quantization=4bit", "model.lora.experts=true"])
+
+
+# ----------------------------------------------------------------------------------------------- ZeRO-3, a starved expert
+
+def _starving_model(folder: Path, records: list[str]) -> None:
+    """configs/moe-tiny.yaml's model with its first layer's routing forced: a hidden feature (dimension 0 of the
+    embeddings, +4 for the tokens of records[0] that records[1] lacks, -4 for every other token) alone drives expert
+    0's router logit (x 50; the other experts' rows zero): records[1]'s tokens never reach expert 0 in layer 0, some
+    of records[0]'s do. Saved as a pretrained folder."""
+    from harness.model import build_model, load_tokenizer
+
+    cfg = load_config(MOE_TINY, [])
+    tok = load_tokenizer(cfg.model)
+    model = build_model(cfg.model, tok)
+    only_first = set(tok(records[0])["input_ids"]) - set(tok(records[1])["input_ids"])
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[:, 0] = -4.0
+        emb[sorted(only_first), 0] = 4.0
+        router = model.model.layers[0].mlp.gate.weight
+        router.zero_()
+        router[0, 0] = 50.0
+    model.save_pretrained(folder)
+
+
+@pytest.mark.slow
+def test_zero3_two_processes_with_a_starved_expert_equal_one_process(tmp_path):
+    """2-process ZeRO-3, one record per rank, layer 0's expert 0 routed no token on the rank holding the second
+    record (forced: _starving_model, checked below): no hang (a 300 s timeout) and the losses of 1 process with the
+    same global batch as 2 micro-batches (the aux loss is a mean over micro-batches either way) within 1e-5."""
+    from harness_launch import metrics, report, run_train
+
+    records = ["the quick brown fox jumps over a lazy dog near seven old barns", "one two three four five six"]
+    data = tmp_path / "two.jsonl"
+    data.write_text("".join(json.dumps({"text": r}) + "\n" for r in records))
+    folder = tmp_path / "starving"
+    _starving_model(folder, records)
+    with torch.no_grad():  # the forcing holds on the starting weights: expert 0 of layer 0, per record
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        from harness.model import load_tokenizer
+
+        tok = load_tokenizer(load_config(MOE_TINY, []).model)
+        hits = []
+        for r in records:
+            out = model(**tok(r, return_tensors="pt"), output_router_logits=True)
+            hits.append(int((out.router_logits[0].topk(2, dim=-1).indices == 0).sum()))
+    assert hits[0] > 0 and hits[1] == 0, hits
+    common = [*FAST, "train.max_steps=3", f"data.train_files=[{data}]", f"model.name_or_path={folder}",
+              "model.tokenizer=bundled", "train.save_final=false", "optim.warmup_steps=0", "optim.lr=1e-2",
+              "train.micro_batch_size=1"]
+    run_train([f"train.output_dir={tmp_path / 'one'}", *common, "train.grad_accum=2"], config=MOE_TINY, timeout=300)
+    run_train([f"train.output_dir={tmp_path / 'zero3'}", *common, "train.grad_accum=1"], nproc=2, accel="zero3",
+              config=MOE_TINY, timeout=300)
+    rep = report(tmp_path / "zero3")
+    assert rep["world_size"] == 2 and rep["zero_stage"] == 3
+    one, zero3 = metrics(tmp_path / "one"), metrics(tmp_path / "zero3")
+    assert len(one) == len(zero3) == 3
+    for a, b in zip(one, zero3):
+        for key in ("loss", "aux_loss", "expert_load"):
+            assert abs(a[key] - b[key]) <= 1e-5, (a["step"], key, a[key], b[key])
