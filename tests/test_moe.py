@@ -289,7 +289,7 @@ def test_lora_experts_refusals():
 def _starving_model(folder: Path, records: list[str]) -> None:
     """configs/moe-tiny.yaml's model with its first layer's routing forced: a hidden feature (dimension 0 of the
     embeddings, +4 for the tokens of records[0] that records[1] lacks, -4 for every other token) alone drives expert
-    0's router logit (x 50; the other experts' rows zero): records[1]'s tokens never reach expert 0 in layer 0, some
+    0's router logit (x 50; the other experts' rows small and random, blind to it): records[1]'s tokens never reach expert 0 in layer 0, some
     of records[0]'s do. Saved as a pretrained folder."""
     from harness.model import build_model, load_tokenizer
 
@@ -302,7 +302,9 @@ def _starving_model(folder: Path, records: list[str]) -> None:
         emb[:, 0] = -4.0
         emb[sorted(only_first), 0] = 4.0
         router = model.model.layers[0].mlp.gate.weight
-        router.zero_()
+        router.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(0))  # no ties among the other experts
+        router[:, 0] = 0.0
+        router[0] = 0.0
         router[0, 0] = 50.0
     model.save_pretrained(folder)
 
