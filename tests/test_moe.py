@@ -105,6 +105,10 @@ def test_router_coef_override_and_router_frozen(tmp_path, monkeypatch):
     model = build_model(cfg.model, load_tokenizer(cfg.model))
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     assert frozen == {f"model.layers.{i}.mlp.gate.weight" for i in range(2)}
+    cfg = load_config(MOE_TINY, ["model.train_router=false", "model.lora.enabled=true"])  # peft adapts the router too
+    lora = build_model(cfg.model, load_tokenizer(cfg.model))
+    trained = [n for n, p in lora.named_parameters() if p.requires_grad]
+    assert trained and not [n for n in trained if ".mlp.gate." in n]
 
 
 def _tiny(model_type: str = "qwen3_moe", **kw):

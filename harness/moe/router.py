@@ -76,7 +76,7 @@ def freeze_router(model) -> int:
     frozen = 0
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in ROUTER_NAMES and "mlp" in name:
-            for p in module.parameters(recurse=False):
+            for p in module.parameters():  # its LoRA adapters too (peft wraps the router in place)
                 p.requires_grad_(False)
                 frozen += 1
     return frozen
