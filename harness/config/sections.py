@@ -51,8 +51,8 @@ class ModelConfig:
         "model's own router_aux_loss_coef; 0: the cross-entropy alone.")
     train_router: bool = _f(True, "Mixture of experts: train the routers' weights (false: frozen).")
     experts_implementation: Literal["auto", "eager", "batched_mm", "grouped_mm"] = _f(
-        "auto", "Mixture of experts: transformers' experts kernel. auto: grouped_mm on a CUDA GPU, eager on a "
-        "CPU (the faster measured, docs/bench/moe-experts-cpu.md); ignored for dense models.")
+        "auto", "Mixture of experts: transformers' experts kernel. auto: grouped_mm (torch's grouped matmul; on a "
+        "CPU too, the fastest measured there: docs/bench/moe-experts-cpu.json); ignored for dense models.")
 
 
 @dataclass

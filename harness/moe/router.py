@@ -20,7 +20,7 @@ import torch
 # The families' names for the per-token expert count and the expert count (transformers' configs).
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
-CPU_EXPERTS = "eager"  # model.experts_implementation=auto without CUDA (docs/bench/moe-experts-cpu.md)
+CPU_EXPERTS = "grouped_mm"  # model.experts_implementation=auto without CUDA (docs/bench/moe-experts-cpu.json)
 ROUTER_NAMES = ("gate", "router")  # the router module's name inside a MoE block (mlp.gate, mlp.router)
 
 
