@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from harness import hardware, optim, rundir
+from harness import hardware, moe, optim, rundir
 from harness.checkpoint import resume
 from harness.speed.compiling import CompileWatch
 from harness.config import Config
@@ -322,7 +322,8 @@ def make_model(started: Started, tokenizer) -> tuple[Any, int, int]:
         say(f"[harness] sequence parallel {sp.size}: Ulysses attention around "
             f"{sequence.install_attention(sp, model, cfg.train.micro_batch_size)}, groups of {sp.size} consecutive "
             f"processes, each 1/{sp.size} of every row's positions")
-    return model, model_lib.count_parameters(model), metrics.matmul_params(model)
+    # MoE: the experts' matmuls at top-k / E (the active parameters a token meets)
+    return model, model_lib.count_parameters(model), moe.active_matmul_params(model, metrics.matmul_params(model))
 
 
 def prepare(started: Started, model, optimizer, data: loaders.RunData) -> tuple[Any, Any, list]:

@@ -11,6 +11,7 @@ from harness.config import ModelConfig
 from harness.errors import ConfigError
 from harness.config import lora_config
 from harness.distributed.zero import without_zero3_init
+from harness import moe
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -71,7 +72,8 @@ def apply_lora(model, cfg: ModelConfig, added_tokens: list[int] | None = None):
     targets = lc.target_modules
     try:
         peft_cfg = LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets,
-                              task_type="CAUSAL_LM", trainable_token_indices=_token_targets(model, added_tokens))
+                              task_type="CAUSAL_LM", trainable_token_indices=_token_targets(model, added_tokens),
+                              target_parameters=moe.expert_targets(model) if lc.experts else None)  # MoE experts
         return get_peft_model(model, peft_cfg)
     except ValueError as e:
         raise ConfigError(f"config key 'model.lora.target_modules': {str(e).splitlines()[0]}")

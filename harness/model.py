@@ -23,6 +23,7 @@ from harness.errors import ConfigError
 from harness.lora import apply_lora, keep_4bit_training_layout, quantization_kwargs
 from harness.data.chat import resolve_template, uses_markers
 from harness.losses import pool
+from harness import moe
 from harness.config.shape import pretrained_shape
 
 BUNDLED_TOKENIZER = Path(__file__).parent / "assets" / "tokenizer"
@@ -90,6 +91,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
             mconf = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **overrides)
         if auto:
             common["attn_implementation"] = auto_attention(mconf, packed_causal)
+        common.update(moe.experts_kwargs(mconf, cfg.experts_implementation))  # MoE: the experts' kernel
         if cfg.name_or_path is None or cfg.random_init:
             model = AutoModelForCausalLM.from_config(mconf, dtype=dtype, **common)
         else:
@@ -112,7 +114,10 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     added = list(range(base_vocab, model.get_input_embeddings().num_embeddings))  # new rows: added tokens, padding
-    return apply_lora(model, cfg, added_tokens=added).train()  # from_pretrained leaves it in eval mode
+    model = apply_lora(model, cfg, added_tokens=added)
+    if not cfg.train_router:  # MoE: model.train_router=false
+        moe.freeze_router(model)
+    return model.train()  # from_pretrained leaves it in eval mode
 
 
 def auto_attention(mconf, packed_causal: bool) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -35,6 +35,7 @@ from harness.chunked_loss import ChunkedHeadLoss
 from harness.model import embed
 from harness.observe import metrics
 from harness.state import StepSums, gritlm_figures
+from harness import moe
 
 
 @dataclass(frozen=True)
@@ -214,6 +215,7 @@ class Objective:
         self.flop_dims = parts.flop_dims  # (matmul parameters, layers, hidden), for MFU accounting
         self.check = LossCheck(parts.accelerator, before_backward=is_deepspeed(parts.accelerator))
         self.widths, self.combined = widths, combined
+        self.router_coef = m.router_aux_loss_coef  # MoE: null = the model's own (harness/moe/)
 
     # ---- the face's defaults (a mode overrides what it does differently)
 
@@ -227,8 +229,11 @@ class Objective:
         return gen, emb
 
     def figures(self, sums: StepSums) -> dict:
-        """The log line's losses from the interval's summed step sums."""
-        return gritlm_figures(sums, self.loss, self.combined)
+        """The log line's losses from the interval's summed step sums (MoE: the router's term in the loss, and
+        aux_loss and expert_load apart)."""
+        term, router = moe.router_figures(asdict(sums))
+        out = gritlm_figures(sums, self.loss, self.combined)
+        return {**out, "loss": out["loss"] + term, **router}
 
     def evaluate(self, data) -> dict:
         """The mode's held-out figures (`data`: the run's RunData): the generative loss on data.gen_eval."""
@@ -300,15 +305,16 @@ class Objective:
         sums = StepSums()
         if gen is not None:
             deferred = deferred_sync(accelerator, model) if emb is not None else contextlib.nullcontext()
-            with deferred:
+            with deferred, moe.RouterLoss(model, self.router_coef) as router:  # MoE: the router's aux loss
                 total, count = self.generative_loss_sum(gen)
                 scale = gen_scale if self.loss.gen_averaging == "token" else losses.mixed_scale(count)
-                self.check.backward(self.loss.gen_weight * total * scale)
+                self.check.backward(self.loss.gen_weight * total * scale + router.term)
             total = total.detach()
             first = self.sp is None or self.sp.rank == 0  # a group's rows are counted once
             sums = StepSums(gen_sum=total, gen_count=count, gen_mean_sum=total / count.clamp(min=1),
                             gen_micro=int(first), tokens=real_tokens(gen), positions=gen["input_ids"].numel(),
-                            samples=gen["input_ids"].shape[0] if first else 0, flops=self.flops(gen, backward=True))
+                            samples=gen["input_ids"].shape[0] if first else 0, flops=self.flops(gen, backward=True),
+                            **router.sums())
         if emb is not None:
             chunks = self.loss.grad_cache_chunks
             loss_emb = self._embedding_plain(emb) if chunks == 1 else self._embedding_cached(emb, chunks)

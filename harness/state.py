@@ -47,6 +47,10 @@ class StepSums:
     rl_gen_s: Number = 0  # seconds generating (the main process's)
     rl_train_s: Number = 0  # seconds in the training passes (the main process's)
     rl_gen_calls: Number = 0  # engine calls generating the answers (the main process's)
+    aux_sum: Number = 0  # MoE: the router's aux_loss, summed over generative micro-batches (harness/moe.py)
+    aux_term_sum: Number = 0  # MoE: router_aux_loss_coef * aux_loss (what the loss adds), summed likewise
+    load_sum: Number = 0  # MoE: the largest expert's share of the routed tokens (per-layer mean), summed likewise
+    aux_micro: Number = 0  # MoE: the micro-batches summed in the three above
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

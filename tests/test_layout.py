@@ -57,7 +57,7 @@ LAYERS = [
     # 1: the config and what it checks values against (reading rows, chat templates), plain facts and records
     ["harness.config", "harness.data", "harness.data.formats", "harness.data.sources", "harness.data.readers",
      "harness.data.chat",
-     "harness.data.mixing", "harness.hardware", "harness.state", "harness.stopping", "harness.speed",
+     "harness.data.mixing", "harness.hardware", "harness.state", "harness.stopping", "harness.speed", "harness.moe",
      "harness.speed.compiling",
      "harness.observe"],
     # 2: the run's parts: processes, model, samples and loaders, losses, the objective, checkpoints, the output folder

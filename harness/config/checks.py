@@ -278,6 +278,10 @@ def check_quantization(cfg: Config) -> None:
                           f"model.name_or_path (a hub id or a folder); not a model from model.config or random_init")
     if deepspeed_stage(cfg.train.deepspeed) == 3:
         raise ConfigError(quantization_zero3_error(q, f"train.deepspeed={cfg.train.deepspeed}"))
+    if lc.experts:  # MoE (docs/moe.md): refused in one line rather than an untested path
+        raise ConfigError(f"config key 'model.lora.experts': not with model.quantization={q}: bitsandbytes quantizes "
+                          f"nn.Linear layers only, and transformers 5's experts are 3-D tensors it leaves in full "
+                          f"precision; use model.lora.experts=false (adapters on the quantized layers) or no quantization")
 
 
 def quantization_zero3_error(q: str, why: str) -> str:

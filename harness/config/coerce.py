@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from dataclasses import field
 from typing import Any, Literal, Optional
 
 from harness.config.foreign import hint
@@ -77,3 +78,10 @@ def nested_section(section_cls: type, values: dict, prefix: str):
             raise unknown("key", f"{prefix}.{key}", list(fields))
         out[key] = coerce(f"{prefix}.{key}", value, fields[key])
     return section_cls(**out)
+
+
+def help_field(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field with a help text (mutable defaults go through a factory)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})

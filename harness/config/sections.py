@@ -9,15 +9,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
-from harness.config.coerce import nested_section
+from harness.config.coerce import help_field as _f
+from harness.config.lora_keys import LoraConfig, lora_config  # noqa: F401 - model.lora
 from harness.errors import ConfigError
-
-
-def _f(default: Any, help: str, **kw: Any) -> Any:
-    """A dataclass field with a help text (mutable defaults go through a factory)."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass
@@ -51,27 +45,14 @@ class ModelConfig:
         "LLM.int8. Needs model.lora.enabled=true and a pretrained model.name_or_path; not under ZeRO-3.")
     lora: dict = _f({}, "LoRA through peft (keys below, LoraConfig); e.g. model.lora.enabled=true model.lora.r=16. "
                         "final/ then holds the adapter and final/merged/ the merged model.")
-
-
-@dataclass
-class LoraConfig:
-    """The keys of `model.lora` (a mapping, so that `model.lora.r=16` overrides one key)."""
-
-    enabled: bool = _f(False, "Train LoRA adapters instead of all weights (the base is frozen).")
-    r: int = _f(8, "LoRA rank.")
-    alpha: float = _f(16.0, "LoRA alpha (the update is scaled by alpha / r).")
-    dropout: float = _f(0.0, "Dropout on the LoRA input.")
-    target_modules: Union[str, list] = _f("all-linear", "Module names to adapt (list), or all-linear (every linear "
-                                                       "layer but the output head).")
-
-
-def lora_config(model: "ModelConfig") -> LoraConfig:
-    """`model.lora` checked key by key (unknown keys and wrong types name the key) with the defaults filled in."""
-    cfg = nested_section(LoraConfig, model.lora, "model.lora")
-    if cfg.r < 1 or not 0 <= cfg.dropout < 1:
-        raise ConfigError("config key 'model.lora.r' must be >= 1" if cfg.r < 1
-                          else "config key 'model.lora.dropout': must be in [0, 1)")
-    return cfg
+    router_aux_loss_coef: Optional[float] = _f(
+        None, "Mixture of experts (docs/moe.md): the weight of the router's load-balancing loss, added to the "
+        "generative loss as the model's own forward adds it (logged apart: aux_loss, expert_load). Null: the "
+        "model's own router_aux_loss_coef; 0: the cross-entropy alone.")
+    train_router: bool = _f(True, "Mixture of experts: train the routers' weights (false: frozen).")
+    experts_implementation: Literal["auto", "eager", "batched_mm", "grouped_mm"] = _f(
+        "auto", "Mixture of experts: transformers' experts kernel. auto: grouped_mm (torch's grouped matmul; on a "
+        "CPU too, the fastest measured there: docs/bench/moe-experts-cpu.json); ignored for dense models.")
 
 
 @dataclass

@@ -374,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         cal, rep = calibrate(args.config, args.overrides, cfg, args.settle_steps, args.steps, args.launcher, say)
     data = analyse_data(cfg)
     dims = tuple(rep["flop_dims"]) if rep.get("flop_dims") else None
+    if dims and rep.get("parameters"):  # both counts: memory holds them all, a token's compute the active ones (MoE)
+        say(f"model: {rep['parameters']:,} parameters in all, {dims[0]:,} matmul weights active per token (FLOPs)")
     if cfg.train.micro_batch_size == "auto":  # what the measured run found
         from dataclasses import replace
 

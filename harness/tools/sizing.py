@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from harness import moe
 from harness.config import Config, LossConfig, lora_config
 from harness.config.modes import facts
 from harness.distributed.sequence import attention_heads
@@ -40,6 +41,7 @@ class ModelShape:
     note: str = ""  # how the shape was obtained when not from the recipe as is (offline sizing)
     chunkable_head: bool = True  # the chunked loss can take the output head (chunked_loss.resolve_chunked_ce)
     head_dim: int = 0  # per attention head (the config's head_dim, else hidden / heads: the KV cache's size)
+    active: int = 0  # parameters a token goes through (a mixture of experts: top-k of its experts); 0: all of P
 
     @property
     def frozen(self) -> int:
@@ -79,10 +81,11 @@ def model_shape(cfg: Config) -> ModelShape:
     layer_params = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
     hidden = c.hidden_size
     heads = c.num_attention_heads
+    experts = moe.expert_params(model)  # (routed experts' parameters, active per token)
     return ModelShape(
         params=sum(p.numel() for p in model.parameters()),
         hidden=hidden,
-        intermediate=getattr(c, "intermediate_size", 4 * hidden),
+        intermediate=moe.mlp_width(c, 4 * hidden),  # a mixture of experts: its k experts' widths per token
         layers=c.num_hidden_layers,
         heads=heads,
         kv_heads=getattr(c, "num_key_value_heads", None) or heads,
@@ -95,6 +98,7 @@ def model_shape(cfg: Config) -> ModelShape:
         note=note,
         chunkable_head=_chunkable_head(model),
         head_dim=attention_heads(c)[2],
+        active=sum(p.numel() for p in model.parameters()) - experts[0] + experts[1],
     )
 
 
@@ -204,3 +208,13 @@ def sp_sizes(cfg: Config, shape: ModelShape, gpus_per_node: int) -> list[int]:
             continue
         sizes.append(n)
     return sizes
+
+
+def moe_line(shape: ModelShape) -> str:
+    """zero-plan's model line, continued for a mixture of experts: both parameter counts (the memory counts P; a
+    token's compute, MFU and FLOPs the active ones) and the MLP width the activations count."""
+    if not shape.active or shape.active == shape.params:
+        return ""
+    return (f"; mixture of experts: total {shape.params / 1e9:.2f}B parameters (weights, gradients and states below), "
+            f"active {shape.active / 1e9:.2f}B per token (A = {shape.active:,}: attention, embeddings, the head, "
+            f"the routers and the top-k experts; compute and MFU), i = the k experts' widths per token")

@@ -67,7 +67,7 @@ from typing import Optional
 
 from harness.config import Config, load_config, lora_config, recipe_args
 from harness.errors import HarnessError
-from harness.tools.sizing import GIB, ModelShape, activation_terms, model_shape, sp_sizes, with_overrides
+from harness.tools.sizing import GIB, ModelShape, activation_terms, model_shape, moe_line, sp_sizes, with_overrides
 from harness.tools.state_bytes import QUANT_BYTES, frozen_bytes, host_bytes, weight_bytes  # noqa: F401 - (also here)
 from harness.distributed.zero import planned_weights
 from harness.model import load_run_tokenizer
@@ -271,7 +271,7 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
     out += [
         f"model: {shape.model_type}, P = {shape.params:,} parameters ({size}): hidden h={shape.hidden}, "
         f"intermediate i={shape.intermediate}, {shape.layers} layers, {shape.heads} heads ({shape.kv_heads} kv), "
-        f"vocab {shape.vocab}",
+        f"vocab {shape.vocab}" + moe_line(shape),
     ]
     out += _state_lines(cfg, shape, hw, weights)
     gen = None

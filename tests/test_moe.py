@@ -1,0 +1,350 @@
+"""Mixture-of-experts models (harness/moe.py, docs/moe.md): the router's auxiliary loss as the model's own forward
+adds it, the experts' load, the active parameters in the FLOP figures.
+
+    .venv/bin/python -m pytest tests/test_moe.py -n 0 -q
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from harness import moe, train
+from harness.config import load_config
+from harness.data.samples import model_inputs
+from harness.model import unwrap
+from harness.objective import Objective
+from harness_launch import FAST, ROOT
+
+MOE_TINY = str(ROOT / "configs" / "moe-tiny.yaml")
+# the second family: OLMoE (its own router_aux_loss_coef 0.01, router z-loss none in transformers 5.24)
+OLMOE = ["model.config={model_type: olmoe, hidden_size: 128, intermediate_size: 96, num_hidden_layers: 2, "
+         "num_attention_heads: 4, num_key_value_heads: 4, num_experts: 8, num_experts_per_tok: 2, "
+         "router_aux_loss_coef: 0.01, max_position_embeddings: 512, tie_word_embeddings: true}"]
+
+
+def _step1(tmp_path, monkeypatch, overrides: list[str]) -> tuple[dict, dict, dict]:
+    """One step of `harness train` (in this process): (its metrics.jsonl record, the micro-batch it trained on, the
+    model's own outputs on that batch with the weights of step 1). The batch is read off Objective.micro_step as
+    the loop passes it, and the model's own forward runs there, before the step's update (optim.lr must be > 0;
+    the step itself runs unchanged)."""
+    seen = {}
+    real = Objective.micro_step
+
+    def recording(self, gen, emb, gen_scale):
+        if "gen" not in seen:
+            model = unwrap(self.model)
+            seen["gen"], seen["type"] = {k: v.clone() for k, v in gen.items()}, model.config.model_type
+            seen["coef"] = model.config.router_aux_loss_coef
+            # use_cache=False as in training: with a cache transformers' masks ignore the packed rows' documents
+            with torch.no_grad():
+                seen["own"] = model(**model_inputs(gen), labels=gen["labels"], output_router_logits=True,
+                                    use_cache=False)
+                seen["ce"] = model(**model_inputs(gen), labels=gen["labels"], use_cache=False).loss.item()
+        return real(self, gen, emb, gen_scale)
+
+    monkeypatch.setattr(Objective, "micro_step", recording)
+    out = tmp_path / "run"
+    cfg = load_config(MOE_TINY, [f"train.output_dir={out}", *FAST, "train.max_steps=1", "train.micro_batch_size=4",
+                                 "train.save_final=false", "train.save_final_checkpoint=false", *overrides])
+    train.run(cfg)
+    record = json.loads(Path(out, "metrics.jsonl").read_text().splitlines()[0])
+    return record, seen["gen"], seen
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_step1_loss_is_the_models_own_loss_with_the_router_term(tmp_path, monkeypatch, family, chunked, packed):
+    """lr 0: the logged step-1 loss equals the model's own forward with labels and output_router_logits (CE +
+    router_aux_loss_coef * aux_loss, transformers' load_balancing_loss_func over the rows its attention mask keeps:
+    padded rows here, or packed rows without a mask) within 1e-6; aux_loss is logged apart with the experts' load."""
+    overrides = (OLMOE if family == "olmoe" else []) + [f"loss.chunked_ce={str(chunked).lower()}",
+                                                        "loss.chunked_ce_size=50", f"data.packing={str(packed).lower()}"]
+    record, gen, seen = _step1(tmp_path, monkeypatch, overrides)
+    ref, ce = seen["own"], seen["ce"]
+    assert seen["type"] == family and seen["coef"] == (0.01 if family == "olmoe" else 0.02)
+    assert ("position_ids" in gen) == packed  # packed rows: per-document positions, no mask (the aux loss then
+    assert packed or (gen["attention_mask"] == 0).any()  # counts every position, in the model's forward as here)
+    assert ref.loss.item() - ce > 1e-3  # the router term is not negligible here
+    # full logits: the model's own arithmetic (1e-6 absolute). The chunked head sums the CE over 50-position chunks
+    # in fp32, another summation order: a loss sum of ~1500 has an fp32 ulp of 1.2e-4, ~6e-7 per rounding once
+    # divided by the ~200 tokens (measured 1.2e-6 here), so 1e-6 relative to the loss
+    tol = 1e-6 * (abs(ref.loss.item()) if chunked else 1.0)
+    assert abs(record["loss"] - ref.loss.item()) <= tol, (record["loss"], ref.loss.item(), ce)
+    assert abs(record["aux_loss"] - ref.aux_loss.item()) <= 1e-6
+    # the experts' load: the largest expert's share of the routed tokens of the rows the mask keeps, layer mean
+    mask = None if packed else gen["attention_mask"].reshape(-1).bool()
+    shares = []
+    for logits in ref.router_logits:
+        top = logits.topk(2, dim=-1).indices if mask is None else logits[mask].topk(2, dim=-1).indices
+        shares.append(torch.bincount(top.reshape(-1), minlength=8).max().item() / top.numel())
+    assert abs(record["expert_load"] - sum(shares) / len(shares)) <= 1e-6
+    assert 1 / 8 <= record["expert_load"] <= 1 / 2
+
+
+def test_router_coef_zero_gives_the_cross_entropy_alone(tmp_path, monkeypatch):
+    record, _, seen = _step1(tmp_path, monkeypatch, ["model.router_aux_loss_coef=0"])
+    ce, own = seen["ce"], seen["own"]
+    assert abs(record["loss"] - ce) <= 1e-6 and abs(record["aux_loss"] - own.aux_loss.item()) <= 1e-6
+    assert own.loss.item() - ce > 1e-3
+
+
+def test_router_coef_override_and_router_frozen(tmp_path, monkeypatch):
+    """model.router_aux_loss_coef=0.5 weighs the model's aux_loss by 0.5; model.train_router=false freezes the
+    routers (their weights get no gradient) and nothing else."""
+    record, _, seen = _step1(tmp_path, monkeypatch, ["model.router_aux_loss_coef=0.5", "model.train_router=false"])
+    assert abs(record["loss"] - (seen["ce"] + 0.5 * seen["own"].aux_loss.item())) <= 1e-6
+    from harness.model import build_model, load_tokenizer  # the same build as the run's: which weights it froze
+
+    cfg = load_config(MOE_TINY, ["model.train_router=false"])
+    model = build_model(cfg.model, load_tokenizer(cfg.model))
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {f"model.layers.{i}.mlp.gate.weight" for i in range(2)}
+    cfg = load_config(MOE_TINY, ["model.train_router=false", "model.lora.enabled=true"])  # peft adapts the router too
+    lora = build_model(cfg.model, load_tokenizer(cfg.model))
+    trained = [n for n, p in lora.named_parameters() if p.requires_grad]
+    assert trained and not [n for n in trained if ".mlp.gate." in n]
+
+
+def _tiny(model_type: str = "qwen3_moe", **kw):
+    conf = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=48,
+                                moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                decoder_sparse_step=1, **kw)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(conf)
+
+
+def test_router_loss_gradient_is_the_models_own():
+    """The term's gradient reaches the routers as the model's own loss's does (the CE's gradient left out)."""
+    model = _tiny(router_aux_loss_coef=0.1)
+    x = torch.randint(0, 64, (2, 9))
+    mask = torch.ones_like(x)
+    mask[1, 6:] = 0
+    model(x, attention_mask=mask, labels=x, output_router_logits=True).aux_loss.mul(0.1).backward()
+    want = [model.model.layers[i].mlp.gate.weight.grad.clone() for i in range(2)]
+    model.zero_grad()
+    with moe.RouterLoss(model, None) as router:
+        model(x, attention_mask=mask)
+    router.term.backward()
+    assert model.config.output_router_logits is False  # restored: generation and evaluation untouched
+    for i in range(2):
+        torch.testing.assert_close(model.model.layers[i].mlp.gate.weight.grad, want[i], rtol=1e-6, atol=1e-9)
+
+
+def test_dense_model_has_no_router_term():
+    conf = AutoConfig.for_model("llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                num_attention_heads=2)
+    model = AutoModelForCausalLM.from_config(conf)
+    with moe.RouterLoss(model, 0.5) as router:
+        model(torch.randint(0, 64, (1, 5)))
+    assert router.term == 0.0 and router.sums() == {} and moe.experts_of(conf) == (0, 0)
+    assert moe.expert_params(model) == (0, 0) and moe.experts_kwargs(conf, "auto") == {}
+
+
+# ----------------------------------------------------------------------------------------------- accounting
+
+def _hand_active(conf) -> tuple[int, int]:
+    """(matmul weights a token goes through, routed experts' weights) of configs/moe-tiny.yaml's Qwen3-MoE by hand."""
+    h, layers, e, k, i = conf.hidden_size, conf.num_hidden_layers, conf.num_experts, conf.num_experts_per_tok, \
+        conf.moe_intermediate_size
+    q = conf.num_attention_heads * conf.head_dim
+    kv = conf.num_key_value_heads * conf.head_dim
+    attention = h * q + 2 * h * kv + q * h
+    router = e * h
+    experts = e * (2 * i * h + i * h)  # gate_up_proj [E, 2I, H] and down_proj [E, H, I]
+    return layers * (attention + router + experts * k // e) + conf.vocab_size * h, layers * experts
+
+
+def test_active_parameters_in_the_run_flops(tmp_path, monkeypatch):
+    """The run's FLOP figures (MFU, report.json's flop_dims) count a token's active weights: attention, the
+    router, top-k of E experts (transformers 5's 3-D tensors, which observe.metrics.matmul_params misses) and the
+    head; a step's FLOPs are 6 N + 12 L H width per real token (PaLM), computed here by hand."""
+    from harness.model import build_model, load_tokenizer
+    from harness.observe import metrics
+
+    cfg = load_config(MOE_TINY, [])
+    model = build_model(cfg.model, load_tokenizer(cfg.model))
+    active, experts = _hand_active(model.config)
+    assert moe.expert_params(model) == (experts, experts * 2 // 8)
+    assert moe.active_matmul_params(model, metrics.matmul_params(model)) == active
+    assert metrics.matmul_params(model) < active  # the Linear layers alone leave the experts out
+    flops = {}
+    real = Objective.micro_step
+
+    def recording(self, gen, emb, gen_scale):
+        sums = real(self, gen, emb, gen_scale)
+        flops.setdefault("step", (float(sums.flops), int(gen["attention_mask"].sum()), gen["input_ids"].shape[1]))
+        return sums
+
+    monkeypatch.setattr(Objective, "micro_step", recording)
+    out = tmp_path / "run"
+    train.run(load_config(MOE_TINY, [f"train.output_dir={out}", *FAST, "train.max_steps=1", "train.save_final=false",
+                                     "train.save_final_checkpoint=false"]))
+    report = json.loads(Path(out, "report.json").read_text())
+    assert report["flop_dims"][0] == active
+    got, tokens, width = flops["step"]
+    h, layers = model.config.hidden_size, model.config.num_hidden_layers
+    assert got == tokens * (6 * active + 12 * layers * h * width)
+
+def test_plan_prints_total_and_active_parameters(tmp_path, capsys):
+    """`harness plan --from-report` names both counts of the measured run: its parameters and the active matmul
+    weights of its FLOP figures."""
+    from harness.tools import planner
+
+    out = tmp_path / "run"
+    args = [f"train.output_dir={out}", *FAST, "train.max_steps=2", "train.save_final=false",
+            "train.save_final_checkpoint=false"]
+    train.run(load_config(MOE_TINY, args))
+    rep = json.loads(Path(out, "report.json").read_text())
+    assert planner.main([MOE_TINY, *args, "--hours", "1", "--from-report", str(out / "report.json"),
+                         "--out", str(tmp_path / "plan.json")]) == 0
+    line = f"model: {rep['parameters']:,} parameters in all, {rep['flop_dims'][0]:,} matmul weights active per token"
+    assert line in capsys.readouterr().out and rep["flop_dims"][0] < rep["parameters"]
+
+
+QWEN3_30B = str(ROOT / "configs" / "qwen3-30b-a3b-lora.yaml")
+
+
+def test_zero_plan_prints_total_and_active_parameters():
+    """zero-plan on configs/qwen3-30b-a3b-lora.yaml (8 x 80 GB): the memory counts the 30.5B total, the line names the
+    ~3.3B active per token, both computed here by hand from Qwen3-30B-A3B's shape; the activation arithmetic takes
+    the 8 experts' widths per token (8 x 768; Qwen3-30B-A3B's dense intermediate_size is 6144 too, so the tiny recipe
+    with another dense width checks that the expert widths are the ones read)."""
+    from harness.tools.zero_plan import Hardware, plan
+
+    base = plan(load_config(QWEN3_30B, ["model.lora.enabled=false"]), Hardware(8, 80))
+    c = load_config(QWEN3_30B, []).model.config
+    h, layers, e, k, i, v = (c["hidden_size"], c["num_hidden_layers"], c["num_experts"], c["num_experts_per_tok"],
+                             c["moe_intermediate_size"], c["vocab_size"])
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    per_layer = (2 * h * q + 2 * h * kv) + 2 * c["head_dim"] + 2 * h + e * h  # attention, q/k norms, 2 norms, router
+    experts = e * 3 * i * h
+    vocab = base.shape.vocab  # the embedding rows as built (padded to a multiple of 64 over the tokenizer)
+    total = layers * (per_layer + experts) + 2 * vocab * h + h  # untied head, final norm
+    active = total - layers * experts + layers * experts * k // e
+    assert base.shape.params == total and base.shape.active == active
+    assert 30.4e9 < total < 30.6e9 and 3.2e9 < active < 3.4e9
+    assert f"total {total / 1e9:.2f}B parameters" in base.text and f"A = {active:,}" in base.text
+    assert base.shape.intermediate == k * i
+    assert f"4*{k * i})" in base.text  # per layer and token: ... + 4i with i = k x the expert's width
+    tiny = plan(load_config(MOE_TINY, ["model.config.intermediate_size=1000"]), Hardware(1, 80))
+    assert tiny.shape.intermediate == 2 * 128 and "4*256)" in tiny.text  # top-2 of 128-wide experts, not 1000
+    lora = plan(load_config(QWEN3_30B, []), Hardware(8, 80))
+    assert lora.choice == "3", lora.text  # the frozen 30.5B base partitioned over 8: stages 0-2 do not fit
+
+
+# ----------------------------------------------------------------------------------------------- LoRA on the experts
+
+def test_lora_on_the_experts_reloads_and_merges_to_the_trained_logits(tmp_path, monkeypatch):
+    """model.lora.experts=true with target_modules [q_proj, v_proj]: the adapter holds deltas of the experts' 3-D
+    weights (peft's target_parameters), moved by training; peft's AutoPeftModelForCausalLM on final/ and the merged
+    final/merged/ give the trained model's logits within 1e-5."""
+    from peft import AutoPeftModelForCausalLM
+    from safetensors.torch import load_file
+
+    seen = {}
+    real = Objective.micro_step
+
+    def keep_model(self, gen, emb, gen_scale):
+        seen["model"] = self.model
+        return real(self, gen, emb, gen_scale)
+
+    monkeypatch.setattr(Objective, "micro_step", keep_model)
+    out = tmp_path / "run"
+    train.run(load_config(MOE_TINY, [f"train.output_dir={out}", *FAST, "train.max_steps=3", "optim.lr=5e-2",
+                                     "optim.warmup_steps=0", "model.lora.enabled=true", "model.lora.experts=true",
+                                     "model.lora.target_modules=[q_proj, v_proj]"]))
+    trained = unwrap(seen["model"]).eval()
+    adapter = load_file(str(out / "final" / "adapter_model.safetensors"))
+    experts = {k: v for k, v in adapter.items() if ".experts." in k}
+    assert {k.split("experts.")[-1].rsplit(".", 1)[0] for k in experts} >= {"lora_A", "lora_B", "base_layer.lora_A",
+                                                                           "base_layer.lora_B"}, sorted(adapter)
+    assert all(v.abs().max() > 0 for k, v in experts.items() if "lora_B" in k)  # trained (lora_B starts at 0)
+    ids = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = trained(input_ids=ids).logits
+        auto = AutoPeftModelForCausalLM.from_pretrained(out / "final").eval()
+        merged = AutoModelForCausalLM.from_pretrained(out / "final" / "merged").eval()
+        for name, model in (("AutoPeft", auto), ("merged", merged)):
+            diff = (model(input_ids=ids).logits - want).abs().max().item()
+            assert diff <= 1e-5, (name, diff)
+
+
+def test_lora_experts_refusals():
+    """One line each: a dense model (nothing to adapt), QLoRA (bitsandbytes leaves the 3-D experts unquantized)."""
+    from harness.errors import ConfigError
+    from harness.model import build_model, load_tokenizer
+
+    cfg = load_config(str(ROOT / "configs" / "default.yaml"), ["model.lora.enabled=true", "model.lora.experts=true"])
+    with pytest.raises(ConfigError, match="model.lora.experts.*no fused 3-D expert weights"):
+        build_model(cfg.model, load_tokenizer(cfg.model))
+    with pytest.raises(ConfigError, match="model.lora.experts.*not with model.quantization=4bit"):
+        load_config(QWEN3_30B, ["model.quantization=4bit", "model.lora.experts=true"])
+
+
+# ----------------------------------------------------------------------------------------------- ZeRO-3, a starved expert
+
+def _starving_model(folder: Path, records: list[str]) -> None:
+    """configs/moe-tiny.yaml's model with its first layer's routing forced: a hidden feature (dimension 0 of the
+    embeddings, +4 for the tokens of records[0] that records[1] lacks, -4 for every other token) alone drives expert
+    0's router logit (x 50; the other experts' rows small and random, blind to it): records[1]'s tokens never reach expert 0 in layer 0, some
+    of records[0]'s do. Saved as a pretrained folder."""
+    from harness.model import build_model, load_tokenizer
+
+    cfg = load_config(MOE_TINY, [])
+    tok = load_tokenizer(cfg.model)
+    model = build_model(cfg.model, tok)
+    only_first = set(tok(records[0])["input_ids"]) - set(tok(records[1])["input_ids"])
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[:, 0] = -4.0
+        emb[sorted(only_first), 0] = 4.0
+        router = model.model.layers[0].mlp.gate.weight
+        router.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(0))  # no ties among the other experts
+        router[:, 0] = 0.0
+        router[0] = 0.0
+        router[0, 0] = 50.0
+    model.save_pretrained(folder)
+
+
+@pytest.mark.slow
+def test_zero3_two_processes_with_a_starved_expert_equal_one_process(tmp_path):
+    """2-process ZeRO-3, one record per rank, layer 0's expert 0 routed no token on the rank holding the second
+    record (forced: _starving_model, checked below): no hang (a 300 s timeout) and the losses of 1 process with the
+    same global batch as 2 micro-batches (the aux loss is a mean over micro-batches either way) within 1e-5."""
+    from harness_launch import metrics, report, run_train
+
+    records = ["the quick brown fox jumps over a lazy dog near seven old barns", "one two three four five six"]
+    data = tmp_path / "two.jsonl"
+    data.write_text("".join(json.dumps({"text": r}) + "\n" for r in records))
+    folder = tmp_path / "starving"
+    _starving_model(folder, records)
+    with torch.no_grad():  # the forcing holds on the starting weights: expert 0 of layer 0, per record
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        from harness.model import load_tokenizer
+
+        tok = load_tokenizer(load_config(MOE_TINY, []).model)
+        hits = []
+        for r in records:
+            out = model(**tok(r, return_tensors="pt"), output_router_logits=True)
+            hits.append(int((out.router_logits[0].topk(2, dim=-1).indices == 0).sum()))
+    assert hits[0] > 0 and hits[1] == 0, hits
+    common = [*FAST, "train.max_steps=3", f"data.train_files=[{data}]", f"model.name_or_path={folder}",
+              "model.tokenizer=bundled", "train.save_final=false", "optim.warmup_steps=0", "optim.lr=1e-2",
+              "train.micro_batch_size=1"]
+    run_train([f"train.output_dir={tmp_path / 'one'}", *common, "train.grad_accum=2"], config=MOE_TINY, timeout=300)
+    run_train([f"train.output_dir={tmp_path / 'zero3'}", *common, "train.grad_accum=1"], nproc=2, accel="zero3",
+              config=MOE_TINY, timeout=300)
+    rep = report(tmp_path / "zero3")
+    assert rep["world_size"] == 2 and rep["zero_stage"] == 3
+    one, zero3 = metrics(tmp_path / "one"), metrics(tmp_path / "zero3")
+    assert len(one) == len(zero3) == 3
+    for a, b in zip(one, zero3):
+        for key in ("loss", "aux_loss", "expert_load"):
+            assert abs(a[key] - b[key]) <= 1e-5, (a["step"], key, a[key], b[key])
