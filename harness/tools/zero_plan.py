@@ -63,7 +63,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from harness.config import Config, load_config, lora_config, recipe_args
 from harness.errors import HarnessError
@@ -195,9 +195,18 @@ def _state_lines(cfg: Config, shape: ModelShape, hw: Hardware, weights: str) -> 
     return out
 
 
-def _table(cfg: Config, shape: ModelShape, hw: Hardware, w: int, usable: float, overhead_gb: float,
-           weights: str = "fp32", gen=None) -> tuple[list[str], list[Row], Optional[str]]:
-    """Activation lines (w: bytes per activation value), the table rows and the lowest option that fits."""
+class Budget(NamedTuple):
+    """What each option is sized against: hardware, bytes an activation, usable and overhead GiB a GPU, weights."""
+    hw: Hardware
+    w: int
+    usable: float
+    overhead_gb: float
+    weights: str = "fp32"
+
+
+def _table(cfg: Config, shape: ModelShape, budget: Budget, gen=None) -> tuple[list[str], list[Row], Optional[str]]:
+    """Activation lines (budget.w: bytes per activation value), the table rows and the lowest option that fits."""
+    hw, w, usable, overhead_gb, weights = budget
     out = [f"activations ({'16-bit' if w == 2 else 'fp32'}, micro-batch {cfg.train.micro_batch_size}, "
            f"max_len {cfg.data.max_len}, gradient checkpointing {'on' if cfg.model.gradient_checkpointing else 'off'}):"]
     act_lines, act = activation_terms(cfg, shape, w)
@@ -281,15 +290,16 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
                                      hw.world, lora_config(cfg.model).enabled)
         out += gen.lines(weight_bytes("3", weights)[0])
         cfg = rl_plan.training_view(cfg, hw.world, gen.memory(w).width)
-    table, rows, choice = _table(cfg, shape, hw, w, usable, overhead_gb, weights, gen)
+    budget = Budget(hw, w, usable, overhead_gb, weights)
+    table, rows, choice = _table(cfg, shape, budget, gen)
     out += table
     proposal: Optional[str] = None
     proposal_args: tuple = ()
     if choice not in OPTIONS[:4]:
         # what makes a stage 0-3 fit without CPU offload, cheapest first (docstring: "Proposals")
-        for sp, ckpt in _proposals(cfg, shape, hw, w, usable, overhead_gb, weights, gen):
+        for sp, ckpt in _proposals(cfg, shape, budget, gen):
             trial = with_overrides(cfg, sp, ckpt)
-            _, t_rows, t_choice = _table(trial, shape, hw, w, usable, overhead_gb, weights, gen)
+            _, t_rows, t_choice = _table(trial, shape, budget, gen)
             if t_choice not in OPTIONS[:4]:
                 continue
             r = t_rows[OPTIONS.index(t_choice)]
@@ -333,18 +343,18 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
     return Plan("\n".join(out), choice, rows, shape, usable, proposal, proposal_args)
 
 
-def _proposals(cfg: Config, shape: ModelShape, hw: Hardware, w: int, usable: float, overhead_gb: float,
-               weights: str, gen=None) -> list[tuple[int, bool]]:
+def _proposals(cfg: Config, shape: ModelShape, budget: Budget, gen=None) -> list[tuple[int, bool]]:
     """(sequence_parallel, checkpointing) to try, cheapest first. A row of data.max_len tokens that does not fit a
     GPU even one to a micro-batch is a long-sequence problem: sequence parallelism (no recomputation, an all-to-all
     inside each node) comes before activation checkpointing (the forward computed twice: about a third more
     compute), and both last. Where one row fits (the micro-batch is what is too large), checkpointing alone: a
     smaller train.micro_batch_size is the other way, and the "no stage fits" line says so."""
+    hw, w, usable, overhead_gb, weights = budget
     ckpt = not cfg.model.gradient_checkpointing  # (already on: nothing to add)
     sizes = sp_sizes(cfg, shape, hw.gpus_per_node) if gen is None else []  # (loss.mode=rl: no sequence parallelism)
     if sizes:
         one_row = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1))
-        if _table(one_row, shape, hw, w, usable, overhead_gb, weights)[2] in OPTIONS[:4]:
+        if _table(one_row, shape, budget)[2] in OPTIONS[:4]:
             sizes = []  # one row fits: the micro-batch is too large, not the row
     return [(n, False) for n in sizes] + ([(1, True)] if ckpt else []) + ([(n, True) for n in sizes] if ckpt else [])
 
