@@ -126,11 +126,11 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
-def preference_loss(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: torch.Tensor,
+def preference_loss(loss, chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: torch.Tensor,
                     rejected_len: torch.Tensor, ref_chosen: torch.Tensor | None = None,
-                    ref_rejected: torch.Tensor | None = None, beta: float = 0.1, label_smoothing: float = 0.0,
-                    simpo_gamma: float = 0.5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(per-pair loss [n], chosen rewards [n], rejected rewards [n]), in fp32.
+                    ref_rejected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-pair loss [n], chosen rewards [n], rejected rewards [n]), in fp32. `loss`: cfg.loss (its preference,
+    beta, label_smoothing, simpo_gamma).
 
     dpo:   -(1-ls) logsigmoid(beta d) - ls logsigmoid(-beta d), d = (chosen - ref_chosen) - (rejected - ref_rejected)
            (ls = 0: TRL's sigmoid loss; ls > 0: conservative DPO); rewards beta (logp - ref_logp)
@@ -138,6 +138,7 @@ def preference_loss(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, cho
     simpo: as dpo on the per-token averages without reference, minus the margin gamma / beta; rewards beta avg
     orpo:  -beta logsigmoid(log odds(chosen) - log odds(rejected)) on the per-token averages (the NLL term on the
            chosen completion is added by the caller); rewards beta avg"""
+    kind, beta, label_smoothing, simpo_gamma = loss.preference, loss.beta, loss.label_smoothing, loss.simpo_gamma
     chosen, rejected = chosen.float(), rejected.float()
     if kind in ("dpo", "ipo"):
         if ref_chosen is None or ref_rejected is None:

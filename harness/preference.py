@@ -142,10 +142,8 @@ def pair_terms(cfg_loss, logps: torch.Tensor, counts: torch.Tensor, batch: dict)
     needs_ref = cfg_loss.preference in ("dpo", "ipo")
     if needs_ref and ref is None:
         raise RuntimeError("loss.preference needs the reference log-probs (attach_reference) in the batch")
-    per_pair, rc, rr = losses.preference_loss(
-        cfg_loss.preference, logps[:n], logps[n:], counts[:n], counts[n:],
-        ref[:n] if needs_ref else None, ref[n:] if needs_ref else None, beta=cfg_loss.beta,
-        label_smoothing=cfg_loss.label_smoothing, simpo_gamma=cfg_loss.simpo_gamma)
+    per_pair, rc, rr = losses.preference_loss(cfg_loss, logps[:n], logps[n:], counts[:n], counts[n:],
+                                              ref[:n] if needs_ref else None, ref[n:] if needs_ref else None)
     return per_pair, rc, rr, -logps[:n].sum(), counts[:n].sum()
 
 
