@@ -505,3 +505,26 @@ def test_the_loss_mode_is_read_in_few_places():
     # the loop, the build and the generic objective name no mode: they call the mode's object, whatever it is
     assert not [f for f in found if f.startswith(("harness/train.py", "harness/build.py", "harness/objective.py"))]
     assert not [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if "objective.rl" in p.read_text()]
+
+
+def wide_functions(least: int = 8) -> list[str]:
+    """Functions of harness/ taking `least` or more parameters (self and cls not counted; *args and **kwargs count
+    one each), as 'file:function'."""
+    out = []
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                n = len([p for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg not in ("self", "cls")])
+                if n + bool(a.vararg) + bool(a.kwarg) >= least:
+                    out.append(f"{path.relative_to(ROOT)}:{node.name}")
+    return sorted(out)
+
+
+def test_few_functions_take_eight_parameters_or_more():
+    """A wide signature is narrowed where a split gives its arguments a home (a mode's Parts, the sampling settings,
+    GRPO's settings, zero-plan's Budget): at most 12 functions take 8 or more parameters (23 before the modes
+    became components). Those left are mostly tensor kernels with transformers' or torch's signatures and engine
+    constructors."""
+    wide = wide_functions()
+    assert len(wide) <= 12, "\n".join(wide)
