@@ -145,8 +145,9 @@ def test_a_new_bests_export_is_left_out_of_the_training_clock(tmp_path):
     best = BestMetric("eval_loss", higher=False, patience=0, min_delta=0.0)
     saved = []
 
-    def export():
+    def export():  # as export_model: the folder written, then returned (the Checkpointer records its step in it)
         time.sleep(0.2)
+        (tmp_path / "best").mkdir(exist_ok=True)
         return tmp_path / "best"
 
     ckpt = store.Checkpointer(None, tmp_path, every_steps=0, every_minutes=0, keep=1, say=print,
