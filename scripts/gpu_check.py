@@ -140,7 +140,7 @@ LONG_LENGTHS = (8192, 16384, 32768, 65536)
 # rft.num_test_questions=0: no greedy evaluation at the end (a graph of its own to compile and 100 answers of up to
 # 256 tokens, inside the variant's cap; the visit measures the steps)
 RL_1B = ("loss.mode=rl", "rl.questions_per_step=8", "rl.num_generations=16", "rl.loss_type=dapo", "rl.beta=0.0",
-         "rft.max_new_tokens=256", "train.log_every=1", "train.micro_batch_size=8", "data.packing=false",
+         "rft.max_new_tokens=256", "train.log_every=1", "data.packing=false",
          "rft.num_test_questions=0")
 # issue 57 / 52: the engine's mixed-length workload (answers from 1 to max_new_tokens: `harness rft bench --mixed`)
 MIXED_WORKLOAD = ("rft.max_new_tokens=512", "rft.stop_strings=[Question,'###']")

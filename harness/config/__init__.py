@@ -121,7 +121,10 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
             problems.append((at(key) if i < n_file else "") + str(e))
     cfg = Config(**{s: SECTIONS[s](**raw.get(s, {})) for s in SECTIONS})
     try:
-        validate(cfg, frozenset(k for k, _ in pairs))
+        # the keys set for this run: the overrides', and the recipe's where the recipe names its own loss.mode (a
+        # recipe of another mode switched by an override keeps the settings that mode reads, e.g. its micro-batch)
+        file_keys = {k for k, _ in pairs[:n_file]}
+        validate(cfg, frozenset(overridden | (file_keys if "loss.mode" in file_keys else set())))
     except ConfigError as e:
         problems += [at(m.group(1)) + p if (m := re.match(r"config key '([\w.]+)", p)) else p for p in problems_of(e)]
     raise_all(problems)
