@@ -168,7 +168,7 @@ def test_graphs_compiled_apart_from_the_training_step_are_not_its_recompiles():
     rep = watch.report(2.0, 2, lambda line: None, made["graphs"])
     assert rep["recompiles_after_first_step"] == 0 and rep["generation_graphs"] == 2 and rep["graphs"] == 3, rep
     train(torch.ones(5))  # the training step's own new shape: a recompile
-    assert watch.report(3.0, 3, lambda line: None)["recompiles_after_first_step"] == 1
+    assert watch.report(3.0, 3, lambda line: None, made["graphs"])["recompiles_after_first_step"] == 1
     watch.close()
 
 
