@@ -319,7 +319,7 @@ def test_what_needs_the_whole_data_is_refused_in_one_line(override, line):
 
     with pytest.raises(ConfigError) as e:
         load_config(DEFAULT, ["data.streaming=true", "train.max_steps=5", override])
-    assert str(e.value).startswith(line) and "\n" not in str(e.value)
+    assert str(e.value).splitlines()[0].startswith(line)  # (its other problems follow, one line each: ConfigErrors)
     load_config(DEFAULT, ["data.streaming=true", "train.max_steps=5", "data.shuffle_buffer=0"])
 
 
