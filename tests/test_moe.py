@@ -347,4 +347,5 @@ def test_zero3_two_processes_with_a_starved_expert_equal_one_process(tmp_path):
     assert len(one) == len(zero3) == 3
     for a, b in zip(one, zero3):
         for key in ("loss", "aux_loss", "expert_load"):
-            assert abs(a[key] - b[key]) <= 1e-5, (a["step"], key, a[key], b[key])
+            # relative: fp32 sums in another order over two processes (CI saw 1.7e-5 absolute at loss 4.06, 4e-6)
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
