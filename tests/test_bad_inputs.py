@@ -273,3 +273,21 @@ def test_train_entry_point_takes_the_recipe_as_file_or_config(capsys, monkeypatc
     for recipe in (["configs/default.yaml"], ["--config", "configs/default.yaml"]):
         assert train.main([*recipe, "train.bogus=1"]) == 2
         assert capsys.readouterr().err.strip() == "harness: error: unknown config key 'train.bogus'"
+
+
+def test_wandb_not_logged_in_is_one_line(tmp_path, capsys, monkeypatch):
+    """train.report_to=[wandb] with wandb installed but no API key (a fresh HOME, no WANDB_API_KEY): wandb's own
+    UsageError ends 17 frames of traceback; here one line naming train.report_to, `wandb login` and WANDB_MODE=offline."""
+    monkeypatch.chdir(ROOT)
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    code = cli.main(["train", "configs/default.yaml", f"train.output_dir={tmp_path}/run", "train.report_to=[wandb]",
+                     "train.max_steps=1", "data.eval_files=[]", "train.progress_bar=false"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("harness: error: config key 'train.report_to': wandb could not start (UsageError: No API key"), err
+    assert "`wandb login`" in line and "WANDB_MODE=offline" in line
