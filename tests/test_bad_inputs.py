@@ -291,3 +291,21 @@ def test_wandb_not_logged_in_is_one_line(tmp_path, capsys, monkeypatch):
     line = err.strip().splitlines()[-1]
     assert line.startswith("harness: error: config key 'train.report_to': wandb could not start (UsageError: No API key"), err
     assert "`wandb login`" in line and "WANDB_MODE=offline" in line
+
+
+def test_train_sh_passes_the_workers_status_on_without_a_launcher_traceback(tmp_path):
+    """A harness error found by the training process itself (here an FSDP launch, refused with status 2): accelerate's
+    launcher said exit 1 and appended its CalledProcessError traceback; train.sh now exits 2, the one line, no
+    traceback."""
+    out = tmp_path / "run"
+    proc = subprocess.run(["bash", "launch/train.sh", "configs/default.yaml", f"train.output_dir={out}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "NUM_GPUS": "0", "ACCELERATE_USE_FSDP": "true"})
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2, said[-3000:]
+    assert "Traceback" not in said and "CalledProcessError" not in said, said[-3000:]
+    assert [ln for ln in said.splitlines() if "error:" in ln] == [
+        "harness: error: the launch asks for FSDP (accelerate's --use_fsdp or distributed_type: FSDP, "
+        "ACCELERATE_USE_FSDP=true), which the harness does not support: shard with DeepSpeed ZeRO instead, "
+        "launch/train.sh --zero N (1, 2, 3, 3-offload or auto) or train.deepspeed=zero3"], said[-3000:]
+    assert "[train.sh] failed with a harness error (exit 2)" in said
