@@ -14,9 +14,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from huggingface_hub.constants import HF_HUB_CACHE
 
 from harness import cli
 
@@ -309,3 +311,36 @@ def test_train_sh_passes_the_workers_status_on_without_a_launcher_traceback(tmp_
         "ACCELERATE_USE_FSDP=true), which the harness does not support: shard with DeepSpeed ZeRO instead, "
         "launch/train.sh --zero N (1, 2, 3, 3-offload or auto) or train.deepspeed=zero3"], said[-3000:]
     assert "[train.sh] failed with a harness error (exit 2)" in said
+
+
+def test_a_hub_id_not_in_the_cache_under_hf_hub_offline_is_one_line_at_once(tmp_path, capsys, monkeypatch):
+    """HF_HUB_OFFLINE=1 and a hub id that is in no local cache: one line naming model.name_or_path and the offline
+    setting (was: model.tokenizer blamed, nothing about HF_HUB_OFFLINE), before any download is tried."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    started = time.monotonic()
+    code = cli.main(["train", "configs/default.yaml", f"train.output_dir={tmp_path}/run",
+                     "model.name_or_path=nobody/no-such-model"])
+    err = capsys.readouterr().err
+    assert code == 2 and time.monotonic() - started < 20, err
+    assert err.strip().splitlines()[-1] == (
+        "harness: error: config key 'model.name_or_path': cannot load 'nobody/no-such-model': not a folder here and "
+        f"not in the local hub cache ({HF_HUB_CACHE}), and HF_HUB_OFFLINE is set: download it where there is a "
+        "network (hf download nobody/no-such-model, into that cache) or give a local folder"), err
+    assert "Traceback" not in err
+
+
+def test_a_hub_id_with_no_network_fails_at_once(tmp_path):
+    """No HF_HUB_OFFLINE, and a hub endpoint that cannot resolve (.invalid never does, here or on a CI with a
+    network): huggingface_hub retried for ~50 s before its error; now one line within seconds of the start."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT="https://hub.harness-test.invalid", TOKENIZERS_PARALLELISM="false")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "train", "configs/default.yaml",
+                           f"train.output_dir={tmp_path}/run", "model.name_or_path=nobody/no-such-model"],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    took = time.monotonic() - started
+    assert proc.returncode == 2 and took < 25, (took, proc.stderr[-3000:])
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("harness: error:")]
+    assert len(errors) == 1 and "hub.harness-test.invalid cannot be reached (no network)" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
