@@ -13,6 +13,7 @@ as special tokens, and the embedding matrix is resized to match.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Optional
@@ -77,9 +78,22 @@ def missing_folder(name: str) -> str:
     made = ""
     if Path(name).name in ("final", "best", "merged"):
         run = Path(name).parent if Path(name).name != "merged" else Path(name).parent.parent
-        made = (f"; a run's {Path(name).name}/ is written when its training ends: train the recipe with "
-                f"train.output_dir={run} first")
+        recipe = recipe_writing(run)
+        how = f"harness train {recipe}" if recipe else f"train the recipe with train.output_dir={run}"
+        made = f"; a run's {Path(name).name}/ is written when its training ends: {how} first"
     return f"no such folder {name} (relative paths are read from {os.getcwd()}){made}"
+
+
+def recipe_writing(run: Path) -> Optional[str]:
+    """The recipe in ./configs/ whose train.output_dir is `run` (read as text: the first one, by name), or None."""
+    line = re.compile(rf"^\s+output_dir:\s*['\"]?{re.escape(run.as_posix())}/?['\"]?\s*(#.*)?$", re.M)
+    for recipe in sorted(Path("configs").glob("*.yaml")):
+        try:
+            if line.search(recipe.read_text()):
+                return recipe.as_posix()
+        except (OSError, UnicodeDecodeError):
+            continue
+    return None
 
 
 def load_tokenizer(cfg: ModelConfig, chat_template: str = "auto",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -344,3 +345,18 @@ def test_a_hub_id_with_no_network_fails_at_once(tmp_path):
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("harness: error:")]
     assert len(errors) == 1 and "hub.harness-test.invalid cannot be reached (no network)" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_zero_plan_before_the_warm_up_model_exists_names_the_folder_and_its_recipe(tmp_path, capsys, monkeypatch):
+    """configs/grpo-tiny.yaml starts from runs/rft-tiny/warmup/final: before that run, zero-plan said transformers'
+    "Repo id must be in the form ..."; now which folder is missing and the recipe that writes it (a copy of
+    configs/ in an empty folder, so that a warm-up run of this checkout does not hide the case)."""
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["zero-plan", "configs/grpo-tiny.yaml", "--gpus", "1", "--gpu-mem-gb", "80"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.strip().splitlines() == [
+        "harness: error: config key 'model.name_or_path': cannot load 'runs/rft-tiny/warmup/final': no such folder "
+        f"runs/rft-tiny/warmup/final (relative paths are read from {tmp_path}); a run's final/ is written when its "
+        "training ends: harness train configs/rft-tiny-warmup.yaml first"], err
