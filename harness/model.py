@@ -12,9 +12,17 @@ as special tokens, and the embedding matrix is resized to match.
 
 from __future__ import annotations
 
+import os
+import re
+import socket
 from pathlib import Path
+from typing import Optional
+from urllib.parse import urlparse
 
 import torch
+from huggingface_hub import constants as hub_constants, snapshot_download
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+from huggingface_hub.utils import validate_repo_id
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from harness.config import ModelConfig
@@ -35,12 +43,71 @@ def _tokenizer_source(cfg: ModelConfig) -> str:
     return str(BUNDLED_TOKENIZER) if src == "bundled" else src
 
 
+def source_problem(name: str) -> Optional[str]:
+    """Why a model or tokenizer source cannot load, found before transformers tries, or None: a path that is not
+    there (transformers would call it a malformed repo id), or a hub id missing from the local cache while the hub is
+    out of reach (HF_HUB_OFFLINE set, or its host not resolvable: huggingface_hub would retry for 30-50 s first)."""
+    if Path(name).exists():
+        return None
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return missing_folder(name)
+    try:
+        snapshot_download(name, local_files_only=True)
+        return None
+    except LocalEntryNotFoundError:
+        pass
+    offline = hub_constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    host = urlparse(hub_constants.ENDPOINT).hostname or hub_constants.ENDPOINT
+    proxied = any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
+    if not offline:
+        if proxied:  # the host may resolve behind the proxy only: leave it to the download
+            return None
+        try:
+            socket.getaddrinfo(host, 443)
+            return None  # reachable: transformers downloads it (or says the hub has no such repo)
+        except OSError:
+            pass
+    why = "HF_HUB_OFFLINE is set" if offline else f"{host} cannot be reached (no network)"
+    return (f"not a folder here and not in the local hub cache ({hub_constants.HF_HUB_CACHE}), and {why}: download it "
+            f"where there is a network (hf download {name}, into that cache) or give a local folder")
+
+
+def missing_folder(name: str) -> str:
+    """The folder `name` that is not there, and how a run's export gets made."""
+    made = ""
+    if Path(name).name in ("final", "best", "merged"):
+        run = Path(name).parent if Path(name).name != "merged" else Path(name).parent.parent
+        recipe = recipe_writing(run)
+        how = f"harness train {recipe}" if recipe else f"train the recipe with train.output_dir={run}"
+        made = f"; a run's {Path(name).name}/ is written when its training ends: {how} first"
+    return f"no such folder {name} (relative paths are read from {os.getcwd()}){made}"
+
+
+def recipe_writing(run: Path) -> Optional[str]:
+    """The recipe in ./configs/ whose train.output_dir is `run` (read as text: the first one, by name), or None."""
+    line = re.compile(rf"^\s+output_dir:\s*['\"]?{re.escape(run.as_posix())}/?['\"]?\s*(#.*)?$", re.M)
+    for recipe in sorted(Path("configs").glob("*.yaml")):
+        try:
+            if line.search(recipe.read_text()):
+                return recipe.as_posix()
+        except (OSError, UnicodeDecodeError):
+            continue
+    return None
+
+
 def load_tokenizer(cfg: ModelConfig, chat_template: str = "auto",
                    markers: bool | None = True) -> PreTrainedTokenizerBase:
     """The tokenizer with a pad token and its chat template resolved from `chat_template` (data.chat_template) and
     set on it (so save_pretrained stores it). markers: add the GritLM chat markers as special tokens (True),
     never (False), or only when the chat layout uses them (None)."""
     src = _tokenizer_source(cfg)
+    problem = source_problem(src)
+    if problem and not cfg.tokenizer:  # the model's own tokenizer: the first thing read from model.name_or_path
+        raise ConfigError(f"config key 'model.name_or_path': cannot load '{src}': {problem}")
+    if problem:
+        raise ConfigError(f"config key 'model.tokenizer': cannot load tokenizer '{src}': {problem}")
     try:
         tok = AutoTokenizer.from_pretrained(src, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
@@ -87,6 +154,10 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
             model_type = kwargs.pop("model_type")
             mconf = AutoConfig.for_model(model_type, **kwargs)
         else:
+            problem = source_problem(cfg.name_or_path)
+            if problem:
+                raise ConfigError(f"config key 'model.name_or_path': cannot build model '{cfg.name_or_path}': "
+                                  f"{problem}")
             overrides = pretrained_shape(cfg)
             mconf = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **overrides)
         if auto:

@@ -84,7 +84,7 @@ GPUS=$(count_gpus)
 case $GPUS in '' | *[!0-9]*) die "NUM_GPUS must be a number, got '$GPUS'" ;; esac
 case $NUM_NODES in '' | *[!0-9]* | 0) die "NUM_NODES must be a number >= 1, got '$NUM_NODES'" ;; esac
 
-LAUNCH=("$PYTHON" -m accelerate.commands.launch)
+LAUNCH=("$PYTHON" -m harness.tools.launcher)  # accelerate launch, exiting with the training processes' status
 if [ "$GPUS" -eq 0 ]; then
   [ "$NUM_NODES" -eq 1 ] || die "no GPU found on this node, but NUM_NODES=$NUM_NODES"
   if [ "${SP:-1}" -gt 1 ]; then  # one CPU process cannot hold a group of SP; DeepSpeed on the CPU needs no --cpu

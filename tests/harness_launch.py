@@ -94,10 +94,12 @@ def free_port() -> int:
 
 def run_train(overrides: list[str], nproc: int = 1, accel: str | None = None, config: str = DEFAULT,
               python_module: bool = False, timeout: int = 600, check: bool = True,
-              extra_env: dict | None = None, address_space_gb: float | None = None) -> subprocess.CompletedProcess:
+              extra_env: dict | None = None, address_space_gb: float | None = None,
+              cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Train with `overrides`. accel: None (plain python -m harness.train when nproc == 1, else DDP),
     or the name of a file in accelerate_configs/ (ddp = multi_gpu). address_space_gb: an RLIMIT_AS for the run, so
-    that large allocations fail for real with the CPU allocator's out-of-memory error."""
+    that large allocations fail for real with the CPU allocator's out-of-memory error. cwd: the folder to start in
+    (default: the repository root)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("ACCELERATE_USE_CPU", None)  # from this shell: only where set below, or asked for in extra_env
     env.update(extra_env or {})
@@ -118,7 +120,7 @@ def run_train(overrides: list[str], nproc: int = 1, accel: str | None = None, co
         def limit():
             resource.setrlimit(resource.RLIMIT_AS, (int(address_space_gb * 2**30), resource.RLIM_INFINITY))
     with cpu_slots(nproc):
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        proc = subprocess.run(cmd, cwd=cwd or ROOT, env=env, capture_output=True, text=True, timeout=timeout,
                               preexec_fn=limit)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from huggingface_hub.constants import HF_HUB_CACHE
 
 from harness import cli
 
@@ -273,3 +276,87 @@ def test_train_entry_point_takes_the_recipe_as_file_or_config(capsys, monkeypatc
     for recipe in (["configs/default.yaml"], ["--config", "configs/default.yaml"]):
         assert train.main([*recipe, "train.bogus=1"]) == 2
         assert capsys.readouterr().err.strip() == "harness: error: unknown config key 'train.bogus'"
+
+
+def test_wandb_not_logged_in_is_one_line(tmp_path, capsys, monkeypatch):
+    """train.report_to=[wandb] with wandb installed but no API key (a fresh HOME, no WANDB_API_KEY): wandb's own
+    UsageError ends 17 frames of traceback; here one line naming train.report_to, `wandb login` and WANDB_MODE=offline."""
+    monkeypatch.chdir(ROOT)
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    code = cli.main(["train", "configs/default.yaml", f"train.output_dir={tmp_path}/run", "train.report_to=[wandb]",
+                     "train.max_steps=1", "data.eval_files=[]", "train.progress_bar=false"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("harness: error: config key 'train.report_to': wandb could not start (UsageError: No API key"), err
+    assert "`wandb login`" in line and "WANDB_MODE=offline" in line
+
+
+def test_train_sh_passes_the_workers_status_on_without_a_launcher_traceback(tmp_path):
+    """A harness error found by the training process itself (here an FSDP launch, refused with status 2): accelerate's
+    launcher said exit 1 and appended its CalledProcessError traceback; train.sh now exits 2, the one line, no
+    traceback."""
+    out = tmp_path / "run"
+    proc = subprocess.run(["bash", "launch/train.sh", "configs/default.yaml", f"train.output_dir={out}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "NUM_GPUS": "0", "ACCELERATE_USE_FSDP": "true"})
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2, said[-3000:]
+    assert "Traceback" not in said and "CalledProcessError" not in said, said[-3000:]
+    assert [ln for ln in said.splitlines() if "error:" in ln] == [
+        "harness: error: the launch asks for FSDP (accelerate's --use_fsdp or distributed_type: FSDP, "
+        "ACCELERATE_USE_FSDP=true), which the harness does not support: shard with DeepSpeed ZeRO instead, "
+        "launch/train.sh --zero N (1, 2, 3, 3-offload or auto) or train.deepspeed=zero3"], said[-3000:]
+    assert "[train.sh] failed with a harness error (exit 2)" in said
+
+
+def test_a_hub_id_not_in_the_cache_under_hf_hub_offline_is_one_line_at_once(tmp_path, capsys, monkeypatch):
+    """HF_HUB_OFFLINE=1 and a hub id that is in no local cache: one line naming model.name_or_path and the offline
+    setting (was: model.tokenizer blamed, nothing about HF_HUB_OFFLINE), before any download is tried."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    started = time.monotonic()
+    code = cli.main(["train", "configs/default.yaml", f"train.output_dir={tmp_path}/run",
+                     "model.name_or_path=nobody/no-such-model"])
+    err = capsys.readouterr().err
+    assert code == 2 and time.monotonic() - started < 20, err
+    assert err.strip().splitlines()[-1] == (
+        "harness: error: config key 'model.name_or_path': cannot load 'nobody/no-such-model': not a folder here and "
+        f"not in the local hub cache ({HF_HUB_CACHE}), and HF_HUB_OFFLINE is set: download it where there is a "
+        "network (hf download nobody/no-such-model, into that cache) or give a local folder"), err
+    assert "Traceback" not in err
+
+
+def test_a_hub_id_with_no_network_fails_at_once(tmp_path):
+    """No HF_HUB_OFFLINE, and a hub endpoint that cannot resolve (.invalid never does, here or on a CI with a
+    network): huggingface_hub retried for ~50 s before its error; now one line within seconds of the start."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT="https://hub.harness-test.invalid", TOKENIZERS_PARALLELISM="false")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "train", "configs/default.yaml",
+                           f"train.output_dir={tmp_path}/run", "model.name_or_path=nobody/no-such-model"],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    took = time.monotonic() - started
+    assert proc.returncode == 2 and took < 25, (took, proc.stderr[-3000:])
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("harness: error:")]
+    assert len(errors) == 1 and "hub.harness-test.invalid cannot be reached (no network)" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_zero_plan_before_the_warm_up_model_exists_names_the_folder_and_its_recipe(tmp_path, capsys, monkeypatch):
+    """configs/grpo-tiny.yaml starts from runs/rft-tiny/warmup/final: before that run, zero-plan said transformers'
+    "Repo id must be in the form ..."; now which folder is missing and the recipe that writes it (a copy of
+    configs/ in an empty folder, so that a warm-up run of this checkout does not hide the case)."""
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["zero-plan", "configs/grpo-tiny.yaml", "--gpus", "1", "--gpu-mem-gb", "80"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.strip().splitlines() == [
+        "harness: error: config key 'model.name_or_path': cannot load 'runs/rft-tiny/warmup/final': no such folder "
+        f"runs/rft-tiny/warmup/final (relative paths are read from {tmp_path}); a run's final/ is written when its "
+        "training ends: harness train configs/rft-tiny-warmup.yaml first"], err

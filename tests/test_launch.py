@@ -49,7 +49,7 @@ def commands(out: str) -> list[str]:
 
 
 def launch_cmd(out: str) -> str:
-    return next(c for c in commands(out) if "accelerate.commands.launch" in c)
+    return next(c for c in commands(out) if "harness.tools.launcher" in c)
 
 
 # ------------------------------------------------------------------------------------------------ the scripts
@@ -90,7 +90,7 @@ def test_dry_run_one_gpu():
     assert r.returncode == 0, r.stderr
     assert "choice: zero0" in r.stdout and "lowest stage that fits: 0 -> accelerate_configs/single_gpu.yaml" in r.stdout
     assert launch_cmd(r.stdout) == (
-        f"{sys.executable} -m accelerate.commands.launch --config_file accelerate_configs/single_gpu.yaml "
+        f"{sys.executable} -m harness.tools.launcher --config_file accelerate_configs/single_gpu.yaml "
         "--num_processes 1 --num_machines 1 harness/train.py --config configs/default.yaml train.max_steps=5")
     assert "log runs/default/train.log" in r.stdout and "dry run: nothing started" in r.stdout
 
@@ -100,7 +100,7 @@ def test_dry_run_eight_gpus_zero3():
     assert r.returncode == 0, r.stderr
     assert "zero-plan" not in r.stdout  # an explicit stage needs no estimate
     assert launch_cmd(r.stdout).endswith(
-        "-m accelerate.commands.launch --config_file accelerate_configs/zero3.yaml --num_processes 8 "
+        "-m harness.tools.launcher --config_file accelerate_configs/zero3.yaml --num_processes 8 "
         "--num_machines 1 harness/train.py --config configs/default.yaml")
 
 
@@ -114,7 +114,7 @@ def test_dry_run_two_nodes_of_eight():
            NUM_GPUS=8, NUM_NODES=2, NODE_RANK=1, MASTER_ADDR="10.1.2.3", MASTER_PORT=29511)
     assert r.returncode == 0, r.stderr
     assert launch_cmd(r.stdout).endswith(
-        "-m accelerate.commands.launch --config_file accelerate_configs/zero3.yaml --num_processes 16 "
+        "-m harness.tools.launcher --config_file accelerate_configs/zero3.yaml --num_processes 16 "
         "--num_machines 2 --machine_rank 1 --main_process_ip 10.1.2.3 --main_process_port 29511 "
         "--deepspeed_multinode_launcher standard harness/train.py --config configs/default.yaml "
         "train.output_dir=runs/big")
@@ -204,7 +204,7 @@ def test_cpu_fallback_says_so():
     assert r.returncode == 0, r.stderr
     assert "no GPU found" in r.stdout and "falling back to ONE CPU process" in r.stdout
     assert launch_cmd(r.stdout).endswith(
-        "-m accelerate.commands.launch --config_file accelerate_configs/cpu.yaml harness/train.py "
+        "-m harness.tools.launcher --config_file accelerate_configs/cpu.yaml harness/train.py "
         "--config configs/default.yaml")
 
 
@@ -316,7 +316,7 @@ def test_train_sh_cpu_sigterm_stops_with_checkpoint_rerun_resumes_lost_worker_re
     _wait_for(lambda: _complete_steps(out)[-1] > stopped_at, proc)
     workers = [p for p in psutil.process_iter(["cmdline"])
                if "harness/train.py" in (p.info["cmdline"] or []) and f"train.output_dir={out}" in p.info["cmdline"]
-               and "accelerate.commands.launch" not in p.info["cmdline"]]
+               and "harness.tools.launcher" not in p.info["cmdline"]]
     assert len(workers) == 1
     workers[0].kill()
     text = proc.communicate(timeout=240)[0]

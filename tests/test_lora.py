@@ -6,10 +6,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
-from peft import PeftModel
+from peft import AutoPeftModelForCausalLM, PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -17,7 +18,7 @@ from harness.config import ModelConfig, load_config
 from harness.errors import ConfigError
 from harness.lora import apply_lora, is_peft, merged_copy
 from harness.model import build_model, load_tokenizer
-from tests.harness_launch import DEFAULT, FAST, initial_weights, run_train
+from tests.harness_launch import DEFAULT, FAST, ROOT, initial_weights, run_train
 
 TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 64,
@@ -303,6 +304,37 @@ def test_random_init_lora_export_names_its_base(tmp_path):
     with torch.no_grad():
         assert torch.allclose(peft_model(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)
         assert torch.allclose(auto(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-4)
+
+
+def test_a_copied_lora_run_folder_loads_with_peft_from_another_folder(tmp_path, monkeypatch):
+    """A random-init LoRA run started in orig/ with output_dir runs/lora: adapter_config.json names the base by its
+    path from there (runs/lora/final/base), so the run folder copied to copy/runs/ (the original deleted) loads with
+    peft's one-line AutoPeftModelForCausalLM from copy/, and with PeftModel over final/base from any folder; the
+    logits equal the original's (1e-5: the same weights and the same float32 CPU kernels) and generation agrees."""
+    orig = tmp_path / "orig"
+    orig.mkdir()
+    run_train([*FAST, "train.max_steps=2", "model.lora.enabled=true", "model.lora.r=4", "optim.lr=5e-2",
+               f"data.train_files=[{ROOT / 'data' / 'sample' / 'gen.jsonl'}]", "train.output_dir=runs/lora"], cwd=orig)
+    final = orig / "runs" / "lora" / "final"
+    assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == "runs/lora/final/base"
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    original = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(final / "base"), final).eval()
+    with torch.no_grad():
+        want = original(input_ids=ids).logits
+        want_gen = original.generate(input_ids=ids[:1, :8], max_new_tokens=6, do_sample=False)
+
+    shutil.copytree(orig / "runs", tmp_path / "copy" / "runs")
+    shutil.rmtree(orig)
+    monkeypatch.chdir(tmp_path / "copy")
+    auto = AutoPeftModelForCausalLM.from_pretrained("runs/lora/final").eval()  # peft's one-line loader
+    monkeypatch.chdir(tmp_path)
+    copied = tmp_path / "copy" / "runs" / "lora" / "final"
+    anywhere = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(copied / "base"), copied).eval()
+    with torch.no_grad():
+        for model in (auto, anywhere):
+            assert (model(input_ids=ids).logits - want).abs().max().item() <= 1e-5
+            gen = model.generate(input_ids=ids[:1, :8], max_new_tokens=6, do_sample=False)
+            assert gen.shape == (1, 14) and torch.equal(gen, want_gen)
 
 
 def test_a_pretrained_base_trains_in_train_mode(tmp_path):

@@ -75,6 +75,18 @@ def what_export(dest: Path) -> str:
     return "final export" if dest.name == "final" else f"{dest.name}/ export"
 
 
+def base_reference(base: Path, cwd: Optional[Path] = None) -> str:
+    """What adapter_config.json names a random base by: peft's AutoPeftModelForCausalLM passes the stored value
+    straight to from_pretrained, which resolves a relative path from the loader's current folder (not the adapter's).
+    No one value loads from every folder, so: the path relative to the folder the run was started from when the
+    run folder lies under it (runs/x/final/base: a copied project or run folder loads from the matching folder of the
+    copy), else the absolute path. From any folder: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+    final/base), final), or final/merged/ (docs/run-folder.md)."""
+    here = (cwd or Path.cwd()).resolve()
+    full = base.resolve()
+    return full.relative_to(here).as_posix() if full.is_relative_to(here) else str(full)
+
+
 def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, extra: Optional[dict],
                   random_base_dest: Optional[Path] = None) -> None:
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
@@ -97,7 +109,7 @@ def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, ex
             merged_copy(unwrapped, state_dict, merge=False).save_pretrained(tmp / "base", safe_serialization=True)
             tokenizer.save_pretrained(tmp / "base")
             adapter_config = json.loads((tmp / "adapter_config.json").read_text())
-            adapter_config["base_model_name_or_path"] = str(Path(random_base_dest).resolve() / "base")
+            adapter_config["base_model_name_or_path"] = base_reference(Path(random_base_dest) / "base")
             (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
         for name, obj in (extra or {}).items():
             (tmp / "merged" / name).write_text(json.dumps(obj, indent=2))

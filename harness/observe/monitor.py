@@ -346,9 +346,20 @@ def init_trackers(accelerator, cfg, resume_from: Optional[Path] = None) -> None:
         kept = f" (the checkpoint {resume_from} is intact)" if resume_from else ""
         failure = (f"could not start {where} ({one_line(e)}): nothing is lost, no step of this attempt ran{kept}; "
                    f"free some space, then run the same command again")
+    except Exception as e:
+        if not type(e).__module__.startswith("wandb"):
+            raise
+        failure = wandb_failure(e)
     failed = [f for f in collectives.all_gather(accelerator, failure) if f]
     if failed:
         raise HarnessError(failed[0])
+
+
+def wandb_failure(e: Exception) -> str:
+    """One line for wandb refusing to start (not logged in: 'No API key configured'): the ways to go on."""
+    return (f"config key 'train.report_to': wandb could not start ({one_line(e)}): log in with `wandb login` (or set "
+            f"WANDB_API_KEY), or log offline with WANDB_MODE=offline (upload later with `wandb sync`), or remove wandb "
+            f"from train.report_to")
 
 
 def quiet_event_writer_thread() -> None:
