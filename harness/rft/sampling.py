@@ -17,7 +17,7 @@ from harness.errors import ConfigError, HarnessError
 from harness.rft.contract import Completion, OnDone, Sampling, holding
 from harness.rft.engine import ContinuousEngine, compile_default, servable
 from harness.rft.stats import Stats, eos_ids
-from harness.rft.tasks import Question, Task, check_context
+from harness.rft.tasks import Task, check_context, prompt_text  # noqa: F401 (prompt_text: here before)
 from harness import hardware
 from harness.config import ModelConfig
 from harness.model import load_tokenizer
@@ -55,11 +55,6 @@ def load_for_generation(path: str, device: torch.device):
         raise ConfigError(f"config key 'model.name_or_path': cannot load '{path}': {str(e).splitlines()[0]}")
     return model.to(device).eval(), tok
 
-
-def prompt_text(task: Task, q: Question, tokenizer) -> str:
-    """The question in the model's chat template (the one it was trained with, saved with its tokenizer), ending
-    where the assistant's answer starts; bos included when the template writes it."""
-    return tokenizer.apply_chat_template(task.messages(q), add_generation_prompt=True, tokenize=False)
 
 
 class Sampler:

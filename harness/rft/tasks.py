@@ -230,3 +230,9 @@ def build_task(rft) -> Task:
     if rft.task.endswith(".jsonl") or Path(rft.task).is_file():
         return JsonlTask(rft.task, rft.test_file, rft.tolerance)
     raise ConfigError(f"config key 'rft.task': expected 'arithmetic' or a JSONL file, got {rft.task!r}")
+
+
+def prompt_text(task: Task, q: Question, tokenizer) -> str:
+    """The question in the model's chat template (the one it was trained with, saved with its tokenizer), ending
+    where the assistant's answer starts; bos included when the template writes it."""
+    return tokenizer.apply_chat_template(task.messages(q), add_generation_prompt=True, tokenize=False)

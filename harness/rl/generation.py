@@ -13,7 +13,7 @@ from harness.distributed.zero import gathered_for_generation
 from harness.errors import HarnessError
 from harness.rft.contract import Completion, Sampling, encode
 from harness.rft.engine import ContinuousEngine, compile_default, servable
-from harness.rft.tasks import Question, Task, check_context
+from harness.rft.tasks import Question, Task, check_context, prompt_text
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class Prompts:
 
     def text(self, q: Question) -> str:
         """The question in the model's chat template, ending where the answer starts (as `rft generate` asks)."""
-        return self.tok.apply_chat_template(self.task.messages(q), add_generation_prompt=True, tokenize=False)
+        return prompt_text(self.task, q, self.tok)
 
     def ids(self, questions: list[Question]) -> list[list[int]]:
         return [self._ids[id(q)] for q in questions]

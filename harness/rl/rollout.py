@@ -29,7 +29,7 @@ from harness.distributed.collectives import agreed
 from harness.distributed.zero import partitioned_copy
 from harness.errors import ConfigError
 from harness.rft.contract import GREEDY, texts as answer_texts
-from harness.rft.tasks import Question, Task
+from harness.rft.tasks import Task
 from harness.rl.generation import Generation, Prompts, SamplingSettings, served  # noqa: F401 (served: here before)
 from harness.rl import loss as rl_loss
 from harness.rl.batch import (completion_logps, completion_mask, padding_free, rows, scored_positions,
@@ -151,10 +151,6 @@ class Rollouts:
         self.gen_calls = 0  # engine calls of generation batches (this process), logged as gen_calls
         self.fn_sums: list = []  # each reward function's [sum, squares, count] of the current batch (this process)
         self.fn_unlogged = [0.0] * (3 * len(self.rewards.names))  # ... of the steps since the last log line
-
-    def prompt_text(self, q: Question) -> str:
-        """The question in the model's chat template, ending where the answer starts (as `rft generate` asks)."""
-        return self.prompts.text(q)
 
     def step_batches(self, questions, step: int, unlogged) -> list[dict]:
         """The micro-batches of optimizer step `step`: a new generation batch every rl.iterations steps (the next
