@@ -188,7 +188,7 @@ def test_train_sh_zero_auto_keeps_the_stage_of_the_checkpoints(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "--zero auto chose stage 0" in proc.stdout
     assert "resuming: keeping ZeRO stage 2, the stage of the run's checkpoints" in proc.stdout
-    launch = next(ln for ln in proc.stdout.splitlines() if "accelerate.commands.launch" in ln)
+    launch = next(ln for ln in proc.stdout.splitlines() if "harness.tools.launcher" in ln)
     assert "accelerate_configs/zero2.yaml" in launch and "--num_processes 4" in launch
 
 
