@@ -1,6 +1,7 @@
 """harness: a training harness for language models (generative and GritLM-style embedding objectives).
 
 Train the default job:  python -m harness.train --config configs/default.yaml
+From Python:            import harness; harness.train("configs/grpo-tiny.yaml", ["train.max_steps=5"], reward_funcs=[fn])
 See README.md for the quickstarts and docs/multi-gpu.md for CPU, single-GPU, multi-GPU and multi-node launches.
 """
 
@@ -34,3 +35,12 @@ class _KnownNoise(logging.Filter):
 
 for _name, _texts in QUIET.items():
     logging.getLogger(_name).addFilter(_KnownNoise(_texts))
+
+
+def __getattr__(name: str):
+    """`harness.train`, the Python API (harness/api.py), imported when first asked for: `import harness` stays light."""
+    if name == "train":
+        import harness.train  # lazy: start-up time (the API's torch only when it is called; the import sets the name)
+
+        return harness.train
+    raise AttributeError(f"module 'harness' has no attribute {name!r}")

@@ -47,6 +47,15 @@ class DataError(HarnessError):
     exit_code = 1
 
 
+class RunFailed(HarnessError):
+    """harness.train(...) (the Python API) of a run that failed: its one line is printed; `status`, the exit status
+    `harness train` would have ended with."""
+
+    def __init__(self, status: int):
+        super().__init__(f"harness.train: the run ended with exit status {status} (its reason is printed above)")
+        self.status = status
+
+
 def one_line(exc: BaseException, limit: int = 300) -> str:
     """'Type: message' on one line (messages of torch and others can span several), at most `limit` characters."""
     text = " ".join(str(exc).split())

@@ -300,3 +300,17 @@ class StopSignals:
         """Put the previous handlers back (idempotent)."""
         put_back(self._previous)
         self._previous = {}
+
+
+class StoppedOutsideTheLoop(BaseException):
+    """A stop signal during the set-up (before the loop's own handling, StopSignals, starts) or the export after it:
+    the run ends at once through its ExitStack (the output folder's lock released) with one line; what the last
+    checkpoint holds is kept. (BaseException: no `except Exception` on the way takes it for an error.)"""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def stop_outside_the_loop(signum, frame):
+    raise StoppedOutsideTheLoop(signum)

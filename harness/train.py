@@ -39,10 +39,11 @@ from harness.build import Job, build_run, check_machine
 from harness.checkpoint.export import export_final
 from harness.checkpoint.store import Checkpointer
 from harness.config import Config, describe, load_config, preflight, recipe_args
+from harness.config.objects import reward_overrides
 from harness.data import loaders, streaming
 from harness.distributed import collectives
 from harness.encode import embedding_settings
-from harness.errors import HarnessError
+from harness.errors import HarnessError, RunFailed
 from harness.evaluation import Evaluator
 from harness.observe import metrics, monitor, reporting
 from harness.observe.profiling import StepProfiler
@@ -52,7 +53,8 @@ from harness.speed.buckets import warm_run
 from harness.state import LoopState, UnloggedSums
 from harness.config.best import DIRECTIONS, early_stopping_config
 from harness.stopping import (EARLY_STOPPING, EARLY_WITHOUT_EXPORT, NONFINITE, TIME_BUDGET, WRITE_FAILED, BestMetric,
-                              NonfiniteGuard, StopDecision, exit_now, finite, stop_handlers, watch_launcher)
+                              NonfiniteGuard, StopDecision, StoppedOutsideTheLoop, exit_now, finite, stop_handlers,
+                              stop_outside_the_loop, watch_launcher)
 
 # DeepSpeed still calls collectives that torch deprecated; the warning repeats every step and says nothing to users.
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
@@ -344,20 +346,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return recipe_args.resolve(p.parse_args(argv), p, required=False)
 
 
-class StoppedOutsideTheLoop(BaseException):
-    """A stop signal during the set-up (before the loop's own handling, StopSignals, starts) or the export after it:
-    the run ends at once through its ExitStack (the output folder's lock released) with one line; what the last
-    checkpoint holds is kept. (BaseException: no `except Exception` on the way takes it for an error.)"""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _stop_outside_the_loop(signum, frame):
-    raise StoppedOutsideTheLoop(signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     watch_launcher()  # under a launcher: its death is a stop signal (checkpoint, exit), never an unsupervised run
@@ -365,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         print(describe())
         return 0
     try:
-        with stop_handlers(_stop_outside_the_loop):  # the loop's StopSignals take over while it runs
+        with stop_handlers(stop_outside_the_loop):  # the loop's StopSignals take over while it runs
             return _main(args)
     except StoppedOutsideTheLoop as e:
         if os.environ.get("RANK", "0") == "0":
@@ -388,6 +376,19 @@ def _main(args: argparse.Namespace) -> int:
         return preflight.report(e)
     return 0
 
+
+class _TrainModule(type(sys)):
+    def __call__(self, config, overrides=(), *, reward_funcs=None, reward_weights=None) -> dict:
+        """The Python API, `import harness; harness.train(config, overrides, reward_funcs=[fn])`: the run `harness
+        train` makes (main), with the functions given in this process (config/objects.py); returns report.json."""
+        overrides = [*map(str, overrides), *reward_overrides(reward_funcs, reward_weights)]
+        status = main(["--config", str(config), *overrides])
+        if status:
+            raise RunFailed(status)
+        return reporting.read_report(load_config(config, overrides).train.output_dir)
+
+
+sys.modules[__name__].__class__ = _TrainModule
 
 if __name__ == "__main__":
     exit_now(main())  # without the interpreter's slow teardown: the launcher sees the exit at once

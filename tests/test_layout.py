@@ -86,12 +86,26 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
+def api_face(name: str) -> range:
+    """The lines of the package file's `__getattr__`, which hands out `harness.train` (the Python API) when a user
+    asks for it: an entry point, as a `__main__.py` is a program, not an import the modules below read through the
+    package file (they import `harness` for IGNORE_INDEX); its import is no edge of the graphs here."""
+    if name != "harness":
+        return range(0)
+    fn = next((n for n in ast.parse(MODULES[name].read_text()).body
+               if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"), None)
+    return range(fn.lineno, fn.end_lineno + 1) if fn else range(0)
+
+
 def imports_of(name: str) -> set[str]:
     """The harness modules `name` imports, anywhere in its file (`from harness.x import y` counts as harness.x.y when
     that is a module, else as harness.x)."""
     path, out = MODULES[name], set()
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    face = api_face(name)
     for node in ast.walk(ast.parse(path.read_text())):
+        if getattr(node, "lineno", 0) in face:
+            continue
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -314,7 +328,7 @@ def import_sites(name: str) -> list[tuple[int, str, bool]]:
             walk(child, inner)
 
     walk(ast.parse(path.read_text()), False)
-    return [s for s in out if s[1] != name]
+    return [s for s in out if s[1] != name and s[0] not in api_face(name)]
 
 
 def folder_graph() -> dict[str, dict[str, list[str]]]:

@@ -319,7 +319,7 @@ def test_reward_that_raises_is_one_line(monkeypatch):
     assert str(e.value) == ("config key 'rl.reward': rl_rewards:raises raised ValueError: no score for this answer "
                             "(question train-0)")
     cfg = load_config("configs/grpo-tiny.yaml", ["rl.reward=rl_rewards:nothing"])
-    with pytest.raises(HarnessError, match=r"config key 'rl.reward': cannot load 'rl_rewards:nothing'"):
+    with pytest.raises(HarnessError, match=r"config key 'rl.reward': 'rl_rewards:nothing': .*rl_rewards.py has no 'nothing'"):
         load_reward(cfg.rl.reward, build_task(cfg.rft))
     assert load_reward(load_config("configs/grpo-tiny.yaml", []).rl.reward, build_task(cfg.rft)) is not None
 

@@ -63,6 +63,22 @@ def _apply(raw: dict, key: str, value: Any) -> None:
     raw.setdefault(section, {})[name] = coerce(key, value, fields[name])
 
 
+OBJECT_SPECS = ("rl.reward", "rl.rewards")  # keys whose values name Python objects: module:name or file.py:name
+
+
+def _located(value: Any, folder: Path) -> Any:
+    """A recipe's `path/to/file.py:name` specs (a string, a list, {function: spec} entries) with relative paths made
+    absolute from the recipe's `folder`; the rest as it is."""
+    if isinstance(value, list):
+        return [_located(v, folder) for v in value]
+    if isinstance(value, dict):
+        return {k: _located(v, folder) if k == "function" else v for k, v in value.items()}
+    if isinstance(value, str) and value.rpartition(":")[0].endswith(".py"):
+        file, _, name = value.rpartition(":")
+        return value if Path(file).is_absolute() else f"{(folder / file).resolve()}:{name}"
+    return value
+
+
 def _keys() -> dict[str, list[str]]:
     """Every section's keys (where a name given in the wrong section is found)."""
     return {s: list(section_fields(cls)) for s, cls in SECTIONS.items()}
@@ -92,6 +108,8 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
     (the file's lines prefixed `file:line:`), raised together (errors.ConfigErrors)."""
     problems: list[str] = []
     pairs, lines = _read_recipe(Path(path), problems) if path is not None else ([], {})
+    if path is not None:  # a file named in the recipe is found from the recipe's folder (harness/objects.py)
+        pairs = [(k, _located(v, Path(path).parent) if k in OBJECT_SPECS else v) for k, v in pairs]
     n_file = len(pairs)
     for text in overrides or []:
         try:

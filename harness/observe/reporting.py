@@ -7,6 +7,7 @@ the time window and the cost, and sends it to metrics.jsonl, the trackers, the p
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Optional
@@ -180,3 +181,9 @@ def loss_change(first: Optional[float], last: Optional[float]) -> str:
     if first is None or last is None or first == last:
         return f"loss {last if last is not None else first if first is not None else nan:.4f}"
     return f"loss {first:.4f} -> {last:.4f}"
+
+
+def read_report(output_dir: str | Path) -> dict:
+    """A run folder's report.json ({} where the run wrote none: an attempt that stopped early to continue later)."""
+    path = Path(output_dir, "report.json")
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -15,13 +15,13 @@ as reward. `rl.reward` (one function of (question, text), or the verifier) is th
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 
+from harness.config import objects
 from harness.config.checks import parse_rewards
 from harness.data import formats, sources
 from harness.errors import ConfigError, DataError, HarnessError, one_line
@@ -104,12 +104,7 @@ def load_reward(spec: str, task: Task) -> Callable[[Question, str], float]:
     if spec == "verifier":
         fn = verifier_reward(task)
     else:
-        module, _, name = spec.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ConfigError(f"config key 'rl.reward': cannot load {spec!r} ({one_line(e, 200)}); give "
-                              f"'verifier' or 'module:function'") from None
+        fn = objects.load(spec, "rl.reward")
     q = task.split("train")[0]
     score(fn, spec, q, "The answer is 0.")
     return fn
@@ -133,12 +128,10 @@ def rl_task(rl, rft, cache_dir: Optional[str] = None) -> Task:
 
 
 def _load(spec: str, key: str) -> Callable:
-    module, _, name = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ConfigError(f"config key '{key}': cannot load {spec!r} ({one_line(e, 200)}); give 'verifier' or "
-                          f"'module:function'") from None
+    fn = objects.load(spec, key)
+    if not callable(fn):
+        raise ConfigError(f"config key '{key}': {spec!r} is a {type(fn).__name__}, not a function")
+    return fn
 
 
 NO_SCORE_BATCHES = 3  # generation batches without one score, from the start, that stop a run (Rewards)
