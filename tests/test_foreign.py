@@ -45,7 +45,7 @@ def test_every_foreign_name_points_at_a_harness_key():
     # the issue's wrong-way hints, and the names that got none
     ("train.per_device_train_batch_size=4", "harness calls it train.micro_batch_size"),
     ("train.logging_steps=5", "harness calls it train.log_every"),
-    ("rl.max_completion_length=64", "harness calls it rft.max_new_tokens"),
+    ("train.max_completion_length=64", "harness calls it rft.max_new_tokens"),
     ("train.eval_steps=10", "harness calls it train.eval_every"),
     ("data.train_on_inputs=false", "harness has no such key"),
     ("optim.learning_rate=1e-4", "harness calls it optim.lr"),
@@ -63,7 +63,7 @@ def test_an_unknown_name_is_answered_with_the_key_it_means(override, named):
 @pytest.mark.parametrize("override,not_offered", [
     ("train.per_device_train_batch_size=4", "emb_micro_batch_size"),
     ("train.logging_steps=5", "profile_steps"),
-    ("rl.max_completion_length=64", "log_completions"),
+    ("train.max_completion_length=64", "log_completions"),
     ("train.eval_steps=10", "max_steps"),
     ("data.train_on_inputs=false", "train_files"),
     ("train.batch_sz=4", "did you mean"),  # spelled like nothing closely: no guess
@@ -127,3 +127,21 @@ def test_micro_batch_size_in_rl_mode_is_refused_not_ignored():
         load_config(ROOT / "configs/grpo-tiny.yaml", ["train.micro_batch_size=4"])
     assert str(e.value).startswith("config key 'train.micro_batch_size': loss.mode=rl does not read it: a step "
                                    "trains rl.questions_per_step x rl.num_generations answers")
+
+
+def test_trl_sampling_names_are_read_from_rl(tmp_path):
+    """rl.temperature / top_p / top_k / min_p / max_completion_length (TRL's GRPOConfig names) set the rft keys the
+    engine samples with; a later one wins as for any key; a recipe giving both names two values is one line."""
+    cfg = load_config(ROOT / "configs/grpo-tiny.yaml", ["rl.temperature=0.7", "rl.top_p=0.9", "rl.top_k=20",
+                                                        "rl.min_p=0.05", "rl.max_completion_length=24"])
+    assert (cfg.rft.temperature, cfg.rft.top_p, cfg.rft.top_k, cfg.rft.min_p, cfg.rft.max_new_tokens) == \
+        (0.7, 0.9, 20, 0.05, 24)
+    assert load_config(ROOT / "configs/grpo-tiny.yaml", ["rl.temperature=0.7", "rft.temperature=0.5"]).rft.temperature == 0.5
+    recipe = tmp_path / "both.yaml"
+    text = (ROOT / "configs/grpo-tiny.yaml").read_text().replace("  temperature: 1.0\n", "  temperature: 0.6\n")
+    recipe.write_text(text.replace("\nrl:\n", "\nrl:\n  temperature: 0.8\n", 1))
+    with pytest.raises(ConfigError) as e:
+        load_config(recipe)
+    line = next(i for i, t in enumerate(recipe.read_text().splitlines(), 1) if t == "  temperature: 0.8")
+    assert str(e.value) == (f"{recipe}:{line}: config key 'rl.temperature': 0.8, and rft.temperature 0.6: "
+                            f"rl.temperature is TRL's name for rft.temperature (the same setting); give one")

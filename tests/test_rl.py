@@ -723,7 +723,7 @@ from harness_launch import ROOT, metrics, report, run_train  # noqa: E402
 # that varies among a random model's answers, the KL term to the reference (rl.beta > 0: a copy on 1 process, under
 # ZeRO-3 a second partitioned engine); every process count and ZeRO stage runs the same questions
 RUN = [*TINY, "rl.reward=rl_rewards:digits", "rl.beta=0.1", "train.max_steps=4", "rl.questions_per_step=4",
-       "rl.num_generations=4", "rl.iterations=2", "rft.max_new_tokens=8", "rft.num_test_questions=6",
+       "rl.num_generations=4", "rl.iterations=2", "rl.max_completion_length=8", "rft.num_test_questions=6",
        "train.eval_every=2", "train.eval_at_start=false", "optim.lr=3e-3", "optim.warmup_steps=0",
        "train.progress_bar=false", "train.summary=false", "train.log_every=1"]
 ENV = {"PYTHONPATH": f"{ROOT / 'tests'}:{ROOT}"}
@@ -755,10 +755,13 @@ def test_run_logs_the_rl_figures(one_process):
     evals = [m for m in records if "eval_accuracy" in m]  # step 2's in its log line, the final one on its own
     assert [m["step"] for m in evals] == [2, 4] and all(0 <= m["eval_answer_rate"] <= 1 for m in evals)
     assert "rl: grpo, 4 questions x 4 answers per generation batch" in proc.stdout
+    assert "rl: 16 completions per step, 16 per process, 16 per micro-batch (TRL's per_device_train_batch_size" \
+        in proc.stdout
+    assert list((out / "tensorboard").rglob("events.out.tfevents*"))  # grpo-tiny logs to tensorboard
     import yaml
 
     saved = yaml.safe_load((out / "config.yaml").read_text())  # an rl run reads both sections: both kept
-    assert saved["rl"]["iterations"] == 2 and saved["rft"]["max_new_tokens"] == 8
+    assert saved["rl"]["iterations"] == 2 and saved["rft"]["max_new_tokens"] == 8  # rl.max_completion_length: TRL's name
 
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])

@@ -79,6 +79,25 @@ def _located(value: Any, folder: Path) -> Any:
     return value
 
 
+# loss.mode=rl samples with the rft section's keys; TRL's GRPOConfig names are read from rl: as well (the same setting)
+RL_SAMPLING = {"rl.temperature": "rft.temperature", "rl.top_p": "rft.top_p", "rl.top_k": "rft.top_k",
+               "rl.min_p": "rft.min_p", "rl.max_completion_length": "rft.max_new_tokens"}
+
+
+def _trl_sampling(pairs: list, n_file: int, lines: dict, path, problems: list) -> list:
+    """RL_SAMPLING's names as the rft keys they name (a later one wins, as for any key; a recipe that gives both names
+    two values is a problem on the line of TRL's)."""
+    for i, (key, value) in enumerate(pairs[:n_file]):
+        target = RL_SAMPLING.get(key)
+        other = next((v for k, v in pairs[:n_file] if k == target), value) if target else value
+        if other != value:
+            problems.append(f"{path}:{lines.get(key, '?')}: config key '{key}': {value!r}, and {target} {other!r}: "
+                            f"{key} is TRL's name for {target} (the same setting); give one")
+        if target and key in lines:
+            lines.setdefault(target, lines[key])
+    return [(RL_SAMPLING.get(k, k), v) for k, v in pairs]
+
+
 def _keys() -> dict[str, list[str]]:
     """Every section's keys (where a name given in the wrong section is found)."""
     return {s: list(section_fields(cls)) for s, cls in SECTIONS.items()}
@@ -116,6 +135,7 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
             pairs.append(parse_override(text))
         except ConfigError as e:
             problems.append(str(e))
+    pairs = _trl_sampling(pairs, n_file, lines, path, problems)
     overridden = {k for k, _ in pairs[n_file:]}
 
     def at(key: str) -> str:  # where `key` was written: its line in the recipe, or nothing (an override, a default)
@@ -223,4 +243,6 @@ def describe() -> str:
                     ktp = type_name(typing.get_type_hints(EarlyStoppingConfig)[k.name])
                     lines.append(f"    early_stopping.{k.name} ({ktp}, default {k.default!r}): "
                                  f"{EARLY_STOPPING_HELP[k.name]}")
+        if section == "rl":  # TRL's names of the sampling keys
+            lines += [f"  {a.partition('.')[2]}: TRL's name of {t} (the same setting)" for a, t in RL_SAMPLING.items()]
     return "\n".join(lines)

@@ -84,4 +84,9 @@ def build(cfg: Config, parts: Parts) -> RlMode:
     parts.say(f"[harness] rl: {cfg.rl.algorithm}, {cfg.rl.questions_per_step} questions x {cfg.rl.num_generations} "
               f"answers per generation batch, {cfg.rl.iterations} step(s) on each, loss_type {cfg.rl.loss_type}, "
               f"{len(rollouts.questions)} train questions")
+    per_step = cfg.rl.questions_per_step * cfg.rl.num_generations
+    per_process = per_step // parts.accelerator.num_processes
+    parts.say(f"[harness] rl: {per_step} completions per step, {per_process} per process, "
+              f"{per_process // cfg.train.grad_accum} per micro-batch (TRL's per_device_train_batch_size; "
+              f"rl.questions_per_step counts prompts, TRL's generation batch / num_generations)")
     return RlMode(cfg, parts, rollouts)
