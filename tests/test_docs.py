@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -327,3 +328,19 @@ def test_ci_runs_the_readme_commands_in_order():
     ci = [" ".join(c) for c in commands((ROOT / ".ci" / "run").read_text())]
     steps = [ci.index(c, ci.index(readme[i - 1]) + 1 if i else 0) for i, c in enumerate(readme)]
     assert len(readme) == 4 and steps == sorted(steps), (readme, ci)
+
+
+def test_readme_figures_are_the_default_jobs():
+    """The README's figures of the default job are its report's (runs/default/report.json, which .ci/run's command 1
+    leaves before the tests), within 0.1: "about" one decimal; a run on another CPU sums in another order (~1e-6)."""
+    report = ROOT / "runs" / "default" / "report.json"
+    if not report.is_file():
+        pytest.skip("runs/default/report.json: made by the README's command 1 (.ci/run runs it before the tests)")
+    r = json.loads(report.read_text())
+    text = " ".join((ROOT / "README.md").read_text().split())
+    m = re.search(r"The held-out loss falls from about ([\d.]+) at step 0 to about ([\d.]+) at the end \(the "
+                  r"training loss from about ([\d.]+) at step 1 to about ([\d.]+);", text)
+    assert m, "the README's sentence with the default job's figures is gone"
+    stated = [float(x) for x in m.groups()]
+    measured = [r["eval_at_start"]["eval_loss"], r["eval"]["eval_loss"], r["first_loss"], r["final_loss"]]
+    assert all(abs(a - b) <= 0.1 for a, b in zip(stated, measured)), (stated, measured)
