@@ -344,3 +344,43 @@ def test_readme_figures_are_the_default_jobs():
     stated = [float(x) for x in m.groups()]
     measured = [r["eval_at_start"]["eval_loss"], r["eval"]["eval_loss"], r["first_loss"], r["final_loss"]]
     assert all(abs(a - b) <= 0.1 for a, b in zip(stated, measured)), (stated, measured)
+
+
+def training_commands() -> list[tuple[str, int, str, tuple]]:
+    """(doc, line, output_dir, (recipe, overrides)) of every documented command that trains (harness train, python -m
+    harness.train, accelerate launch harness/train.py, launch/train.sh; not --dry-run or --help), its recipe a file."""
+    out = []
+    for doc in DOCS:
+        for line, info, text in blocks(doc):
+            if not info or info.split()[0] not in ("bash", "sh", "console"):
+                continue
+            for cmd in commands(text):
+                name, words = os.path.basename(cmd[0]), cmd[1:]
+                trains = (name == "harness" and words[:1] == ["train"]) or "harness/train.py" in words or \
+                    words[:2] == ["-m", "harness.train"] or cmd[0].endswith("launch/train.sh")
+                if not trains or {"-h", "--help", "--help-config", "--dry-run"} & set(words):
+                    continue
+                recipe, overrides = recipe_and_overrides(words)
+                if "--config" in words[:-1]:
+                    recipe = words[words.index("--config") + 1]
+                if cmd[0].endswith("launch/train.sh") and "--sp" in words[:-1]:  # what --sp N sets
+                    overrides = [*overrides, f"train.sequence_parallel={words[words.index('--sp') + 1]}"]
+                if not recipe or not (ROOT / recipe).is_file():
+                    continue
+                out_dir = load_config(ROOT / recipe, overrides).train.output_dir
+                run = (recipe, tuple(sorted(o for o in overrides if not o.startswith(("train.output_dir=",
+                                                                                      "train.stop_at_step=")))))
+                out.append((doc.name, line, out_dir, run))
+    return out
+
+
+def test_every_documented_training_command_writes_to_its_own_run_folder():
+    """Two documented commands that train different runs (another recipe or other overrides) never share a run
+    folder: the second would find the first's finished run ("nothing to do") or resume it with other settings. The
+    same run shown twice (the README's quickstart again in a guide) may."""
+    by_folder: dict[str, dict[tuple, list[str]]] = {}
+    for doc, line, out_dir, run in training_commands():
+        by_folder.setdefault(out_dir, {}).setdefault(run, []).append(f"{doc}:{line}")
+    shared = {d: runs for d, runs in by_folder.items() if len(runs) > 1}
+    assert not shared, "\n".join(f"{d}: " + "; ".join(f"{' '.join([r[0], *r[1]])} ({', '.join(w)})"
+                                                      for r, w in runs.items()) for d, runs in shared.items())
