@@ -20,6 +20,7 @@ QUIET = {
     "transformers.integrations.hub_kernels": ("`kernels` is either not installed",),  # the `pip install kernels` notice
     "DeepSpeed": ("Setting accelerator to CPU",),  # DeepSpeed's import on a machine without a GPU
     "accelerate.utils.other": ("Removed shared tensor",),  # tied weights saved once, as intended
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),  # `import peft` on a CPU machine
 }
 
 

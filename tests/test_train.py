@@ -32,10 +32,11 @@ def test_lr_schedule_warmup_then_cosine_to_min():
 
 
 def test_the_libraries_start_up_quietly():
-    """torchao's "Failed to load ... .so" (its CUDA-only ops), torch's register_constant warnings for torchao's Enums
-    and DeepSpeed's "Setting accelerator to CPU" were printed by every command: importing them after harness prints
-    nothing, while a warning of the same libraries that the harness does not know of still gets through."""
-    code = ("import logging, harness, torchao, deepspeed, accelerate.utils.other\n"
+    """torchao's "Failed to load ... .so" (its CUDA-only ops), torch's register_constant warnings for torchao's Enums,
+    DeepSpeed's "Setting accelerator to CPU" and bitsandbytes' CPU "Failed to load CPU gemm_4bit_forward" (on `import
+    peft`) were printed by every command: importing them after harness prints nothing, while a warning of the same
+    libraries that the harness does not know of still gets through."""
+    code = ("import logging, harness, torchao, deepspeed, accelerate.utils.other, peft\n"
             "logging.getLogger('torchao').warning('another torchao warning')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""})
