@@ -256,6 +256,20 @@ def put_back(previous: dict) -> None:
         signal.signal(sig, handler)
 
 
+READ_STOP_S = 5.0  # a stop signal pending this long while a process still reads for its step ends the run there
+_LIVE: list = []  # the StopSignals handling this process's loop
+
+
+def stop_while_reading() -> None:
+    """Called by a data stream that reads on without giving a row (records skipped for having no trained token): a
+    stop signal pending READ_STOP_S or more ends the run there, as a signal outside the loop does (nothing was trained
+    since the last checkpoint; the next attempt reads from its position again), instead of after a step that may
+    never come."""
+    for stop in _LIVE:
+        if stop.received is not None and stop._clock() - stop.at >= READ_STOP_S:
+            raise StoppedOutsideTheLoop(stop.received)
+
+
 class StopSignals:
     """SIGTERM / SIGINT handling for preemptible machines. The first signal only sets a flag: the loop finishes the
     optimizer step in flight, every rank agrees (an all-reduce of the flag), a checkpoint is written and the process
@@ -274,6 +288,7 @@ class StopSignals:
     def install(self) -> None:
         """Handle SIGTERM / SIGINT (again, after `restore`)."""
         self._previous = swap_handlers(self._handle)
+        _LIVE[:] = [self]
 
     def _handle(self, signum, frame) -> None:
         if self.received is not None:
@@ -300,10 +315,13 @@ class StopSignals:
         """Put the previous handlers back (idempotent)."""
         put_back(self._previous)
         self._previous = {}
+        if self in _LIVE:
+            _LIVE.remove(self)
 
 
 class StoppedOutsideTheLoop(BaseException):
-    """A stop signal during the set-up (before the loop's own handling, StopSignals, starts) or the export after it:
+    """A stop signal during the set-up (before the loop's own handling, StopSignals, starts), the export after it, or
+    while a step's data is still being read READ_STOP_S after it came (stop_while_reading):
     the run ends at once through its ExitStack (the output folder's lock released) with one line; what the last
     checkpoint holds is kept. (BaseException: no `except Exception` on the way takes it for an error.)"""
 

@@ -357,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
             return _main(args)
     except StoppedOutsideTheLoop as e:
         if os.environ.get("RANK", "0") == "0":
-            print(f"[harness] stopped by signal {e.signum} outside the training loop (set-up or export): nothing "
-                  f"saved since the last checkpoint; run the same command to continue", file=sys.stderr, flush=True)
+            print(f"[harness] stopped by signal {e.signum} outside the training loop (set-up, export or a step's data "
+                  f"still being read): nothing saved since the last checkpoint; run the same command to continue",
+                  file=sys.stderr, flush=True)
         return 128 + e.signum
 
 

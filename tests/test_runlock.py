@@ -220,9 +220,9 @@ def test_sigterm_during_the_set_up_releases_the_lock_with_one_line(tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
-    assert err.strip().splitlines()[-1] == ("[harness] stopped by signal 15 outside the training loop (set-up or "
-                                            "export): nothing saved since the last checkpoint; run the same command "
-                                            "to continue")
+    assert err.strip().splitlines()[-1] == ("[harness] stopped by signal 15 outside the training loop (set-up, export "
+                                            "or a step's data still being read): nothing saved since the last "
+                                            "checkpoint; run the same command to continue")
     assert not (out / ".lock").exists()
 
 

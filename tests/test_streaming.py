@@ -373,3 +373,33 @@ def test_a_bad_record_fixed_beyond_the_read_position_resumes_exactly(tmp_path):
     last = refused.stderr.strip().splitlines()[-1]
     assert last.startswith("harness: error: the training data changed since") and "resume_changed_data" not in last
     assert "a stream resumes on files changed only beyond what it had read of them" in last
+
+
+def test_a_first_sigterm_ends_a_stream_that_reads_on_without_a_row(tmp_path, monkeypatch):
+    """A stop signal while a streamed step's data is still being read (every record skipped: no trained token) ends
+    the run there once it has been pending READ_STOP_S, as a signal outside the loop does (failed before: the first
+    SIGTERM said "finishing this step" and the stream read on; only a second signal, or the epoch's end, stopped it)."""
+    from harness import IGNORE_INDEX, stopping
+
+    a = write_jsonl(tmp_path / "a.jsonl", texts(400, "a"))
+    calls = [0]
+
+    def nothing_trained(cols: dict) -> dict:
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # the first signal, handled by the loop's StopSignals
+        out = fake_tokenize(cols)
+        out["labels"] = [[IGNORE_INDEX] * len(x) for x in out["input_ids"]]
+        return out
+
+    monkeypatch.setattr(stopping, "READ_STOP_S", 0.0)
+    signals = stopping.StopSignals()
+    try:
+        s = streaming.GlobalStream([SourceCursor(Source(str(a)), "data.train_files", None)], [1.0], 3, 16,
+                                   nothing_trained, None, say=lambda _: None)
+        with pytest.raises(stopping.StoppedOutsideTheLoop) as e:
+            s.next()
+    finally:
+        signals.restore()
+    assert e.value.signum == signal.SIGTERM and calls[0] == 3  # at the next read after the signal, not the epoch's end
+    assert s.dropped < 400

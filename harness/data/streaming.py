@@ -29,7 +29,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from harness import IGNORE_INDEX
+from harness import IGNORE_INDEX, stopping
 from harness.data import chat, sources
 from harness.data.samples import pack_rows, tokenize_generative
 from harness.data.stream_sources import SourceCursor
@@ -152,6 +152,7 @@ class GlobalStream:
     def next(self) -> dict:
         """The next row (global sample index `self.rows`)."""
         while not self.ready:
+            stopping.stop_while_reading()  # records skipped on and on: a stop signal still ends the run
             self._fill()
         self.rows += 1
         return self.ready.popleft()
