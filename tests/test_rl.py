@@ -906,16 +906,20 @@ def test_an_rl_run_reads_no_data_train_files(tmp_path):
     assert datafiles.fingerprints(cfg.data, cfg.loss.mode) == {}
 
 
-def test_a_micro_batch_whose_answers_are_all_cut_trains_loss_0(tmp_path):
+@pytest.mark.parametrize("nproc,accel", [(1, None), (2, "zero2")])
+def test_a_micro_batch_whose_answers_are_all_cut_trains_loss_0(tmp_path, nproc, accel):
     """rl.mask_truncated_completions with every answer cut at rft.max_new_tokens (1 token: a random model draws no
     EOS in these seeded steps): the micro-batch has no trained token, and its pass still runs, loss 0 (TRL's), every
     parameter given a gradient (zeros: DDP's and DeepSpeed's reductions see every parameter), and the run goes on to
-    its planned end (failed before: RuntimeError 'element 0 of tensors does not require grad' at step 1)."""
+    its planned end (failed before: RuntimeError 'element 0 of tensors does not require grad' at step 1); on two
+    processes under ZeRO-2 each rank's all-masked pass takes part in the gradient reduction (no hang: the launch's
+    timeout)."""
     run_train([*TINY, "rl.reward=rl_rewards:digits", "train.max_steps=2", "rl.questions_per_step=2",
                "rl.num_generations=2", "rft.max_new_tokens=1", "rl.mask_truncated_completions=true",
                "rft.num_test_questions=0", "train.eval_at_start=false", "train.progress_bar=false",
-               "train.summary=false", "train.log_every=1", f"train.output_dir={tmp_path}"],
-              config=str(ROOT / "configs/grpo-tiny.yaml"), extra_env=ENV)
+               "train.summary=false", "train.log_every=1", f"train.output_dir={tmp_path}"], nproc=nproc, accel=accel,
+              config=str(ROOT / "configs/grpo-tiny.yaml"), extra_env=ENV, timeout=600)
+    assert report(tmp_path)["world_size"] == nproc and report(tmp_path)["zero_stage"] == (2 if accel else None)
     steps = [m for m in metrics(tmp_path) if "reward" in m]
     assert [m["step"] for m in steps] == [1, 2] and all(m["loss"] == 0.0 for m in steps)
 
