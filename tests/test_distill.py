@@ -1,0 +1,114 @@
+"""loss.mode=distill (harness/distill/, harness/modes/distill.py): the divergence equals TRL 1.16's (the GKD trainer's
+generalized_jsd_loss and the stable DistillationTrainer's chunked divergence) on the same logits, the chunked form
+equals the full-logits form, prompt and padding positions carry no loss; the config's one-line refusals; short runs
+through `harness train` with lmbda 0 and 1.
+
+    .venv/bin/python -m pytest tests/test_distill.py -n 0 -q
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from harness import IGNORE_INDEX
+from harness.config import load_config
+from harness.distill.loss import chunked_divergence, divergence_sum
+from harness.errors import ConfigError
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+from trl.experimental.gkd import GKDTrainer  # noqa: E402
+from trl.trainer.distillation_trainer import _chunked_divergence_loss  # noqa: E402
+
+B, T, H, HT, V = 2, 9, 16, 24, 61
+
+
+def _case(dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hs, ht = torch.randn(B, T, H, generator=g, dtype=dtype), torch.randn(B, T, HT, generator=g, dtype=dtype)
+    ws, wt = torch.randn(V, H, generator=g, dtype=dtype) * 0.5, torch.randn(V, HT, generator=g, dtype=dtype) * 0.5
+    labels = torch.randint(0, V, (B, T), generator=g)
+    labels[0, :4] = IGNORE_INDEX  # a prompt
+    labels[1, 6:] = IGNORE_INDEX  # padding
+    return hs, ht, ws, wt, labels
+
+
+def _shifted(labels):
+    """TRL's alignment: position t's logits against the token at t + 1."""
+    out = torch.full_like(labels, IGNORE_INDEX)
+    out[:, :-1] = labels[:, 1:]
+    return out
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_divergence_equals_trl(beta, temperature):
+    hs, ht, ws, wt, labels = _case()
+    total, count, _, _ = chunked_divergence(hs, ws, None, ht, wt, None, labels, beta, temperature, chunk_size=4)
+    ours = (total / count).item()
+    shifted = _shifted(labels)
+    gkd = GKDTrainer.generalized_jsd_loss(hs @ ws.T, ht @ wt.T, labels=shifted, beta=beta, temperature=temperature)
+    # both in fp64 here: the same formula, rounding only
+    assert abs(ours - gkd.item()) < 1e-6, (ours, gkd.item())
+    stable, _, n_valid = _chunked_divergence_loss(hs.float(), ht.float(), ws.float(), wt.float(),
+                                                  (shifted != IGNORE_INDEX).long(), beta, temperature=temperature)
+    assert int(n_valid) == int(count)
+    # TRL's stable kernel computes in fp32: values of order 1-5, fp32 rounding ~1e-7 relative
+    assert abs(ours - stable.item()) < 1e-6, (ours, stable.item())
+
+
+@pytest.mark.parametrize("kind,beta", [("jsd", 0.0), ("jsd", 0.3), ("jsd", 1.0), ("sampled_kl", 0.0)])
+def test_chunked_equals_full_logits_with_gradients(kind, beta):
+    hs, ht, ws, wt, labels = _case()
+    bias = torch.randn(V, dtype=torch.float64) * 0.1
+    a = [hs.clone().requires_grad_(), ws.clone().requires_grad_(), bias.clone().requires_grad_()]
+    b = [hs.clone().requires_grad_(), ws.clone().requires_grad_(), bias.clone().requires_grad_()]
+    total, count, reverse, agree = chunked_divergence(a[0], a[1], a[2], ht, wt, None, labels, beta, 2.0,
+                                                      chunk_size=3, kind=kind)
+    (total * 0.7).backward()
+    zs = b[0] @ b[1].T + b[2]
+    full, full_count = divergence_sum(zs, ht @ wt.T, labels, beta, 2.0, kind)
+    (full * 0.7).backward()
+    assert int(count) == int(full_count) == int((labels[:, 1:] != IGNORE_INDEX).sum())
+    assert abs(total.item() - full.item()) < 1e-10
+    for x, y in zip(a, b):
+        assert torch.allclose(x.grad, y.grad, atol=1e-10), (x.grad - y.grad).abs().max()
+    # the log line's figures: KL(student || teacher) at temperature 1 and the top-1 agreements, on the same positions
+    on = _shifted(labels).reshape(-1) != IGNORE_INDEX
+    s = torch.log_softmax(zs.detach().reshape(-1, V)[on], -1)
+    t = torch.log_softmax((ht @ wt.T).reshape(-1, V)[on], -1)
+    assert abs(reverse.item() - (s.exp() * (s - t)).sum().item()) < 1e-10
+    assert int(agree) == int((s.argmax(-1) == t.argmax(-1)).sum())
+
+
+def test_prompt_and_padding_positions_carry_no_loss():
+    hs, ht, ws, wt, labels = _case()
+    hs = hs.clone().requires_grad_()
+    total, _, _, _ = chunked_divergence(hs, ws, None, ht, wt, None, labels, 0.5, 1.0, chunk_size=5)
+    total.backward()
+    off = (_shifted(labels) == IGNORE_INDEX)  # positions that predict no trained token
+    assert off.any() and (hs.grad[off] == 0).all() and (hs.grad[~off].abs().sum(-1) > 0).all()
+    # other values there (a different prompt's states, padding's garbage) change nothing
+    hs2, ht2 = hs.detach().clone(), ht.clone()
+    hs2[off] = torch.randn_like(hs2[off]) * 10
+    ht2[off] = torch.randn_like(ht2[off]) * 10
+    again, _, _, _ = chunked_divergence(hs2, ws, None, ht2, wt, None, labels, 0.5, 1.0, chunk_size=5)
+    assert again.item() == pytest.approx(total.item(), abs=1e-12)
+
+
+@pytest.mark.parametrize("override,key", [
+    (["loss.mode=distill"], "distill.teacher"),
+    (["loss.mode=distill", "distill.teacher=t", "distill.beta=1.5"], "distill.beta"),
+    (["loss.mode=distill", "distill.teacher=t", "distill.lmbda=-0.1"], "distill.lmbda"),
+    (["loss.mode=distill", "distill.teacher=t", "distill.temperature=0"], "distill.temperature"),
+    (["loss.mode=distill", "distill.teacher=t", "distill.loss=kl"], "distill.loss"),
+    (["loss.mode=distill", "distill.teacher=t", "distill.loss=sampled_kl"], "distill.loss"),
+    (["loss.mode=distill", "distill.teacher=t", "distill.tacher=u"], "distill.tacher"),
+    (["distill.beta=0.2"], "distill.beta"),
+])
+def test_config_refusals_name_the_key(override, key):
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/default.yaml", override)
+    assert f"'{key}'" in str(e.value) and "\n" not in str(e.value).strip()
