@@ -112,3 +112,100 @@ def test_config_refusals_name_the_key(override, key):
     with pytest.raises(ConfigError) as e:
         load_config("configs/default.yaml", override)
     assert f"'{key}'" in str(e.value) and "\n" not in str(e.value).strip()
+
+
+# ----------------------------------------------------------------------------------------------- the mode, end to end
+
+TINY = ["model.config.hidden_size=32", "model.config.intermediate_size=64", "model.config.num_hidden_layers=2",
+        "model.config.num_attention_heads=2", "model.config.num_key_value_heads=2"]
+
+
+def _save_teacher(folder, tokenizer, hidden=64, seed=1):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                  max_position_embeddings=256, tie_word_embeddings=True,
+                                  pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def run_tokenizer():
+    from harness.config import ModelConfig
+    from harness.model import load_run_tokenizer
+
+    return load_run_tokenizer(ModelConfig(tokenizer="bundled"), "auto", "distill")
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory, run_tokenizer):
+    """A tiny random teacher (hidden 64: wider than the student's 32) with the run's tokenizer."""
+    return _save_teacher(tmp_path_factory.mktemp("teacher"), run_tokenizer)
+
+
+def _distill(out, teacher, *extra):
+    from harness_launch import FAST, ROOT, cpu_slots
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    args = ["configs/default.yaml", "loss.mode=distill", f"distill.teacher={teacher}", *TINY, "train.max_steps=3",
+            "train.micro_batch_size=4", f"train.output_dir={out}", "distill.max_new_tokens=8", *FAST,
+            "data.eval_files=[data/sample/gen_eval.jsonl]", *extra]
+    with cpu_slots(1):
+        return subprocess.run([sys.executable, "-m", "harness.cli", "train", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("lmbda", [0.0, 1.0])
+def test_lmbda_0_and_1_train_through_harness_train(tmp_path, teacher_dir, lmbda):
+    """lmbda 0: the data's completions; lmbda 1: the student's own samples (the continuous engine); both log the
+    loss, the reverse KL to the teacher and the on-policy share, and evaluate against the teacher."""
+    import json
+
+    proc = _distill(tmp_path / "run", teacher_dir, f"distill.lmbda={lmbda}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["on_policy_share"] == lmbda for r in steps)
+    assert all(r["loss"] > 0 and r["reverse_kl"] > 0 and 0 <= r["top1_agreement"] <= 1 for r in steps)
+    evals = [r for r in records if "eval_reverse_kl" in r]
+    assert evals and all(r["eval_reverse_kl"] > 0 and 0 <= r["eval_top1_agreement"] <= 1 for r in evals)
+    assert "distill: teacher" in proc.stdout
+
+
+def test_on_policy_draws_are_seeded_by_step_and_micro_batch():
+    from harness.config.distill import DistillConfig
+    from harness.modes.distill import on_policy
+
+    d = DistillConfig(teacher="t", lmbda=0.3, seed=5)
+    draws = [on_policy(d, s, k) for s in range(1, 201) for k in range(2)]
+    assert draws == [on_policy(d, s, k) for s in range(1, 201) for k in range(2)]  # a resumed run draws the same
+    assert 0.2 < sum(draws) / len(draws) < 0.4  # 400 draws of p = 0.3: 4.5 sigma either side
+    assert not any(on_policy(DistillConfig(teacher="t", lmbda=0.0), s, 0) for s in range(50))
+    assert all(on_policy(DistillConfig(teacher="t", lmbda=1.0), s, 0) for s in range(50))
+
+
+def test_a_teacher_with_another_vocabulary_is_one_line(tmp_path, run_tokenizer, teacher_dir):
+    """Checked before step 1 (the mode's build): a teacher whose tokenizer maps tokens otherwise is one line naming
+    distill.teacher; one whose head is only padded otherwise reads the tokenizer's rows of both."""
+    from harness.config.distill import DistillConfig
+    from harness.distill.teacher import check_vocabulary, load_teacher
+
+    other = run_tokenizer.__class__.from_pretrained(teacher_dir)
+    other.add_tokens(["<an-added-token>"])
+    folder = _save_teacher(tmp_path / "other", other)
+    d = DistillConfig(teacher=str(folder))
+    teacher = load_teacher(d, other, "no", "cpu")
+    student = load_teacher(DistillConfig(teacher=str(teacher_dir)), run_tokenizer, "no", "cpu")
+    with pytest.raises(ConfigError) as e:
+        check_vocabulary(d, student, teacher, run_tokenizer)
+    assert str(e.value).startswith("config key 'distill.teacher': the teacher's tokenizer differs") and \
+        "\n" not in str(e.value)
+    assert check_vocabulary(DistillConfig(teacher=str(teacher_dir)), student, student, run_tokenizer) is None

@@ -172,12 +172,14 @@ class _ChunkedDivergence(torch.autograd.Function):
 class DivergenceHead(ChunkedHeadLoss):
     """While active, the student's output head returns `chunked_divergence`'s loss sum against `teacher` (its
     (hidden states, head weight, bias, softcap), from `teacher_hidden`); run the student's forward as for
-    ChunkedHeadLoss, then `result(out)` gives (loss sum, positions) and `figures` (reverse KL sum, agreements)."""
+    ChunkedHeadLoss, then `result(out)` gives (loss sum, positions) and `figures` (reverse KL sum, agreements).
+    `vocab`: the first rows of both heads that the loss reads, where their padding differs (None: all)."""
 
     def __init__(self, model, labels, teacher: tuple, beta: float, temperature: float, kind: str,
-                 chunk_size: int = 1024):
+                 chunk_size: int = 1024, vocab: int | None = None):
         super().__init__(model, labels, chunk_size=chunk_size)
         self.teacher, self.beta, self.temperature, self.kind = teacher, beta, temperature, kind
+        self.vocab = vocab  # the heads' first rows both read (heads padded differently), or None: all
         self.figures = None
 
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -186,6 +188,9 @@ class DivergenceHead(ChunkedHeadLoss):
             raise RuntimeError("DivergenceHead: the output head must run once, on every position")
         weight, bias = head_params(self.head)
         t_hidden, t_weight, t_bias, t_softcap = self.teacher
+        if self.vocab is not None:
+            weight, t_weight = weight[:self.vocab], t_weight[:self.vocab]
+            bias, t_bias = (None if x is None else x[:self.vocab] for x in (bias, t_bias))
         total, self.count, reverse, agree = chunked_divergence(
             hidden, weight, bias, t_hidden, t_weight, t_bias, self.labels, self.beta, self.temperature,
             self.chunk_size, self.kind, self.softcap, t_softcap)
