@@ -15,7 +15,7 @@ import torch
 
 from harness import IGNORE_INDEX
 from harness.config import load_config
-from harness.distill.loss import chunked_divergence, divergence_sum
+from harness.distill.loss import Divergence, chunked_divergence, divergence_sum
 from harness.errors import ConfigError
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -46,7 +46,8 @@ def _shifted(labels):
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 def test_divergence_equals_trl(beta, temperature):
     hs, ht, ws, wt, labels = _case()
-    total, count, _, _ = chunked_divergence(hs, ws, None, ht, wt, None, labels, beta, temperature, chunk_size=4)
+    total, count, _, _ = chunked_divergence((hs, ws, None, None), (ht, wt, None, None), labels,
+                                         Divergence(beta, temperature), chunk_size=4)
     ours = (total / count).item()
     shifted = _shifted(labels)
     gkd = GKDTrainer.generalized_jsd_loss(hs @ ws.T, ht @ wt.T, labels=shifted, beta=beta, temperature=temperature)
@@ -65,8 +66,8 @@ def test_chunked_equals_full_logits_with_gradients(kind, beta):
     bias = torch.randn(V, dtype=torch.float64) * 0.1
     a = [hs.clone().requires_grad_(), ws.clone().requires_grad_(), bias.clone().requires_grad_()]
     b = [hs.clone().requires_grad_(), ws.clone().requires_grad_(), bias.clone().requires_grad_()]
-    total, count, reverse, agree = chunked_divergence(a[0], a[1], a[2], ht, wt, None, labels, beta, 2.0,
-                                                      chunk_size=3, kind=kind)
+    total, count, reverse, agree = chunked_divergence((a[0], a[1], a[2], None), (ht, wt, None, None), labels,
+                                                      Divergence(beta, 2.0, kind), chunk_size=3)
     (total * 0.7).backward()
     zs = b[0] @ b[1].T + b[2]
     full, full_count = divergence_sum(zs, ht @ wt.T, labels, beta, 2.0, kind)
@@ -86,7 +87,8 @@ def test_chunked_equals_full_logits_with_gradients(kind, beta):
 def test_prompt_and_padding_positions_carry_no_loss():
     hs, ht, ws, wt, labels = _case()
     hs = hs.clone().requires_grad_()
-    total, _, _, _ = chunked_divergence(hs, ws, None, ht, wt, None, labels, 0.5, 1.0, chunk_size=5)
+    total, _, _, _ = chunked_divergence((hs, ws, None, None), (ht, wt, None, None), labels, Divergence(0.5),
+                                        chunk_size=5)
     total.backward()
     off = (_shifted(labels) == IGNORE_INDEX)  # positions that predict no trained token
     assert off.any() and (hs.grad[off] == 0).all() and (hs.grad[~off].abs().sum(-1) > 0).all()
@@ -94,7 +96,8 @@ def test_prompt_and_padding_positions_carry_no_loss():
     hs2, ht2 = hs.detach().clone(), ht.clone()
     hs2[off] = torch.randn_like(hs2[off]) * 10
     ht2[off] = torch.randn_like(ht2[off]) * 10
-    again, _, _, _ = chunked_divergence(hs2, ws, None, ht2, wt, None, labels, 0.5, 1.0, chunk_size=5)
+    again, _, _, _ = chunked_divergence((hs2, ws, None, None), (ht2, wt, None, None), labels, Divergence(0.5),
+                                        chunk_size=5)
     assert again.item() == pytest.approx(total.item(), abs=1e-12)
 
 

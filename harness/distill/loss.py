@@ -17,6 +17,8 @@ computed through both output heads in chunks of positions, so that neither model
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -78,15 +80,25 @@ def divergence_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, l
     return token_divergence(s, t, beta, temperature, kind, targets[valid]).sum(), valid.sum()
 
 
-def chunked_divergence(hidden: torch.Tensor, weight: torch.Tensor, bias, teacher_hidden: torch.Tensor,
-                       teacher_weight: torch.Tensor, teacher_bias, labels: torch.Tensor, beta: float,
-                       temperature: float, chunk_size: int = 1024, kind: str = "jsd", softcap=None,
-                       teacher_softcap=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class Divergence:
+    """What the loss compares: distill.beta, distill.temperature, distill.loss (jsd | sampled_kl)."""
+
+    beta: float = 0.5
+    temperature: float = 1.0
+    kind: str = "jsd"
+
+
+def chunked_divergence(student: tuple, teacher: tuple, labels: torch.Tensor, div: Divergence,
+                       chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`divergence_sum(hidden @ weight.T + bias, teacher_hidden @ teacher_weight.T + teacher_bias, labels, ...)`
-    without either [B, T, V] tensor: (loss sum, fp32 0-d, differentiable in hidden / weight / bias; positions counted;
+    without either [B, T, V] tensor, `student` = (hidden, weight, bias, softcap), `teacher` = (teacher_hidden,
+    teacher_weight, teacher_bias, teacher_softcap) (softcap: Gemma-2's final-logit softcapping, or None): (loss sum, fp32 0-d, differentiable in hidden / weight / bias; positions counted;
     the reverse KL sum and the top-1 agreements at temperature 1, no gradient). hidden [B, T, H] (the student's final
     hidden states), teacher_hidden [B, T, H'] (the teacher's: its width may differ, the vocabulary may not); only the
     positions that predict a trained label are projected (one host sync for their index), `chunk_size` at a time."""
+    hidden, weight, bias, softcap = student
+    teacher_hidden, teacher_weight, teacher_bias, teacher_softcap = teacher
     if hidden.shape[:2] != labels.shape or teacher_hidden.shape[:2] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)}, teacher_hidden {tuple(teacher_hidden.shape)} and labels "
                          f"{tuple(labels.shape)} must share [B, T]")
@@ -97,7 +109,7 @@ def chunked_divergence(hidden: torch.Tensor, weight: torch.Tensor, bias, teacher
     rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     flat = hidden.reshape(-1, hidden.shape[-1])[rows]
     flat_t = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[rows].detach()
-    settings = (int(chunk_size), float(beta), float(temperature), kind, softcap, teacher_softcap)
+    settings = (int(chunk_size), float(div.beta), float(div.temperature), div.kind, softcap, teacher_softcap)
     teacher = (flat_t, teacher_weight.detach(), None if teacher_bias is None else teacher_bias.detach())
     inputs = (flat, weight) if bias is None else (flat, weight, bias)
     if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
@@ -175,10 +187,10 @@ class DivergenceHead(ChunkedHeadLoss):
     ChunkedHeadLoss, then `result(out)` gives (loss sum, positions) and `figures` (reverse KL sum, agreements).
     `vocab`: the first rows of both heads that the loss reads, where their padding differs (None: all)."""
 
-    def __init__(self, model, labels, teacher: tuple, beta: float, temperature: float, kind: str,
-                 chunk_size: int = 1024, vocab: int | None = None):
+    def __init__(self, model, labels, teacher: tuple, div: Divergence, chunk_size: int = 1024,
+                 vocab: int | None = None):
         super().__init__(model, labels, chunk_size=chunk_size)
-        self.teacher, self.beta, self.temperature, self.kind = teacher, beta, temperature, kind
+        self.teacher, self.div = teacher, div
         self.vocab = vocab  # the heads' first rows both read (heads padded differently), or None: all
         self.figures = None
 
@@ -192,8 +204,8 @@ class DivergenceHead(ChunkedHeadLoss):
             weight, t_weight = weight[:self.vocab], t_weight[:self.vocab]
             bias, t_bias = (None if x is None else x[:self.vocab] for x in (bias, t_bias))
         total, self.count, reverse, agree = chunked_divergence(
-            hidden, weight, bias, t_hidden, t_weight, t_bias, self.labels, self.beta, self.temperature,
-            self.chunk_size, self.kind, self.softcap, t_softcap)
+            (hidden, weight, bias, self.softcap), (t_hidden, t_weight, t_bias, t_softcap), self.labels, self.div,
+            self.chunk_size)
         self.figures = (reverse, agree)
         return total
 

@@ -18,7 +18,7 @@ from harness import IGNORE_INDEX, losses
 from harness.config import Config
 from harness.config.distill import DistillConfig
 from harness.data.samples import model_inputs, real_tokens
-from harness.distill.loss import DivergenceHead, teacher_hidden
+from harness.distill.loss import Divergence, DivergenceHead, teacher_hidden
 from harness.distill.teacher import check_vocabulary, load_teacher
 from harness.objective import Objective, Parts, generative_loss_sum
 from harness.rft.contract import Sampling
@@ -49,6 +49,7 @@ class DistillMode(Objective):
     def __init__(self, cfg: Config, parts: Parts, teacher, vocab, generation):
         super().__init__(cfg.loss, cfg.model, cfg.train.grad_accum, parts, chunk_size=cfg.loss.chunked_ce_size)
         self.d, self.teacher, self.vocab, self.generation = cfg.distill, teacher, vocab, generation
+        self.div = Divergence(cfg.distill.beta, cfg.distill.temperature, cfg.distill.loss)
         self.pad_id = parts.tokenizer.pad_token_id
         self.rank = parts.accelerator.process_index
 
@@ -79,8 +80,7 @@ class DistillMode(Objective):
         returning the chunked divergence, its backward pass (token averaging: W A / the step's trained tokens)."""
         inputs = model_inputs(batch)
         teacher = teacher_hidden(self.teacher, inputs)
-        with DivergenceHead(self.model, batch["labels"], teacher, self.d.beta, self.d.temperature, self.d.loss,
-                            self.chunk_size, self.vocab) as head:
+        with DivergenceHead(self.model, batch["labels"], teacher, self.div, self.chunk_size, self.vocab) as head:
             out = self.model(**inputs, use_cache=False)
         total, count = head.result(out)
         self.check.backward(total * scale)
@@ -116,8 +116,8 @@ class DistillMode(Objective):
             batch = {k: v.to(self.accelerator.device) for k, v in data.gen_eval.collate_fn(samples).items()}
             inputs = model_inputs(batch)
             teacher = teacher_hidden(self.teacher, inputs)
-            with DivergenceHead(self.model, batch["labels"], teacher, 1.0, 1.0, "jsd", self.chunk_size,
-                                self.vocab) as head:
+            with DivergenceHead(self.model, batch["labels"], teacher, Divergence(1.0, 1.0), self.chunk_size,
+                                self.vocab) as head:  # (its figures: the reverse KL at temperature 1, the agreement)
                 out = self.model(**inputs, use_cache=False)
             _, count = head.result(out)
             nll, _ = generative_loss_sum(self.model, batch, self.chunk_size)
