@@ -9,6 +9,8 @@ through `harness train` with lmbda 0 and 1.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from harness import IGNORE_INDEX
 from harness.config import load_config
 from harness.distill.loss import Divergence, chunked_divergence, divergence_sum
 from harness.errors import ConfigError
+from harness_launch import FAST, ROOT, cpu_slots
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from trl.experimental.gkd import GKDTrainer  # noqa: E402
@@ -152,10 +155,6 @@ def teacher_dir(tmp_path_factory, run_tokenizer):
 
 
 def _distill(out, teacher, *extra):
-    from harness_launch import FAST, ROOT, cpu_slots
-    import subprocess
-    import sys
-
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     args = ["configs/default.yaml", "loss.mode=distill", f"distill.teacher={teacher}", *TINY, "train.max_steps=3",
             "train.micro_batch_size=4", f"train.output_dir={out}", "distill.max_new_tokens=8", *FAST,
@@ -212,3 +211,37 @@ def test_a_teacher_with_another_vocabulary_is_one_line(tmp_path, run_tokenizer, 
     assert str(e.value).startswith("config key 'distill.teacher': the teacher's tokenizer differs") and \
         "\n" not in str(e.value)
     assert check_vocabulary(DistillConfig(teacher=str(teacher_dir)), student, student, run_tokenizer) is None
+
+
+def test_a_missing_teacher_is_trained_first_by_its_recipe(tmp_path):
+    """A fresh clone's first command: distill.teacher a folder not there yet, distill.teacher_recipe given: `harness
+    train` says so in one line, trains the teacher with that recipe, then distils from it."""
+    import json
+
+    import yaml
+
+    teacher = tmp_path / "teacher"
+    recipe = yaml.safe_load((ROOT / "configs/distill-tiny-teacher.yaml").read_text())
+    recipe["model"]["config"].update(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                     num_key_value_heads=2)
+    recipe["data"]["eval_files"] = []
+    recipe["train"].update(output_dir=str(teacher), max_steps=2, micro_batch_size=4, summary=False,
+                           progress_bar=False)
+    (tmp_path / "teacher.yaml").write_text(yaml.safe_dump(recipe))
+    proc = _distill(tmp_path / "student", teacher / "final", f"distill.teacher_recipe={tmp_path / 'teacher.yaml'}",
+                    "train.max_steps=1", "train.eval_at_start=false")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    said = [line for line in proc.stdout.splitlines() if "is missing: training it first" in line]
+    assert len(said) == 1 and str(teacher / "final") in said[0]
+    assert (teacher / "final" / "config.json").exists()
+    steps = [json.loads(x) for x in (tmp_path / "student" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if "loss" in r] == [1]
+
+
+def test_missing_teacher_only_where_the_folder_is_not_there(tmp_path):
+    from harness.cli import missing_teacher
+    from harness.config.distill import DistillConfig
+
+    assert missing_teacher(DistillConfig(teacher=str(tmp_path / "t"), teacher_recipe="r.yaml")) == "r.yaml"
+    assert missing_teacher(DistillConfig(teacher=str(tmp_path), teacher_recipe="r.yaml")) is None  # there: loaded
+    assert missing_teacher(DistillConfig(teacher=str(tmp_path / "t"))) is None  # no recipe: the load says it

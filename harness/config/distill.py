@@ -16,6 +16,8 @@ class DistillConfig:
 
     teacher: Optional[str] = _f(None, "The teacher: a Hugging Face model id or a local folder, with the student's "
                                       "vocabulary (checked before step 1).")
+    teacher_recipe: Optional[str] = _f(None, "A recipe that trains the teacher: `harness train` runs it first when "
+                                             "distill.teacher is a local folder that does not exist yet.")
     teacher_dtype: Literal["auto", "bf16", "fp16", "fp32"] = _f(
         "auto", "The teacher's weights' dtype. auto: the run's precision (bf16 where train.precision is bf16).")
     teacher_quantization: Literal["none", "4bit", "8bit"] = _f(
