@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 from harness.config import describe, load_config, recipe_args
+from harness.config.modes import facts
 from harness.data.checks import check_data
 from harness.rundir.finished import finished_nothing_asked
 from harness.errors import HarnessError
@@ -44,11 +47,28 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     cfg = load_config(args.config, args.overrides)  # every config problem at once, before torch is imported
     check_data(cfg.data, cfg.rl.prompts)
+    missing = missing_teacher(cfg.distill) if "distill" in facts(cfg.loss.mode).sections else None
+    if missing is not None:  # loss.mode=distill on a fresh clone: its teacher's recipe first
+        print(f"[harness] distill: the teacher {cfg.distill.teacher} is missing: training it first with "
+              f"harness train {missing}", flush=True)
+        status = subprocess.run([sys.executable, "-m", "harness.cli", "train", missing]).returncode
+        if status:
+            return status
+        if not Path(cfg.distill.teacher).exists():
+            print(f"harness train: {missing} finished without writing the teacher {cfg.distill.teacher} (its "
+                  f"train.output_dir/final must be distill.teacher)", file=sys.stderr)
+            return 2
     if finished_nothing_asked(cfg.to_dict()):  # the same command on a finished run: said at once, without torch
         return 0
     from harness import train  # lazy: start-up time (`harness -h` and the light commands load no torch)
 
     return train.main(["--config", args.config, *args.overrides])
+
+
+def missing_teacher(d) -> str | None:
+    """distill.teacher_recipe where it is set and distill.teacher is not a folder yet, else None (the run loads the
+    teacher: a folder, a hub id)."""
+    return d.teacher_recipe if d.teacher_recipe and d.teacher and not Path(d.teacher).exists() else None
 
 
 def _env(args: argparse.Namespace) -> int:

@@ -47,6 +47,9 @@ class StepSums:
     rl_gen_s: Number = 0  # seconds generating (the main process's)
     rl_train_s: Number = 0  # seconds in the training passes (the main process's)
     rl_gen_calls: Number = 0  # engine calls generating the answers (the main process's)
+    distill_reverse_kl_sum: Number = 0  # loss.mode=distill: KL(student || teacher) summed over the trained tokens
+    distill_agree: Number = 0  # ... the trained tokens whose top-1 token the teacher's is
+    distill_on_policy: Number = 0  # ... the micro-batches the student sampled (distill.lmbda's draws)
     aux_sum: Number = 0  # MoE: the router's aux_loss, summed over generative micro-batches (harness/moe.py)
     aux_term_sum: Number = 0  # MoE: router_aux_loss_coef * aux_loss (what the loss adds), summed likewise
     load_sum: Number = 0  # MoE: the largest expert's share of the routed tokens (per-layer mean), summed likewise
@@ -79,6 +82,14 @@ def preference_figures(sums: dict, orpo: bool, prefix: str = "") -> dict:
     chosen, rejected = sums["reward_chosen_sum"] / pairs, sums["reward_rejected_sum"] / pairs
     return {f"{prefix}loss": loss, f"{prefix}rewards/chosen": chosen, f"{prefix}rewards/rejected": rejected,
             f"{prefix}rewards/margins": chosen - rejected, f"{prefix}rewards/accuracies": sums["reward_correct"] / pairs}
+
+
+def distill_figures(sums) -> dict:
+    """loss.mode=distill's log line from summed StepSums: the loss per trained token, the reverse KL to the teacher
+    and the top-1 agreement on the interval's tokens, the on-policy share of its micro-batches."""
+    n = max(sums.gen_count, 1)
+    return {"loss": sums.gen_sum / n, "reverse_kl": sums.distill_reverse_kl_sum / n,
+            "top1_agreement": sums.distill_agree / n, "on_policy_share": sums.distill_on_policy / max(sums.gen_micro, 1)}
 
 
 def rl_figures(sums: dict, beta: float) -> dict:

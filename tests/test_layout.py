@@ -67,7 +67,7 @@ LAYERS = [
      "harness.evaluation", "harness.encode", "harness.auto_batch", "harness.data.samples", "harness.data.loaders", "harness.data.streaming",
      "harness.data.stream_sources",
      "harness.checkpoint", "harness.rundir", "harness.observe.reporting", "harness.data.pairs",
-     "harness.preference", "harness.rl", "harness.modes", "harness.rft.tasks", "harness.rft.engine",
+     "harness.preference", "harness.rl", "harness.distill", "harness.modes", "harness.rft.tasks", "harness.rft.engine",
      "harness.rft.stats", "harness.rft.decode", "harness.rft.contract", "harness.rft.scheduler", "harness.rft.runner",
      "harness.rft.slots"],
     # 3: the build; 4: the run

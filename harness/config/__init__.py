@@ -147,7 +147,7 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
         mode = next((v for k, v in reversed(pairs) if k == "loss.mode"), None)
         try:
             for key, value in profile_overrides(str(profile)).items():
-                if key == "data.packing" and mode in ("preference", "rl"):
+                if key == "data.packing" and mode in ("preference", "rl", "distill"):
                     continue  # pairs, answers are scored one sequence a row: a profile's packing is for the modes that pack
                 _apply(raw, key, value)
         except ConfigError as e:

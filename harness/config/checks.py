@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from harness.config.best import early_stopping_config
+from harness.config.distill import check_distill
 from harness.config.modes import facts
 from harness.config.sections import NO_RESUME, Config, lora_config
 from harness.errors import ConfigError, problems_of, raise_all
@@ -25,7 +26,7 @@ def validate(cfg: Config, given: frozenset = frozenset()) -> None:
     for check in (check_batch, check_ranges, check_streaming, check_run_folder, check_data_sources,
                   check_sequence_parallel, lambda c: check_eval_prompts(c.train), early_stopping_config,
                   check_embedding, check_preference, check_quantization, lambda c: check_rft(c.rft),
-                  lambda c: check_rl(c, given), lambda c: check_model(c.model)):
+                  lambda c: check_rl(c, given), lambda c: check_distill(c, given), lambda c: check_model(c.model)):
         try:
             check(cfg)
         except ConfigError as e:

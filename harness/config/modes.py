@@ -45,6 +45,8 @@ MODES: dict[str, ModeFacts] = {f.name: f for f in (
     ModeFacts("preference", gen_rows="pairs", chunked_head="always", tag_key="preference"),
     ModeFacts("rl", gen_rows="questions", chunked_head="always", sections=("rft", "rl"),
               tags=("text-generation", "grpo")),
+    ModeFacts("distill", gen_rows="sequences", chunked_head="always", sections=("distill",),
+              tags=("text-generation", "distillation")),
 )}
 
 

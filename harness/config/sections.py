@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from harness.config.coerce import help_field as _f
+from harness.config.distill import DistillConfig
 from harness.config.lora_keys import LoraConfig, lora_config  # noqa: F401 - model.lora
 from harness.errors import ConfigError
 
@@ -372,6 +373,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     rft: RftConfig = field(default_factory=RftConfig)
     rl: RlConfig = field(default_factory=RlConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -3,7 +3,7 @@
 A mode is an object with the face of `harness.objective.Objective` (what the loop and train_step call: the step's
 micro-batches, the scale, the micro-step, the log line's figures, the held-out evaluation) built by its module's
 `build(cfg, parts)`, which owns the mode's own set-up (preference's reference log-probs, RL's rollouts, the GritLM
-widths). The shipped modes are siblings: gritlm.py (generative, embedding, unified), preference.py, rl.py. A mode
+widths). The shipped modes are siblings: gritlm.py (generative, embedding, unified), preference.py, rl.py, distill.py. A mode
 with a stream of its own in place of data.train_files (rl: question indices) gives `stream(cfg, accelerator) ->
 (source, loader)`; the source reaches its build as `parts.data.source`.
 
@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 from harness.config import Config
 from harness.config.modes import ModeFacts, facts, register_facts
-from harness.modes import gritlm, preference, rl
+from harness.modes import distill, gritlm, preference, rl
 from harness.objective import Objective, Parts
 
 
@@ -40,6 +40,7 @@ REGISTRY: dict[str, Entry] = {
     "unified": Entry(gritlm.build),
     "preference": Entry(preference.build),
     "rl": Entry(rl.build, stream=rl.question_stream),
+    "distill": Entry(distill.build),
 }
 
 

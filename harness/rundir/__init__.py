@@ -33,7 +33,7 @@ RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "report.json", "summary.
 def write_run_files(cfg: Config, out: Path, env: dict) -> None:
     """config.yaml and environment.json (main process); a full disk is one line, with nothing cut left behind."""
     read = facts(cfg.loss.mode).sections  # sections the run reads beyond the common ones (rl reads both)
-    omit = tuple(name for name in ("rft", "rl") if name not in read)
+    omit = tuple(name for name in ("rft", "rl", "distill") if name not in read)
     for name, write in (("config.yaml", lambda p: save_config(cfg, p, omit=omit)),
                         ("environment.json", lambda p: write_json(p, env))):
         try:

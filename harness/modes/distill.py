@@ -1,0 +1,146 @@
+"""loss.mode=distill (docs/distill.md): on-policy distillation (GKD). The student trains on completions against a
+frozen teacher's per-token distribution: the generalized JSD over the vocabulary (distill.loss=jsd, TRL's) or the
+reverse KL on the tokens the student drew (sampled_kl), both output heads in chunks of positions (harness/distill/
+loss.py). A share distill.lmbda of the micro-batches is on-policy: their prompts (each row's tokens before its first
+trained label) answered by the student with the continuous engine (harness/rl/generation.py, as loss.mode=rl
+samples), the draws seeded by (distill.seed, step, micro-batch, process, row); the others train on the data's own
+completions (data.train_files: prompt / completion or messages records)."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import torch
+
+from harness import IGNORE_INDEX, losses
+from harness.config import Config
+from harness.config.distill import DistillConfig
+from harness.data.samples import model_inputs, real_tokens
+from harness.distill.loss import Divergence, DivergenceHead, teacher_hidden
+from harness.distill.teacher import check_vocabulary, load_teacher
+from harness.objective import Objective, Parts, generative_loss_sum
+from harness.rft.contract import Sampling
+from harness.rl.batch import rows
+from harness.rl.generation import Generation, SamplingSettings
+from harness.state import StepSums, distill_figures
+
+
+def on_policy(d: DistillConfig, step: int, micro: int) -> bool:
+    """Whether micro-batch `micro` of step `step` is sampled by the student: a draw < distill.lmbda, seeded by
+    (distill.seed, step, micro) alone, so every process draws the same (the engine's call is collective under
+    ZeRO-3) and a resumed run draws what the uninterrupted one did."""
+    return random.Random(f"{d.seed}:{step}:{micro}").random() < d.lmbda
+
+
+def prompts_of(batch: dict) -> list[list[int]]:
+    """Each row's prompt: its tokens before the first trained label (a row trained from its first token: that
+    token alone)."""
+    out = []
+    for ids, mask, labels in zip(batch["input_ids"], batch["attention_mask"], batch["labels"]):
+        trained = (labels != IGNORE_INDEX).nonzero()
+        start = max(int(trained[0]) if len(trained) else int(mask.sum()), 1)
+        out.append(ids[:start].tolist())
+    return out
+
+
+class DistillMode(Objective):
+    def __init__(self, cfg: Config, parts: Parts, teacher, vocab, generation):
+        super().__init__(cfg.loss, cfg.model, cfg.train.grad_accum, parts, chunk_size=cfg.loss.chunked_ce_size)
+        self.d, self.teacher, self.vocab, self.generation = cfg.distill, teacher, vocab, generation
+        self.div = Divergence(cfg.distill.beta, cfg.distill.temperature, cfg.distill.loss)
+        self.pad_id = parts.tokenizer.pad_token_id
+        self.rank = parts.accelerator.process_index
+
+    def step_batches(self, streams: dict, step: int, unlogged) -> tuple[list, list]:
+        """The step's micro-batches of the data; those drawn on-policy (`on_policy`) with their completions replaced
+        by the student's own."""
+        gen, emb = super().step_batches(streams, step, unlogged)
+        drawn = [on_policy(self.d, step, k) for k in range(self.accum)]
+        if any(drawn):
+            t0 = time.perf_counter()
+            gen = [self.sample(b, step, k) if on else b for k, (b, on) in enumerate(zip(gen, drawn))]
+            unlogged.add(StepSums(rl_gen_s=time.perf_counter() - t0 if self.accelerator.is_main_process else 0.0))
+        for b, on in zip(gen, drawn):
+            b["on_policy"] = on
+        return gen, emb
+
+    @torch.no_grad()
+    def sample(self, batch: dict, step: int, micro: int) -> dict:
+        """The batch's prompts answered by the student (one completion each, EOS kept), as training rows."""
+        prompts = prompts_of(batch)
+        seed = (lambda i, j: (self.d.seed, step, micro, self.rank, i))
+        got = self.generation.answer(prompts, 1, Sampling(self.d.temperature, 1.0, seed=seed))
+        made = rows(prompts, [list(group[0].ids) or [self.pad_id] for group in got], self.pad_id)
+        return {k: v.to(self.accelerator.device) for k, v in made.items()}
+
+    def passes(self, batch: dict, emb, scale) -> StepSums:
+        """One micro-batch: the teacher's final hidden states (no gradient), the student's forward with its head
+        returning the chunked divergence, its backward pass (token averaging: W A / the step's trained tokens)."""
+        inputs = model_inputs(batch)
+        teacher = teacher_hidden(self.teacher, inputs)
+        with DivergenceHead(self.model, batch["labels"], teacher, self.div, self.chunk_size, self.vocab) as head:
+            out = self.model(**inputs, use_cache=False)
+        total, count = head.result(out)
+        self.check.backward(total * scale)
+        reverse, agree = head.figures
+        return StepSums(gen_sum=total.detach(), gen_count=count, gen_micro=1, distill_reverse_kl_sum=reverse,
+                        distill_agree=agree, distill_on_policy=int(batch["on_policy"]), tokens=real_tokens(batch),
+                        positions=batch["input_ids"].numel(), samples=batch["input_ids"].shape[0],
+                        flops=self.flops(batch, backward=True))
+
+    def gen_scale(self, gen_batches: list[dict]) -> torch.Tensor:
+        """W A / the step's trained tokens over every process (TRL's num_items_in_batch: token averaging, one
+        all-reduce), whatever loss.gen_averaging says."""
+        local = torch.stack([losses.trained_tokens(b["labels"]) for b in gen_batches]).sum()
+        total = self.accelerator.reduce(local.to(self.accelerator.device), "sum")
+        return losses.step_scale(self.world, self.accum, total.double()).float()
+
+    def figures(self, sums: StepSums) -> dict:
+        return distill_figures(sums)
+
+    @torch.no_grad()
+    def evaluate(self, data) -> dict:
+        """On data.gen_eval's completions: the student's reverse KL to the teacher per token, the top-1 agreement,
+        and the student's own next-token loss (over every process; each row counted once)."""
+        if data.gen_eval is None:
+            return {}
+        world, ds, size = self.world, data.gen_eval.dataset, data.gen_eval.batch_size
+        mine = list(range(self.rank, len(ds), world))
+        totals = torch.zeros(4, dtype=torch.float64, device=self.accelerator.device)
+        self.model.eval()
+        for i in range(math.ceil(math.ceil(len(ds) / world) / size)):
+            samples = [ds[j] for j in mine[i * size:(i + 1) * size]]
+            samples = samples or [{**ds[0], "labels": [IGNORE_INDEX] * len(ds[0]["labels"])}]  # counts nothing
+            batch = {k: v.to(self.accelerator.device) for k, v in data.gen_eval.collate_fn(samples).items()}
+            inputs = model_inputs(batch)
+            teacher = teacher_hidden(self.teacher, inputs)
+            with DivergenceHead(self.model, batch["labels"], teacher, Divergence(1.0, 1.0), self.chunk_size,
+                                self.vocab) as head:  # (its figures: the reverse KL at temperature 1, the agreement)
+                out = self.model(**inputs, use_cache=False)
+            _, count = head.result(out)
+            nll, _ = generative_loss_sum(self.model, batch, self.chunk_size)
+            totals += torch.stack([head.figures[0].double(), head.figures[1].double(), count.double(), nll.double()])
+        self.model.train()
+        totals = self.accelerator.reduce(totals, "sum")
+        n = totals[2].clamp(min=1)
+        return {"eval_reverse_kl": (totals[0] / n).item(), "eval_top1_agreement": (totals[1] / n).item(),
+                "eval_loss": (totals[3] / n).item()}
+
+
+def build(cfg: Config, parts: Parts) -> DistillMode:
+    """The teacher loaded and checked before step 1; the engine of the on-policy samples (distill.lmbda > 0)."""
+    d = cfg.distill
+    teacher = load_teacher(d, parts.tokenizer, parts.accelerator.mixed_precision, parts.accelerator.device)
+    vocab = check_vocabulary(d, parts.model, teacher, parts.tokenizer)
+    generation = None
+    if d.lmbda > 0:
+        sampling = SamplingSettings(temperature=d.temperature, max_new_tokens=d.max_new_tokens, seed=d.seed,
+                                    compile=cfg.rft.compile)
+        generation = Generation(sampling, cfg.train.micro_batch_size, parts)
+    parts.say(f"[harness] distill: teacher {d.teacher} ({sum(p.numel() for p in teacher.parameters()):,} parameters, "
+              f"frozen, {next(teacher.parameters()).dtype}), loss {d.loss}"
+              f"{f' beta {d.beta}' if d.loss == 'jsd' else ''}, temperature {d.temperature}, on-policy share "
+              f"lmbda {d.lmbda}" + (f" (head rows {vocab} of both)" if vocab else ""))
+    return DistillMode(cfg, parts, teacher, vocab, generation)
