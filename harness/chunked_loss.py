@@ -359,6 +359,25 @@ def _chunked_ce(flat, weight, bias, targets, chunk_size, softcap, cdtype, need_h
     return total, grad_h, grad_w, grad_b
 
 
+def hand_over(ctx, grad_total: torch.Tensor, name: str) -> tuple:
+    """The backward of a loss whose gradients (hidden, weight, bias) its forward computed and kept on ctx.grads (each
+    None where not needed), ctx.dtypes the weight's and bias's: those gradients scaled by the loss's incoming
+    gradient, handed over once (a second backward through the same graph is an error)."""
+    if ctx.grads is None:
+        raise RuntimeError(f"{name}: backward ran twice through the same graph; the gradients are computed in the "
+                           f"forward and handed over once (retain_graph is not supported)")
+    grad_h, grad_w, grad_b = ctx.grads
+    ctx.grads = None
+    scale = grad_total.detach()
+    if grad_h is not None:
+        grad_h.mul_(scale)
+    if grad_w is not None:
+        grad_w = grad_w.mul_(scale).to(ctx.dtypes[0])
+    if grad_b is not None:
+        grad_b = grad_b.mul_(scale).to(ctx.dtypes[1])
+    return grad_h, grad_w, grad_b
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """See chunked_token_loss_sum: the gradients are computed in the forward, the backward only scales them."""
 
@@ -376,16 +395,4 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total):
-        if ctx.grads is None:
-            raise RuntimeError("chunked_token_loss_sum: backward ran twice through the same graph; the gradients are "
-                               "computed in the forward and handed over once (retain_graph is not supported)")
-        grad_h, grad_w, grad_b = ctx.grads
-        ctx.grads = None
-        scale = grad_total.detach()
-        if grad_h is not None:
-            grad_h.mul_(scale)
-        if grad_w is not None:
-            grad_w = grad_w.mul_(scale).to(ctx.dtypes[0])
-        if grad_b is not None:
-            grad_b = grad_b.mul_(scale).to(ctx.dtypes[1])
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return (*hand_over(ctx, grad_total, "chunked_token_loss_sum"), None, None, None, None)

@@ -27,7 +27,9 @@ from typing import Any, Optional
 import yaml
 
 from harness.config.best import EARLY_STOPPING_HELP, EarlyStoppingConfig
+from harness.config import objects
 from harness.config.coerce import coerce, section_fields, type_name, unknown
+from harness.config.modes import MODES
 from harness.config.sections import (NO_RESUME, SECTIONS, Config, DataConfig, LoraConfig, LossConfig, ModelConfig, OptimConfig,
                                      RftConfig, RlConfig, TrainConfig, lora_config)
 from harness.config.yaml_loader import TooLong, key_lines, read_yaml
@@ -63,22 +65,6 @@ def _apply(raw: dict, key: str, value: Any) -> None:
     raw.setdefault(section, {})[name] = coerce(key, value, fields[name])
 
 
-OBJECT_SPECS = ("rl.reward", "rl.rewards")  # keys whose values name Python objects: module:name or file.py:name
-
-
-def _located(value: Any, folder: Path) -> Any:
-    """A recipe's `path/to/file.py:name` specs (a string, a list, {function: spec} entries) with relative paths made
-    absolute from the recipe's `folder`; the rest as it is."""
-    if isinstance(value, list):
-        return [_located(v, folder) for v in value]
-    if isinstance(value, dict):
-        return {k: _located(v, folder) if k == "function" else v for k, v in value.items()}
-    if isinstance(value, str) and value.rpartition(":")[0].endswith(".py"):
-        file, _, name = value.rpartition(":")
-        return value if Path(file).is_absolute() else f"{(folder / file).resolve()}:{name}"
-    return value
-
-
 # loss.mode=rl samples with the rft section's keys; TRL's GRPOConfig names are read from rl: as well (the same setting)
 RL_SAMPLING = {"rl.temperature": "rft.temperature", "rl.top_p": "rft.top_p", "rl.top_k": "rft.top_k",
                "rl.min_p": "rft.min_p", "rl.max_completion_length": "rft.max_new_tokens"}
@@ -87,13 +73,15 @@ RL_SAMPLING = {"rl.temperature": "rft.temperature", "rl.top_p": "rft.top_p", "rl
 def _trl_sampling(pairs: list, n_file: int, lines: dict, path, problems: list) -> list:
     """RL_SAMPLING's names as the rft keys they name (a later one wins, as for any key; a recipe that gives both names
     two values is a problem on the line of TRL's)."""
-    for i, (key, value) in enumerate(pairs[:n_file]):
+    for key, value in pairs[:n_file]:
         target = RL_SAMPLING.get(key)
-        other = next((v for k, v in pairs[:n_file] if k == target), value) if target else value
+        if target is None:
+            continue
+        other = next((v for k, v in pairs[:n_file] if k == target), value)
         if other != value:
             problems.append(f"{path}:{lines.get(key, '?')}: config key '{key}': {value!r}, and {target} {other!r}: "
                             f"{key} is TRL's name for {target} (the same setting); give one")
-        if target and key in lines:
+        if key in lines:
             lines.setdefault(target, lines[key])
     return [(RL_SAMPLING.get(k, k), v) for k, v in pairs]
 
@@ -128,7 +116,7 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
     problems: list[str] = []
     pairs, lines = _read_recipe(Path(path), problems) if path is not None else ([], {})
     if path is not None:  # a file named in the recipe is found from the recipe's folder (harness/objects.py)
-        pairs = [(k, _located(v, Path(path).parent) if k in OBJECT_SPECS else v) for k, v in pairs]
+        pairs = [(k, objects.located(v, Path(path).parent) if k in objects.SPEC_KEYS else v) for k, v in pairs]
     n_file = len(pairs)
     for text in overrides or []:
         try:
@@ -145,9 +133,10 @@ def load_config(path: Optional[str | Path] = None, overrides: list[str] | None =
     profile = next((v for k, v in reversed(pairs) if k == "train.profile"), None)
     if profile is not None:
         mode = next((v for k, v in reversed(pairs) if k == "loss.mode"), None)
+        row = MODES.get(mode) if isinstance(mode, str) else None  # an unknown name is reported with the rest
         try:
             for key, value in profile_overrides(str(profile)).items():
-                if key == "data.packing" and mode in ("preference", "rl", "distill"):
+                if key == "data.packing" and row is not None and not row.profile_packs:
                     continue  # pairs, answers are scored one sequence a row: a profile's packing is for the modes that pack
                 _apply(raw, key, value)
         except ConfigError as e:

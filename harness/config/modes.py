@@ -29,6 +29,7 @@ class ModeFacts:
     tags: tuple = ("text-generation",)  # the model card's tags
     tag_key: str | None = None  # a loss.<key> whose value is one more tag (preference: its loss, e.g. dpo)
     pipeline: str = "text-generation"  # the model card's pipeline tag
+    profile_packs: bool = True  # a speed profile's data.packing applies (not to modes that score one sequence a row)
 
     @property
     def reads_data(self) -> bool:
@@ -42,10 +43,10 @@ MODES: dict[str, ModeFacts] = {f.name: f for f in (
               pipeline="feature-extraction"),
     ModeFacts("unified", gen_rows="sequences", embeds=True, combined=True,
               tags=("gritlm", "sentence-similarity", "feature-extraction", "text-generation")),
-    ModeFacts("preference", gen_rows="pairs", chunked_head="always", tag_key="preference"),
-    ModeFacts("rl", gen_rows="questions", chunked_head="always", sections=("rft", "rl"),
+    ModeFacts("preference", gen_rows="pairs", chunked_head="always", profile_packs=False, tag_key="preference"),
+    ModeFacts("rl", gen_rows="questions", chunked_head="always", profile_packs=False, sections=("rft", "rl"),
               tags=("text-generation", "grpo")),
-    ModeFacts("distill", gen_rows="sequences", chunked_head="always", sections=("distill",),
+    ModeFacts("distill", gen_rows="sequences", chunked_head="always", profile_packs=False, sections=("distill",),
               tags=("text-generation", "distillation")),
 )}
 

@@ -54,6 +54,26 @@ def reward_overrides(fns: Optional[Sequence], weights: Optional[Sequence[float]]
     return ["rl.rewards=" + json.dumps(entries)]
 
 
+SPEC_KEYS = ("rl.reward", "rl.rewards")  # the config keys whose values name Python objects
+
+
+def is_file_spec(spec: Any) -> bool:
+    return isinstance(spec, str) and spec.rpartition(":")[0].endswith(".py")
+
+
+def located(value: Any, folder: Path) -> Any:
+    """A recipe's `path/to/file.py:name` specs (a string, a list, {function: spec} entries) with relative paths made
+    absolute from the recipe's `folder` (load_config); the rest as it is."""
+    if isinstance(value, list):
+        return [located(v, folder) for v in value]
+    if isinstance(value, dict):
+        return {k: located(v, folder) if k == "function" else v for k, v in value.items()}
+    if is_file_spec(value):
+        file, _, name = value.rpartition(":")
+        return value if Path(file).is_absolute() else f"{(folder / file).resolve()}:{name}"
+    return value
+
+
 def load(spec: str, key: str) -> Any:
     """The object `spec` names; a spec that names nothing is one line naming `key` and where it was looked for."""
     if spec in GIVEN:
@@ -61,7 +81,7 @@ def load(spec: str, key: str) -> Any:
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise ConfigError(f"config key '{key}': expected 'module:name' or 'path/to/file.py:name', got {spec!r}")
-    module = _file_module(where, key, spec) if where.endswith(".py") else _module(where, key, spec)
+    module = _file_module(where, key, spec) if is_file_spec(spec) else _module(where, key, spec)
     obj = module
     for part in name.split("."):
         if not hasattr(obj, part):

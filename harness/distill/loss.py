@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import IGNORE_INDEX
-from harness.chunked_loss import ChunkedHeadLoss, head_params, output_head
+from harness.chunked_loss import ChunkedHeadLoss, hand_over, head_params, output_head
 
 
 def _up(z: torch.Tensor) -> torch.Tensor:
@@ -169,16 +169,7 @@ class _ChunkedDivergence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total, *_):
-        if ctx.grads is None:
-            raise RuntimeError("chunked_divergence: backward ran twice through the same graph (retain_graph is not "
-                               "supported: the gradients are computed in the forward and handed over once)")
-        grad_h, grad_w, grad_b = ctx.grads
-        ctx.grads = None
-        scale = grad_total.detach()
-        grad_h = grad_h * scale.to(grad_h.dtype)
-        grad_w = (grad_w * scale).to(ctx.dtypes[0])
-        grad_b = None if grad_b is None else (grad_b * scale).to(ctx.dtypes[1])
-        return grad_h, grad_w, grad_b, None, None, None
+        return (*hand_over(ctx, grad_total, "chunked_divergence"), None, None, None)
 
 
 class DivergenceHead(ChunkedHeadLoss):

@@ -104,7 +104,7 @@ def load_reward(spec: str, task: Task) -> Callable[[Question, str], float]:
     if spec == "verifier":
         fn = verifier_reward(task)
     else:
-        fn = objects.load(spec, "rl.reward")
+        fn = _load(spec, "rl.reward")
     q = task.split("train")[0]
     score(fn, spec, q, "The answer is 0.")
     return fn
