@@ -199,7 +199,7 @@ def test_save_config_round_trip(tmp_path, recipe):
     assert dataclasses.asdict(loaded) == dataclasses.asdict(original)
     # Every key is written (the fully resolved config), not only the ones that were set.
     saved = yaml.safe_load(path.read_text())
-    assert set(saved) == {"model", "data", "loss", "optim", "train", "rft", "rl"}
+    assert set(saved) == {"model", "data", "loss", "optim", "train", "rft", "rl", "distill"}
     assert set(saved["train"]) == {f.name for f in dataclasses.fields(TrainConfig)}
 
 
@@ -281,8 +281,8 @@ BAD = [
                                               "train.emb_micro_batch_size=6", "loss.grad_cache_chunks=4"],
      "config key 'loss.grad_cache_chunks': must divide train.emb_micro_batch_size (6), got 4"),
     ("bad-loss-mode", None, ["model.config.model_type=llama", "data.train_files=[a]", "loss.mode=contrastive"],
-     "config key 'loss.mode': expected one of 'generative', 'embedding', 'unified', 'preference', 'rl', got "
-     "'contrastive'"),
+     "config key 'loss.mode': expected one of 'generative', 'embedding', 'unified', 'preference', 'rl', 'distill', "
+     "got 'contrastive'"),
     ("zero-temperature", None, ["model.config.model_type=llama", "data.train_files=[a]", "loss.temperature=0"],
      "config key 'loss.temperature': must be > 0, got 0.0"),
     ("empty-train-files", None, ["model.config.model_type=llama", "data.train_files=[]"],

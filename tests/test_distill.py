@@ -245,3 +245,18 @@ def test_missing_teacher_only_where_the_folder_is_not_there(tmp_path):
     assert missing_teacher(DistillConfig(teacher=str(tmp_path / "t"), teacher_recipe="r.yaml")) == "r.yaml"
     assert missing_teacher(DistillConfig(teacher=str(tmp_path), teacher_recipe="r.yaml")) is None  # there: loaded
     assert missing_teacher(DistillConfig(teacher=str(tmp_path / "t"))) is None  # no recipe: the load says it
+
+
+def test_a_distill_setting_for_another_mode_is_refused_and_a_saved_config_reloads(tmp_path):
+    """A distill key set to something else than its default while loss.mode is not distill is one line (it would be
+    ignored); a saved config.yaml, which gives every key at its default, reloads (failed before: the round trip of
+    every recipe was refused on 'distill.beta')."""
+    from harness.config import load_config, save_config
+    from harness.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^config key 'distill.beta': only loss.mode=distill reads the distill "
+                                          r"section \(loss.mode is generative\)$"):
+        load_config("configs/default.yaml", ["distill.beta=0.9"])
+    cfg = load_config("configs/default.yaml")
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg

@@ -45,7 +45,9 @@ def check_distill(cfg, given: frozenset = frozenset()) -> None:
     keys set for another mode are refused (`given`: the keys the recipe and the overrides set)."""
     d = cfg.distill
     if cfg.loss.mode != "distill":
-        stray = sorted(k for k in given if k.startswith("distill."))
+        defaults = DistillConfig()  # a saved config.yaml gives every key at its default: only a setting is stray
+        stray = sorted(k for k in given if k.startswith("distill.")
+                       and getattr(d, k.partition(".")[2], None) != getattr(defaults, k.partition(".")[2], None))
         if stray:
             raise ConfigError(f"config key '{stray[0]}': only loss.mode=distill reads the distill section "
                               f"(loss.mode is {cfg.loss.mode})")
