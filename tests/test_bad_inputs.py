@@ -22,6 +22,7 @@ import pytest
 from huggingface_hub.constants import HF_HUB_CACHE
 
 from harness import cli
+from harness.config.modes import MODES
 
 ROOT = Path(__file__).resolve().parent.parent
 GOOD_GEN = '{"text": "a fine sample"}\n'
@@ -94,8 +95,7 @@ CASES = [
     ("wrong-type-key", {}, ["train", "configs/default.yaml", "optim.lr=fast"], 2,
      "harness: error: config key 'optim.lr': expected float, got 'fast'"),
     ("bad-choice", {}, ["train", "configs/default.yaml", "loss.mode=both"], 2,
-     "harness: error: config key 'loss.mode': expected one of 'generative', 'embedding', 'unified', 'preference', "
-     "'rl', got 'both'"),
+     "harness: error: config key 'loss.mode': expected one of " + ", ".join(map(repr, MODES)) + ", got 'both'"),
     ("negative-value", {}, ["train", "configs/default.yaml", "train.grad_accum=0"], 2,
      "harness: error: config key 'train.grad_accum': must be >= 1, got 0"),
     ("unknown-profile", {}, ["train", "configs/default.yaml", "train.profile=turbo"], 2,
