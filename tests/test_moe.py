@@ -349,3 +349,59 @@ def test_zero3_two_processes_with_a_starved_expert_equal_one_process(tmp_path):
         for key in ("loss", "aux_loss", "expert_load"):
             # relative: fp32 sums in another order over two processes (CI saw 1.7e-5 absolute at loss 4.06, 4e-6)
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
+
+
+# ----------------------------------------------------------------------------------------------- regional compile
+
+def test_compiled_moe_blocks_take_every_routing_and_the_warmed_tail_without_compiling_again():
+    """Regional compile of a tiny Qwen3-MoE (static shapes, as packed rows run): after the first full batch, 20
+    micro-batches of new tokens (a new routing each: the experts' token counts change) and the epoch's short last
+    micro-batch, warmed before step 1 by `warm_generative_tail` with the router loss on as training has it, compile
+    nothing more. Before the warm-up ran in generative runs, configs/moe-tiny.yaml packed (111 rows in 8s: 7 left
+    at step 14) recompiled 7 graph pieces after step 1; the routing itself never recompiled."""
+    from accelerate import Accelerator
+    from accelerate.utils import compile_regions
+    from torch._dynamo.utils import counters
+    from torch.utils.data import DataLoader
+
+    from harness.data.samples import PackedCollator
+    from harness.objective import Parts
+    from harness.speed.buckets import warm_generative_tail
+    from harness.speed.compiling import dynamo_counters
+
+    g = torch.Generator().manual_seed(5)
+    rows = [{"input_ids": (ids := torch.randint(3, 64, (14,), generator=g).tolist()), "labels": ids,
+             "position_ids": list(range(8)) + list(range(6))} for _ in range(43)]  # 21 batches of 2, then 1 row
+    loader = DataLoader(rows, batch_size=2, collate_fn=PackedCollator(0, 16))
+    model = _tiny(router_aux_loss_coef=0.02).train()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = compile_regions(model, backend="eager", dynamic=False)
+    cfg = load_config(MOE_TINY, ["data.packing=true"])
+    objective = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, Parts(Accelerator(cpu=True), compiled))
+    said = []
+    assert warm_generative_tail(objective, compiled, loader, said.append) == 1 and "of 1 rows" in said[0]
+    assert all(p.grad is None for p in model.parameters())  # the warm-up kept nothing
+    graphs, loads = None, set()
+    for batch in loader:
+        with moe.RouterLoss(compiled, None) as router:
+            total, _ = objective.generative_loss_sum(batch)
+        (total + router.term).backward()
+        loads.add(round(router.load.item(), 6))
+        graphs = dynamo_counters()["graphs"] if graphs is None else graphs  # step 1: the full batch's graphs
+    assert len(loads) > 3  # the routing changed from batch to batch
+    assert dynamo_counters()["graphs"] == graphs, "a routing or the short last batch compiled after step 1"
+
+
+@pytest.mark.extended
+def test_regional_compile_of_moe_tiny_recompiles_nothing_after_step_1(tmp_path):
+    """`harness train` on configs/moe-tiny.yaml, regional compile, packed rows, 20 steps across the epoch's end
+    (the short last micro-batch at step 14): report.json's recompiles_after_first_step is 0 (was 7)."""
+    from harness_launch import report, run_train
+
+    out = tmp_path / "run"
+    run_train([f"train.output_dir={out}", *FAST, "train.max_steps=20", "train.compile=regional", "data.packing=true",
+               "train.save_final=false"], config=MOE_TINY, timeout=600)
+    c = report(out)["compile"]
+    assert c["recompiles_after_first_step"] == 0 and c["recompile_limit_hit"] == [], c
+    assert c["warmed_embedding_shapes"]["generative_shapes"] == 1 and c["block_calls_eager"] == 0, c
