@@ -147,6 +147,41 @@ def test_dense_model_has_no_router_term():
     assert moe.expert_params(model) == (0, 0) and moe.experts_kwargs(conf, "auto") == {}
 
 
+def test_preference_loss_adds_the_models_own_router_term(tmp_path, monkeypatch):
+    """loss.mode=preference (DPO) on configs/moe-tiny.yaml's model: the step-1 loss is DPO's (log 2 a pair: the
+    reference is the starting model) plus router_aux_loss_coef x the model's own aux_loss on the pair batch's one
+    forward (chosen and rejected rows, the rows its attention mask keeps), within 1e-6; aux_loss logged apart."""
+    import math
+
+    import yaml
+
+    from harness.modes.preference import PreferenceMode
+
+    seen = {}
+    real = PreferenceMode.passes
+
+    def recording(self, gen, emb, scale):
+        if "own" not in seen:
+            model = unwrap(self.model)
+            with torch.no_grad():
+                seen["own"] = model(**model_inputs(gen), output_router_logits=True, use_cache=False)
+            seen["coef"], seen["mask"] = model.config.router_aux_loss_coef, gen["attention_mask"]
+        return real(self, gen, emb, scale)
+
+    monkeypatch.setattr(PreferenceMode, "passes", recording)
+    moe_model = yaml.safe_load(Path(MOE_TINY).read_text())["model"]["config"]
+    out = tmp_path / "run"
+    train.run(load_config(str(ROOT / "configs" / "dpo-tiny.yaml"), [
+        f"train.output_dir={out}", *FAST, "train.max_steps=1", "train.micro_batch_size=2", "train.save_final=false",
+        "train.save_final_checkpoint=false", "model.config=" + json.dumps(moe_model)]))
+    record = json.loads(Path(out, "metrics.jsonl").read_text().splitlines()[0])
+    own = seen["own"]
+    assert (seen["mask"] == 0).any() and seen["coef"] == 0.02  # padded rows: the mask decides what is counted
+    assert abs(record["aux_loss"] - own.aux_loss.item()) <= 1e-6
+    assert abs(record["loss"] - (math.log(2) + 0.02 * own.aux_loss.item())) <= 1e-6, (record, own.aux_loss)
+    assert 1 / 8 <= record["expert_load"] <= 1 / 2
+
+
 # ----------------------------------------------------------------------------------------------- accounting
 
 def _hand_active(conf) -> tuple[int, int]:
