@@ -147,6 +147,41 @@ def test_dense_model_has_no_router_term():
     assert moe.expert_params(model) == (0, 0) and moe.experts_kwargs(conf, "auto") == {}
 
 
+def test_preference_loss_adds_the_models_own_router_term(tmp_path, monkeypatch):
+    """loss.mode=preference (DPO) on configs/moe-tiny.yaml's model: the step-1 loss is DPO's (log 2 a pair: the
+    reference is the starting model) plus router_aux_loss_coef x the model's own aux_loss on the pair batch's one
+    forward (chosen and rejected rows, the rows its attention mask keeps), within 1e-6; aux_loss logged apart."""
+    import math
+
+    import yaml
+
+    from harness.modes.preference import PreferenceMode
+
+    seen = {}
+    real = PreferenceMode.passes
+
+    def recording(self, gen, emb, scale):
+        if "own" not in seen:
+            model = unwrap(self.model)
+            with torch.no_grad():
+                seen["own"] = model(**model_inputs(gen), output_router_logits=True, use_cache=False)
+            seen["coef"], seen["mask"] = model.config.router_aux_loss_coef, gen["attention_mask"]
+        return real(self, gen, emb, scale)
+
+    monkeypatch.setattr(PreferenceMode, "passes", recording)
+    moe_model = yaml.safe_load(Path(MOE_TINY).read_text())["model"]["config"]
+    out = tmp_path / "run"
+    train.run(load_config(str(ROOT / "configs" / "dpo-tiny.yaml"), [
+        f"train.output_dir={out}", *FAST, "train.max_steps=1", "train.micro_batch_size=2", "train.save_final=false",
+        "train.save_final_checkpoint=false", "model.config=" + json.dumps(moe_model)]))
+    record = json.loads(Path(out, "metrics.jsonl").read_text().splitlines()[0])
+    own = seen["own"]
+    assert (seen["mask"] == 0).any() and seen["coef"] == 0.02  # padded rows: the mask decides what is counted
+    assert abs(record["aux_loss"] - own.aux_loss.item()) <= 1e-6
+    assert abs(record["loss"] - (math.log(2) + 0.02 * own.aux_loss.item())) <= 1e-6, (record, own.aux_loss)
+    assert 1 / 8 <= record["expert_load"] <= 1 / 2
+
+
 # ----------------------------------------------------------------------------------------------- accounting
 
 def _hand_active(conf) -> tuple[int, int]:
@@ -276,6 +311,42 @@ def test_lora_on_the_experts_reloads_and_merges_to_the_trained_logits(tmp_path, 
             assert diff <= 1e-5, (name, diff)
 
 
+def test_lora_on_the_experts_resumes_exactly_after_kill_9(tmp_path):
+    """model.lora.experts: a run killed -9 after step 3's checkpoint (HARNESS_FAULT_PAUSE holds it before step 4)
+    and run again resumes from step-3 and logs step 4 as the uninterrupted run does: the expert adapters, their
+    optimizer state and the data position restored (the same arithmetic in the same order: 1e-6 relative allows a
+    kernel's other summation order; measured equal)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from harness_launch import metrics, report, run_train
+
+    args = [*FAST, "train.max_steps=4", "train.micro_batch_size=2", "data.max_len=64", "optim.lr=5e-2",
+            "optim.warmup_steps=0", "model.lora.enabled=true", "model.lora.experts=true",
+            "model.lora.target_modules=[q_proj, v_proj]", "train.save_final=false", "train.save_every_steps=1"]
+    ref, killed = tmp_path / "uninterrupted", tmp_path / "killed"
+    run_train([*args, f"train.output_dir={ref}"], config=MOE_TINY, timeout=300)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HARNESS_FAULT_PAUSE": "4"}
+    proc = subprocess.Popen([sys.executable, "-m", "harness.train", "--config", MOE_TINY, *args,
+                             f"train.output_dir={killed}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    marker, t0 = killed / "checkpoints" / "step-3" / "COMPLETE", time.time()
+    while not marker.exists() and proc.poll() is None and time.time() - t0 < 300:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert marker.exists() and not (killed / "checkpoints" / "step-4").exists()
+    run_train([*args, f"train.output_dir={killed}"], config=MOE_TINY, timeout=300)
+    assert report(killed)["resumed_from"].endswith("step-3")
+    want, got = {m["step"]: m for m in metrics(ref)}, {m["step"]: m for m in metrics(killed)}
+    assert want[3]["loss"] != want[4]["loss"]  # the adapters moved: step 4 depends on what was restored
+    for key in ("loss", "aux_loss", "expert_load", "grad_norm"):
+        assert got[4][key] == pytest.approx(want[4][key], rel=1e-6, abs=1e-9), (key, got[4], want[4])
+
+
 def test_lora_experts_refusals():
     """One line each: a dense model (nothing to adapt), QLoRA (bitsandbytes leaves the 3-D experts unquantized)."""
     from harness.errors import ConfigError
@@ -349,3 +420,59 @@ def test_zero3_two_processes_with_a_starved_expert_equal_one_process(tmp_path):
         for key in ("loss", "aux_loss", "expert_load"):
             # relative: fp32 sums in another order over two processes (CI saw 1.7e-5 absolute at loss 4.06, 4e-6)
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
+
+
+# ----------------------------------------------------------------------------------------------- regional compile
+
+def test_compiled_moe_blocks_take_every_routing_and_the_warmed_tail_without_compiling_again():
+    """Regional compile of a tiny Qwen3-MoE (static shapes, as packed rows run): after the first full batch, 20
+    micro-batches of new tokens (a new routing each: the experts' token counts change) and the epoch's short last
+    micro-batch, warmed before step 1 by `warm_generative_tail` with the router loss on as training has it, compile
+    nothing more. Before the warm-up ran in generative runs, configs/moe-tiny.yaml packed (111 rows in 8s: 7 left
+    at step 14) recompiled 7 graph pieces after step 1; the routing itself never recompiled."""
+    from accelerate import Accelerator
+    from accelerate.utils import compile_regions
+    from torch._dynamo.utils import counters
+    from torch.utils.data import DataLoader
+
+    from harness.data.samples import PackedCollator
+    from harness.objective import Parts
+    from harness.speed.buckets import warm_generative_tail
+    from harness.speed.compiling import dynamo_counters
+
+    g = torch.Generator().manual_seed(5)
+    rows = [{"input_ids": (ids := torch.randint(3, 64, (14,), generator=g).tolist()), "labels": ids,
+             "position_ids": list(range(8)) + list(range(6))} for _ in range(43)]  # 21 batches of 2, then 1 row
+    loader = DataLoader(rows, batch_size=2, collate_fn=PackedCollator(0, 16))
+    model = _tiny(router_aux_loss_coef=0.02).train()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = compile_regions(model, backend="eager", dynamic=False)
+    cfg = load_config(MOE_TINY, ["data.packing=true"])
+    objective = Objective(cfg.loss, cfg.model, cfg.train.grad_accum, Parts(Accelerator(cpu=True), compiled))
+    said = []
+    assert warm_generative_tail(objective, compiled, loader, said.append) == 1 and "of 1 rows" in said[0]
+    assert all(p.grad is None for p in model.parameters())  # the warm-up kept nothing
+    graphs, loads = None, set()
+    for batch in loader:
+        with moe.RouterLoss(compiled, None) as router:
+            total, _ = objective.generative_loss_sum(batch)
+        (total + router.term).backward()
+        loads.add(round(router.load.item(), 6))
+        graphs = dynamo_counters()["graphs"] if graphs is None else graphs  # step 1: the full batch's graphs
+    assert len(loads) > 3  # the routing changed from batch to batch
+    assert dynamo_counters()["graphs"] == graphs, "a routing or the short last batch compiled after step 1"
+
+
+@pytest.mark.extended
+def test_regional_compile_of_moe_tiny_recompiles_nothing_after_step_1(tmp_path):
+    """`harness train` on configs/moe-tiny.yaml, regional compile, packed rows, 20 steps across the epoch's end
+    (the short last micro-batch at step 14): report.json's recompiles_after_first_step is 0 (was 7)."""
+    from harness_launch import report, run_train
+
+    out = tmp_path / "run"
+    run_train([f"train.output_dir={out}", *FAST, "train.max_steps=20", "train.compile=regional", "data.packing=true",
+               "train.save_final=false"], config=MOE_TINY, timeout=600)
+    c = report(out)["compile"]
+    assert c["recompiles_after_first_step"] == 0 and c["recompile_limit_hit"] == [], c
+    assert c["warmed_embedding_shapes"]["generative_shapes"] == 1 and c["block_calls_eager"] == 0, c

@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 import torch
 
+from harness import moe
 from harness.config import Config
 from harness.data.samples import real_tokens
 from harness.objective import Objective, Parts
@@ -22,20 +23,25 @@ class PreferenceMode(Objective):
 
     def passes(self, gen: dict, emb, scale: torch.Tensor) -> StepSums:
         """One pair micro-batch: forward, the step-averaged loss's backward pass, the sums for the log line."""
-        logps, counts = sequence_logps(self.model, gen, self.chunk_size)
+        with moe.RouterLoss(self.model, self.router_coef) as router:  # MoE: the router's aux loss of the pass
+            logps, counts = sequence_logps(self.model, gen, self.chunk_size)
         per_pair, rc, rr, nll, chosen_tokens = pair_terms(self.loss, logps, counts, gen)
         loss = per_pair.sum() * scale[0]
         if self.loss.preference == "orpo":
             loss = loss + nll * scale[1]
-        self.check.backward(loss)
+        self.check.backward(loss + router.term)
         n = per_pair.shape[0]
         return StepSums(pref_sum=per_pair.detach().sum(), pref_pairs=n, nll_sum=nll.detach(), nll_count=chosen_tokens,
                         reward_chosen_sum=rc.sum(), reward_rejected_sum=rr.sum(), reward_correct=(rc > rr).sum(),
                         gen_micro=1, tokens=real_tokens(gen), positions=gen["input_ids"].numel(),
-                        samples=2 * n, flops=self.flops(gen, backward=True))
+                        samples=2 * n, flops=self.flops(gen, backward=True), **router.sums())
 
     def figures(self, sums: StepSums) -> dict:
-        return preference_figures(asdict(sums), self.loss.preference == "orpo")
+        """TRL's figures; a MoE's router term in the loss (a mean over the step's micro-batches, as in generative
+        mode), aux_loss and expert_load apart."""
+        term, router = moe.router_figures(asdict(sums))
+        out = preference_figures(asdict(sums), self.loss.preference == "orpo")
+        return {**out, "loss": out["loss"] + term, **router}
 
     def evaluate(self, data) -> dict:
         if data.gen_eval is None:

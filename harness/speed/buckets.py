@@ -30,7 +30,9 @@ from typing import Callable, Optional
 
 import torch
 
+from harness import moe
 from harness.data.loaders import FixedWidths, embed_widths  # noqa: F401  (computed where the data is; re-exported)
+from harness.data.samples import PackedCollator
 from harness.objective import _RngReplay, cache_chunks, deferred_sync
 from harness.speed.compiling import repeated_blocks
 
@@ -95,7 +97,11 @@ def warm_generative_tail(objective, model, loader, say: Callable[[str], None]) -
     """Packed generative rows on one process: the epoch's short last micro-batch ([rows % micro-batch, max_len], the
     one other shape the generative pass takes) run once like the embedding shapes, on the data set's first rows (read
     by index: the data order is not touched). Returns the shapes run (0 or 1). gritlm-tiny packed, 20 steps: its
-    119 rows in micro-batches of 16 left 7 at step 8, 1 recompile after step 1 without this."""
+    119 rows in micro-batches of 16 left 7 at step 8, 1 recompile after step 1 without this. A MoE model runs it
+    with its router loss on (harness.moe.RouterLoss), as training does (a block traced without the router's outputs
+    captured gave none later: IndexError in the model's aux loss). configs/moe-tiny.yaml packed, 20 steps: 111 rows
+    in 8s left 7 at step 14, and the MoE blocks' graph pieces recompiled 7 times after step 1 without this; 0 with
+    it (the routing itself never recompiled)."""
     accelerator = objective.accelerator
     rows = row_counts(len(loader.dataset), loader.batch_size, accelerator.num_processes)
     short = [n for n in rows if n < loader.batch_size]
@@ -106,10 +112,10 @@ def warm_generative_tail(objective, model, loader, say: Callable[[str], None]) -
     targets = [p for p in repeated_blocks(accelerator.unwrap_model(model))[0].parameters() if p.requires_grad]
     rng = _RngReplay()
     rng.record()
-    with rng.replay(0), deferred_sync(accelerator, model):
+    with rng.replay(0), deferred_sync(accelerator, model), moe.RouterLoss(model, objective.router_coef) as router:
         total, _ = objective.generative_loss_sum(batch)
         if targets:
-            torch.autograd.grad(total, targets, allow_unused=True)
+            torch.autograd.grad(total + router.term, targets, allow_unused=True)
     say(f"[harness] packed generative rows: the epoch's last micro-batch of {short[0]} rows run once before step 1")
     return 1
 
@@ -119,7 +125,14 @@ def warm_run(job, say: Callable[[str], None]) -> None:
     the embedding passes are bucketed (objective.widths) and compiled, and with packed generative rows their short
     last micro-batch (the run compiles static shapes then: harness.config.profiles.static_shapes)."""
     objective = job.objective
-    if objective.widths is None or job.compile is None or "emb" not in job.loaders:
+    if job.compile is None:
+        return
+    if "emb" not in job.loaders:  # generative alone: packed rows compile static, their short tail is one more shape
+        if _packed(job) and not job.is_deepspeed:
+            job.compile.warmed = {"shapes": 0, "seconds": 0.0,
+                                  "generative_shapes": warm_generative_tail(objective, job.model, job.data.gen, say)}
+        return
+    if objective.widths is None:
         return
     if job.is_deepspeed:  # its engine reduces at the end of every backward pass: nothing queued there (IndexError)
         say("[harness] embedding width buckets: not warmed under DeepSpeed; each shape compiles on its first batch")
@@ -134,3 +147,10 @@ def warm_run(job, say: Callable[[str], None]) -> None:
         if "gen" in job.loaders and cfg.data.packing:
             warmed["generative_shapes"] = warm_generative_tail(objective, job.model, job.data.gen, say)
         job.compile.warmed = warmed
+
+
+def _packed(job) -> bool:
+    """A training stream of packed generative rows read by index (not data.streaming, not preference pairs)."""
+    loader = job.data.gen
+    return "gen" in job.loaders and isinstance(getattr(loader, "collate_fn", None), PackedCollator) \
+        and not hasattr(loader, "batches")
