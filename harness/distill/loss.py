@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from harness import IGNORE_INDEX
 from harness.chunked_loss import ChunkedHeadLoss, hand_over, head_params, output_head
+from harness.distributed.zero import gathered
 
 
 def _up(z: torch.Tensor) -> torch.Tensor:
@@ -191,12 +192,13 @@ class DivergenceHead(ChunkedHeadLoss):
             raise RuntimeError("DivergenceHead: the output head must run once, on every position")
         weight, bias = head_params(self.head)
         t_hidden, t_weight, t_bias, t_softcap = self.teacher
-        if self.vocab is not None:
-            weight, t_weight = weight[:self.vocab], t_weight[:self.vocab]
-            bias, t_bias = (None if x is None else x[:self.vocab] for x in (bias, t_bias))
-        total, self.count, reverse, agree = chunked_divergence(
-            (hidden, weight, bias, self.softcap), (t_hidden, t_weight, t_bias, t_softcap), self.labels, self.div,
-            self.chunk_size)
+        with gathered([t_weight, t_bias]):  # a ZeRO-3 teacher's head: whole for the loss, partitioned again after
+            if self.vocab is not None:  # (sliced once whole: a partitioned weight's slice is empty)
+                weight, t_weight = weight[:self.vocab], t_weight[:self.vocab]
+                bias, t_bias = (None if x is None else x[:self.vocab] for x in (bias, t_bias))
+            total, self.count, reverse, agree = chunked_divergence(
+                (hidden, weight, bias, self.softcap), (t_hidden, t_weight, t_bias, t_softcap), self.labels, self.div,
+                self.chunk_size)
         self.figures = (reverse, agree)
         return total
 

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from harness.config import ModelConfig
 from harness.config.distill import DistillConfig
+from harness.distributed.zero import frozen_engine
 from harness.errors import ConfigError
 from harness.model import build_model, source_problem, unwrap
 
@@ -25,9 +26,11 @@ def teacher_dtype(d: DistillConfig, mixed_precision: str) -> torch.dtype:
     return DTYPES.get(mixed_precision, torch.float32)
 
 
-def load_teacher(d: DistillConfig, tokenizer, mixed_precision: str, device) -> torch.nn.Module:
+def load_teacher(d: DistillConfig, tokenizer, mixed_precision: str, device, accelerator=None,
+                 zero_stage: int | None = None) -> torch.nn.Module:
     """The frozen teacher on `device` (a missing folder or an id that cannot be loaded: one line naming
-    distill.teacher)."""
+    distill.teacher); under ZeRO-3 (`zero_stage` 3, the run's `accelerator`) loaded partitioned (zero.Init) and
+    made a DeepSpeed engine without optimizer: each process holds 1/N of it."""
     problem = source_problem(d.teacher)
     if problem:
         raise ConfigError(f"config key 'distill.teacher': cannot load the teacher '{d.teacher}': {problem}")
@@ -36,6 +39,8 @@ def load_teacher(d: DistillConfig, tokenizer, mixed_precision: str, device) -> t
         teacher = build_model(m, tokenizer, dtype=teacher_dtype(d, mixed_precision))
     except ConfigError as e:
         raise ConfigError(str(e).replace("config key 'model.name_or_path'", "config key 'distill.teacher'")) from None
+    if zero_stage == 3:
+        return frozen_engine(accelerator, teacher)
     return teacher.to(device).eval().requires_grad_(False)
 
 

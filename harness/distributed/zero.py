@@ -159,20 +159,40 @@ def partitioned_copy(accelerator, model, convert: Optional[Callable] = None) -> 
     while building, as a generation holds), in the run's DeepSpeed config less its optimizer, schedule and
     optimizer offload. `convert(twin)`: what the build did to the model after building it (train.precision=fp8:
     its blocks' Linear layers to float8), done to the twin before it takes the weights."""
-    import copy
-
     import deepspeed
 
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
         twin = frozen_twin(unwrapped, convert)
+    return frozen_engine(accelerator, twin)
+
+
+def frozen_engine(accelerator, module: torch.nn.Module) -> torch.nn.Module:
+    """`module` (frozen) as a DeepSpeed engine without an optimizer, in the run's DeepSpeed config less its
+    optimizer, schedule and optimizer offload: under ZeRO-3 each process keeps 1/N of its weights (partitioned here,
+    or already, by zero.Init), gathered layer by layer in its forward passes; no gradient, no optimizer state."""
+    import copy
+
+    import deepspeed
+
     config = copy.deepcopy(deepspeed_config(accelerator))
     for key in ("optimizer", "scheduler"):
         config.pop(key, None)
     config["zero_optimization"].pop("offload_optimizer", None)
-    engine, *_ = deepspeed.initialize(model=twin, config=config)
+    engine, *_ = deepspeed.initialize(model=module.requires_grad_(False), config=config)
     engine.eval()  # (DeepSpeedEngine.eval returns None)
     return engine
+
+
+def gathered(params: list):
+    """Context in which ZeRO-3-partitioned parameters among `params` hold their full values (read only); others
+    (None, plain tensors) as they are."""
+    live = [p for p in params if p is not None and hasattr(p, "ds_id")]
+    if not live:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(live)
 
 
 def frozen_twin(model, convert: Optional[Callable] = None) -> torch.nn.Module:

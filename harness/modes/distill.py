@@ -132,15 +132,18 @@ class DistillMode(Objective):
 def build(cfg: Config, parts: Parts) -> DistillMode:
     """The teacher loaded and checked before step 1; the engine of the on-policy samples (distill.lmbda > 0)."""
     d = cfg.distill
-    teacher = load_teacher(d, parts.tokenizer, parts.accelerator.mixed_precision, parts.accelerator.device)
+    teacher = load_teacher(d, parts.tokenizer, parts.accelerator.mixed_precision, parts.accelerator.device,
+                           parts.accelerator, parts.zero_stage)
     vocab = check_vocabulary(d, parts.model, teacher, parts.tokenizer)
     generation = None
     if d.lmbda > 0:
         sampling = SamplingSettings(temperature=d.temperature, max_new_tokens=d.max_new_tokens, seed=d.seed,
                                     compile=cfg.rft.compile)
         generation = Generation(sampling, cfg.train.micro_batch_size, parts)
-    parts.say(f"[harness] distill: teacher {d.teacher} ({sum(p.numel() for p in teacher.parameters()):,} parameters, "
-              f"frozen, {next(teacher.parameters()).dtype}), loss {d.loss}"
+    held = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in teacher.parameters())
+    parts.say(f"[harness] distill: teacher {d.teacher} ({held:,} parameters, frozen"
+              f"{', partitioned (ZeRO-3)' if parts.zero_stage == 3 else ''}, {next(teacher.parameters()).dtype}), "
+              f"loss {d.loss}"
               f"{f' beta {d.beta}' if d.loss == 'jsd' else ''}, temperature {d.temperature}, on-policy share "
               f"lmbda {d.lmbda}" + (f" (head rows {vocab} of both)" if vocab else ""))
     return DistillMode(cfg, parts, teacher, vocab, generation)
