@@ -313,3 +313,44 @@ def test_two_processes_under_zero3_with_the_teacher_partitioned_equal_one(tmp_pa
         for key in ("loss", "reverse_kl", "top1_agreement", "eval_reverse_kl", "eval_loss"):
             if key in a:
                 assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.slow
+def test_a_lora_student_resumes_exactly_after_kill_9(tmp_path, teacher_dir):
+    """A LoRA student (model.lora) with half its micro-batches on-policy (lmbda 0.5: the seeded draws and the
+    engine's samples) killed -9 after step 3's checkpoint (HARNESS_FAULT_PAUSE holds it before step 4), run again:
+    resumes from step-3 and logs step 4 as the uninterrupted run does (1e-6 relative allows a kernel's other
+    summation order). The uninterrupted run's adapter is trained (its lora_B, zero at the start, moved)."""
+    import json
+    import signal
+    import time
+
+    from harness_launch import report, run_train
+    from safetensors.torch import load_file
+
+    args = [*FAST, "loss.mode=distill", f"distill.teacher={teacher_dir}", "distill.lmbda=0.5",
+            "distill.max_new_tokens=8", *TINY, "train.max_steps=4", "train.micro_batch_size=2", "optim.lr=5e-2",
+            "optim.warmup_steps=0", "model.lora.enabled=true", "model.lora.target_modules=[q_proj, v_proj]",
+            "train.save_every_steps=1"]
+    ref, killed = tmp_path / "uninterrupted", tmp_path / "killed"
+    run_train([*args, f"train.output_dir={ref}"], timeout=300)
+    adapter = load_file(str(ref / "final" / "adapter_model.safetensors"))
+    assert any("lora_B" in k for k in adapter) and all(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "HARNESS_FAULT_PAUSE": "4"}
+    with cpu_slots(1):
+        proc = subprocess.Popen([sys.executable, "-m", "harness.train", "--config", "configs/default.yaml", *args,
+                                 "train.save_final=false", f"train.output_dir={killed}"], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        marker, t0 = killed / "checkpoints" / "step-3" / "COMPLETE", time.time()
+        while not marker.exists() and proc.poll() is None and time.time() - t0 < 300:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert marker.exists() and not (killed / "checkpoints" / "step-4").exists()
+    run_train([*args, "train.save_final=false", f"train.output_dir={killed}"], timeout=300)
+    assert report(killed)["resumed_from"].endswith("step-3")
+    want, got = ({r["step"]: r for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+                 for d in (ref, killed))
+    assert want[3]["loss"] != want[4]["loss"]
+    for key in ("loss", "reverse_kl", "top1_agreement", "on_policy_share", "grad_norm"):
+        assert got[4][key] == pytest.approx(want[4][key], rel=1e-6, abs=1e-9), (key, got[4], want[4])
