@@ -476,3 +476,91 @@ def test_regional_compile_of_moe_tiny_recompiles_nothing_after_step_1(tmp_path):
     c = report(out)["compile"]
     assert c["recompiles_after_first_step"] == 0 and c["recompile_limit_hit"] == [], c
     assert c["warmed_embedding_shapes"]["generative_shapes"] == 1 and c["block_calls_eager"] == 0, c
+
+
+# ----------------------------------------------------------------------------------------------- rl and distill modes
+
+def _moe_model_override() -> str:
+    import yaml
+
+    return "model.config=" + json.dumps(yaml.safe_load(Path(MOE_TINY).read_text())["model"]["config"])
+
+
+def _recording(monkeypatch, mode_class, seen: dict) -> None:
+    """Mode.passes records, on its first micro-batch, the model's own aux loss on the batch (the weights of the
+    pass) and the StepSums the pass returns."""
+    real = mode_class.passes
+
+    def recording(self, gen, emb, scale):
+        first = "own" not in seen
+        if first:
+            model = unwrap(self.model)
+            with torch.no_grad():
+                seen["own"] = model(**model_inputs(gen), output_router_logits=True, use_cache=False).aux_loss.item()
+            seen["coef"] = model.config.router_aux_loss_coef
+        sums = real(self, gen, emb, scale)
+        if first:
+            seen["sums"] = sums
+        return sums
+
+    monkeypatch.setattr(mode_class, "passes", recording)
+
+
+@pytest.mark.parametrize("rows", ["padded", "shared_prompts"])
+def test_rl_loss_adds_the_models_own_router_term(tmp_path, monkeypatch, capsys, rows):
+    """loss.mode=rl (GRPO, one micro-batch of 2 questions x 4 answers) on configs/moe-tiny.yaml's model: with
+    rl.rows=padded the step-1 loss is GRPO's plus router_aux_loss_coef x the model's own aux_loss on the micro-batch
+    (as TRL's GRPOTrainer adds it), within 1e-6, aux_loss logged apart; shared_prompts' rows (an attention mask the
+    model's load-balancing loss cannot read) add none, and the start says so in one line."""
+    from harness.modes.rl import RlMode
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    seen: dict = {}
+    _recording(monkeypatch, RlMode, seen)
+    out = tmp_path / "run"
+    train.run(load_config(str(ROOT / "configs" / "grpo-tiny.yaml"), [
+        f"train.output_dir={out}", *FAST, "train.max_steps=1", "train.save_final=false",
+        "train.save_final_checkpoint=false", "train.eval_at_start=false", "train.eval_every=100",
+        "model.name_or_path=null", "model.tokenizer=bundled", _moe_model_override(), f"rl.rows={rows}",
+        "rl.reward=rl_rewards:digits", "rl.questions_per_step=2", "rl.num_generations=4",
+        "rl.max_completion_length=8", "rft.num_test_questions=2"]))
+    record = json.loads(Path(out, "metrics.jsonl").read_text().splitlines()[0])
+    said = "rl: the router's aux loss is not added on rl.rows=shared_prompts" in capsys.readouterr().out
+    grpo = seen["sums"].rl_loss_sum.item()  # (1 process, 1 micro-batch: the logged GRPO loss)
+    if rows == "shared_prompts":
+        assert said and "aux_loss" not in record and abs(record["loss"] - grpo) <= 1e-6
+        return
+    assert not said and seen["coef"] == 0.02 and seen["own"] > 0
+    assert abs(record["aux_loss"] - seen["own"]) <= 1e-6
+    assert abs(record["loss"] - (grpo + 0.02 * seen["own"])) <= 1e-6, (record, seen)
+
+
+def test_distill_loss_adds_the_models_own_router_term(tmp_path, monkeypatch):
+    """loss.mode=distill with a MoE student (configs/moe-tiny.yaml's model) and a dense tiny teacher: the step-1
+    loss is the divergence per token plus router_aux_loss_coef x the student's own aux_loss on the micro-batch,
+    within 1e-6; aux_loss logged apart."""
+    from harness.config import ModelConfig
+    from harness.model import load_run_tokenizer
+    from harness.modes.distill import DistillMode
+
+    tok = load_run_tokenizer(ModelConfig(tokenizer="bundled"), "auto", "distill")
+    teacher = tmp_path / "teacher"
+    torch.manual_seed(1)
+    config = AutoConfig.for_model("llama", vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                  max_position_embeddings=256, tie_word_embeddings=True,
+                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(teacher)
+    tok.save_pretrained(teacher)
+    seen: dict = {}
+    _recording(monkeypatch, DistillMode, seen)
+    out = tmp_path / "run"
+    train.run(load_config(MOE_TINY, [f"train.output_dir={out}", *FAST, "train.max_steps=1", "train.micro_batch_size=4",
+                                     "train.save_final=false", "train.save_final_checkpoint=false",
+                                     "loss.mode=distill", f"distill.teacher={teacher}", "distill.lmbda=0"]))
+    record = json.loads(Path(out, "metrics.jsonl").read_text().splitlines()[0])
+    sums = seen["sums"]
+    divergence = (sums.gen_sum / sums.gen_count).item()
+    assert seen["coef"] == 0.02 and seen["own"] > 0
+    assert abs(record["aux_loss"] - seen["own"]) <= 1e-6
+    assert abs(record["loss"] - (divergence + 0.02 * seen["own"])) <= 1e-6, (record, seen)

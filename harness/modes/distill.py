@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 import random
 import time
+from dataclasses import asdict
 
 import torch
 
-from harness import IGNORE_INDEX, losses
+from harness import IGNORE_INDEX, losses, moe
 from harness.config import Config
 from harness.config.distill import DistillConfig
 from harness.data.samples import model_inputs, real_tokens
@@ -80,15 +81,16 @@ class DistillMode(Objective):
         returning the chunked divergence, its backward pass (token averaging: W A / the step's trained tokens)."""
         inputs = model_inputs(batch)
         teacher = teacher_hidden(self.teacher, inputs)
-        with DivergenceHead(self.model, batch["labels"], teacher, self.div, self.chunk_size, self.vocab) as head:
-            out = self.model(**inputs, use_cache=False)
+        with moe.RouterLoss(self.model, self.router_coef) as router, \
+                DivergenceHead(self.model, batch["labels"], teacher, self.div, self.chunk_size, self.vocab) as head:
+            out = self.model(**inputs, use_cache=False)  # (a MoE student: the router's aux loss of the pass too)
         total, count = head.result(out)
-        self.check.backward(total * scale)
+        self.check.backward(total * scale + router.term)
         reverse, agree = head.figures
         return StepSums(gen_sum=total.detach(), gen_count=count, gen_micro=1, distill_reverse_kl_sum=reverse,
                         distill_agree=agree, distill_on_policy=int(batch["on_policy"]), tokens=real_tokens(batch),
                         positions=batch["input_ids"].numel(), samples=batch["input_ids"].shape[0],
-                        flops=self.flops(batch, backward=True))
+                        flops=self.flops(batch, backward=True), **router.sums())
 
     def gen_scale(self, gen_batches: list[dict]) -> torch.Tensor:
         """W A / the step's trained tokens over every process (TRL's num_items_in_batch: token averaging, one
@@ -98,7 +100,11 @@ class DistillMode(Objective):
         return losses.step_scale(self.world, self.accum, total.double()).float()
 
     def figures(self, sums: StepSums) -> dict:
-        return distill_figures(sums)
+        """A MoE student's router term in the loss (a mean over the step's micro-batches), aux_loss and
+        expert_load apart."""
+        term, router = moe.router_figures(asdict(sums))
+        out = distill_figures(sums)
+        return {**out, "loss": out["loss"] + term, **router}
 
     @torch.no_grad()
     def evaluate(self, data) -> dict:

@@ -10,6 +10,7 @@ from dataclasses import asdict
 
 import torch
 
+from harness import moe
 from harness.config import Config
 from harness.data.samples import real_tokens
 from harness.objective import Objective, Parts
@@ -37,12 +38,15 @@ class RlMode(Objective):
 
     def passes(self, batch: dict, emb, scale: torch.Tensor) -> StepSums:
         t0 = time.perf_counter()
-        logps = completion_logps(self.model, batch, self.chunk_size, self.temperature)
+        # MoE: the router's aux loss of the pass (TRL's GRPO adds it too), except on shared_prompts' rows, whose
+        # [rows, 1, width, width] attention mask the model's load-balancing loss cannot read (said at the start)
+        with moe.RouterLoss(self.model, self.router_coef, on="packed_unit" not in batch) as router:
+            logps = completion_logps(self.model, batch, self.chunk_size, self.temperature)
         mask = completion_mask(batch)
         per_token, clipped, kl = rl_loss.per_token_terms(logps, batch.get("old_logps"), batch["advantages"],
                                                          self.grpo, batch.get("ref_logps"), mask)
         total = rl_loss.loss_sum(self.grpo.loss_type, per_token, mask)
-        self.check.backward(total * scale)
+        self.check.backward(total * scale + router.term)
         main = self.accelerator.is_main_process
         on = mask.bool()
         return StepSums(rl_loss_sum=total.detach() * scale / (self.world * self.accum),
@@ -53,11 +57,14 @@ class RlMode(Objective):
                         tokens=batch["packed_tokens"] if "packed_tokens" in batch else real_tokens(batch),
                         positions=batch.get("packed_input_ids", batch["input_ids"]).numel(),
                         samples=batch["all_answers"],
-                        flops=self.flops(batch, backward=True))
+                        flops=self.flops(batch, backward=True), **router.sums())
 
     def figures(self, sums: StepSums) -> dict:
-        """GRPO's log line, each reward function's figures and rl.log_completions' rows (collective)."""
-        return {**rl_figures(asdict(sums), self.rl.beta), **self.rollouts.logged()}
+        """GRPO's log line, each reward function's figures and rl.log_completions' rows (collective); a MoE's
+        router term in the loss (a mean over the step's micro-batches), aux_loss and expert_load apart."""
+        term, router = moe.router_figures(asdict(sums))
+        out = rl_figures(asdict(sums), self.rl.beta)
+        return {**out, "loss": out["loss"] + term, **router, **self.rollouts.logged()}
 
     def evaluate(self, data) -> dict:
         return self.rollouts.evaluate()  # `rft test` accuracy on the task's test split
@@ -89,4 +96,8 @@ def build(cfg: Config, parts: Parts) -> RlMode:
     parts.say(f"[harness] rl: {per_step} completions per step, {per_process} per process, "
               f"{per_process // cfg.train.grad_accum} per micro-batch (TRL's per_device_train_batch_size; "
               f"rl.questions_per_step counts prompts, TRL's generation batch / num_generations)")
+    config = moe.base_model(parts.model).config
+    if cfg.rl.rows == "shared_prompts" and moe.is_moe(config) and moe.router_coef(config, cfg.model.router_aux_loss_coef):
+        parts.say("[harness] rl: the router's aux loss is not added on rl.rows=shared_prompts (its attention mask is "
+                  "not one the model's load-balancing loss reads); rl.rows=packed or padded adds it")
     return RlMode(cfg, parts, rollouts)

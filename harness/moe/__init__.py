@@ -3,8 +3,8 @@ it (RouterLoss), the experts' load, the router frozen, the experts' kernel; acco
 per token (MFU, the run summary's FLOPs, the plans)."""
 
 from harness.moe.accounting import active_matmul_params, expert_params, expert_targets, mlp_width
-from harness.moe.router import (RouterLoss, expert_load, experts_kwargs, experts_of, freeze_router, is_moe,
+from harness.moe.router import (RouterLoss, base_model, expert_load, experts_kwargs, experts_of, freeze_router, is_moe,
                                 router_coef, router_figures)
 
-__all__ = ["RouterLoss", "active_matmul_params", "expert_load", "expert_params", "expert_targets", "experts_kwargs", "experts_of", "freeze_router", "is_moe", "mlp_width",
+__all__ = ["RouterLoss", "active_matmul_params", "base_model", "expert_load", "expert_params", "expert_targets", "experts_kwargs", "experts_of", "freeze_router", "is_moe", "mlp_width",
            "router_coef", "router_figures"]

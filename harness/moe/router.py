@@ -100,11 +100,12 @@ def expert_load(router_logits, top_k: int, attention_mask: torch.Tensor | None =
 class RouterLoss:
     """For the forward passes inside: the causal LM computes its router logits and aux loss (its
     `output_router_logits` on), and this keeps the last pass's `term` (coef * aux_loss, with its gradient),
-    `aux` (aux_loss, detached) and `load` (expert_load). A dense model: nothing is changed and `term` is 0."""
+    `aux` (aux_loss, detached) and `load` (expert_load). A dense model (or `on` false): nothing is changed and
+    `term` is 0."""
 
-    def __init__(self, model, coef: float | None):
+    def __init__(self, model, coef: float | None, on: bool = True):
         self.lm = base_model(model)
-        self.active = is_moe(self.lm.config)
+        self.active = on and is_moe(self.lm.config)
         self.coef = router_coef(self.lm.config, coef) if self.active else 0.0
         self.term: torch.Tensor | float = 0.0
         self.aux: torch.Tensor | None = None
