@@ -97,7 +97,8 @@ def build(cfg: Config, parts: Parts) -> RlMode:
               f"{per_process // cfg.train.grad_accum} per micro-batch (TRL's per_device_train_batch_size; "
               f"rl.questions_per_step counts prompts, TRL's generation batch / num_generations)")
     config = moe.base_model(parts.model).config
-    if cfg.rl.rows == "shared_prompts" and moe.is_moe(config) and moe.router_coef(config, cfg.model.router_aux_loss_coef):
+    coef = moe.router_coef(config, cfg.model.router_aux_loss_coef) if moe.is_moe(config) else 0.0
+    if cfg.rl.rows == "shared_prompts" and coef:
         parts.say("[harness] rl: the router's aux loss is not added on rl.rows=shared_prompts (its attention mask is "
                   "not one the model's load-balancing loss reads); rl.rows=packed or padded adds it")
     return RlMode(cfg, parts, rollouts)
