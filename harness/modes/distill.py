@@ -46,6 +46,9 @@ def prompts_of(batch: dict) -> list[list[int]]:
     return out
 
 
+DIVERGENCE_CHUNK_SHARE = 4  # distill's chunks: loss.chunked_ce_size / this, positions (DistillMode.__init__)
+
+
 class DistillMode(Objective):
     def __init__(self, cfg: Config, parts: Parts, teacher, vocab, generation):
         super().__init__(cfg.loss, cfg.model, cfg.train.grad_accum, parts, chunk_size=cfg.loss.chunked_ce_size)
@@ -53,6 +56,10 @@ class DistillMode(Objective):
         self.div = Divergence(cfg.distill.beta, cfg.distill.temperature, cfg.distill.loss)
         self.pad_id = parts.tokenizer.pad_token_id
         self.rank = parts.accelerator.process_index
+        # the divergence keeps about 4x the chunked CE's chunk x vocab tensors alive (both heads' log-softmaxes,
+        # the mixture, the gradients): a quarter of loss.chunked_ce_size positions a chunk holds its peak near the
+        # CE's (docs/bench/distill-vocab128k-2x1024-cpu.txt: 1024 positions 0.53x full logits, 256: 0.17x)
+        self.div_chunk = max(1, cfg.loss.chunked_ce_size // DIVERGENCE_CHUNK_SHARE)
 
     def step_batches(self, streams: dict, step: int, unlogged) -> tuple[list, list]:
         """The step's micro-batches of the data; those drawn on-policy (`on_policy`) with their completions replaced
@@ -82,7 +89,7 @@ class DistillMode(Objective):
         inputs = model_inputs(batch)
         teacher = teacher_hidden(self.teacher, inputs)
         with moe.RouterLoss(self.model, self.router_coef) as router, \
-                DivergenceHead(self.model, batch["labels"], teacher, self.div, self.chunk_size, self.vocab) as head:
+                DivergenceHead(self.model, batch["labels"], teacher, self.div, self.div_chunk, self.vocab) as head:
             out = self.model(**inputs, use_cache=False)  # (a MoE student: the router's aux loss of the pass too)
         total, count = head.result(out)
         self.check.backward(total * scale + router.term)
@@ -122,7 +129,7 @@ class DistillMode(Objective):
             batch = {k: v.to(self.accelerator.device) for k, v in data.gen_eval.collate_fn(samples).items()}
             inputs = model_inputs(batch)
             teacher = teacher_hidden(self.teacher, inputs)
-            with DivergenceHead(self.model, batch["labels"], teacher, Divergence(1.0, 1.0), self.chunk_size,
+            with DivergenceHead(self.model, batch["labels"], teacher, Divergence(1.0, 1.0), self.div_chunk,
                                 self.vocab) as head:  # (its figures: the reverse KL at temperature 1, the agreement)
                 out = self.model(**inputs, use_cache=False)
             _, count = head.result(out)
