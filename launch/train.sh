@@ -193,7 +193,7 @@ while :; do
       while kill -0 "$pid" 2> /dev/null; do sleep 0.2; done
     done
     # a checkpoint completed since the signal (its COMPLETE marker is written last) = a clean stop, whatever the
-    # launcher says (torch elastic exits 1 when it got the signal itself, e.g. from Ctrl-C to the process group)
+    # launcher says (accelerate exits 1 or 143 when torch elastic got the signal itself, e.g. Ctrl-C to the group)
     SAVED=$(find "$OUT/checkpoints" -mindepth 2 -maxdepth 2 -name COMPLETE -newermt "@$((SIGNAL_AT - 1))" 2> /dev/null \
       | sort -V | tail -n 1)
     if [ "$rc" -eq 0 ] || [ -n "$SAVED" ]; then

@@ -60,7 +60,7 @@ def uninterrupted(stage_run):
 def test_sigterm_checkpoints_within_seconds_exits_0_and_resumes_exactly(uninterrupted, tmp_path):
     """SIGTERM reaches both training processes (as from a scheduler that signals the workers, or a launch script
     that forwards it): both agree, checkpoint, exit 0, and so does the launcher. (A SIGTERM to accelerate's launcher
-    itself makes torch elastic's agent forward it and then exit 1 on its own account; the workers still save.)"""
+    itself makes torch elastic's agent forward it and then exit 1 or 143 on its own account; the workers still save.)"""
     import psutil
 
     out = tmp_path / "run"
@@ -99,9 +99,10 @@ def _workers(proc: subprocess.Popen) -> list:
 
 def test_sigterm_to_accelerate_launch_and_to_train_sh(tmp_path):
     """SIGTERM to the launcher, not to the workers. Bare `accelerate launch`: torch elastic's agent forwards it, the
-    workers checkpoint and exit 0 within about a second, but the agent raises SignalException: exit 1 with its
-    traceback (nothing in harness/train.py runs in that process). launch/train.sh forwards the signal to the workers
-    only: exit 0, no traceback, a few seconds after the checkpoint."""
+    workers checkpoint and exit 0 within about a second, but the agent raises SignalException: accelerate 1.15 exits
+    1 with its traceback, 1.16 catches it and exits 128 + 15 = 143 (nothing in harness/train.py runs in that process;
+    pyproject allows either). launch/train.sh forwards the signal to the workers only: exit 0, no traceback, a few
+    seconds after the checkpoint."""
     out = tmp_path / "run"
     proc = start(out, [])
     wait_for_step(out, 4, proc)
@@ -111,7 +112,8 @@ def test_sigterm_to_accelerate_launch_and_to_train_sh(tmp_path):
     bare_s = time.time() - t0
     complete, _ = store.list_checkpoints(out)
     assert complete and "stopped (signal)" in log, log[-3000:]
-    assert proc.returncode == 1 and "SignalException" in log, (proc.returncode, log[-3000:])  # torch's, not ours
+    bare_rc = proc.returncode  # torch's and accelerate's, not ours: 1 with SignalException's traceback (1.15) or 143
+    assert bare_rc == 143 or (bare_rc == 1 and "SignalException" in log), (bare_rc, log[-3000:])
     assert bare_s < 30, f"accelerate launch: {bare_s:.1f} s from SIGTERM to exit"
 
     first = complete[-1][0]
@@ -130,7 +132,7 @@ def test_sigterm_to_accelerate_launch_and_to_train_sh(tmp_path):
     assert "Traceback" not in log and f"resumed from {out}/checkpoints/step-{first}" in log, log[-3000:]
     assert complete[-1][0] > first and f"stopped by SIGTERM with checkpoint {out}/checkpoints/step-" in log, log[-3000:]
     assert sh_s < 30, f"launch/train.sh: {sh_s:.1f} s from SIGTERM to exit 0 (accelerate launch: {bare_s:.1f} s)"
-    print(f"SIGTERM to exit: accelerate launch {bare_s:.1f} s (exit 1), launch/train.sh {sh_s:.1f} s (exit 0)")
+    print(f"SIGTERM to exit: accelerate launch {bare_s:.1f} s (exit {bare_rc}), launch/train.sh {sh_s:.1f} s (exit 0)")
 
 
 def test_kill_9_of_the_launcher_workers_stop_by_themselves(tmp_path):
