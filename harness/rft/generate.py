@@ -16,6 +16,7 @@ and a failed answer per record, TRL's preference format) and `<output_dir>/stats
 
 from __future__ import annotations
 
+import contextlib
 import time
 import zlib
 from pathlib import Path
@@ -40,6 +41,18 @@ def make_accelerator():
     return Accelerator(kwargs_handlers=process_group_kwargs())
 
 
+@contextlib.contextmanager
+def processes():
+    """`make_accelerator()` for one command; on a clean end every process meets the others and the process group is
+    destroyed before the interpreter exits. Left to the interpreter's exit, gloo's threads were torn down while the
+    other rank was already gone: a rank aborted ('terminate called without an active exception', exit -6) after
+    its work was done and written, and the launcher failed the command."""
+    acc = make_accelerator()
+    yield acc
+    acc.wait_for_everyone()
+    acc.end_training()
+
+
 def describe(engine) -> str:
     """The engine in the start line: its name, and the sequences in flight or per generate() call."""
     if isinstance(engine, StaticEngine):
@@ -58,13 +71,13 @@ def run(r, model: Optional[str], stop_after: int = 0) -> Optional[dict]:
         raise ConfigError(f"--stop-after: must be >= 0 (0: sample every question left; N: stop after N batches of "
                           f"rft.questions_per_batch questions per process), got {stop_after}")
 
-    acc = make_accelerator()
-    held = on_main(acc, lambda: lock.acquire(Path(r.output_dir) / SHARDS, acc.print, key="rft.output_dir"))
-    try:
-        return _run(r, model, acc, stop_after)
-    finally:
-        if acc.is_main_process:
-            lock.release(held)
+    with processes() as acc:
+        held = on_main(acc, lambda: lock.acquire(Path(r.output_dir) / SHARDS, acc.print, key="rft.output_dir"))
+        try:
+            return _run(r, model, acc, stop_after)
+        finally:
+            if acc.is_main_process:
+                lock.release(held)
 
 
 def _run(r, model: Optional[str], acc, stop_after: int) -> Optional[dict]:
