@@ -427,6 +427,41 @@ def test_export_refused_or_cut_by_a_full_disk_is_one_line(tmp_path, monkeypatch)
     assert (dest / "model.safetensors").read_bytes() == before and not (tmp_path / "final.tmp").exists()
 
 
+@pytest.mark.parametrize("code", [errno.EFBIG, errno.EDQUOT, errno.ENOSPC])
+def test_safetensors_errors_keep_their_errno_for_the_one_line(tmp_path, code):
+    """Issue 73, fault 10: safetensors raises its own SafetensorError, the OS error only in its words (measured here for
+    EFBIG under a file-size limit: 'Error while serializing: I/O error: File too large (os error 27)'). A quota
+    (EDQUOT, 122) and a full disk (ENOSPC, 28) in the same words are recognised as torch.save's lost errno is: a full
+    disk for the two that are about space, the cause found again for the one line, never a raw traceback."""
+    from safetensors import SafetensorError
+
+    from harness.files import disk_full, lost_errno, write_cause
+
+    exc = SafetensorError(f"Error while serializing: I/O error: {os.strerror(code)} (os error {code})")
+    assert lost_errno(exc)
+    if code != errno.EFBIG:  # (EFBIG is a limit of this process, not of the disk: write_cause names it)
+        assert disk_full(exc, tmp_path)
+    cause = write_cause(exc, tmp_path)
+    assert cause and "\n" not in cause and "Traceback" not in cause
+
+
+def test_a_best_export_cut_by_a_full_disk_names_the_best_export(tmp_path, monkeypatch):
+    """Issue 73, fault 4: the disk-full line of train.keep_best's best/ export called it 'the final export'. It names
+    the best/ export, the partial folder is removed and the previous best/ stays whole (the checkpoint's resume
+    writes it again: tests/test_early_stopping.py::test_a_best_export_cut_short_is_redone_on_resume)."""
+    acc, dest = ExportAccelerator(), tmp_path / "best"
+    monkeypatch.setattr(store.shutil, "disk_usage", Usage(10**11))
+    export_final(acc, FakeModel(), FakeTokenizer(), dest)
+    before = (dest / "model.safetensors").read_bytes()
+
+    def full(self, folder):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(FakeTokenizer, "save_pretrained", full)
+    with pytest.raises(HarnessError, match=r"^disk full while writing the best/ export to "):
+        export_final(acc, FakeModel(), FakeTokenizer(), dest)
+    assert (dest / "model.safetensors").read_bytes() == before and not (tmp_path / "best.tmp").exists()
+
+
 # ----------------------------------------------------------------------------------------------- end to end
 
 
