@@ -87,9 +87,18 @@ def transcript(q: str, calls: list[tuple[str, dict]]) -> list[dict]:
     return messages
 
 
+def tools() -> list[dict]:
+    """The tools' JSON schemas, as rl.environment offers them."""
+    from transformers.utils import get_json_schema
+
+    env = Calculator()
+    return [get_json_schema(getattr(env, name)) for name in ("add", "mul", "submit")]
+
+
 def transcripts(n: int, seed: int = 1) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"messages": transcript(q, calls)} for q, _, calls in (question(rng) for _ in range(n))]
+    """SFT chat records {messages, tools} of solved episodes (other questions than `records`' by the seed)."""
+    rng, offered = random.Random(seed), tools()
+    return [{"messages": transcript(q, calls), "tools": offered} for q, _, calls in (question(rng) for _ in range(n))]
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Multi-turn episodes of loss.mode=rl with rl.tools / rl.environment (docs/agents.md), token in and token out.
 
 Per episode (a question's answer g): a fresh environment reset with the record's columns (reset's text appended to
-the last user message), the prompt rendered with the tools' schemas and encoded once. The engine samples a turn from
+the last message), the prompt rendered with the tools' schemas and encoded once. The engine samples a turn from
 the episode's whole id sequence; the turn's tool calls are parsed from its text (the ids are kept as sampled, never
 re-encoded); each tool runs; the tool results, rendered as the template renders `tool` messages, are encoded alone
 and appended; sampling goes on from the sequence. An episode ends at a turn without a tool call (or not ended by an
@@ -43,8 +43,9 @@ class Episode:
 
 
 def columns_of(q) -> dict:
-    """A record's columns handed to reset(): rl.prompts' other columns, or an rft question's question and answer."""
-    return dict(q.columns) if hasattr(q, "columns") else {"question": q.question, "answer": q.answer}
+    """A record's columns handed to reset() (TRL hands the whole row): rl.prompts' record, or an rft question's
+    question and answer."""
+    return {"prompt": q.prompt, **q.columns} if hasattr(q, "columns") else {"question": q.question, "answer": q.answer}
 
 
 def records(task, questions: list) -> list[tuple[list[dict], dict]]:

@@ -1,6 +1,6 @@
 """Tools and environments of multi-turn loss.mode=rl (docs/agents.md), TRL's convention: `rl.tools` (type-hinted,
 docstringed functions) and `rl.environment` (a class, or {name: class} chosen by each record's `environment` column:
-one instance per episode, `reset(**record columns)` -> None or text appended to the last user message, its public
+one instance per episode, `reset(**record columns)` -> None or text appended to the last message, its public
 methods the tools, `get_reward()` one more reward). What is text here: the tool calls of a sampled turn, parsed from
 its decoded text (the sampled ids themselves are never re-encoded), and the tool results, rendered as the chat
 template renders a `tool` message and encoded alone (`Toolbox.result_ids`).
@@ -147,7 +147,7 @@ class Toolbox:
                 from None
         if text is not None and not isinstance(text, str):
             raise HarnessError(f"config key 'rl.environment': {cls.__name__}.reset() returned a "
-                               f"{type(text).__name__}: None or text (appended to the last user message) is needed")
+                               f"{type(text).__name__}: None or text (appended to the last message) is needed")
         return env, text
 
     def tools_of(self, env) -> dict[str, Callable]:
@@ -170,12 +170,11 @@ class Toolbox:
             return f"Error: {one_line(e, 200)}", True
 
     def prompt_text(self, messages: list[dict], env_name: Optional[str], appended: Optional[str]) -> str:
-        """The episode's prompt: the record's messages, reset's text appended to the last user message, rendered
+        """The episode's prompt: the record's messages, reset's text appended to the last message, rendered
         with the tools' schemas, ending where the assistant's turn starts."""
         messages = [dict(m) for m in messages]
-        if appended:
-            last = max(i for i, m in enumerate(messages) if m["role"] == "user")
-            messages[last]["content"] = f"{messages[last]['content']}\n\n{appended}"
+        if appended:  # (TRL's: the last message's content + the text, as it is)
+            messages[-1]["content"] = messages[-1]["content"] + appended
         return self.tok.apply_chat_template(messages, tools=self.schemas.get(env_name) or None,
                                             add_generation_prompt=True, tokenize=False)
 
