@@ -195,3 +195,21 @@ def test_real_engine_episodes_are_seeded_and_within_budget():
     assert all(all(m) for it in ro.items for m in it["masks"])
     ro.generate([torch.tensor([0, 1])], step=2)
     assert [it["answers"] for it in ro.items] == first
+
+
+# ----------------------------------------------------------------------------------------------- end to end
+
+
+def test_agent_tiny_runs_grpo_steps_on_the_calculator(tmp_path):
+    """`harness train configs/agent-tiny.yaml` (a smaller random model, 2 steps): the episodes run through the
+    continuous engine, the environment's reward and the tool figures are in the log line."""
+    from tests.harness_launch import metrics, run_train
+
+    out = tmp_path / "run"
+    run_train([*SMALL, f"train.output_dir={out}", "train.max_steps=2", "rl.num_generations=2",
+               "rft.max_new_tokens=24", "rl.log_completions=1"], config=AGENT, timeout=300)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("reward/Calculator", "tools/calls_per_episode", "tools/failure_rate", "turns", "turns_max"):
+        assert key in rows[-1], key
+    assert rows[-1]["turns"] >= 1 and rows[-1]["completions"][0]["prompt"].count("<tool_call>") == 1
