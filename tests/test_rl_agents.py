@@ -213,3 +213,58 @@ def test_agent_tiny_runs_grpo_steps_on_the_calculator(tmp_path):
     for key in ("reward/Calculator", "tools/calls_per_episode", "tools/failure_rate", "turns", "turns_max"):
         assert key in rows[-1], key
     assert rows[-1]["turns"] >= 1 and rows[-1]["completions"][0]["prompt"].count("<tool_call>") == 1
+
+
+# ----------------------------------------------------------------------------------------------- TRL parity
+
+from tests.test_rl import COMPLETION, N, PROMPT, _close, _grads, fixed, trl_loss  # noqa: E402,F401 (fixture)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+def test_tool_masked_loss_and_gradients_equal_trl(fixed, loss_type, beta):
+    """Fixed multi-turn rollouts (completions with tool-result spans: env_mask 0 inside them) through TRL 1.16's
+    _compute_loss with `tool_mask` (what its rollout_func's env_mask becomes) and through harness's rows with the
+    tool results' labels ignored (`mask_tool_results`, Rollouts.batch's path): the same loss and every gradient
+    within 1e-5 (test_rl.py's tolerance: fp32 sums in two orders), each of the 4 loss types."""
+    import copy
+
+    from harness.rl import loss as rl_loss
+    from harness.rl.batch import completion_logps, completion_mask, rows
+    from harness.rl.episodes import mask_tool_results
+
+    tok, model, path, prompts, completions, cmask, rewards, old, ref = fixed
+    lengths = cmask.sum(1).tolist()  # [7, 3, 5, 1, 6, 4]
+    env = torch.ones_like(cmask)
+    for row, (a, b) in {0: (2, 5), 2: (1, 3), 4: (3, 4), 5: (1, 2)}.items():  # tool spans inside the completions
+        env[row, a:b] = 0
+    temperature = 0.7
+    adv, _ = rl_loss.advantages(rewards, 3, "group")
+    inputs = {"prompt_ids": prompts, "prompt_mask": torch.ones_like(prompts), "completion_ids": completions,
+              "completion_mask": cmask, "advantages": adv, "old_per_token_logps": old, "tool_mask": env,
+              "num_items_in_batch": (cmask * env).sum()}
+    if beta:
+        inputs["ref_per_token_logps"] = ref
+    ref_loss, ref_grads = trl_loss(path, tok, model, loss_type, beta, inputs, temperature)
+
+    ours = copy.deepcopy(model).train()
+    batch = rows([p.tolist() for p in prompts], [c[:n].tolist() for c, n in zip(completions, lengths)],
+                 tok.pad_token_id)
+    mask_tool_results(batch["labels"], [PROMPT] * N, [env[r, :n].tolist() for r, n in enumerate(lengths)])
+
+    def place(t):
+        out = torch.zeros(N, batch["input_ids"].shape[1] - 1)
+        out[:, PROMPT - 1:PROMPT - 1 + COMPLETION] = t
+        return out
+
+    mask = completion_mask(batch)
+    assert torch.equal(place((cmask * env).float()), mask.float())  # harness's mask is TRL's completion x tool mask
+    logps = completion_logps(ours, batch, chunk_size=5, temperature=temperature)
+    grpo = rl_loss.Grpo(loss_type, 0.2, 0.28, beta, "token", max_new_tokens=COMPLETION)
+    loss = rl_loss.grpo_loss(logps, place(old), adv, mask, grpo, place(ref) if beta else None)
+    loss.backward()
+    _close(loss.detach(), ref_loss)
+    grads = _grads(ours)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        _close(grads[name], ref_grads[name])
