@@ -176,13 +176,22 @@ def test_environment_reward_and_tool_figures():
     scripted wrong answers score 0; the log line's tools/ figures."""
     cfg, model, tok, ro = _rollouts(["rft.max_new_tokens=256"])
     ro.generation = Scripted(tok, ro.engine, wrong=True)
-    ro.generate([torch.tensor([0, 1])], step=1)
+    ro.current, _ = ro.generate([torch.tensor([0, 1])], step=1)
     assert all(r == 0.0 for it in ro.items for r in it["rewards"])
     ro.tool_unlogged = list(ro.tool_sums)
     out = ro.logged()
     assert out["tools/calls_per_episode"] == 2.0 and out["tools/failure_rate"] == 0.0
     assert out["turns"] == 3.0 and out["turns_max"] == 3.0
     assert "[tool]" in out["completions"][0]["completion"]
+    # a checkpoint's generation batch keeps the masks (its rows rebuilt with the tool results ignored) and the
+    # unlogged tool figures
+    ro.tool_unlogged = [8.0, 16.0, 1.0, 24.0, 3.0]
+    before = [b["labels"].clone() for b in ro.current]
+    state = ro.state_dict()
+    ro.tool_unlogged, ro.current = [0.0] * 5, []
+    ro.load_state_dict(state)
+    assert ro.tool_unlogged == [8.0, 16.0, 1.0, 24.0, 3.0]
+    assert len(ro.current) == len(before) == 1 and torch.equal(before[0], ro.current[0]["labels"])
 
 
 def test_real_engine_episodes_are_seeded_and_within_budget():

@@ -339,8 +339,10 @@ class Rollouts:
 
         world = self.accelerator.num_processes
         fn = [sum(v) for v in zip(*gather_object([self.fn_unlogged]))] if world > 1 else self.fn_unlogged
+        tools = [*(sum(v) for v in zip(*gather_object([self.tool_unlogged[:4]]))),  # (the max apart)
+                 max(gather_object([self.tool_unlogged[4]]))] if world > 1 else self.tool_unlogged
         return {"items": gather_object([self.items]) if world > 1 else [self.items], "world": world,
-                "per": len(self.items) // self.accum, "fn_unlogged": fn}
+                "per": len(self.items) // self.accum, "fn_unlogged": fn, "tool_unlogged": tools}
 
     def load_state_dict(self, state: dict) -> None:
         """This process's share of the saved generation batch (`share`: in this run's layout, which may have
@@ -349,6 +351,7 @@ class Rollouts:
         fn = state.get("fn_unlogged") or []
         if len(fn) == len(self.fn_unlogged) and self.accelerator.is_main_process:  # the unlogged reward figures
             self.fn_unlogged = list(fn)
+            self.tool_unlogged = list(state.get("tool_unlogged") or self.tool_unlogged)
         mine, self.dropped = share(state, world, self.accelerator.process_index, accum, self.rl.questions_per_step)
         self.dropped = self.dropped or unfit(state, self.rl)
         if not mine or self.dropped:
