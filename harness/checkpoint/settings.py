@@ -23,7 +23,8 @@ from harness.errors import ConfigError
 
 RL_KEYS = ("rl.num_generations", "rl.reward", "rl.rewards", "rl.beta", "rl.iterations", "rl.loss_type",
            "rl.scale_rewards", "rl.importance_sampling", "rl.mask_truncated_completions", "rl.epsilon",
-           "rl.epsilon_high", "rl.rows", "rft.temperature", "rft.top_p", "rft.top_k", "rft.min_p", "rft.max_new_tokens")
+           "rl.epsilon_high", "rl.rows", "rl.tools", "rl.environment", "rl.max_tool_calls", "rft.temperature",
+           "rft.top_p", "rft.top_k", "rft.min_p", "rft.max_new_tokens")
 
 
 def current(model, data, loss_mode: str, sections: dict) -> dict:

@@ -225,6 +225,12 @@ def check_rl(cfg: Config, given: frozenset = frozenset()) -> None:
         raise ConfigError(f"config key '{bad}': out of range")
     if rl.log_completions < 0:
         raise ConfigError(f"config key 'rl.log_completions': must be >= 0, got {rl.log_completions}")
+    if rl.max_tool_calls < 1:
+        raise ConfigError(f"config key 'rl.max_tool_calls': must be >= 1, got {rl.max_tool_calls}")
+    for i, spec in enumerate(rl.tools):
+        if not isinstance(spec, str) or ":" not in spec:
+            raise ConfigError(f"config key 'rl.tools[{i}]': expected 'module:function' or 'path/file.py:function', "
+                              f"got {spec!r}")
     parse_rewards(rl.rewards)  # (rl.prompts' sources: harness.data.checks.check_data)
     if cfg.data.packing:
         raise ConfigError("config key 'data.packing': loss.mode=rl trains one answer a row; set data.packing=false")

@@ -64,6 +64,8 @@ FOREIGN: dict[str, tuple[str, Optional[str], str]] = {
     "importance_sampling_level": (TRL, "rl.importance_sampling", ""),
     "mask_truncated_completions": (TRL, "rl.mask_truncated_completions", ""),
     "log_completions": (TRL, "rl.log_completions", "a number of rows, not a flag"),
+    "max_tool_calling_iterations": (TRL, "rl.max_tool_calls", ""),
+    "environment_factory": (TRL, "rl.environment", "a class spec module:Class (GRPOTrainer's argument)"),
     "reward_funcs": (TRL, "rl.rewards", "[{function: module:name, weight: w}]"),
     "reward_weights": (TRL, "rl.rewards", "each entry's weight"),
     "temperature": (TRL, "rft.temperature", "the sampling temperature (loss.temperature is the contrastive one)"),

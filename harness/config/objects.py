@@ -54,7 +54,7 @@ def reward_overrides(fns: Optional[Sequence], weights: Optional[Sequence[float]]
     return ["rl.rewards=" + json.dumps(entries)]
 
 
-SPEC_KEYS = ("rl.reward", "rl.rewards")  # the config keys whose values name Python objects
+SPEC_KEYS = ("rl.reward", "rl.rewards", "rl.tools", "rl.environment")  # the config keys whose values name Python objects
 
 
 def is_file_spec(spec: Any) -> bool:
@@ -67,7 +67,7 @@ def located(value: Any, folder: Path) -> Any:
     if isinstance(value, list):
         return [located(v, folder) for v in value]
     if isinstance(value, dict):
-        return {k: located(v, folder) if k == "function" else v for k, v in value.items()}
+        return {k: located(v, folder) if k == "function" or is_file_spec(v) else v for k, v in value.items()}
     if is_file_spec(value):
         file, _, name = value.rpartition(":")
         return value if Path(file).is_absolute() else f"{(folder / file).resolve()}:{name}"

@@ -354,6 +354,14 @@ class RlConfig:
                                  "(metrics.jsonl `completions`, tensorboard's text tab). 0: none.")
     mask_truncated_completions: bool = _f(False, "Leave out of the loss the answers cut at rft.max_new_tokens "
                                                  "(no EOS or stop string; TRL's mask_truncated_completions).")
+    tools: list = _f([], "Tool functions [module:name | path/file.py:name] offered to the model through the chat "
+                         "template's tools= (type-hinted, docstringed; TRL's tools); multi-turn episodes "
+                         "(docs/agents.md).")
+    environment: Union[str, dict, None] = _f(
+        None, "A class module:Class | path/file.py:Class (TRL's environment_factory), or {name: spec} chosen by each "
+              "record's `environment` column: one instance per episode, reset(**record columns), its public methods "
+              "the tools, get_reward() one more reward (docs/agents.md).")
+    max_tool_calls: int = _f(8, "Tool-calling turns an episode takes at most (TRL's max_tool_calling_iterations).")
     importance_sampling: Literal["token", "sequence"] = _f(
         "token", "The ratio per token (GRPO) or one per answer from its mean log-ratio (GSPO; TRL's "
                  "importance_sampling_level).")

@@ -141,26 +141,30 @@ class Rewards:
     """The rewards of a generation batch: `score(questions, texts, ids)` -> (weighted sum [answers], each function's
     [answers, functions], NaN where it gave None). `names`: each function's logged name (empty for rl.reward)."""
 
-    def __init__(self, rl, task: Task) -> None:
-        self.task = task
+    def __init__(self, rl, task: Task, env_name: Optional[str] = None) -> None:
+        """`env_name`: the environment's reward (get_reward(), weight 1) as logged, one more function (None: none);
+        with it and no rl.rewards, the environment's is the only reward."""
+        self.task, self.env_name = task, env_name
         if rl.rewards and rl.reward != "verifier":
             raise ConfigError("config key 'rl.reward': give the reward functions in rl.rewards (a list) or one in "
                               "rl.reward, not both")
-        self.legacy = not rl.rewards
+        self.legacy = not rl.rewards and not env_name
         if self.legacy:
             self.fns = [(rl.reward, "reward", 1.0, load_reward(rl.reward, task))]
             self.names: list[str] = []
             return
         self.fns = [(spec, name, w, self._verifier if spec == "verifier" else _load(spec, f"rl.rewards[{i}].function"))
                     for i, (spec, name, w) in enumerate(parse_rewards(rl.rewards))]
-        self.names = [name for _, name, _, _ in self.fns]
+        self.names = [name for _, name, _, _ in self.fns] + ([env_name] if env_name else [])
 
     def _verifier(self, prompts, completions, questions, **_) -> list[float]:
         return [1.0 if self.task.verify(c if isinstance(c, str) else c[0]["content"], q) else 0.0
                 for c, q in zip(completions, questions)]
 
-    def score(self, questions: list, texts: list[str], ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`questions` one per answer (repeated per answer of a group), `texts` and `ids` the answers."""
+    def score(self, questions: list, texts: list[str], ids: list[list[int]],
+              env: Optional[list[float]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`questions` one per answer (repeated per answer of a group), `texts` and `ids` the answers; `env` the
+        environment's reward of each (NaN: none), the last column."""
         if self.legacy:
             spec, _, _, fn = self.fns[0]
             r = torch.tensor([score(fn, spec, q, t) for q, t in zip(questions, texts)], dtype=torch.float64)
@@ -172,11 +176,13 @@ class Rewards:
         columns = {k: [q.columns.get(k) if isinstance(q, Prompt) else None for q in questions] for k in names}
         if not any(isinstance(q, Prompt) for q in questions):  # the rft task: its reference answer as a column
             columns = {"answer": [q.answer for q in questions]}
-        per = torch.full((len(texts), len(self.fns)), float("nan"), dtype=torch.float64)
+        per = torch.full((len(texts), len(self.names)), float("nan"), dtype=torch.float64)
+        if self.env_name:
+            per[:, -1] = torch.tensor(env, dtype=torch.float64)
         for j, (spec, name, _, fn) in enumerate(self.fns):
             kw = {**columns, "questions": questions} if spec == "verifier" else columns
             per[:, j] = torch.tensor(self._call(fn, spec, j, prompts, completions, ids, kw), dtype=torch.float64)
-        weights = torch.tensor([w for _, _, w, _ in self.fns], dtype=torch.float64)
+        weights = torch.tensor([w for _, _, w, _ in self.fns] + [1.0] * bool(self.env_name), dtype=torch.float64)
         weighted = torch.nansum(per * weights, dim=1)
         weighted[torch.isnan(per).all(1)] = float("nan")  # no function scored it: out of its group's baseline (TRL)
         self._none_scored(bool(torch.isnan(per).all()))

@@ -30,10 +30,13 @@ from harness.distributed.zero import partitioned_copy
 from harness.errors import ConfigError
 from harness.rft.contract import GREEDY, texts as answer_texts
 from harness.rft.tasks import Task
+from harness.rl.episodes import (env_reward, marked_text, mask_tool_results, records, run_episodes,
+                                 sampled_count, tool_figures, tool_sums)
 from harness.rl.generation import Generation, Prompts, SamplingSettings, served  # noqa: F401 (served: here before)
 from harness.rl import loss as rl_loss
 from harness.rl.batch import (completion_logps, completion_mask, padding_free, rows, scored_positions,
                               shared_prompts)
+from harness.rl.tools import Toolbox
 from harness.rl.prompts import Rewards, function_figures, function_sums, load_reward, rl_task, score  # noqa: F401 (load_reward, score: here before)
 from harness.state import StepSums
 
@@ -130,7 +133,9 @@ class Rollouts:
         self.prompts = Prompts(task, tokenizer, say)  # each prompt encoded once
         self.questions, self.test = self.prompts.train, self.prompts.test
         # rl.rewards, or rl.reward as one function (failing to load on any process: one line)
-        self.rewards = agreed(accelerator, lambda: Rewards(rl, task))
+        # rl.tools / rl.environment: multi-turn episodes (harness/rl/episodes.py), the environment's reward beside
+        self.toolbox = agreed(accelerator, lambda: Toolbox(rl, tokenizer)) if rl.tools or rl.environment else None
+        self.rewards = agreed(accelerator, lambda: Rewards(rl, task, self.toolbox and self.toolbox.reward_name))
         config = accelerator.unwrap_model(model, keep_torch_compile=False).config
         answers = rl.questions_per_step // accelerator.num_processes * rl.num_generations  # this process's a batch
         self.generation = Generation(sampling, answers, parts)  # (a model it cannot serve: one line)
@@ -151,6 +156,7 @@ class Rollouts:
         self.gen_calls = 0  # engine calls of generation batches (this process), logged as gen_calls
         self.fn_sums: list = []  # each reward function's [sum, squares, count] of the current batch (this process)
         self.fn_unlogged = [0.0] * (3 * len(self.rewards.names))  # ... of the steps since the last log line
+        self.tool_sums, self.tool_unlogged = [0.0] * 5, [0.0] * 5  # episodes' tool figures (episodes.tool_sums)
 
     def step_batches(self, questions, step: int, unlogged) -> list[dict]:
         """The micro-batches of optimizer step `step`: a new generation batch every rl.iterations steps (the next
@@ -168,24 +174,47 @@ class Rollouts:
             self.gen_calls = 0
         unlogged.add(self.figures)  # each step logs the rewards and lengths of the answers it trains on
         self.fn_unlogged = [a + b for a, b in zip(self.fn_unlogged, self.fn_sums)]
+        self.tool_unlogged = [*(a + b for a, b in zip(self.tool_unlogged[:4], self.tool_sums[:4])),
+                              max(self.tool_unlogged[4], self.tool_sums[4])]
         return self.current
 
     @torch.no_grad()
     def generate(self, picked: list, step: int) -> tuple[list[dict], StepSums]:
         """(the micro-batches of this process's answers to the `picked` questions, their sums for the log)."""
-        accelerator, G, dev = self.accelerator, self.rl.num_generations, self.accelerator.device
+        G = self.rl.num_generations
         qs = [[self.questions[int(i)] for i in b] for b in picked]
         flat = [q for b in qs for q in b]
         prompts = self.prompts.ids(flat)  # encoded once: the engine's and the rows' ids
         index = [int(i) for b in picked for i in b]
+        if self.toolbox is not None:  # multi-turn episodes: the environment's reward and the tool-result masks
+            return self.finish(picked, flat, *self.episodes(flat, index, step))
         # one engine call for every question of the batch; answer j of question `index[i]` seeded by (rft.seed,
         # step, the question, j) alone: the same tokens whatever shares the call and on any process count
         got = self.generation.answer(prompts, G, self.r.call(lambda i, j: (self.r.seed, step, index[i], j)))
         sampled = [[list(c.ids) for c in group] for group in got]  # the tokens drawn (EOS kept): what the loss scores
         texts = answer_texts(self.tok, got, self.engine.eos)
+        return self.finish(picked, flat, prompts, sampled, texts)
+
+    def episodes(self, flat: list, index: list[int], step: int) -> tuple:
+        """(prompts, sampled, texts, masks, the environment's rewards) of the batch's multi-turn episodes."""
+        G = self.rl.num_generations
+        prompts, eps = run_episodes(self.generation, self.toolbox, records(self.task, flat), index, self.rl, self.r,
+                                    step)
+        self.tool_sums = tool_sums(eps)
+        grouped = [eps[k * G:(k + 1) * G] for k in range(len(flat))]
+        texts = [[self.tok.decode([t for t in e.ids if t not in self.engine.eos], skip_special_tokens=True).strip()
+                  for e in group] for group in grouped]
+        env = [env_reward(e) for e in eps] if self.toolbox.reward_name else None
+        return prompts, [[e.ids for e in g] for g in grouped], texts, [[e.mask for e in g] for g in grouped], env
+
+    def finish(self, picked: list, flat: list, prompts: list, sampled: list, texts: list, masks=None,
+               env=None) -> tuple[list[dict], StepSums]:
+        """The batch's rewards, advantages, items, micro-batches and old / reference log-probs."""
+        accelerator, G, dev = self.accelerator, self.rl.num_generations, self.accelerator.device
         # (a reward that fails on any process: its line raised on every process, printed once by the main one)
         weighted, per = agreed(accelerator, lambda: self.rewards.score(
-            [q for q in flat for _ in range(G)], [t for a in texts for t in a], [ids for a in sampled for ids in a]))
+            [q for q in flat for _ in range(G)], [t for a in texts for t in a], [ids for a in sampled for ids in a],
+            env))
         rewards = weighted.to(torch.float32).to(dev)
         self.gen_calls += 1
         every = accelerator.gather(rewards) if self.rl.scale_rewards == "batch" else None  # TRL's batch: all
@@ -193,9 +222,10 @@ class Rollouts:
                                     None if every is None else rl_loss.nanstd(every))
         rewards = torch.nan_to_num(rewards, nan=0.0)  # (logged: an answer no function scored counts 0)
         items, at = [], 0
-        for p, answers in zip(prompts, sampled):
+        for k, (p, answers) in enumerate(zip(prompts, sampled)):
             items.append({"prompt": p, "answers": answers, "rewards": rewards[at:at + G].tolist(),
-                          "advantages": adv[at:at + G].tolist(), "functions": per[at:at + G].tolist()})
+                          "advantages": adv[at:at + G].tolist(), "functions": per[at:at + G].tolist(),
+                          **({"masks": masks[k]} if masks else {})})
             at += G
         per = len(picked[0])
         out = [self.batch(items[k:k + per]) for k in range(0, len(items), per)]
@@ -237,10 +267,14 @@ class Rollouts:
         answers = [items[j]["answers"][g] for j, g in pairs]
         batch = rows([items[j]["prompt"] for j, _ in pairs], answers, self.tok.pad_token_id)
         batch["advantages"] = torch.tensor([items[j]["advantages"][g] for j, g in pairs], dtype=torch.float32)
+        if "masks" in items[0]:  # tool results: no loss, not counted (rl.tools / rl.environment)
+            mask_tool_results(batch["labels"], [len(items[j]["prompt"]) for j, _ in pairs],
+                              [items[j]["masks"][g] for j, g in pairs])
         if self.rl.mask_truncated_completions:  # answers cut at rft.max_new_tokens: no loss (TRL's masking)
             batch["labels"][torch.tensor([self.cut(a) for a in answers])] = IGNORE_INDEX
-        every = [a for it in items for a in it["answers"]]
-        tokens = sum(0 if self.rl.mask_truncated_completions and self.cut(a) else len(a) for a in every)
+        every = [(a, (it.get("masks") or [None] * len(it["answers"]))[g]) for it in items
+                 for g, a in enumerate(it["answers"])]
+        tokens = sum(0 if self.rl.mask_truncated_completions and self.cut(a) else sampled_count(a, m) for a, m in every)
         batch["all_answers"], batch["all_tokens"] = torch.tensor(len(every)), torch.tensor(tokens)
         batch["scored"] = scored_positions(batch["labels"])  # on the host: the head's positions, no device sync
         if self.layout == "shared_prompts":
@@ -283,11 +317,17 @@ class Rollouts:
                                                         device=self.accelerator.device), "sum").tolist()
             self.fn_unlogged = [0.0] * len(self.fn_unlogged)
             out.update(function_figures(self.rewards.names, sums))
+        if self.toolbox is not None:  # the episodes' tool calls and turns, all processes
+            every = self.accelerator.gather(torch.tensor([self.tool_unlogged], dtype=torch.float64,
+                                                         device=self.accelerator.device)).cpu()
+            out.update(tool_figures([*every[:, :4].sum(0).tolist(), float(every[:, 4].max())]))
+            self.tool_unlogged = [0.0] * 5
         n = self.rl.log_completions
         if n and self.accelerator.is_main_process and self.items:
             pairs = [(it, k) for it in self.items for k in range(len(it["answers"]))][:n]
             out["completions"] = [{"prompt": self.tok.decode(it["prompt"]),
-                                   "completion": self.tok.decode(it["answers"][k], skip_special_tokens=True),
+                                   "completion": marked_text(self.tok, it["answers"][k], (it.get("masks") or
+                                                                                         [None] * (k + 1))[k]),
                                    "reward": it["rewards"][k], "advantage": it["advantages"][k]} for it, k in pairs]
         return out
 
@@ -299,8 +339,10 @@ class Rollouts:
 
         world = self.accelerator.num_processes
         fn = [sum(v) for v in zip(*gather_object([self.fn_unlogged]))] if world > 1 else self.fn_unlogged
+        tools = [*(sum(v) for v in zip(*gather_object([self.tool_unlogged[:4]]))),  # (the max apart)
+                 max(gather_object([self.tool_unlogged[4]]))] if world > 1 else self.tool_unlogged
         return {"items": gather_object([self.items]) if world > 1 else [self.items], "world": world,
-                "per": len(self.items) // self.accum, "fn_unlogged": fn}
+                "per": len(self.items) // self.accum, "fn_unlogged": fn, "tool_unlogged": tools}
 
     def load_state_dict(self, state: dict) -> None:
         """This process's share of the saved generation batch (`share`: in this run's layout, which may have
@@ -309,6 +351,7 @@ class Rollouts:
         fn = state.get("fn_unlogged") or []
         if len(fn) == len(self.fn_unlogged) and self.accelerator.is_main_process:  # the unlogged reward figures
             self.fn_unlogged = list(fn)
+            self.tool_unlogged = list(state.get("tool_unlogged") or self.tool_unlogged)
         mine, self.dropped = share(state, world, self.accelerator.process_index, accum, self.rl.questions_per_step)
         self.dropped = self.dropped or unfit(state, self.rl)
         if not mine or self.dropped:
