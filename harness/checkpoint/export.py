@@ -25,14 +25,15 @@ from harness.checkpoint.adapter_tokens import trim_padding_rows
 
 
 def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optional[dict] = None,
-                 random_base: bool = False) -> Path:
+                 random_base: bool = False, processor=None) -> Path:
     """Save the unwrapped model (weights gathered from every rank) and tokenizer in HF format to `dest`.
 
     Call on every process: under DeepSpeed ZeRO-3 gathering the weights is a collective operation. Before writing,
     the free space is compared with the size of the previous export (or, for the first, of the weights); too little,
     or a disk that fills up while writing: a HarnessError on every process, the previous export and the checkpoints
     untouched. random_base: the model was built with random weights (no folder or hub id holds its base): a LoRA
-    export also writes the base to dest/base/, which its adapter_config.json names.
+    export also writes the base to dest/base/, which its adapter_config.json names. processor: a vision-language
+    model's, saved in place of the tokenizer (the tokenizer, the image processor, the chat template).
     """
     dest = Path(dest)
     tmp = dest.with_name(dest.name + ".tmp")
@@ -54,7 +55,8 @@ def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optiona
                                f"needed ({what}), {human_bytes(free)} free; the checkpoints are intact: free some "
                                f"space, then run again with train.resume=auto")
         try:
-            _write_export(accelerator, model, tokenizer, state_dict, tmp, extra, dest if random_base else None)
+            _write_export(accelerator, model, tokenizer, state_dict, tmp, extra, dest if random_base else None,
+                          processor)
         except Exception as e:
             full = disk_full(e, dest.parent)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -88,7 +90,7 @@ def base_reference(base: Path, cwd: Optional[Path] = None) -> str:
 
 
 def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, extra: Optional[dict],
-                  random_base_dest: Optional[Path] = None) -> None:
+                  random_base_dest: Optional[Path] = None, processor=None) -> None:
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     kwargs = {}
     if is_peft(unwrapped) and uses_trainable_tokens(unwrapped):
@@ -96,7 +98,8 @@ def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, ex
         # whole resized embedding matrices because the vocabulary grew
         kwargs["save_embedding_layers"] = False
     unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, **kwargs)
-    tokenizer.save_pretrained(tmp)
+    preprocessing = processor or tokenizer  # what inference needs besides the weights
+    preprocessing.save_pretrained(tmp)
     if kwargs:  # the vocabulary's padding rows out of the adapter: peft's AutoPeft loader resizes to len(tokenizer)
         trim_padding_rows(tmp, len(tokenizer))
     for name, obj in (extra or {}).items():  # small JSON side files, e.g. harness.json
@@ -104,10 +107,10 @@ def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, ex
 
     if is_peft(unwrapped):  # LoRA: final/ holds the adapter, final/merged/ the model with the adapter merged in
         merged_copy(unwrapped, state_dict).save_pretrained(tmp / "merged", safe_serialization=True)
-        tokenizer.save_pretrained(tmp / "merged")
+        preprocessing.save_pretrained(tmp / "merged")
         if random_base_dest is not None:  # a random base exists nowhere else: final/base/, named by the adapter
             merged_copy(unwrapped, state_dict, merge=False).save_pretrained(tmp / "base", safe_serialization=True)
-            tokenizer.save_pretrained(tmp / "base")
+            preprocessing.save_pretrained(tmp / "base")
             adapter_config = json.loads((tmp / "adapter_config.json").read_text())
             adapter_config["base_model_name_or_path"] = base_reference(Path(random_base_dest) / "base")
             (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
