@@ -254,7 +254,7 @@ def build_data(cfg: Config, accelerator, say: Callable[[str], None]) -> tuple[An
     tokenizer = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
     processor = None
     if vision.is_vision(cfg.model):  # a vision-language model: its processor (the tokenizer's vision markers added)
-        vision.check_vision_run(cfg.data, cfg.loss.mode)
+        vision.check_vision_run(cfg.data, mode)
         processor = vision.load_processor(cfg.model, tokenizer)
     data = loaders.build_loaders(cfg.data, cfg.train, mode, cfg.model.pooling, accelerator, tokenizer, processor)
     own = modes.own_stream(cfg, accelerator)  # a mode's own stream (rl: the task's train questions, as indices)

@@ -15,6 +15,7 @@ from PIL import Image
 
 from harness import IGNORE_INDEX
 from harness.config import load_config
+from harness.config.modes import facts
 from harness.data import vision
 from harness.data.samples import model_inputs
 from harness.errors import ConfigError, DataError
@@ -104,9 +105,27 @@ def test_packing_and_streaming_are_refused_in_one_line():
     cfg = load_config(RECIPE, ["data.packing=true"])
     assert vision.is_vision(cfg.model)
     with pytest.raises(ConfigError, match=r"^config key 'data.packing': .*mRoPE.*data.packing=false"):
-        vision.check_vision_run(cfg.data, cfg.loss.mode)
+        vision.check_vision_run(cfg.data, facts(cfg.loss.mode))
     with pytest.raises(ConfigError, match=r"^config key 'data.streaming'"):
-        vision.check_vision_run(load_config(RECIPE, ["data.streaming=true"]).data, "generative")
+        vision.check_vision_run(load_config(RECIPE, ["data.streaming=true"]).data, facts("generative"))
+    with pytest.raises(ConfigError, match=r"^config key 'loss.mode': .*loss.mode=generative, got preference$"):
+        vision.check_vision_run(load_config(RECIPE).data, facts("preference"))
+
+
+def test_a_filled_last_round_keeps_the_images_of_its_real_rows(tiny):
+    """Several processes: a batch cut to its real rows (loaders.without_padding) keeps those rows' images only."""
+    from harness.data.loaders import without_padding
+
+    cfg, proc = tiny
+    ds, _ = vision.vision_dataset([str(TRAIN)], proc, cfg.data.max_len, "data.train_files")
+    collate = vision.VisionCollator(proc)
+    samples = [ds[4], ds[0], ds[9]]  # two images, one, two
+    for k in (1, 2):
+        cut, ref = without_padding(collate(samples), k), collate(samples[:k])
+        width = ref["input_ids"].shape[1]
+        assert torch.equal(cut["input_ids"][:, :width], ref["input_ids"])
+        assert torch.equal(cut["image_grid_thw"], ref["image_grid_thw"])
+        assert torch.equal(cut["pixel_values"], ref["pixel_values"])
 
 
 def _first_batch_and_model(overrides: list[str]):

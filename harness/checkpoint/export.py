@@ -2,7 +2,9 @@
 
     <output_dir>/final/   model (safetensors) + tokenizer, loadable with AutoModelForCausalLM / AutoTokenizer;
                           with LoRA: the adapter (peft) + tokenizer, and final/merged/ the merged model;
-                          an embedding or unified run: also a sentence-transformers model (checkpoint/st_export.py)
+                          an embedding or unified run: also a sentence-transformers model (checkpoint/st_export.py);
+                          a vision-language model: its processor (tokenizer, image processor, chat template), for
+                          AutoModelForImageTextToText / AutoProcessor
 
 It is written to a temporary sibling folder and renamed into place, so a crash never leaves a half-written export
 under the final name; the free space is compared with the size of the previous export (or of the weights) first.
@@ -55,8 +57,8 @@ def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optiona
                                f"needed ({what}), {human_bytes(free)} free; the checkpoints are intact: free some "
                                f"space, then run again with train.resume=auto")
         try:
-            _write_export(accelerator, model, tokenizer, state_dict, tmp, extra, dest if random_base else None,
-                          processor)
+            _write_export(accelerator, model, processor or tokenizer, state_dict, tmp, extra,
+                          dest if random_base else None)
         except Exception as e:
             full = disk_full(e, dest.parent)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -89,8 +91,9 @@ def base_reference(base: Path, cwd: Optional[Path] = None) -> str:
     return full.relative_to(here).as_posix() if full.is_relative_to(here) else str(full)
 
 
-def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, extra: Optional[dict],
-                  random_base_dest: Optional[Path] = None, processor=None) -> None:
+def _write_export(accelerator, model, preprocessing, state_dict: dict, tmp: Path, extra: Optional[dict],
+                  random_base_dest: Optional[Path] = None) -> None:
+    """`preprocessing`: the tokenizer, or a vision-language model's processor (which holds the tokenizer)."""
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     kwargs = {}
     if is_peft(unwrapped) and uses_trainable_tokens(unwrapped):
@@ -98,10 +101,9 @@ def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, ex
         # whole resized embedding matrices because the vocabulary grew
         kwargs["save_embedding_layers"] = False
     unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, **kwargs)
-    preprocessing = processor or tokenizer  # what inference needs besides the weights
     preprocessing.save_pretrained(tmp)
     if kwargs:  # the vocabulary's padding rows out of the adapter: peft's AutoPeft loader resizes to len(tokenizer)
-        trim_padding_rows(tmp, len(tokenizer))
+        trim_padding_rows(tmp, len(getattr(preprocessing, "tokenizer", preprocessing)))
     for name, obj in (extra or {}).items():  # small JSON side files, e.g. harness.json
         (tmp / name).write_text(json.dumps(obj, indent=2))
 

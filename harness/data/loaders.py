@@ -318,7 +318,9 @@ def without_padding(batch: dict, k: int) -> dict:
             return v[rows]
         return v[:keep] if v.shape[0] == n else v
 
-    out = {key: cut(v) for key, v in batch.items()}
+    out = {key: cut(v) for key, v in batch.items() if key not in ("pixel_values", "image_grid_thw")}
+    if "image_grid_thw" in batch:  # a vision-language batch's images: per image, not per row
+        out.update(vision.images_of_rows(batch, keep))
     if k == 0:
         out["labels"] = torch.full_like(out["labels"], IGNORE_INDEX)
         out["token_mask"] = torch.zeros_like(out["input_ids"])

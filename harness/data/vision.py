@@ -24,6 +24,7 @@ import torch
 
 from harness import IGNORE_INDEX
 from harness.config import DataConfig, ModelConfig
+from harness.config.modes import ModeFacts
 from harness.data import chat, sources
 from harness.errors import ConfigError, DataError
 
@@ -60,8 +61,8 @@ def is_vision(m: ModelConfig) -> bool:
     return model_type(m) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
-def check_vision_run(d: DataConfig, loss_mode: str) -> None:
-    """What a vision-language run refuses, in one line each (`d`: cfg.data)."""
+def check_vision_run(d: DataConfig, mode: ModeFacts) -> None:
+    """What a vision-language run refuses, in one line each (`d`: cfg.data, `mode`: the loss mode's facts)."""
     if d.packing:
         raise ConfigError("config key 'data.packing': a vision-language model's 3-D (mRoPE) position ids do not "
                           "survive packing; use data.packing=false (padded rows)")
@@ -72,9 +73,9 @@ def check_vision_run(d: DataConfig, loss_mode: str) -> None:
         key = "data.max_len" if d.max_len == "auto" else "data.eval_split"
         raise ConfigError(f"config key '{key}': not available for vision-language data yet; give "
                           f"{'a number of tokens' if key == 'data.max_len' else 'data.eval_files'}")
-    if loss_mode != "generative":
+    if not mode.vision:
         raise ConfigError(f"config key 'loss.mode': a vision-language model trains with loss.mode=generative, "
-                          f"got {loss_mode}")
+                          f"got {mode.name}")
 
 
 # ----------------------------------------------------------------------------------------------- the processor
@@ -307,6 +308,16 @@ def vision_dataset(entries: list, processor, max_len: int, what: str) -> tuple[V
              "max_len": lengths[-1], "truncated": sum(s["truncated"] for s in kept), "dropped_no_labels": len(dropped),
              "dropped_examples": dropped[:5]}
     return VisionDataset(kept), stats
+
+
+def images_of_rows(batch: dict, keep: int) -> dict:
+    """The pixel_values and image_grid_thw of a batch's first `keep` rows (its images are in row order; each image
+    has prod(grid) pixel rows and prod(grid) / merge^2 tokens, the same ratio for all)."""
+    tokens = batch["mm_token_type_ids"] == 1
+    share = int(tokens[:keep].sum()) * batch["pixel_values"].shape[0] // max(1, int(tokens.sum()))
+    ends = batch["image_grid_thw"].prod(-1).cumsum(0)
+    images = int((ends <= share).sum())
+    return {"pixel_values": batch["pixel_values"][:share], "image_grid_thw": batch["image_grid_thw"][:images]}
 
 
 class VisionCollator:
