@@ -147,7 +147,9 @@ def test_step1_loss_is_the_models_own_and_the_vision_tower_stays_frozen(tmp_path
     """harness train's step-1 loss = the model's own `labels=` loss on the same padded batch (whose 3-D positions
     the model computes from image_grid_thw and mm_token_type_ids) within 1e-5; after 2 steps the vision tower's
     weights are unchanged (model.train_vision=false), its merger trained (the recipe's model.train_projector=true);
-    final/ holds the processor and reloads with transformers to the trained model's logits."""
+    final/ holds the processor and reloads with transformers to the run's final evaluation loss; TRL 1.16's
+    SFTTrainer collates the same batch (its vision collator with assistant_only_loss: TRL's reference for which
+    tokens are trained) and has the same step-1 loss within 1e-5 (measured: 5e-7)."""
     from transformers import AutoModelForImageTextToText
 
     out = tmp_path / "run"
@@ -183,6 +185,31 @@ def test_step1_loss_is_the_models_own_and_the_vision_tower_stays_frozen(tmp_path
             count += n
     evaluated = json.loads((out / "report.json").read_text())["eval"]["eval_loss"]
     assert abs(loss_sum / count - evaluated) <= 1e-5, (loss_sum / count, evaluated)
+
+    # TRL 1.16's SFTTrainer on the same records (its vision collator, assistant_only_loss): the same batch, the same
+    # step-1 loss
+    trl_batch, trl_loss = trl_first_step(model, proc, 4, tmp_path / "trl")
+    assert torch.equal(trl_batch["input_ids"], batch["input_ids"]) and torch.equal(trl_batch["labels"], batch["labels"])
+    assert abs(trl_loss - first["loss"]) <= 1e-5, (trl_loss, first["loss"])
+
+
+def trl_first_step(model, proc, n: int, out: Path) -> tuple[dict, float]:
+    """(TRL's collated batch, SFTTrainer's step-1 loss) of the first n training records, images as PIL images, one
+    step of batch n on the CPU (the model is trained in place)."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    records = [json.loads(x) for x in TRAIN.read_text().splitlines()[:n]]
+    rows = [{"messages": r["messages"], "images": [Image.open(TRAIN.parent / p).convert("RGB") for p in r["images"]]}
+            for r in records]
+    collated = DataCollatorForVisionLanguageModeling(proc, assistant_only_loss=True)([dict(r) for r in rows])
+    args = SFTConfig(output_dir=str(out), per_device_train_batch_size=n, max_steps=1, logging_steps=1,
+                     assistant_only_loss=True, report_to=[], use_cpu=True, save_strategy="no", max_length=None,
+                     bf16=False)  # fp32, as the run (SFTConfig defaults to bf16)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=proc)
+    trainer.train()
+    return collated, trainer.state.log_history[0]["loss"]
 
 
 def test_train_vision_true_trains_the_tower(tmp_path):

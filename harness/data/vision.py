@@ -29,15 +29,15 @@ from harness.data import chat, sources
 from harness.errors import ConfigError, DataError
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
-VISION_TYPES = ("qwen2_vl", "qwen2_5_vl")  # the families whose processor and token layout this module knows
-# the GritLM layout with image parts: what a tokenizer without a template of its own (the bundled one) renders
+# the GritLM layout with image parts: what a tokenizer without a template of its own (the bundled one) renders; the
+# assistant turns in {% generation %} blocks, which TRL's assistant_only_loss reads (the spans harness trains)
 VISION_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% macro body(content) %}{% if content is string %}{{ content }}{% else %}{% for part in content %}"
     "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\\n' }}{% endif %}{% endfor %}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
+    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ body(message['content']) }}{{ eos_token }}"
+    "{% endgeneration %}{% else %}{{ body(message['content']) }}{{ '\\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
