@@ -140,8 +140,9 @@ def merged_copy(peft_model, state_dict: dict, merge: bool = True):
             raise RuntimeError(f"merging QLoRA: no {missing[0]} tensors in the trained state dict")
         return adapter.merge_and_unload()
     with without_zero3_init():  # a merge on one rank must not enter the collective zero.Init
-        fresh = AutoModelForCausalLM.from_config(base_cfg, dtype=torch.float32)
-    fresh.resize_token_embeddings(base_cfg.vocab_size)
+        # the base's own class (a causal LM, or a vision-language model's image-text-to-text class)
+        fresh = type(peft_model.get_base_model())._from_config(base_cfg, dtype=torch.float32)
+    fresh.resize_token_embeddings(base_cfg.get_text_config().vocab_size)  # (a vision-language model: its text's)
     adapter = get_peft_model(fresh, peft_cfg)
     missing, unexpected = adapter.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=False)
     tied = set(getattr(fresh, "_tied_weights_keys", None) or [])

@@ -223,3 +223,27 @@ def test_train_vision_true_trains_the_tower(tmp_path):
     final = AutoModelForImageTextToText.from_pretrained(out / "final").state_dict()
     blocks = [k for k in final if k.startswith("model.visual.blocks.") and k.endswith("weight")]
     assert blocks and all(not torch.equal(final[k], start[k]) for k in blocks)
+
+
+def test_lora_adapts_the_language_model_only_and_reloads_through_peft(tmp_path):
+    """model.lora.enabled=true: the adapter holds no vision-tower module (LoRA on the language model's layers only);
+    final/ (adapter + final/base/, the random base) reloads through peft to the logits of final/merged/ within 1e-5,
+    both loaded with transformers' AutoModelForImageTextToText; the processor is in each folder."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    out = tmp_path / "run"
+    run_train(OVERRIDES + [f"train.output_dir={out}", "train.max_steps=1", "model.lora.enabled=true"], config=RECIPE)
+    final = out / "final"
+    adapter = load_file(str(final / "adapter_model.safetensors"))
+    assert any("lora_A" in k for k in adapter) and not any("visual" in k for k in adapter)
+    assert all((final / d / "preprocessor_config.json").is_file() for d in (".", "base", "merged"))
+    batch, _, _ = _first_batch_and_model(OVERRIDES)
+    peft_model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(final / "base"), final)
+    merged = AutoModelForImageTextToText.from_pretrained(final / "merged")
+    base = AutoModelForImageTextToText.from_pretrained(final / "base")
+    with torch.no_grad():
+        a, b, c = (m.eval()(**model_inputs(batch), use_cache=False).logits for m in (peft_model, merged, base))
+    assert (a - b).abs().max().item() <= 1e-5
+    assert (a - c).abs().max().item() > 1e-4  # the adapter changed the model
