@@ -155,7 +155,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
         if cfg.name_or_path is None:
             kwargs = {"vocab_size": len(tokenizer), **special, **cfg.config}
             model_type = kwargs.pop("model_type")
-            if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:  # the vision markers' ids: the tokenizer's
+            if model_type in vision.QWEN_VL:  # the vision markers' ids: the tokenizer's
                 kwargs = {**vision.token_ids(tokenizer), **kwargs}
             mconf = AutoConfig.for_model(model_type, **kwargs)
         else:

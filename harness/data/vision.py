@@ -29,6 +29,7 @@ from harness.data import chat, sources
 from harness.errors import ConfigError, DataError
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+QWEN_VL = ("qwen2_vl", "qwen2_5_vl")  # the families built from a model.config here (their tokens, their processor)
 # the GritLM layout with image parts: what a tokenizer without a template of its own (the bundled one) renders; the
 # assistant turns in {% generation %} blocks, which TRL's assistant_only_loss reads (the spans harness trains)
 VISION_TEMPLATE = (
@@ -121,13 +122,18 @@ def load_processor(m: ModelConfig, tokenizer):
     from transformers import AutoImageProcessor, AutoProcessor, Qwen2VLImageProcessor
 
     pixels = {k: v for k, v in (("min_pixels", m.image_min_pixels), ("max_pixels", m.image_max_pixels)) if v}
-    if m.name_or_path is not None and not m.random_init:
+    if m.name_or_path is not None:  # its processor (model.random_init too: the weights only are random)
         try:
             proc = AutoProcessor.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code, **pixels)
+            proc.tokenizer = tokenizer  # the run's (model.tokenizer, data.chat_template): the model is sized to it
             return proc
         except (ImportError, TypeError, AttributeError, ValueError):
             images = AutoImageProcessor.from_pretrained(m.name_or_path, **pixels)
     else:
+        if m.config.get("model_type") not in QWEN_VL:
+            raise ConfigError(f"config key 'model.config': a random vision-language model is built for the Qwen2-VL "
+                              f"family ({', '.join(QWEN_VL)}), got {m.config.get('model_type')}; give "
+                              f"model.name_or_path with model.random_init=true for another")
         vc = m.config.get("vision_config", {})
         images = Qwen2VLImageProcessor(patch_size=vc.get("patch_size", 14), merge_size=vc.get("spatial_merge_size", 2),
                                        temporal_patch_size=vc.get("temporal_patch_size", 2), **pixels)
