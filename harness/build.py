@@ -25,6 +25,7 @@ from harness.config.checks import quantization_zero3_error
 from harness.config.profiles import shapes_vary, static_shapes
 from harness.data import loaders
 from harness.data.checks import check_data
+from harness.data import vision
 from harness.distributed import collectives, processes, sequence
 from harness.distributed.zero import (model_init_context, parameters_held, planned_weights, repair_stage0_optimizer,
                                       zero_info)
@@ -251,7 +252,11 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
 def build_data(cfg: Config, accelerator, say: Callable[[str], None]) -> tuple[Any, loaders.RunData]:
     mode = facts(cfg.loss.mode)
     tokenizer = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
-    data = loaders.build_loaders(cfg.data, cfg.train, mode, cfg.model.pooling, accelerator, tokenizer)
+    processor = None
+    if vision.is_vision(cfg.model):  # a vision-language model: its processor (the tokenizer's vision markers added)
+        vision.check_vision_run(cfg.data, mode)
+        processor = vision.load_processor(cfg.model, tokenizer)
+    data = loaders.build_loaders(cfg.data, cfg.train, mode, cfg.model.pooling, accelerator, tokenizer, processor)
     own = modes.own_stream(cfg, accelerator)  # a mode's own stream (rl: the task's train questions, as indices)
     if own is not None:
         source, loader = own

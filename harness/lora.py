@@ -55,14 +55,15 @@ def is_quantized(model) -> bool:
 # ----------------------------------------------------------------------------------------------- LoRA
 
 
-def apply_lora(model, cfg: ModelConfig, added_tokens: list[int] | None = None):
+def apply_lora(model, cfg: ModelConfig, added_tokens: list[int] | None = None, exclude: str | None = None):
     """With `model.lora.enabled`, wrap the model in a peft LoRA model: base weights frozen, adapters trainable
     (works under DDP and ZeRO-1/2/3: the adapters are ordinary parameters). Otherwise the model unchanged.
 
     `added_tokens`: the rows the resize added to the base's vocabulary: the tokens the tokenizer added (the chat
     markers) and the padding up to a multiple of 64, randomly drawn by every resize (a user's too). They are trained
     through peft's `trainable_token_indices` and saved with the adapter (`trainable_tokens_delta`, those rows alone),
-    so that base + adapter is the trained model for every id. A tied head follows the embedding; an untied one too."""
+    so that base + adapter is the trained model for every id. A tied head follows the embedding; an untied one too.
+    `exclude`: a regex of module names never adapted (a vision-language model's vision tower)."""
     lc = lora_config(cfg)
     if not lc.enabled:
         return model
@@ -72,7 +73,8 @@ def apply_lora(model, cfg: ModelConfig, added_tokens: list[int] | None = None):
     targets = lc.target_modules
     try:
         peft_cfg = LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets,
-                              task_type="CAUSAL_LM", trainable_token_indices=_token_targets(model, added_tokens),
+                              exclude_modules=exclude, task_type="CAUSAL_LM",
+                              trainable_token_indices=_token_targets(model, added_tokens),
                               target_parameters=moe.expert_targets(model) if lc.experts else None)  # MoE experts
         return get_peft_model(model, peft_cfg)
     except ValueError as e:
@@ -138,8 +140,9 @@ def merged_copy(peft_model, state_dict: dict, merge: bool = True):
             raise RuntimeError(f"merging QLoRA: no {missing[0]} tensors in the trained state dict")
         return adapter.merge_and_unload()
     with without_zero3_init():  # a merge on one rank must not enter the collective zero.Init
-        fresh = AutoModelForCausalLM.from_config(base_cfg, dtype=torch.float32)
-    fresh.resize_token_embeddings(base_cfg.vocab_size)
+        # the base's own class (a causal LM, or a vision-language model's image-text-to-text class)
+        fresh = type(peft_model.get_base_model())._from_config(base_cfg, dtype=torch.float32)
+    fresh.resize_token_embeddings(base_cfg.get_text_config().vocab_size)  # (a vision-language model: its text's)
     adapter = get_peft_model(fresh, peft_cfg)
     missing, unexpected = adapter.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=False)
     tied = set(getattr(fresh, "_tied_weights_keys", None) or [])

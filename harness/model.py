@@ -23,13 +23,16 @@ import torch
 from huggingface_hub import constants as hub_constants, snapshot_download
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from huggingface_hub.utils import validate_repo_id
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer,
+                          PreTrainedTokenizerBase)
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from harness.config import ModelConfig
 from harness.config.modes import facts
 from harness.errors import ConfigError
 from harness.lora import apply_lora, keep_4bit_training_layout, quantization_kwargs
 from harness.data.chat import resolve_template, uses_markers
+from harness.data import vision
 from harness.losses import pool
 from harness import moe
 from harness.config.shape import pretrained_shape
@@ -152,6 +155,8 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
         if cfg.name_or_path is None:
             kwargs = {"vocab_size": len(tokenizer), **special, **cfg.config}
             model_type = kwargs.pop("model_type")
+            if model_type in vision.QWEN_VL:  # the vision markers' ids: the tokenizer's
+                kwargs = {**vision.token_ids(tokenizer), **kwargs}
             mconf = AutoConfig.for_model(model_type, **kwargs)
         else:
             problem = source_problem(cfg.name_or_path)
@@ -163,18 +168,20 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
         if auto:
             common["attn_implementation"] = auto_attention(mconf, packed_causal)
         common.update(moe.experts_kwargs(mconf, cfg.experts_implementation))  # MoE: the experts' kernel
+        auto_class = AutoModelForImageTextToText if is_vision_config(mconf) else AutoModelForCausalLM
         if cfg.name_or_path is None or cfg.random_init:
-            model = AutoModelForCausalLM.from_config(mconf, dtype=dtype, **common)
+            model = auto_class.from_config(mconf, dtype=dtype, **common)
         else:
-            model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, config=mconf, dtype=dtype, **common)
+            model = auto_class.from_pretrained(cfg.name_or_path, config=mconf, dtype=dtype, **common)
     except (OSError, ValueError, KeyError) as e:
         what = cfg.name_or_path or cfg.config.get("model_type")
         raise ConfigError(f"config key 'model.name_or_path': cannot build model '{what}': {str(e).splitlines()[0]}")
     base_vocab = model.get_input_embeddings().num_embeddings
     if base_vocab < len(tokenizer):
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
-    if model.config.pad_token_id is None:
-        model.config.pad_token_id = tokenizer.pad_token_id
+    text_config = model.config.get_text_config()  # a vision-language model: its language model's
+    if getattr(text_config, "pad_token_id", None) is None:
+        text_config.pad_token_id = tokenizer.pad_token_id
     if cfg.quantization != "none":
         from peft import prepare_model_for_kbit_training
 
@@ -185,10 +192,33 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     added = list(range(base_vocab, model.get_input_embeddings().num_embeddings))  # new rows: added tokens, padding
-    model = apply_lora(model, cfg, added_tokens=added)
+    model = apply_lora(model, cfg, added_tokens=added,
+                       exclude=VISION_MODULES if is_vision_config(model.config) and not cfg.train_vision else None)
+    if is_vision_config(model.config):
+        freeze_vision(model, cfg.train_vision, cfg.train_projector)
     if not cfg.train_router:  # MoE: model.train_router=false
         moe.freeze_router(model)
     return model.train()  # from_pretrained leaves it in eval mode
+
+
+# vision-language models: the vision tower's modules and, within them, the projector's (parameter name parts)
+VISION_MODULES = r".*(visual|vision_tower|vision_model)\..*"
+PROJECTOR_PARTS = ("visual.merger.", "multi_modal_projector.")
+
+
+def is_vision_config(mconf) -> bool:
+    """Whether a transformers config is a vision-language model's (an image-text-to-text class)."""
+    return mconf.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def freeze_vision(model, train_vision: bool, train_projector: bool) -> None:
+    """model.train_vision=false: the vision tower's weights frozen; its projector as model.train_projector says."""
+    tower = re.compile(VISION_MODULES)
+    for name, p in model.named_parameters():
+        if train_vision or not tower.match(name):
+            continue
+        if not (train_projector and any(part in name for part in PROJECTOR_PARTS)):
+            p.requires_grad_(False)
 
 
 def auto_attention(mconf, packed_causal: bool) -> str:

@@ -205,11 +205,13 @@ def finish(job: Job, state: LoopState, side: SideWork, stopped_by: Optional[str]
 
 def export_model(job: Job, name: str) -> Path:
     """<output_dir>/<name>/ (final/, best/): the model as it is now in HF format (LoRA: the adapter and merged/;
-    embedding modes: a sentence-transformers model), harness.json, the tokenizer (collective)."""
+    embedding modes: a sentence-transformers model), harness.json, the tokenizer (a vision-language model: its
+    processor) (collective)."""
     settings = embedding_settings(job.cfg.loss.mode, job.cfg.model, job.cfg.data,
                                   job.data.stats.get("embedding", {}).get("instructions"))
     return export_final(job.accelerator, job.model, job.tokenizer, job.out / name, extra={"harness.json": settings},
-                        random_base=job.cfg.model.name_or_path is None or job.cfg.model.random_init)
+                        random_base=job.cfg.model.name_or_path is None or job.cfg.model.random_init,
+                        processor=job.data.processor)
 
 
 def final_checkpoint(job: Job, state: LoopState, side: SideWork) -> None:

@@ -2,7 +2,9 @@
 
     <output_dir>/final/   model (safetensors) + tokenizer, loadable with AutoModelForCausalLM / AutoTokenizer;
                           with LoRA: the adapter (peft) + tokenizer, and final/merged/ the merged model;
-                          an embedding or unified run: also a sentence-transformers model (checkpoint/st_export.py)
+                          an embedding or unified run: also a sentence-transformers model (checkpoint/st_export.py);
+                          a vision-language model: its processor (tokenizer, image processor, chat template), for
+                          AutoModelForImageTextToText / AutoProcessor
 
 It is written to a temporary sibling folder and renamed into place, so a crash never leaves a half-written export
 under the final name; the free space is compared with the size of the previous export (or of the weights) first.
@@ -25,14 +27,15 @@ from harness.checkpoint.adapter_tokens import trim_padding_rows
 
 
 def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optional[dict] = None,
-                 random_base: bool = False) -> Path:
+                 random_base: bool = False, processor=None) -> Path:
     """Save the unwrapped model (weights gathered from every rank) and tokenizer in HF format to `dest`.
 
     Call on every process: under DeepSpeed ZeRO-3 gathering the weights is a collective operation. Before writing,
     the free space is compared with the size of the previous export (or, for the first, of the weights); too little,
     or a disk that fills up while writing: a HarnessError on every process, the previous export and the checkpoints
     untouched. random_base: the model was built with random weights (no folder or hub id holds its base): a LoRA
-    export also writes the base to dest/base/, which its adapter_config.json names.
+    export also writes the base to dest/base/, which its adapter_config.json names. processor: a vision-language
+    model's, saved in place of the tokenizer (the tokenizer, the image processor, the chat template).
     """
     dest = Path(dest)
     tmp = dest.with_name(dest.name + ".tmp")
@@ -54,7 +57,8 @@ def export_final(accelerator, model, tokenizer, dest: str | Path, extra: Optiona
                                f"needed ({what}), {human_bytes(free)} free; the checkpoints are intact: free some "
                                f"space, then run again with train.resume=auto")
         try:
-            _write_export(accelerator, model, tokenizer, state_dict, tmp, extra, dest if random_base else None)
+            _write_export(accelerator, model, processor or tokenizer, state_dict, tmp, extra,
+                          dest if random_base else None)
         except Exception as e:
             full = disk_full(e, dest.parent)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -87,8 +91,9 @@ def base_reference(base: Path, cwd: Optional[Path] = None) -> str:
     return full.relative_to(here).as_posix() if full.is_relative_to(here) else str(full)
 
 
-def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, extra: Optional[dict],
+def _write_export(accelerator, model, preprocessing, state_dict: dict, tmp: Path, extra: Optional[dict],
                   random_base_dest: Optional[Path] = None) -> None:
+    """`preprocessing`: the tokenizer, or a vision-language model's processor (which holds the tokenizer)."""
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     kwargs = {}
     if is_peft(unwrapped) and uses_trainable_tokens(unwrapped):
@@ -96,18 +101,18 @@ def _write_export(accelerator, model, tokenizer, state_dict: dict, tmp: Path, ex
         # whole resized embedding matrices because the vocabulary grew
         kwargs["save_embedding_layers"] = False
     unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, **kwargs)
-    tokenizer.save_pretrained(tmp)
+    preprocessing.save_pretrained(tmp)
     if kwargs:  # the vocabulary's padding rows out of the adapter: peft's AutoPeft loader resizes to len(tokenizer)
-        trim_padding_rows(tmp, len(tokenizer))
+        trim_padding_rows(tmp, len(getattr(preprocessing, "tokenizer", preprocessing)))
     for name, obj in (extra or {}).items():  # small JSON side files, e.g. harness.json
         (tmp / name).write_text(json.dumps(obj, indent=2))
 
     if is_peft(unwrapped):  # LoRA: final/ holds the adapter, final/merged/ the model with the adapter merged in
         merged_copy(unwrapped, state_dict).save_pretrained(tmp / "merged", safe_serialization=True)
-        tokenizer.save_pretrained(tmp / "merged")
+        preprocessing.save_pretrained(tmp / "merged")
         if random_base_dest is not None:  # a random base exists nowhere else: final/base/, named by the adapter
             merged_copy(unwrapped, state_dict, merge=False).save_pretrained(tmp / "base", safe_serialization=True)
-            tokenizer.save_pretrained(tmp / "base")
+            preprocessing.save_pretrained(tmp / "base")
             adapter_config = json.loads((tmp / "adapter_config.json").read_text())
             adapter_config["base_model_name_or_path"] = base_reference(Path(random_base_dest) / "base")
             (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")

@@ -29,6 +29,7 @@ class ModeFacts:
     tags: tuple = ("text-generation",)  # the model card's tags
     tag_key: str | None = None  # a loss.<key> whose value is one more tag (preference: its loss, e.g. dpo)
     pipeline: str = "text-generation"  # the model card's pipeline tag
+    vision: bool = False  # a vision-language model trains in this mode (image records: harness.data.vision)
     profile_packs: bool = True  # a speed profile's data.packing applies (not to modes that score one sequence a row)
 
     @property
@@ -38,7 +39,7 @@ class ModeFacts:
 
 
 MODES: dict[str, ModeFacts] = {f.name: f for f in (
-    ModeFacts("generative", gen_rows="sequences", packs_causal=True, streams=True),
+    ModeFacts("generative", gen_rows="sequences", packs_causal=True, streams=True, vision=True),
     ModeFacts("embedding", embeds=True, tags=("sentence-similarity", "feature-extraction"),
               pipeline="feature-extraction"),
     ModeFacts("unified", gen_rows="sequences", embeds=True, combined=True,

@@ -51,6 +51,16 @@ class ModelConfig:
         "generative loss as the model's own forward adds it (logged apart: aux_loss, expert_load). Null: the "
         "model's own router_aux_loss_coef; 0: the cross-entropy alone.")
     train_router: bool = _f(True, "Mixture of experts: train the routers' weights (false: frozen).")
+    train_vision: bool = _f(False, "Vision-language models (docs/vision.md): train the vision tower (false: frozen, "
+                                   "its projector as model.train_projector says).")
+    train_projector: bool = _f(False, "Vision-language models: train the projector (Qwen2-VL's merger, LLaVA's "
+                                      "multi_modal_projector) that maps the vision tower's output into the language "
+                                      "model (false: frozen, unless model.train_vision).")
+    image_min_pixels: Optional[int] = _f(None, "Vision-language models: images smaller are scaled up to this many "
+                                               "pixels (null: the processor's own).")
+    image_max_pixels: Optional[int] = _f(None, "Vision-language models: images larger are scaled down to at most "
+                                               "this many pixels, which bounds their tokens (null: the processor's "
+                                               "own).")
     experts_implementation: Literal["auto", "eager", "batched_mm", "grouped_mm"] = _f(
         "auto", "Mixture of experts: transformers' experts kernel. auto: grouped_mm (torch's grouped matmul; on a "
         "CPU too, the fastest measured there: docs/bench/moe-experts-cpu.json); ignored for dense models.")

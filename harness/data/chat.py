@@ -117,8 +117,13 @@ def _check_tools(messages: list[dict], tools, full: str, template: str, origin: 
 
 def trained_spans(tokenizer, template: str, segments: list[dict], tools_json: str, origin: str):
     """(full text, [(start, end)] character spans of the assistant turns) for one conversation."""
-    messages = conversation(segments)
-    tools = json.loads(tools_json) if tools_json else None
+    return message_spans(tokenizer, template, conversation(segments), json.loads(tools_json) if tools_json else None,
+                         origin)
+
+
+def message_spans(tokenizer, template: str, messages: list[dict], tools, origin: str):
+    """(full text, assistant spans) of message dicts as a template reads them (their content a string, or a list of
+    parts such as {"type": "image"} / {"type": "text", "text"} for a vision-language template)."""
     if template == GRITLM_TEMPLATE:  # before rendering: its raise_exception() on a tool role says less
         _check_tools(messages, tools, "", template, origin)
     full = _render(tokenizer, template, messages, tools, origin)
@@ -137,7 +142,7 @@ def trained_spans(tokenizer, template: str, segments: list[dict], tools_json: st
     return full, spans
 
 
-def _labels(offsets: list, ids: list[int], spans: list[tuple[int, int]]) -> list[int]:
+def span_labels(offsets: list, ids: list[int], spans: list[tuple[int, int]]) -> list[int]:
     """Labels: a token's id where it holds a character of a trained span (a token that straddles the start of a
     span, e.g. " Sure" after a prompt ending in a space, is trained: it carries content). A token starts at its
     offset or, where the tokenizer trims whitespace off offsets (ByteLevel trim_offsets), where the previous ended."""
@@ -174,7 +179,7 @@ def tokenize_conversations(batch: dict, tokenizer, max_len: int, template: str) 
             head = [bos] if bos is not None else []
             ids, labels = head + ids + [eos], [IGNORE_INDEX] * len(head) + ids + [eos]
         else:
-            labels = _labels(offsets, ids, sp)
+            labels = span_labels(offsets, ids, sp)
         out["truncated"].append(len(ids) > max_len)
         out["input_ids"].append(ids[:max_len])
         out["labels"].append(labels[:max_len])

@@ -25,7 +25,7 @@ from harness.data import samples as data_lib
 from harness.distributed.collectives import main_first
 from harness.config.profiles import resolve_pin_memory
 from harness.config.profiles import embed_buckets
-from harness.data import chat, pairs, streaming
+from harness.data import chat, pairs, streaming, vision
 
 STREAMS = {"generative": ("train_files", "eval_files"), "embedding": ("emb_train_files", "emb_eval_files"),
            "preference": ("train_files", "eval_files")}
@@ -76,6 +76,7 @@ class RunData:
     stats: dict = field(default_factory=dict)  # "generative" / "embedding": token-length statistics
     emb_widths: Optional[tuple] = None  # (query, passage) Widths of data.embed_length_buckets, or None (unbucketed)
     source: Any = None  # what a mode's own stream reads (harness.modes.own_stream; rl: the task), or None
+    processor: Any = None  # a vision-language model's processor (saved with every export), or None
 
     @property
     def streams(self) -> tuple[str, ...]:
@@ -86,18 +87,22 @@ class RunData:
         return {"emb": self.emb, "gen": self.gen}[stream]
 
 
-def build_loaders(d: DataConfig, t: TrainConfig, mode: ModeFacts, pooling: str, accelerator, tokenizer) -> RunData:
+def build_loaders(d: DataConfig, t: TrainConfig, mode: ModeFacts, pooling: str, accelerator, tokenizer,
+                  processor=None) -> RunData:
     """Validated, tokenized data sets and their loaders (not yet prepared) for the loss mode `mode` (its facts; `d`:
-    cfg.data, `t`: cfg.train, pooling: model.pooling)."""
+    cfg.data, `t`: cfg.train, pooling: model.pooling); `processor`: a vision-language model's (its records, images and
+    batches: harness.data.vision)."""
     from torch.utils.data import DataLoader
 
     cuda = torch.cuda.is_available()
-    out = RunData()
+    out = RunData(processor=processor)
     common = dict(num_workers=d.num_workers, pin_memory=resolve_pin_memory(d.pin_memory, cuda))
     if d.num_workers > 0:
         common.update(prefetch_factor=d.prefetch_factor, persistent_workers=d.persistent_workers)
     with main_first(accelerator):  # rank 0 validates and tokenizes; the others read its cache (or get its error)
-        if mode.gen_rows == "sequences" and d.streaming:  # read, tokenized and packed as training goes
+        if processor is not None:  # images: harness.data.vision's records and collator, padded rows
+            out.gen, out.gen_eval, out.stats["generative"] = vision_loaders(d, t, processor, common)
+        elif mode.gen_rows == "sequences" and d.streaming:  # read, tokenized and packed as training goes
             out.gen, out.gen_eval, out.stats["generative"] = streamed_loaders(d, t, accelerator, tokenizer, common)
         elif mode.gen_rows == "sequences":
             rows, held = training_rows(d, t.seed, "generative", accelerator.print)
@@ -145,6 +150,20 @@ def build_loaders(d: DataConfig, t: TrainConfig, mode: ModeFacts, pooling: str, 
                 out.emb_eval = data_lib.retrieval_eval_set(rows, tokenizer, d.query_max_len, d.passage_max_len,
                                                            fmt)
     return out
+
+
+def vision_loaders(d: DataConfig, t: TrainConfig, processor, common: dict):
+    """A vision-language run's (training loader, eval loader or None, stats): padded rows of ids and images."""
+    from torch.utils.data import DataLoader
+
+    collate = vision.VisionCollator(processor)
+    ds, stats = vision.vision_dataset(d.train_files, processor, d.max_len, "data.train_files")
+    train = DataLoader(ds, batch_size=t.micro_batch_size, shuffle=d.shuffle, collate_fn=collate, **common)
+    evaluation = None
+    if d.eval_files:
+        held, _ = vision.vision_dataset(d.eval_files, processor, d.max_len, "data.eval_files")
+        evaluation = DataLoader(held, batch_size=t.micro_batch_size, shuffle=False, collate_fn=collate, **common)
+    return train, evaluation, stats
 
 
 def streamed_loaders(d: DataConfig, t: TrainConfig, accelerator, tokenizer, common: dict):
@@ -299,7 +318,9 @@ def without_padding(batch: dict, k: int) -> dict:
             return v[rows]
         return v[:keep] if v.shape[0] == n else v
 
-    out = {key: cut(v) for key, v in batch.items()}
+    out = {key: cut(v) for key, v in batch.items() if key not in ("pixel_values", "image_grid_thw")}
+    if "image_grid_thw" in batch:  # a vision-language batch's images: per image, not per row
+        out.update(vision.images_of_rows(batch, keep))
     if k == 0:
         out["labels"] = torch.full_like(out["labels"], IGNORE_INDEX)
         out["token_mask"] = torch.zeros_like(out["input_ids"])

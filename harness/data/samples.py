@@ -132,11 +132,13 @@ class GenerativeCollator:
 
 
 def model_inputs(batch: dict) -> dict:
-    """The keyword arguments a generative batch passes to the model: a padding mask, or (packed rows) per-document
-    position ids without a mask."""
+    """The keyword arguments a generative batch passes to the model: a padding mask (and a vision-language batch's
+    images), or (packed rows) per-document position ids without a mask."""
     if "position_ids" in batch:
         return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    # a vision-language batch: the images, and what the model computes its 3-D (mRoPE) positions from
+    images = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids") if k in batch}
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], **images}
 
 
 def real_tokens(batch: dict) -> torch.Tensor:
