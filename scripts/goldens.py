@@ -5,16 +5,22 @@
     python scripts/goldens.py engine record docs/bench/goldens-engine.json   # the generation engines' (`engine_all`)
     python scripts/goldens.py engine compare docs/bench/goldens-engine.json
 
-Eight runs through the real entry point (one process, fp32 CPU): the default job (40 steps), the unified GritLM
+Nine runs through the real entry point (one process, fp32 CPU): the default job (40 steps), the unified GritLM
 recipe (40 steps), the default job stopped at step 20 and resumed, LoRA on the default job (8 steps; its adapter
 tensors are kept too), DPO on configs/dpo-tiny.yaml (8 steps; its reference log-probs are kept too), the GritLM recipe's embedding
-mode alone (20 steps), GRPO from a random tiny model (4 steps, rl.beta 0.1, two steps a generation batch), and the
-default job under DeepSpeed ZeRO-2 (one
+mode alone (20 steps), GRPO from a random tiny model (4 steps, rl.beta 0.1, two steps a generation batch), on-policy
+distillation on configs/distill-tiny.yaml (6 steps, distill.lmbda 0.5, from a teacher trained 10 steps on its recipe
+first), and the default job under DeepSpeed ZeRO-2 (one
 process through `accelerate launch` with accelerate_configs/zero2.yaml; launched without ACCELERATE_USE_CPU, which
 would quietly turn DeepSpeed off; report.json's zero_stage is kept and must be 2). What is kept of each:
 metrics.jsonl without its timing and system fields (loss, lr, grad norm, tokens, epoch, padding, evaluations), the key set of its records, and
 report.json's key set (nested keys as dotted paths). Values are compared to a relative 1e-6 (the runs are
-deterministic on one machine; the tolerance only absorbs the JSON round trip).
+deterministic on one machine; the tolerance only absorbs the JSON round trip). A run whose config this checkout
+lacks (distill before its mode existed) is skipped with one line, and compare reports a run the golden lacks apart,
+not as a difference: an older checkout's recording compares with a newer one's.
+
+The code run is this checkout's (the folder above scripts/): the runs' subprocesses and the engine goldens import it,
+not an installed harness; a copy of this script placed in an older checkout's scripts/ records that checkout.
 """
 
 from __future__ import annotations
@@ -29,8 +35,11 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's harness and tests/ (the engine goldens), not an installed harness
 DETERMINISTIC = {"step", "epoch", "loss", "loss_gen", "loss_emb", "lr", "grad_norm", "padding_share", "tokens",
-                 "reward", "reward_std", "kl", "clip_fraction", "completion_length", "flat_group_share"}
+                 "reward", "reward_std", "kl", "clip_fraction", "completion_length", "flat_group_share",
+                 "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",  # preference
+                 "reverse_kl", "top1_agreement", "on_policy_share"}  # distill
 COMMON = ["train.progress_bar=false", "train.report_to=[]", "train.summary=false", "train.precision=fp32",
           "train.compile=none"]
 RUNS = {
@@ -55,7 +64,12 @@ RUNS = {
         "rl.num_generations=4", "rl.iterations=2", "rft.max_new_tokens=8", "rft.num_test_questions=6",
         "train.eval_every=2", "train.eval_at_start=false", "optim.lr=3e-3", "optim.warmup_steps=0",
         "train.log_every=1"]),
+    # on-policy distillation (half the micro-batches the student's own seeded samples) from PREPARED's teacher
+    "distill": ("configs/distill-tiny.yaml", ["distill.lmbda=0.5", "distill.max_new_tokens=8", "train.max_steps=6",
+                                              "train.micro_batch_size=8", "train.log_every=1", "train.eval_every=3"]),
 }
+# distill's teacher: its recipe trained 10 steps first, into the run's folder's sibling
+TEACHER = ("configs/distill-tiny-teacher.yaml", ["train.max_steps=10", "train.log_every=5"])
 LAUNCHED = {"zero2": "zero2"}  # run name -> accelerate_configs/<name>.yaml, one process through accelerate launch
 
 
@@ -113,14 +127,28 @@ def tensors(run_dir: Path) -> dict:
     return out
 
 
+def prepared(name: str, config: str, overrides: list[str], run_dir: Path) -> list[str]:
+    """The first run a run needs, and the overrides that then read it: resume stopped at step 20 and resumed;
+    distill's teacher trained first."""
+    if name == "resume":
+        train(config, overrides + [f"train.output_dir={run_dir}", "train.stop_at_step=20"])
+        return overrides + ["train.resume=auto"]
+    if name == "distill":
+        teacher = run_dir.with_name(f"{name}-teacher")
+        train(TEACHER[0], TEACHER[1] + [f"train.output_dir={teacher}"])
+        return overrides + [f"distill.teacher={teacher / 'final'}"]
+    return overrides
+
+
 def record_all() -> dict:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (config, overrides) in RUNS.items():
+            if not (ROOT / config).is_file():
+                print(f"[goldens] {name}: skipped, {config} is not in this checkout", flush=True)
+                continue
             run_dir = Path(tmp, name)
-            if name == "resume":
-                train(config, overrides + [f"train.output_dir={run_dir}", "train.stop_at_step=20"])
-                overrides = overrides + ["train.resume=auto"]
+            overrides = prepared(name, config, overrides, run_dir)
             train(config, overrides + [f"train.output_dir={run_dir}"], LAUNCHED.get(name))
             out[name] = {**kept(run_dir), **tensors(run_dir)}
             if name == "zero2" and out[name]["zero_stage"] != 2:
@@ -213,7 +241,11 @@ def main() -> int:
         path.write_text(json.dumps(now, indent=1) + "\n")
         print(f"[goldens] written to {path}")
         return 0
-    diffs = differences(json.loads(path.read_text()), now)
+    golden = json.loads(path.read_text())
+    for name in sorted(set(now) - set(golden)):
+        print(f"[goldens] {name}: not in {path}, recorded only now (not compared)")
+        del now[name]
+    diffs = differences(golden, now)
     print("\n".join(diffs) or "[goldens] identical")
     return 1 if diffs else 0
 
