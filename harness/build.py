@@ -318,6 +318,10 @@ def make_model(started: Started, tokenizer) -> tuple[Any, int, int]:
                                        packed_causal=mode.packs_causal and cfg.data.packing and sp is None)
     if started.precision == "fp8":  # the blocks' Linear layers in float8 (LoRA's frozen base layers too)
         say(float8.describe(*float8.convert_blocks(model)))
+    # MoE, before prepare() hooks the model: ZeRO-3's gathers per block; elsewhere every separate expert in each pass
+    line = moe.register_zero3_leaves(model) if zero["zero_stage"] == 3 else moe.tie_separate_experts(model)
+    if line:
+        say(line)
     if mode.embeds:
         model_lib.check_embedding_support(model.config.model_type, model.config._attn_implementation,
                                           cfg.model.embed_attention)

@@ -136,6 +136,13 @@ def load_run_tokenizer(m: ModelConfig, chat_template: str, loss_mode: str) -> Pr
     return load_tokenizer(m, chat_template, markers=markers)
 
 
+def _load(cfg: ModelConfig, mconf, dtype: torch.dtype, common: dict):
+    auto_class = AutoModelForImageTextToText if is_vision_config(mconf) else AutoModelForCausalLM
+    if cfg.name_or_path is None or cfg.random_init:
+        return auto_class.from_config(mconf, dtype=dtype, **common)
+    return auto_class.from_pretrained(cfg.name_or_path, config=mconf, dtype=dtype, **common)
+
+
 def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype = torch.float32,
                 precision: str = "fp32", packed_causal: bool = False):
     """The causal LM in `dtype` (fp32 master weights for mixed precision), embeddings sized to the tokenizer.
@@ -168,11 +175,13 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
         if auto:
             common["attn_implementation"] = auto_attention(mconf, packed_causal)
         common.update(moe.experts_kwargs(mconf, cfg.experts_implementation))  # MoE: the experts' kernel
-        auto_class = AutoModelForImageTextToText if is_vision_config(mconf) else AutoModelForCausalLM
-        if cfg.name_or_path is None or cfg.random_init:
-            model = auto_class.from_config(mconf, dtype=dtype, **common)
-        else:
-            model = auto_class.from_pretrained(cfg.name_or_path, config=mconf, dtype=dtype, **common)
+        try:
+            model = _load(cfg, mconf, dtype, common)
+        except ValueError as e:  # experts that are separate modules (remote code): auto leaves them as they are
+            if cfg.experts_implementation != "auto" or "support setting experts implementation" not in str(e):
+                raise
+            common.pop("experts_implementation")
+            model = _load(cfg, mconf, dtype, common)
     except (OSError, ValueError, KeyError) as e:
         what = cfg.name_or_path or cfg.config.get("model_type")
         raise ConfigError(f"config key 'model.name_or_path': cannot build model '{what}': {str(e).splitlines()[0]}")

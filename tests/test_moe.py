@@ -359,67 +359,310 @@ def test_lora_experts_refusals():
         load_config(QWEN3_30B, ["model.quantization=4bit", "model.lora.experts=true"])
 
 
-# ----------------------------------------------------------------------------------------------- ZeRO-3, a starved expert
+# ----------------------------------------------------------------------------------------------- a starved expert
 
-def _starving_model(folder: Path, records: list[str]) -> None:
-    """configs/moe-tiny.yaml's model with its first layer's routing forced: a hidden feature (dimension 0 of the
-    embeddings, +4 for the tokens of records[0] that records[1] lacks, -4 for every other token) alone drives expert
-    0's router logit (x 50; the other experts' rows small and random, blind to it): records[1]'s tokens never reach expert 0 in layer 0, some
-    of records[0]'s do. Saved as a pretrained folder."""
+SEPARATE = ROOT / "tests" / "assets" / "separate_experts" / "modeling_sepmoe.py"
+STARVED = ["the quick brown fox jumps over a lazy dog near seven old barns", "one two three four five six"]
+
+
+def _moe_tiny_config() -> dict:
+    import yaml
+
+    return yaml.safe_load(Path(MOE_TINY).read_text())["model"]["config"]
+
+
+def _separate_experts_model(folder: Path, tok, **config):
+    """configs/moe-tiny.yaml's model with its experts as separate modules (tests/assets/separate_experts: an
+    nn.ModuleList of MLPs of which a block runs only those its tokens reach), as remote code (auto_map) in `folder`."""
+    import shutil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(SEPARATE, folder)
+    (folder / "config.json").write_text(json.dumps({
+        **_moe_tiny_config(), "vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "bos_token_id":
+        tok.bos_token_id, "eos_token_id": tok.eos_token_id, **config, "model_type": "sepmoe",
+        "auto_map": {"AutoConfig": "modeling_sepmoe.SepMoeConfig",
+                     "AutoModelForCausalLM": "modeling_sepmoe.SepMoeForCausalLM"}}))
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, trust_remote_code=True),
+                                            trust_remote_code=True)
+
+
+def _starving_model(folder: Path, records: list, experts: str = "fused", unsampled: bool = False) -> list[int]:
+    """configs/moe-tiny.yaml's model (experts fused, or separate modules: _separate_experts_model) with its first
+    layer's routing forced: a hidden feature (dimension 0 of the embeddings, +4 for the tokens of records[0] that
+    records[1] lacks, -4 for every other token) alone drives expert 0's router logit (x 50; the other experts' rows
+    small and random, blind to it): records[1]'s tokens never reach expert 0 in layer 0, some of records[0]'s do.
+    `records`: texts, or token ids. unsampled: those tokens are never sampled either (an untied head; dimension 1
+    of every embedding is 4, a feature every position carries into the final norm, and the head's column 1 puts
+    those tokens' logits ~80 below every other's: p < 1e-30 a draw), so answers sampled to records[1] keep it
+    starved. Saved with the bundled tokenizer as a pretrained folder; returns the tokens that reach expert 0."""
     from harness.model import build_model, load_tokenizer
 
-    cfg = load_config(MOE_TINY, [])
+    cfg = load_config(MOE_TINY, ["model.config.tie_word_embeddings=false"] if unsampled else [])
     tok = load_tokenizer(cfg.model)
-    model = build_model(cfg.model, tok)
-    only_first = set(tok(records[0])["input_ids"]) - set(tok(records[1])["input_ids"])
+    torch.manual_seed(0)
+    model = (build_model(cfg.model, tok) if experts == "fused"
+             else _separate_experts_model(folder, tok, tie_word_embeddings=not unsampled))
+    ids = [set(r) if isinstance(r, list) else set(tok(r)["input_ids"]) for r in records]
+    only_first = sorted(ids[0] - ids[1])
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
         emb[:, 0] = -4.0
-        emb[sorted(only_first), 0] = 4.0
+        emb[only_first, 0] = 4.0
         router = model.model.layers[0].mlp.gate.weight
         router.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(0))  # no ties among the other experts
         router[:, 0] = 0.0
         router[0] = 0.0
         router[0, 0] = 50.0
+        if unsampled:
+            emb[:, 1] = 4.0
+            router[:, 1] = 0.0
+            head = model.get_output_embeddings().weight
+            head[:, :2] = 0.0
+            head[:, 1] = 5.0
+            head[only_first, 1] = -5.0
     model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return only_first
+
+
+def _expert0_hits(folder: Path, rows: list[list[int]]) -> list[int]:
+    """Tokens of each row routed to expert 0 in layer 0 (top-2) by the saved model."""
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    with torch.no_grad():
+        return [int((model(torch.tensor([r]), output_router_logits=True).router_logits[0].topk(2, dim=-1).indices
+                     == 0).sum()) for r in rows]
+
+
+def test_moe_blocks_are_zero3_leaves_and_separate_experts_take_part_in_every_pass(tmp_path):
+    """register_zero3_leaves marks each MoE block, and nothing inside or outside it, as a ZeRO-3 leaf (DeepSpeed's
+    z3_leaf_module), for fused experts (Qwen3-MoE, OLMoE: not in DeepSpeed's own default list; under peft with LoRA
+    on the experts too) and separate expert modules (tests/assets/separate_experts); a dense model has none.
+    tie_separate_experts: after a backward pass in which some experts got no token, every expert parameter has a
+    gradient (zeros where no token reached it, the model's own elsewhere); evaluation passes are left alone;
+    fused experts need no tie. model.experts_implementation=auto builds the remote-code model without a kernel
+    choice it does not take."""
+    from deepspeed.utils import get_z3_leaf_modules, z3_leaf_module
+
+    from harness.config import ModelConfig
+    from harness.lora import apply_lora
+    from harness.model import build_model, load_tokenizer
+
+    tok = load_tokenizer(load_config(MOE_TINY, []).model)
+    separate = _separate_experts_model(tmp_path / "separate", tok)
+    lora = apply_lora(_tiny(), ModelConfig(lora={"enabled": True, "r": 2, "experts": True,
+                                                 "target_modules": ["q_proj"]}), added_tokens=[])
+    cases = [(_tiny(), "Qwen3MoeSparseMoeBlock", "fused"), (_tiny("olmoe"), "OlmoeSparseMoeBlock", "fused"),
+             (lora, "Qwen3MoeSparseMoeBlock", "fused"), (separate, "SepMoeBlock", "separate")]
+    for model, name, kind in cases:
+        blocks = [layer.mlp for layer in moe.base_model(model).model.layers]
+        assert [m for _, m in moe.moe_blocks(model)] == blocks
+        assert not any(z3_leaf_module(m) for m in model.modules())
+        assert moe.register_zero3_leaves(model).startswith(f"[harness] ZeRO-3: 2 MoE blocks ({name}, {kind} experts) "
+                                                           f"registered as leaves")
+        assert get_z3_leaf_modules(model) == blocks and all(z3_leaf_module(m) for m in blocks)
+    dense = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2))
+    assert moe.register_zero3_leaves(dense) is None and moe.tie_separate_experts(dense) is None
+    assert moe.tie_separate_experts(_tiny()) is None  # fused: every pass reaches the 3-D tensors already
+
+    x = torch.tensor([tok("one two three")["input_ids"]])
+    reached = {e for logits in separate(x, output_router_logits=True).router_logits
+               for e in logits.topk(2, dim=-1).indices.unique().tolist()}
+    assert len(reached) < 8  # some experts got no token in some layer
+    separate(x, labels=x).loss.backward()
+    own = {n: p.grad.clone() for n, p in separate.named_parameters() if p.grad is not None}
+    assert any(".experts." in n for n, p in separate.named_parameters() if p.grad is None)
+    separate.zero_grad(set_to_none=True)
+    assert moe.tie_separate_experts(separate).startswith("[harness] MoE: 2 blocks of separate expert modules")
+    with torch.no_grad():
+        assert torch.equal(separate(x).logits, separate(x, labels=x).logits)  # no tie without autograd
+    separate(x, labels=x).loss.backward()
+    for n, p in separate.named_parameters():
+        assert p.grad is not None, n
+        assert torch.allclose(p.grad, own[n], rtol=1e-6, atol=1e-9) if n in own else not p.grad.any(), n
+
+    folder = tmp_path / "separate"
+    separate.save_pretrained(folder)
+    type(separate)._can_set_experts_implementation_cached_value = None  # (transformers caches its answer per class)
+    cfg = ModelConfig(name_or_path=str(folder), trust_remote_code=True, tokenizer="bundled")
+    assert type(build_model(cfg, tok)).__name__ == "SepMoeForCausalLM"  # was: "does not support setting experts ..."
+
+
+@pytest.fixture(scope="module")
+def starved_one_process(tmp_path_factory):
+    """experts ("fused" or "separate") -> (the runs' common overrides, the 1-process run's folder): the starving
+    model of one record per rank, trained 3 steps on 1 process with the global batch as 2 micro-batches. Made on
+    first use (a module's cases may run on different xdist workers: each makes its own)."""
+    from harness.model import load_tokenizer
+    from harness_launch import run_train
+
+    made = {}
+
+    def get(experts: str):
+        if experts not in made:
+            tmp = tmp_path_factory.mktemp(f"starved-{experts}")
+            data = tmp / "two.jsonl"
+            data.write_text("".join(json.dumps({"text": r}) + "\n" for r in STARVED))
+            _starving_model(tmp / "model", STARVED, experts)
+            tok = load_tokenizer(load_config(MOE_TINY, []).model)
+            hits = _expert0_hits(tmp / "model", [tok(r)["input_ids"] for r in STARVED])
+            assert hits[0] > 0 and hits[1] == 0, hits  # the forcing holds on the starting weights
+            common = [*FAST, "train.max_steps=3", f"data.train_files=[{data}]", f"model.name_or_path={tmp / 'model'}",
+                      "model.tokenizer=bundled", "train.save_final=false", "optim.warmup_steps=0", "optim.lr=3e-3",
+                      "train.micro_batch_size=1", f"model.trust_remote_code={str(experts == 'separate').lower()}"]
+            run_train([f"train.output_dir={tmp / 'one'}", *common, "train.grad_accum=2"], config=MOE_TINY, timeout=300)
+            made[experts] = common, tmp / "one"
+        return made[experts]
+
+    return get
 
 
 @pytest.mark.slow
-def test_zero3_two_processes_with_a_starved_expert_equal_one_process(tmp_path):
-    """2-process ZeRO-3, one record per rank, layer 0's expert 0 routed no token on the rank holding the second
-    record (forced: _starving_model, checked below): no hang (a 300 s timeout) and the losses of 1 process with the
-    same global batch as 2 micro-batches (the aux loss is a mean over micro-batches either way) within 1e-5."""
-    from harness_launch import metrics, report, run_train
+@pytest.mark.parametrize("experts,stage", [("fused", "zero3"), ("separate", "zero3"), ("separate", "ddp"),
+                                           ("separate", "zero2")])
+def test_two_processes_with_a_starved_expert_equal_one_process(starved_one_process, tmp_path, experts, stage):
+    """2 processes, one record per rank, layer 0's expert 0 routed no token on the rank holding the second record
+    (forced: _starving_model, checked in the fixture): no hang (a 300 s timeout) and the losses of 1 process with
+    the same global batch as 2 micro-batches (the aux loss is a mean over micro-batches either way) within 1e-5.
+    Fused experts (transformers 5's 3-D form) under ZeRO-3; separate expert modules (tests/assets/separate_experts),
+    of which the starved rank runs 7 of 8 in layer 0, under ZeRO-3, DDP and ZeRO-2. Measured without the fixes
+    (harness/moe/blocks.py): ZeRO-3 without the block as a leaf and ZeRO-2 without the ties stopped on gloo's
+    "collective mismatch" (NCCL would wait); ZeRO-2 with the ties at the block's output trained a wrong step 2 (5.23
+    vs 5.76: gradients summed in another order per rank); 1 process without the ties skipped the unreached experts'
+    AdamW step (step 3 0.7% off ZeRO-3's). optim.lr 3e-3: at 1e-2 Adam's first steps turn fp32 noise in ~0 gradients
+    into step-3 differences up to 9e-6 relative (DDP); at 3e-3 all agreed within 1e-7."""
+    from harness_launch import STAGES, metrics, report, run_train
 
-    records = ["the quick brown fox jumps over a lazy dog near seven old barns", "one two three four five six"]
-    data = tmp_path / "two.jsonl"
-    data.write_text("".join(json.dumps({"text": r}) + "\n" for r in records))
-    folder = tmp_path / "starving"
-    _starving_model(folder, records)
-    with torch.no_grad():  # the forcing holds on the starting weights: expert 0 of layer 0, per record
-        model = AutoModelForCausalLM.from_pretrained(folder)
-        from harness.model import load_tokenizer
-
-        tok = load_tokenizer(load_config(MOE_TINY, []).model)
-        hits = []
-        for r in records:
-            out = model(**tok(r, return_tensors="pt"), output_router_logits=True)
-            hits.append(int((out.router_logits[0].topk(2, dim=-1).indices == 0).sum()))
-    assert hits[0] > 0 and hits[1] == 0, hits
-    common = [*FAST, "train.max_steps=3", f"data.train_files=[{data}]", f"model.name_or_path={folder}",
-              "model.tokenizer=bundled", "train.save_final=false", "optim.warmup_steps=0", "optim.lr=1e-2",
-              "train.micro_batch_size=1"]
-    run_train([f"train.output_dir={tmp_path / 'one'}", *common, "train.grad_accum=2"], config=MOE_TINY, timeout=300)
-    run_train([f"train.output_dir={tmp_path / 'zero3'}", *common, "train.grad_accum=1"], nproc=2, accel="zero3",
-              config=MOE_TINY, timeout=300)
-    rep = report(tmp_path / "zero3")
-    assert rep["world_size"] == 2 and rep["zero_stage"] == 3
-    one, zero3 = metrics(tmp_path / "one"), metrics(tmp_path / "zero3")
-    assert len(one) == len(zero3) == 3
-    for a, b in zip(one, zero3):
+    common, one = starved_one_process(experts)
+    proc = run_train([f"train.output_dir={tmp_path}", *common, "train.grad_accum=1"], nproc=2, accel=STAGES[stage],
+                     config=MOE_TINY, timeout=300)
+    rep = report(tmp_path)
+    assert rep["world_size"] == 2 and rep["zero_stage"] == {"ddp": None, "zero2": 2, "zero3": 3}[stage]
+    if stage == "zero3":
+        block = "Qwen3MoeSparseMoeBlock, fused" if experts == "fused" else "SepMoeBlock, separate"
+        assert f"[harness] ZeRO-3: 2 MoE blocks ({block} experts) registered as leaves" in proc.stdout
+    ref, got = metrics(one), metrics(tmp_path)
+    assert len(ref) == len(got) == 3
+    for a, b in zip(ref, got):
         for key in ("loss", "aux_loss", "expert_load"):
             # relative: fp32 sums in another order over two processes (CI saw 1.7e-5 absolute at loss 4.06, 4e-6)
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
+
+
+# one GRPO step and one RFT generation with a starved expert: one prompt a rank, the second prompt's rank (its prompt
+# and the answers sampled to it) never reaching layer 0's expert 0
+PROMPTS = ["the quick brown fox jumps over a lazy dog near seven old barns", "one two three four five six"]
+ENV = {"PYTHONPATH": f"{ROOT / 'tests'}:{ROOT}"}  # rl_rewards
+
+
+@pytest.fixture(scope="module")
+def starved_sampling(tmp_path_factory):
+    """(folder, the prompts as JSONL for rl.prompts and for an rft task): the starving model (_starving_model,
+    unsampled) of the prompts in the chat template, the routing checked on the starting weights: the first prompt
+    reaches expert 0, the second does not, nor does it with any continuation of tokens that can be sampled (8 random
+    ones here; the others' logits ~80 below theirs at every position)."""
+    from harness.model import load_tokenizer
+    from harness.rft.contract import encode
+    from harness.rft.tasks import JsonlTask, prompt_text
+
+    tmp = tmp_path_factory.mktemp("starved-sampling")
+    tasks = tmp / "prompts.jsonl"  # rl.prompts reads `prompt`, an rft JSONL task `question` and `answer`
+    tasks.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p, "question": p, "answer": 0}) + "\n"
+                             for i, p in enumerate(PROMPTS)))
+    tok = load_tokenizer(load_config(MOE_TINY, []).model)
+    task = JsonlTask(str(tasks))
+    rows = encode(tok, [prompt_text(task, q, tok) for q in task.split("train")])
+    starved = _starving_model(tmp / "model", rows, unsampled=True)
+    g = torch.Generator().manual_seed(0)
+    sampled = [t for t in range(len(tok)) if t not in set(starved)]
+    tails = [[sampled[i] for i in torch.randint(len(sampled), (8,), generator=g)] for _ in range(4)]
+    hits = _expert0_hits(tmp / "model", [rows[0], rows[1], *[rows[1] + t for t in tails]])
+    assert hits[0] > 0 and hits[1:] == [0] * 5, hits
+    model = AutoModelForCausalLM.from_pretrained(tmp / "model")
+    with torch.no_grad():
+        logp = model(torch.tensor([rows[1] + tails[0]])).logits.log_softmax(-1)
+    assert logp[0, :, starved].max() < -60, logp[0, :, starved].max()  # p < 1e-26 per draw
+    return tmp / "model", tasks
+
+
+@pytest.mark.slow
+def test_grpo_step_on_zero3_with_a_starved_expert_equals_one_process(starved_sampling, tmp_path):
+    """One GRPO generation batch (loss.mode=rl, rl.rows=padded: the router term added; rl.beta > 0: under ZeRO-3
+    the reference is a second partitioned engine, its blocks leaves too) trained twice (rl.iterations=2: step 2's
+    ratios and KL read step 1's update) on 2-process ZeRO-3, one prompt x 4 answers a rank, the rank of the second
+    prompt routing no token to layer 0's expert 0 in its generation, policy and reference passes
+    (starved_sampling): no hang (300 s) and 1 process with the same 2 prompts as 2 micro-batches gives the same
+    steps. Same answers (drawn per question and step from the step-0 weights: same rewards and lengths), and loss,
+    aux_loss, expert_load, kl within 1e-5 relative: the same sums in fp32 in another order (GRPO's over the step's
+    answer tokens, the aux loss per micro-batch then over the 2 micro-batches either way; measured bit-equal at
+    step 1), where a skipped gather would hang and a wrong reduction move step 2 by far more."""
+    from harness_launch import metrics, report, run_train
+
+    folder, prompts = starved_sampling
+    common = [*FAST, "train.max_steps=2", "rl.iterations=2", "optim.lr=1e-3", "optim.warmup_steps=0",
+              "train.save_final=false", "train.save_final_checkpoint=false", "train.eval_at_start=false",
+              "train.eval_every=100", f"model.name_or_path={folder}", "model.tokenizer=bundled",
+              f"rl.prompts=[{prompts}]", "rl.rewards=[{function: rl_rewards:length_share}]", "rl.rows=padded",
+              "rl.beta=0.1", "rl.questions_per_step=2", "rl.num_generations=4", "rl.max_completion_length=8"]
+    grpo = str(ROOT / "configs" / "grpo-tiny.yaml")
+    run_train([f"train.output_dir={tmp_path / 'one'}", *common, "train.grad_accum=2"], config=grpo, extra_env=ENV,
+              timeout=300)
+    proc = run_train([f"train.output_dir={tmp_path / 'zero3'}", *common, "train.grad_accum=1"], nproc=2,
+                     accel="zero3", config=grpo, extra_env=ENV, timeout=300)
+    rep = report(tmp_path / "zero3")
+    assert rep["world_size"] == 2 and rep["zero_stage"] == 3
+    assert ("[harness] ZeRO-3: 2 MoE blocks (Qwen3MoeSparseMoeBlock, fused experts) registered as leaves"
+            in proc.stdout)
+    one, zero3 = metrics(tmp_path / "one"), metrics(tmp_path / "zero3")
+    assert [m["step"] for m in one] == [m["step"] for m in zero3] == [1, 2] and 0 < one[0]["reward_std"]
+    assert [m["gen_calls"] for m in zero3] == [1, 0]  # one generation; step 2 trains again on its answers
+    scale = {"loss": max(abs(m["loss"]) for m in one)}  # (as tests/test_rl.py: step 2's GRPO term and router term
+    for a, b in zip(one, zero3):                         # nearly cancel, 0.0066 = -0.046 + 0.053)
+        assert (a["reward"], a["completion_length"]) == pytest.approx((b["reward"], b["completion_length"]), rel=1e-6)
+        for key in ("loss", "aux_loss", "expert_load"):
+            assert abs(a[key] - b[key]) <= 1e-5 * scale.get(key, abs(a[key])), (a["step"], key, a[key], b[key])
+        assert a["kl"] == pytest.approx(b["kl"], rel=1e-5, abs=1e-12)
+    assert one[1]["kl"] > 0  # step 1 moved the policy off the reference
+
+
+@pytest.mark.slow
+def test_rft_generation_from_a_moe_model_on_two_processes_equals_one(starved_sampling, tmp_path):
+    """`harness rft generate` (the continuous engine) from the starving MoE model on 2 processes, one question a
+    process, the second's never reaching layer 0's expert 0, against 1 process: every question's answers are the
+    same (drawn per question and sample: the shards' counts and distinct answers, rft.keep_per_question =
+    rft.oversample: all of them), and so are the kept examples. Each process generates with its own whole model
+    (no collective in a forward); finishes within 300 s."""
+    import os
+    import subprocess
+    import sys
+
+    from harness.rft import generate as gen
+    from harness_launch import cpu_slots, free_port
+
+    folder, tasks = starved_sampling
+    args = ["generate", str(ROOT / "configs" / "rft-tiny.yaml"), f"model.name_or_path={folder}", f"rft.task={tasks}",
+            f"data.train_files=[{tasks}]", "rft.oversample=4", "rft.keep_per_question=4", "rft.max_new_tokens=8",
+            "rft.questions_per_batch=1", "rft.engine=continuous"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    outs = {n: tmp_path / f"gen{n}" for n in (1, 2)}
+    for n, out in outs.items():
+        launch = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                  "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
+        cmd = [sys.executable, *(launch if n == 2 else []), "-m", "harness.rft", *args, f"rft.output_dir={out}"]
+        with cpu_slots(n):
+            proc = subprocess.run(cmd, cwd=ROOT, env={**env, "ACCELERATE_USE_CPU": "1"} if n == 2 else env,
+                                  capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    shards = {n: {r["qid"]: r for r in gen.read_shards(out / gen.SHARDS)} for n, out in outs.items()}
+    assert sorted(shards[2]) == sorted(shards[1]) == ["q0", "q1"]
+    assert {len(list((outs[2] / gen.SHARDS).glob("rank-*.jsonl")))} == {2}  # one question each
+    for qid, rec in shards[1].items():
+        assert rec["samples"] == 4 and rec["kept"] + rec["rejected"]
+        assert {k: shards[2][qid][k] for k in rec} == rec, qid
+    kept = {n: sorted((out / gen.OUTPUT).read_text().splitlines()) for n, out in outs.items()}
+    assert kept[1] == kept[2]
+    assert json.loads((outs[2] / gen.STATS).read_text())["processes"] == 2
 
 
 # ----------------------------------------------------------------------------------------------- regional compile

@@ -63,7 +63,8 @@ class ModelConfig:
                                                "own).")
     experts_implementation: Literal["auto", "eager", "batched_mm", "grouped_mm"] = _f(
         "auto", "Mixture of experts: transformers' experts kernel. auto: grouped_mm (torch's grouped matmul; on a "
-        "CPU too, the fastest measured there: docs/bench/moe-experts-cpu.json); ignored for dense models.")
+        "CPU too, the fastest measured there: docs/bench/moe-experts-cpu.json; none where a remote-code model's "
+        "experts take no kernel choice); ignored for dense models.")
 
 
 @dataclass

@@ -10,6 +10,8 @@ from typing import Callable, Optional
 
 import torch
 
+from harness.moe import register_zero3_leaves
+
 
 def planned_weights(precision: str, weights: str, deepspeed: bool) -> str:
     """The dtype the trained parameters will have: train.weights in bf16 runs, fp16 under DeepSpeed's fp16 mode,
@@ -179,6 +181,8 @@ def frozen_engine(accelerator, module: torch.nn.Module) -> torch.nn.Module:
     for key in ("optimizer", "scheduler"):
         config.pop(key, None)
     config["zero_optimization"].pop("offload_optimizer", None)
+    if config["zero_optimization"].get("stage") == 3:  # a MoE copy's blocks as the trained model's (docs/moe.md)
+        register_zero3_leaves(module)
     engine, *_ = deepspeed.initialize(model=module.requires_grad_(False), config=config)
     engine.eval()  # (DeepSpeedEngine.eval returns None)
     return engine
