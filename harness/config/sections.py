@@ -59,8 +59,7 @@ class ModelConfig:
     image_min_pixels: Optional[int] = _f(None, "Vision-language models: images smaller are scaled up to this many "
                                                "pixels (null: the processor's own).")
     image_max_pixels: Optional[int] = _f(None, "Vision-language models: images larger are scaled down to at most "
-                                               "this many pixels, which bounds their tokens (null: the processor's "
-                                               "own).")
+                                               "this many pixels, bounding their tokens (null: the processor's own).")
     experts_implementation: Literal["auto", "eager", "batched_mm", "grouped_mm"] = _f(
         "auto", "Mixture of experts: transformers' experts kernel. auto: grouped_mm (torch's grouped matmul; on a "
         "CPU too, the fastest measured there: docs/bench/moe-experts-cpu.json; none where a remote-code model's "
