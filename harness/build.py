@@ -136,7 +136,8 @@ class Built:
 
 def build_run(cfg: Config, opened: contextlib.ExitStack) -> tuple[Job, LoopState]:
     """The run's parts, and the loop state to train from (a checkpoint's, restored after prepare(), or step 0's)."""
-    check_data(cfg.data, cfg.rl.prompts)  # the data entries and the chat template, before anything starts or is written
+    # the data entries and the chat template, before anything starts or is written
+    check_data(cfg.data, cfg.rl.prompts, cfg.distill.prompts)
     started = start_processes(cfg, opened)
     cfg, accelerator, say = started.cfg, started.accelerator, started.accelerator.print
     tokenizer, data = build_data(cfg, accelerator, say)
@@ -251,8 +252,11 @@ def start_processes(cfg: Config, opened: contextlib.ExitStack) -> Started:
 def build_data(cfg: Config, accelerator, say: Callable[[str], None]) -> tuple[Any, loaders.RunData]:
     mode = facts(cfg.loss.mode)
     tokenizer = model_lib.load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
-    data = loaders.build_loaders(cfg.data, cfg.train, mode, cfg.model.pooling, accelerator, tokenizer)
-    own = modes.own_stream(cfg, accelerator)  # a mode's own stream (rl: the task's train questions, as indices)
+    # a mode's own stream (rl: the task's train questions, as indices; distill: distill.prompts', in place of
+    # data.train_files)
+    own = modes.own_stream(cfg, accelerator)
+    data = loaders.build_loaders(cfg.data, cfg.train, mode, cfg.model.pooling, accelerator, tokenizer,
+                                 own_train=own is not None)
     if own is not None:
         source, loader = own
         data = replace(data, source=source, gen=loader)
