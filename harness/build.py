@@ -137,7 +137,8 @@ class Built:
 
 def build_run(cfg: Config, opened: contextlib.ExitStack) -> tuple[Job, LoopState]:
     """The run's parts, and the loop state to train from (a checkpoint's, restored after prepare(), or step 0's)."""
-    check_data(cfg.data, cfg.rl.prompts)  # the data entries and the chat template, before anything starts or is written
+    # the data entries and the chat template, before anything starts or is written
+    check_data(cfg.data, cfg.rl.prompts, cfg.distill.prompts)
     started = start_processes(cfg, opened)
     cfg, accelerator, say = started.cfg, started.accelerator, started.accelerator.print
     tokenizer, data = build_data(cfg, accelerator, say)
@@ -256,8 +257,11 @@ def build_data(cfg: Config, accelerator, say: Callable[[str], None]) -> tuple[An
     if vision.is_vision(cfg.model):  # a vision-language model: its processor (the tokenizer's vision markers added)
         vision.check_vision_run(cfg.data, mode)
         processor = vision.load_processor(cfg.model, tokenizer)
-    data = loaders.build_loaders(cfg.data, cfg.train, mode, cfg.model.pooling, accelerator, tokenizer, processor)
-    own = modes.own_stream(cfg, accelerator)  # a mode's own stream (rl: the task's train questions, as indices)
+    # a mode's own stream (rl: the task's train questions, as indices; distill: distill.prompts', in place of
+    # data.train_files, which the loaders then do not read: they are handed none)
+    own = modes.own_stream(cfg, accelerator)
+    d = replace(cfg.data, train_files=[]) if own is not None and mode.gen_rows == "sequences" else cfg.data
+    data = loaders.build_loaders(d, cfg.train, mode, cfg.model.pooling, accelerator, tokenizer, processor)
     if own is not None:
         source, loader = own
         data = replace(data, source=source, gen=loader)

@@ -46,7 +46,7 @@ def _train(args: argparse.Namespace) -> int:
               "--help-config)", file=sys.stderr)
         return 2
     cfg = load_config(args.config, args.overrides)  # every config problem at once, before torch is imported
-    check_data(cfg.data, cfg.rl.prompts)
+    check_data(cfg.data, cfg.rl.prompts, cfg.distill.prompts)
     missing = missing_teacher(cfg.distill) if "distill" in facts(cfg.loss.mode).sections else None
     if missing is not None:  # loss.mode=distill on a fresh clone: its teacher's recipe first
         print(f"[harness] distill: the teacher {cfg.distill.teacher} is missing: training it first with "

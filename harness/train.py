@@ -23,7 +23,7 @@ if __name__ == "__main__":  # the launch, the config and its data entries before
     from harness.data.checks import check_data
     from harness.rundir.finished import finished_nothing_asked
 
-    early_check(sys.argv[1:], (lambda cfg: check_data(cfg.data, cfg.rl.prompts),),
+    early_check(sys.argv[1:], (lambda cfg: check_data(cfg.data, cfg.rl.prompts, cfg.distill.prompts),),
                 done=lambda cfg: finished_nothing_asked(cfg.to_dict()))
 
 import argparse

@@ -1,7 +1,8 @@
 """loss.mode=distill (harness/distill/, harness/modes/distill.py): the divergence equals TRL 1.16's (the GKD trainer's
 generalized_jsd_loss and the stable DistillationTrainer's chunked divergence) on the same logits, the chunked form
 equals the full-logits form, prompt and padding positions carry no loss; the config's one-line refusals; short runs
-through `harness train` with lmbda 0 and 1.
+through `harness train` with lmbda 0 and 1, on distill.prompts, with seq_kd (the teacher's samples); the optimizer holds
+the student's trainable parameters only; `harness zero-plan` counts the teacher.
 
     .venv/bin/python -m pytest tests/test_distill.py -n 0 -q
 """
@@ -113,6 +114,10 @@ def test_prompt_and_padding_positions_carry_no_loss():
     (["loss.mode=distill", "distill.teacher=t", "distill.loss=sampled_kl"], "distill.loss"),
     (["loss.mode=distill", "distill.teacher=t", "distill.tacher=u"], "distill.tacher"),
     (["distill.beta=0.2"], "distill.beta"),
+    # distill.prompts carry no completions: the student's (lmbda 1) or the teacher's (seq_kd) are needed
+    (["loss.mode=distill", "distill.teacher=t", "distill.prompts=[p.jsonl]", "distill.lmbda=0.5"], "distill.prompts"),
+    (["loss.mode=distill", "distill.teacher=t", "distill.prompts=[p.jsonl]", "distill.lmbda=1", "data.eval_files=[]",
+      "data.eval_split=8"], "data.eval_split"),
 ])
 def test_config_refusals_name_the_key(override, key):
     with pytest.raises(ConfigError) as e:
@@ -354,3 +359,211 @@ def test_a_lora_student_resumes_exactly_after_kill_9(tmp_path, teacher_dir):
     assert want[3]["loss"] != want[4]["loss"]
     for key in ("loss", "reverse_kl", "top1_agreement", "on_policy_share", "grad_norm"):
         assert got[4][key] == pytest.approx(want[4][key], rel=1e-6, abs=1e-9), (key, got[4], want[4])
+
+
+# ------------------------------------------------------------------------- distill.prompts, seq_kd, the optimizer, plans
+
+def _prompt_file(tmp_path, n=12):
+    """`prompt` records (rl.prompts' format) from the sample data's first user turns: strings and chat messages."""
+    import json
+
+    rows = [json.loads(x) for x in (ROOT / "data/sample/gen.jsonl").read_text().splitlines()]
+    users = [r["messages"][0]["content"] for r in rows if "messages" in r][:n]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": u if i % 2 else [{"role": "user", "content": u}], "id": i}) + "\n"
+                            for i, u in enumerate(users)))
+    return path
+
+
+@pytest.mark.parametrize("answered", ["student", "teacher"])
+def test_distill_prompts_train_through_harness_train(tmp_path, teacher_dir, answered):
+    """distill.prompts (a `prompt` per record, as rl.prompts) in place of data.train_files (emptied here: not read):
+    each micro-batch's prompts answered by the student (lmbda 1: on_policy_share 1) or by the teacher (lmbda 0,
+    seq_kd: on_policy_share 0); 3 steps train, log the divergence and evaluate on data.eval_files. Refused before
+    ('not supported yet')."""
+    import json
+
+    how = ["distill.lmbda=1"] if answered == "student" else ["distill.lmbda=0", "distill.seq_kd=true"]
+    proc = _distill(tmp_path / "run", teacher_dir, f"distill.prompts=[{_prompt_file(tmp_path)}]", "data.train_files=[]",
+                    "train.grad_accum=2", *how)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "12 prompts (distill.prompts)" in proc.stdout
+    assert ("seq_kd" in proc.stdout) == (answered == "teacher")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["on_policy_share"] == (answered == "student") for r in steps)
+    assert all(r["loss"] > 0 and r["reverse_kl"] > 0 and r["tokens"] > 0 for r in steps)
+    assert any("eval_reverse_kl" in r for r in records)
+
+
+class _Engine:
+    """A stand-in for harness.rl.generation.Generation: records its calls, answers each prompt with [7, 8] + its seed
+    tuple's length (one completion)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def answer(self, prompts, n, sampling):
+        from harness.rft.contract import Completion
+
+        self.calls.append((prompts, [sampling.seed(i, 0) for i in range(len(prompts))], sampling.temperature))
+        return [[Completion(ids=(7, 8))] for _ in prompts]
+
+
+def _mode(d, seq_kd_engine=True):
+    from types import SimpleNamespace
+
+    from harness.modes.distill import DistillMode
+
+    mode = object.__new__(DistillMode)  # the routing of step_batches alone: no model, no teacher
+    engines = {"student": _Engine(), **({"teacher": _Engine()} if seq_kd_engine else {})}
+    mode.d, mode.engines, mode.prompts, mode.rank, mode.pad_id, mode.accum = d, engines, None, 0, 0, 4
+    mode.accelerator = SimpleNamespace(device="cpu", is_main_process=True)
+    return mode
+
+
+def test_seq_kd_answers_the_off_policy_micro_batches_with_the_teachers_engine():
+    """distill.seq_kd: the micro-batches not drawn on-policy get the teacher's engine's completions (its own seeded
+    draws: (seed, step, micro-batch, process, row, 'teacher')) in place of the data's; the on-policy ones the
+    student's, seeded as before; the prompts both see are each row's tokens before its first trained label."""
+    from harness.config.distill import DistillConfig
+    from harness.modes.distill import on_policy
+
+    def batch():
+        return {"input_ids": torch.tensor([[1, 2, 3, 4, 0], [1, 5, 6, 0, 0]]),
+                "attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]]),
+                "labels": torch.tensor([[IGNORE_INDEX, IGNORE_INDEX, 3, 4, IGNORE_INDEX],
+                                        [IGNORE_INDEX, 5, 6, IGNORE_INDEX, IGNORE_INDEX]])}
+
+    d = DistillConfig(teacher="t", lmbda=0.5, seq_kd=True, seed=3, temperature=0.7)
+    step = next(s for s in range(1, 50) if 0 < sum(on_policy(d, s, k) for k in range(4)) < 4)  # both kinds
+    mode = _mode(d)
+    gen, _ = mode.step_batches({"gen": iter([batch() for _ in range(4)])}, step, _Sums())
+    drawn = [on_policy(d, step, k) for k in range(4)]
+    assert [b["on_policy"] for b in gen] == drawn
+    student, teacher = mode.engines["student"].calls, mode.engines["teacher"].calls
+    assert len(student) == sum(drawn) and len(teacher) == 4 - sum(drawn)
+    on, off = [k for k in range(4) if drawn[k]], [k for k in range(4) if not drawn[k]]
+    assert [seeds for _, seeds, _ in teacher] == [[(3, step, k, 0, 0, "teacher"), (3, step, k, 0, 1, "teacher")]
+                                                   for k in off]
+    assert [seeds for _, seeds, _ in student] == [[(3, step, k, 0, 0), (3, step, k, 0, 1)] for k in on]
+    assert all(p == [[1, 2], [1]] and t == 0.7 for p, _, t in student + teacher)  # the prompts, d.temperature
+    for b in gen:  # every row: its prompt, then the engine's completion [7, 8] (trained), nothing of the data's
+        assert b["input_ids"].tolist() == [[1, 2, 7, 8], [1, 7, 8, 0]]
+        assert b["labels"].tolist() == [[IGNORE_INDEX, IGNORE_INDEX, 7, 8], [IGNORE_INDEX, 7, 8, IGNORE_INDEX]]
+    # without seq_kd the off-policy micro-batches keep the data's completions
+    mode = _mode(DistillConfig(teacher="t", lmbda=0.5, seed=3), seq_kd_engine=False)
+    gen, _ = mode.step_batches({"gen": iter([batch() for _ in range(4)])}, step, _Sums())
+    assert [b["input_ids"].shape[1] == 5 for b in gen] == [not x for x in drawn]
+
+
+class _Sums:
+    def add(self, _):
+        pass
+
+
+def test_seq_kd_trains_through_harness_train_on_the_datas_prompts(tmp_path, teacher_dir):
+    """data.train_files' rows with lmbda 0.5 and seq_kd: every micro-batch answered, by the student or by the teacher
+    (its own engine), the on-policy share between 0 and 1 over the run."""
+    import json
+
+    proc = _distill(tmp_path / "run", teacher_dir, "distill.lmbda=0.5", "distill.seq_kd=true", "train.grad_accum=2",
+                    "train.max_steps=4", "data.eval_files=[]")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    shares = [r["on_policy_share"] for r in steps if "loss" in r]
+    assert len(shares) == 4 and 0 < sum(shares) / 4 < 1, shares
+
+
+OPTIMIZER_SCRIPT = """
+import contextlib, json, sys
+from harness.build import build_run
+from harness.config import load_config
+from harness.state import UnloggedSums
+from harness.train import train_step
+
+cfg = load_config("configs/default.yaml", sys.argv[1:])
+with contextlib.ExitStack() as opened:
+    job, _ = build_run(cfg, opened)
+    teacher = job.objective.teacher
+    before = [p.detach().clone() for p in teacher.parameters()]
+    unlogged = UnloggedSums(job.accelerator.device)
+    gen, emb = job.objective.step_batches({n: iter(l) for n, l in job.loaders.items()}, 1, unlogged)
+    train_step(job, 1, gen, emb, unlogged)
+    grouped = [p for g in job.optimizer.param_groups for p in g["params"]]
+    ids = {id(p) for p in grouped}
+    print("RESULT " + json.dumps({
+        "optimizer": sum(p.numel() for p in grouped),
+        "with_state": sum(p.numel() for p in job.optimizer.state),
+        "student_trainable": sum(p.numel() for p in job.model.parameters() if p.requires_grad),
+        "teacher": sum(p.numel() for p in teacher.parameters()),
+        "teacher_requires_grad": sum(p.requires_grad for p in teacher.parameters()),
+        "teacher_grads": sum(p.grad is not None for p in teacher.parameters()),
+        "teacher_in_optimizer": sum(id(p) in ids for p in teacher.parameters()),
+        "teacher_moved": sum(not bool((p == b).all()) for p, b in zip(teacher.parameters(), before)),
+        "teacher_training": teacher.training}))
+"""
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_optimizer_holds_the_students_trainable_parameters_only(tmp_path, teacher_dir, lora):
+    """The run as built (harness.build.build_run) and one step of it (harness.train.train_step, lmbda 0.5): the
+    optimizer's parameters, and those with Adam state after the step, are the student's trainable parameters (a LoRA
+    student: its adapters) and no more; no teacher parameter requires a gradient, has one, is in the optimizer, or
+    moved; the teacher is in eval mode."""
+    import json
+
+    extra = ["model.lora.enabled=true", "model.lora.target_modules=[q_proj, v_proj]"] if lora else []
+    args = ["loss.mode=distill", f"distill.teacher={teacher_dir}", "distill.lmbda=0.5", "distill.max_new_tokens=8",
+            *TINY, "train.micro_batch_size=4", "train.grad_accum=2", f"train.output_dir={tmp_path / 'run'}", *FAST,
+            *extra]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with cpu_slots(1):
+        proc = subprocess.run([sys.executable, "-c", OPTIMIZER_SCRIPT, *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    assert got["optimizer"] == got["with_state"] == got["student_trainable"] > 0, got
+    assert got["teacher"] > got["student_trainable"]
+    assert (got["teacher_requires_grad"], got["teacher_grads"], got["teacher_in_optimizer"], got["teacher_moved"],
+            got["teacher_training"]) == (0, 0, 0, 0, False), got
+
+
+def test_zero_plan_counts_the_teacher(teacher_dir):
+    """`harness zero-plan` on a distill recipe: the teacher's weights (P_t x 2 B in a bf16 run, no gradients, no
+    optimizer states) in a column of their own, whole at stages 0-2 and / N under ZeRO-3, and in each row's total;
+    its parameters counted as the run loads it (failed before: the plan had no teacher)."""
+    from harness.tools.zero_plan import Hardware, plan
+    from transformers import AutoModelForCausalLM
+
+    P_t = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(teacher_dir).parameters())
+    cfg = load_config("configs/default.yaml", ["loss.mode=distill", f"distill.teacher={teacher_dir}"])
+    alone = plan(load_config("configs/default.yaml"), Hardware(4, 80))
+    got = plan(cfg, Hardware(4, 80))
+    assert f"P_t = {P_t:,} parameters" in got.text and "teacher" in got.text.splitlines()[-8]
+    rows = {r.option: r for r in got.rows}
+    assert [rows[o].teacher for o in ("0", "1", "2")] == [P_t * 2] * 3
+    assert rows["3"].teacher == P_t * 2 / 4 and rows["3-offload"].teacher == 0
+    assert rows["3-offload"].host == pytest.approx(alone.rows[4].host + P_t * 2 * 4 / 4)
+    for r, a in zip(got.rows, alone.rows):  # the student's states as without a teacher
+        assert (r.weights, r.grads, r.optim) == (a.weights, a.grads, a.optim)
+        assert r.total > a.total + r.teacher - 1e-6
+    fp32 = plan(load_config("configs/default.yaml", ["loss.mode=distill", f"distill.teacher={teacher_dir}",
+                                                       "distill.teacher_dtype=fp32"]), Hardware(4, 80))
+    assert fp32.rows[0].teacher == P_t * 4
+
+
+def test_the_real_pair_recipe_sizes_the_teacher_offline():
+    """configs/qwen2.5-7b-to-0.5b-distill.yaml: Qwen2.5-7B-Instruct's 7,615,616,512 parameters (its config.json's
+    shape in distill.teacher_config, sized offline) in bf16 beside the 0.5B student's training state: 14.2 GiB a GPU
+    at stages 0-2, 1/8 of it under ZeRO-3 on 8 GPUs; one 80 GB GPU holds the pair."""
+    from harness.tools.zero_plan import Hardware, plan
+
+    cfg = load_config(str(ROOT / "configs/qwen2.5-7b-to-0.5b-distill.yaml"))
+    assert (cfg.model.name_or_path, cfg.distill.teacher) == ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-7B-Instruct")
+    one = plan(cfg, Hardware(1, 80))
+    assert "sizing offline from distill.teacher_config" in one.text
+    assert one.rows[0].teacher == 7_615_616_512 * 2 and one.choice == "0"
+    eight = plan(cfg, Hardware(8, 80))
+    assert eight.rows[3].teacher == 7_615_616_512 * 2 / 8

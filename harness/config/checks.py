@@ -135,7 +135,8 @@ def check_data_sources(cfg: Config) -> None:
     """The lists the mode needs (each entry's own checks, which need data/'s knowledge: harness.data.checks, called by
     the build)."""
     d, mode = cfg.data, cfg.loss.mode
-    if facts(mode).reads_data and not d.train_files:
+    prompts = mode == "distill" and cfg.distill.prompts  # (distill.prompts: the stream in place of data.train_files)
+    if facts(mode).reads_data and not d.train_files and not prompts:
         raise ConfigError(f"config key 'data.train_files': loss.mode={mode} needs generative JSONL files or folders")
     if facts(mode).embeds and not d.emb_train_files:
         raise ConfigError(f"config key 'data.emb_train_files': loss.mode={mode} needs embedding JSONL files or folders")

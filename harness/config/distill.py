@@ -29,9 +29,12 @@ class DistillConfig:
                                  "on-policy samples' temperature.")
     lmbda: float = _f(0.0, "TRL's lmbda: the share of micro-batches whose completions the student samples itself "
                            "(on-policy, the continuous engine); the rest train on the data's completions.")
-    seq_kd: bool = _f(False, "TRL's seq_kd: the teacher's own samples as the data's completions.")
-    prompts: list = _f([], "Prompt sources (as rl.prompts takes them: a `prompt` per record) in place of "
-                           "data.train_files' prompts.")
+    seq_kd: bool = _f(False, "TRL's seq_kd: the micro-batches not sampled by the student (1 - lmbda) train on the "
+                             "teacher's own samples (the same engine and seeding) in place of the data's completions.")
+    prompts: list = _f([], "Prompt sources (as rl.prompts takes them: a `prompt` per record, a string or chat "
+                           "messages) in place of data.train_files (not read then); needs lmbda=1 or seq_kd.")
+    teacher_config: dict = _f({}, "The teacher's architecture (its config.json's keys, model_type among them) for "
+                                  "`harness zero-plan` to size a hub teacher offline; the run loads the teacher's own.")
     loss: Literal["jsd", "sampled_kl"] = _f(
         "jsd", "jsd: the generalized JSD over the vocabulary at every completion token (TRL's generalized_jsd_loss); "
                "sampled_kl: the reverse KL on the tokens drawn, log p_student - log p_teacher as an advantage "
@@ -64,12 +67,12 @@ def check_distill(cfg, given: frozenset = frozenset()) -> None:
     if d.loss == "sampled_kl" and d.lmbda != 1.0:
         raise ConfigError(f"config key 'distill.loss': sampled_kl scores the student's own samples; set "
                           f"distill.lmbda=1 (got {d.lmbda})")
-    if d.seq_kd:
-        raise ConfigError("config key 'distill.seq_kd': not supported yet (the teacher's own samples); train on the "
-                          "data's completions (distill.lmbda < 1) or the student's (distill.lmbda > 0)")
-    if d.prompts:
-        raise ConfigError("config key 'distill.prompts': not supported yet; give the prompts as data.train_files "
-                          "records (prompt / completion or messages)")
+    if d.prompts and d.lmbda < 1 and not d.seq_kd:
+        raise ConfigError(f"config key 'distill.prompts': prompts carry no completions; the student answers them "
+                          f"(distill.lmbda=1) or the teacher does (distill.seq_kd=true) (lmbda is {d.lmbda})")
+    if d.prompts and cfg.data.eval_split is not None and not cfg.data.eval_files:
+        raise ConfigError("config key 'data.eval_split': it holds records out of data.train_files, which "
+                          "distill.prompts replace; give the held-out records as data.eval_files")
     if d.teacher_quantization != "none":
         raise ConfigError("config key 'distill.teacher_quantization': a quantized teacher is not supported yet")
     if cfg.data.packing:

@@ -12,11 +12,12 @@ from harness.data.sources import parse_sources
 from harness.errors import ConfigError
 
 
-def check_data(d: DataConfig, rl_prompts: list = ()) -> None:
+def check_data(d: DataConfig, rl_prompts: list = (), distill_prompts: list = ()) -> None:
     """`d` (cfg.data): each list's entries a path or a valid source mapping (harness.data.sources), weights on every
     source of a training list or on none (none on an eval list), and a data.chat_template file that exists;
-    `rl_prompts` (cfg.rl.prompts): its entries valid source mappings too."""
+    `rl_prompts` (cfg.rl.prompts), `distill_prompts` (cfg.distill.prompts): their entries valid source mappings too."""
     parse_sources(list(rl_prompts), "rl.prompts")
+    parse_sources(list(distill_prompts), "distill.prompts")
     for key in ("train_files", "eval_files", "emb_train_files", "emb_eval_files"):
         weighted = [s.weight is not None for s in parse_sources(getattr(d, key), f"data.{key}")]
         if any(weighted) and "eval" in key:

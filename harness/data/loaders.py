@@ -91,7 +91,8 @@ def build_loaders(d: DataConfig, t: TrainConfig, mode: ModeFacts, pooling: str, 
                   processor=None) -> RunData:
     """Validated, tokenized data sets and their loaders (not yet prepared) for the loss mode `mode` (its facts; `d`:
     cfg.data, `t`: cfg.train, pooling: model.pooling); `processor`: a vision-language model's (its records, images and
-    batches: harness.data.vision)."""
+    batches: harness.data.vision). No data.train_files in a mode that reads sequences: it trains on a stream of its
+    own (distill.prompts), data.eval_files is still read."""
     from torch.utils.data import DataLoader
 
     cuda = torch.cuda.is_available()
@@ -105,23 +106,25 @@ def build_loaders(d: DataConfig, t: TrainConfig, mode: ModeFacts, pooling: str, 
         elif mode.gen_rows == "sequences" and d.streaming:  # read, tokenized and packed as training goes
             out.gen, out.gen_eval, out.stats["generative"] = streamed_loaders(d, t, accelerator, tokenizer, common)
         elif mode.gen_rows == "sequences":
-            rows, held = training_rows(d, t.seed, "generative", accelerator.print)
-            max_len = resolve_max_len(d, rows, tokenizer, accelerator.print)
-            ds, st = data_lib.tokenize_dataset(rows, tokenizer, max_len)
-            out.stats["generative"] = st
+            rows, held = training_rows(d, t.seed, "generative", accelerator.print) if d.train_files else (None, None)
+            if d.eval_files and held is None:
+                held = data_lib.load_generative_rows(d.eval_files, d.cache_dir, "data.eval_files")
+            max_len = resolve_max_len(d, rows if rows is not None else held, tokenizer, accelerator.print) \
+                if rows is not None or held is not None else d.max_len
             padded = data_lib.GenerativeCollator(tokenizer.pad_token_id,
                                                  widths=data_lib.Widths(8 if cuda else 1, d.pad_buckets, max_len))
-            if d.packing:
-                ds = data_lib.pack_dataset(ds, max_len)
-                st["packed_rows"] = len(ds)
-                st["packing_fill"] = sum(ds["length"]) / (len(ds) * max_len)
-            collate = data_lib.PackedCollator(tokenizer.pad_token_id, max_len) if d.packing else padded
-            out.gen = DataLoader(ds, batch_size=t.micro_batch_size, shuffle=d.shuffle, collate_fn=collate,
-                                 **common)
-            if d.eval_files or held is not None:
-                rows = held if held is not None else data_lib.load_generative_rows(d.eval_files, d.cache_dir,
-                                                                                   "data.eval_files")
-                ds, _ = data_lib.tokenize_dataset(rows, tokenizer, max_len)
+            if rows is not None:
+                ds, st = data_lib.tokenize_dataset(rows, tokenizer, max_len)
+                out.stats["generative"] = st
+                if d.packing:
+                    ds = data_lib.pack_dataset(ds, max_len)
+                    st["packed_rows"] = len(ds)
+                    st["packing_fill"] = sum(ds["length"]) / (len(ds) * max_len)
+                collate = data_lib.PackedCollator(tokenizer.pad_token_id, max_len) if d.packing else padded
+                out.gen = DataLoader(ds, batch_size=t.micro_batch_size, shuffle=d.shuffle, collate_fn=collate,
+                                     **common)
+            if held is not None:
+                ds, _ = data_lib.tokenize_dataset(held, tokenizer, max_len)
                 out.gen_eval = DataLoader(ds, batch_size=t.micro_batch_size, shuffle=False,
                                           collate_fn=padded, **common)
         if mode.gen_rows == "pairs":

@@ -40,7 +40,7 @@ REGISTRY: dict[str, Entry] = {
     "unified": Entry(gritlm.build),
     "preference": Entry(preference.build),
     "rl": Entry(rl.build, stream=rl.question_stream),
-    "distill": Entry(distill.build),
+    "distill": Entry(distill.build, stream=distill.prompt_stream),
 }
 
 

@@ -2,16 +2,17 @@
 frozen teacher's per-token distribution: the generalized JSD over the vocabulary (distill.loss=jsd, TRL's) or the
 reverse KL on the tokens the student drew (sampled_kl), both output heads in chunks of positions (harness/distill/
 loss.py). A share distill.lmbda of the micro-batches is on-policy: their prompts (each row's tokens before its first
-trained label) answered by the student with the continuous engine (harness/rl/generation.py, as loss.mode=rl
-samples), the draws seeded by (distill.seed, step, micro-batch, process, row); the others train on the data's own
-completions (data.train_files: prompt / completion or messages records)."""
+trained label, or distill.prompts' records in the model's chat template) answered by the student with the continuous
+engine (harness/rl/generation.py, as loss.mode=rl samples), the draws seeded by (distill.seed, step, micro-batch,
+process, row); the others train on the data's own completions (data.train_files: prompt / completion or messages
+records), or with distill.seq_kd on the teacher's own samples (its own engine, the same seeding)."""
 
 from __future__ import annotations
 
 import math
 import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -21,10 +22,13 @@ from harness.config.distill import DistillConfig
 from harness.data.samples import model_inputs, real_tokens
 from harness.distill.loss import Divergence, DivergenceHead, teacher_hidden
 from harness.distill.teacher import check_vocabulary, load_teacher
+from harness.errors import ConfigError
 from harness.objective import Objective, Parts, generative_loss_sum
 from harness.rft.contract import Sampling
 from harness.rl.batch import rows
-from harness.rl.generation import Generation, SamplingSettings
+from harness.rl.generation import Generation, Prompts, SamplingSettings
+from harness.rl.prompts import PromptTask
+from harness.rl.rollout import index_batch
 from harness.state import StepSums, distill_figures
 
 
@@ -50,9 +54,11 @@ DIVERGENCE_CHUNK_SHARE = 4  # distill's chunks: loss.chunked_ce_size / this, pos
 
 
 class DistillMode(Objective):
-    def __init__(self, cfg: Config, parts: Parts, teacher, vocab, generation):
+    def __init__(self, cfg: Config, parts: Parts, teacher, vocab, engines: dict, prompts=None):
+        """`engines`: {"student": the on-policy samples' Generation (distill.lmbda > 0), "teacher": seq_kd's};
+        `prompts`: distill.prompts encoded (harness.rl.generation.Prompts), or None (data.train_files' rows)."""
         super().__init__(cfg.loss, cfg.model, cfg.train.grad_accum, parts, chunk_size=cfg.loss.chunked_ce_size)
-        self.d, self.teacher, self.vocab, self.generation = cfg.distill, teacher, vocab, generation
+        self.d, self.teacher, self.vocab, self.engines, self.prompts = cfg.distill, teacher, vocab, engines, prompts
         self.div = Divergence(cfg.distill.beta, cfg.distill.temperature, cfg.distill.loss)
         self.pad_id = parts.tokenizer.pad_token_id
         self.rank = parts.accelerator.process_index
@@ -62,24 +68,36 @@ class DistillMode(Objective):
         self.div_chunk = max(1, cfg.loss.chunked_ce_size // DIVERGENCE_CHUNK_SHARE)
 
     def step_batches(self, streams: dict, step: int, unlogged) -> tuple[list, list]:
-        """The step's micro-batches of the data; those drawn on-policy (`on_policy`) with their completions replaced
-        by the student's own."""
+        """The step's micro-batches of the data (data.train_files' rows, or distill.prompts' indices); those drawn
+        on-policy (`on_policy`) answered by the student, the others by the teacher under distill.seq_kd, else kept
+        with the data's completions (distill.prompts' are all answered: lmbda 1 or seq_kd, config/distill.py)."""
         gen, emb = super().step_batches(streams, step, unlogged)
         drawn = [on_policy(self.d, step, k) for k in range(self.accum)]
-        if any(drawn):
+        if self.prompts is not None or self.d.seq_kd or any(drawn):
             t0 = time.perf_counter()
-            gen = [self.sample(b, step, k) if on else b for k, (b, on) in enumerate(zip(gen, drawn))]
+            gen = [self.answered(b, step, k, on) for k, (b, on) in enumerate(zip(gen, drawn))]
             unlogged.add(StepSums(rl_gen_s=time.perf_counter() - t0 if self.accelerator.is_main_process else 0.0))
         for b, on in zip(gen, drawn):
             b["on_policy"] = on
         return gen, emb
 
+    def answered(self, batch, step: int, micro: int, on: bool) -> dict:
+        """Micro-batch `micro` with the completions it trains on: the student's (`on`), the teacher's (seq_kd),
+        or the data's (`batch` as it is)."""
+        who = "student" if on else "teacher" if self.d.seq_kd else None
+        if who is None:
+            return batch
+        prompts = prompts_of(batch) if self.prompts is None else \
+            self.prompts.ids([self.prompts.train[int(i)] for i in batch])
+        return self.sample(prompts, step, micro, who)
+
     @torch.no_grad()
-    def sample(self, batch: dict, step: int, micro: int) -> dict:
-        """The batch's prompts answered by the student (one completion each, EOS kept), as training rows."""
-        prompts = prompts_of(batch)
-        seed = (lambda i, j: (self.d.seed, step, micro, self.rank, i))
-        got = self.generation.answer(prompts, 1, Sampling(self.d.temperature, 1.0, seed=seed))
+    def sample(self, prompts: list[list[int]], step: int, micro: int, who: str) -> dict:
+        """The prompts answered by `who` (student, teacher: one completion each, EOS kept, seeded by (distill.seed,
+        step, micro-batch, process, row), the teacher's draws apart), as training rows."""
+        tag = () if who == "student" else (who,)
+        seed = (lambda i, j: (self.d.seed, step, micro, self.rank, i, *tag))
+        got = self.engines[who].answer(prompts, 1, Sampling(self.d.temperature, 1.0, seed=seed))
         made = rows(prompts, [list(group[0].ids) or [self.pad_id] for group in got], self.pad_id)
         return {k: v.to(self.accelerator.device) for k, v in made.items()}
 
@@ -142,21 +160,58 @@ class DistillMode(Objective):
                 "eval_loss": (totals[3] / n).item()}
 
 
+def prompt_stream(cfg: Config, accelerator):
+    """distill.prompts: (their records as a task, a DataLoader of their indices, train.micro_batch_size a
+    micro-batch; not prepared), the stream in place of data.train_files; None without them."""
+    from torch.utils.data import DataLoader
+
+    d = cfg.distill
+    if cfg.loss.mode != "distill" or not d.prompts:
+        return None
+    task = PromptTask(d.prompts, cfg.data.cache_dir, key="distill.prompts")
+    if cfg.data.train_files:
+        accelerator.print(f"[harness] distill: the {len(task.records)} prompts of distill.prompts in place of "
+                          f"data.train_files, which is not read")
+    return task, DataLoader(list(range(len(task.records))), batch_size=cfg.train.micro_batch_size,
+                            shuffle=cfg.data.shuffle, collate_fn=index_batch)
+
+
+def encoded_prompts(d: DistillConfig, parts: Parts, models: list) -> Prompts:
+    """distill.prompts (the stream's task, `parts.data.source`) in the model's chat template, encoded once; each
+    prompt and distill.max_new_tokens within the context of every model that answers (`models`)."""
+    prompts = Prompts(parts.data.source, parts.tokenizer, parts.say)
+    for model in models:
+        try:
+            prompts.check_context(parts.accelerator.unwrap_model(model).config, d.max_new_tokens)
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("rft.max_new_tokens", "distill.max_new_tokens")) from None
+    return prompts
+
+
+SEQ_KD = ", the rest on the teacher's own samples (seq_kd)"
+
+
 def build(cfg: Config, parts: Parts) -> DistillMode:
-    """The teacher loaded and checked before step 1; the engine of the on-policy samples (distill.lmbda > 0)."""
+    """The teacher loaded and checked before step 1; the engines of the on-policy samples (distill.lmbda > 0) and
+    of the teacher's (distill.seq_kd)."""
     d = cfg.distill
     teacher = load_teacher(d, parts.tokenizer, parts.accelerator.mixed_precision, parts.accelerator.device,
                            parts.accelerator, parts.zero_stage)
     vocab = check_vocabulary(d, parts.model, teacher, parts.tokenizer)
-    generation = None
-    if d.lmbda > 0:
-        sampling = SamplingSettings(temperature=d.temperature, max_new_tokens=d.max_new_tokens, seed=d.seed,
-                                    compile=cfg.rft.compile)
-        generation = Generation(sampling, cfg.train.micro_batch_size, parts)
+    sampling = SamplingSettings(temperature=d.temperature, max_new_tokens=d.max_new_tokens, seed=d.seed,
+                                compile=cfg.rft.compile)
+    answering = {"student": parts.model} if d.lmbda > 0 else {}
+    if d.seq_kd:
+        answering["teacher"] = teacher
+    engines = {who: Generation(sampling, cfg.train.micro_batch_size, replace(parts, model=model))
+               for who, model in answering.items()}
+    prompts = encoded_prompts(d, parts, list(answering.values())) if d.prompts else None
     held = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in teacher.parameters())
     parts.say(f"[harness] distill: teacher {d.teacher} ({held:,} parameters, frozen"
               f"{', partitioned (ZeRO-3)' if parts.zero_stage == 3 else ''}, {next(teacher.parameters()).dtype}), "
               f"loss {d.loss}"
               f"{f' beta {d.beta}' if d.loss == 'jsd' else ''}, temperature {d.temperature}, on-policy share "
-              f"lmbda {d.lmbda}" + (f" (head rows {vocab} of both)" if vocab else ""))
-    return DistillMode(cfg, parts, teacher, vocab, generation)
+              f"lmbda {d.lmbda}{SEQ_KD if d.seq_kd else ''}"
+              + (f", {len(prompts.train)} prompts (distill.prompts)" if prompts is not None else "")
+              + (f" (head rows {vocab} of both)" if vocab else ""))
+    return DistillMode(cfg, parts, teacher, vocab, engines, prompts)

@@ -54,19 +54,21 @@ def _prompt(value: Any, where: str) -> Any:
 
 
 class PromptTask(Task):
-    """The records of rl.prompts as a task: split('train') all of them, no test split (no evaluation); the verifier
-    reads a numeric `answer` column."""
+    """The records of rl.prompts (or distill.prompts) as a task: split('train') all of them, no test split (no
+    evaluation); the verifier reads a numeric `answer` column."""
 
     name = "prompts"
 
-    def __init__(self, entries, cache_dir: Optional[str] = None, tolerance: float = 1e-6) -> None:
+    def __init__(self, entries, cache_dir: Optional[str] = None, tolerance: float = 1e-6,
+                 key: str = "rl.prompts") -> None:
+        """`key`: the config key the sources are (rl.prompts, distill.prompts), named by their errors."""
         super().__init__(tolerance)
         self.records: list[Prompt] = []
-        for src in sources.parse_sources(entries, "rl.prompts"):
+        for src in sources.parse_sources(entries, key):
             if src.weight is not None or src.format is not None:
-                raise ConfigError(f"config key 'rl.prompts': {src.path}: 'weight' and 'format' are not read here "
+                raise ConfigError(f"config key '{key}': {src.path}: 'weight' and 'format' are not read here "
                                   f"(every record is one prompt)")
-            for unit in sources.source_units(src, "rl.prompts", cache_dir)[0]:
+            for unit in sources.source_units(src, key, cache_dir)[0]:
                 try:
                     for origin, obj in unit.records():
                         obj = formats.apply_columns(obj, src.columns, origin)
@@ -78,7 +80,7 @@ class PromptTask(Task):
                 except DataError as e:
                     raise unit.explain(e) from None
         if not self.records:
-            raise DataError("rl.prompts: no records")
+            raise DataError(f"{key}: no records")
 
     def split(self, name: str) -> list:
         return self.records if name == "train" else []

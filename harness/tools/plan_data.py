@@ -13,6 +13,7 @@ from harness.data import samples as data_lib
 from harness.data.loaders import training_rows
 from harness.model import load_run_tokenizer
 from harness.rft.tasks import build_task
+from harness.rl.prompts import PromptTask
 
 
 def analyse_data(cfg: Config) -> dict:
@@ -21,6 +22,9 @@ def analyse_data(cfg: Config) -> dict:
     if mode.gen_rows == "questions":  # the stream is the rft task's train questions, answered during the run
         n = len(build_task(cfg.rft).split("train"))
         return {"primary": "rl", "rl": {"questions": n, "items": n}}
+    if "distill" in mode.sections and cfg.distill.prompts:  # distill.prompts in place of data.train_files
+        n = len(PromptTask(cfg.distill.prompts, d.cache_dir, key="distill.prompts").records)
+        return {"primary": "distill", "distill": {"prompts": n, "items": n}}
     tok = load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
     if mode.gen_rows == "pairs":  # a pair is two sequences (chosen, rejected) in one forward pass: both are counted
         rows, _ = training_rows(cfg.data, cfg.train.seed, "preference")

@@ -167,6 +167,9 @@ def make_plan(cfg: Config, data: dict, cal: Calibration, hours: float, margin_mi
                      f"every rl.iterations={r.iterations} step(s): rl.questions_per_step {r.questions_per_step} x "
                      f"rl.num_generations {r.num_generations} = {r.questions_per_step * r.num_generations} answers of "
                      f"up to rft.max_new_tokens {cfg.rft.max_new_tokens} tokens")
+    if "distill" in data:
+        lines.append(f"data: {data['distill']['prompts']} prompts of distill.prompts, answered during the run (up to "
+                     f"distill.max_new_tokens {cfg.distill.max_new_tokens} tokens each)")
     pref = data.get("preference")
     if pref:
         lines.append(f"data: {pref['pairs']} preference pairs = {pref['sequences']} sequences (chosen and rejected "

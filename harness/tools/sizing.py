@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from harness import moe
-from harness.config import Config, LossConfig, lora_config
+from harness.config import Config, LossConfig, ModelConfig, lora_config
 from harness.config.modes import facts
 from harness.distributed.sequence import attention_heads
 from harness.model import build_model, load_tokenizer
@@ -50,9 +50,13 @@ class ModelShape:
 
 def model_shape(cfg: Config) -> ModelShape:
     """Parameter count and shape of the recipe's model, built on the meta device (nothing allocated)."""
+    return shape_of(cfg.model)
+
+
+def shape_of(m: ModelConfig) -> ModelShape:
+    """Parameter count and shape of the model `m` (a model section) describes, built on the meta device."""
     import torch
 
-    m = cfg.model
     note = ""
     # quantization is left out: the meta model is built in full precision and bitsandbytes' bytes are counted per
     # Linear (plan); LoRA adapters are built as configured

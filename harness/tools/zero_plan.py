@@ -44,6 +44,10 @@ loss.mode=rl (GRPO): the training pass is a micro-batch of sampled answers (rows
 rft.max_new_tokens positions), and the generation engine's KV cache sits beside the training state, kept through the
 training pass (column gen); under ZeRO-3 the generation gathers the full weights. The arithmetic: harness/tools/rl_plan.py.
 
+loss.mode=distill: the frozen teacher's weights (column teacher: no gradients, no optimizer states; partitioned
+under ZeRO-3, in host memory under 3-offload), its hidden states and its working set, and the KV cache of the
+engines that sample completions (column gen). The arithmetic: harness/tools/distill_plan.py.
+
 It prints the table and ends with one line `choice: zero0|zero1|zero2|zero3|zero3_offload|none`; exit status 0
 when a stage fits, 3 when none does (the table says how many GPUs would be needed).
 
@@ -68,10 +72,12 @@ from typing import NamedTuple, Optional
 from harness.config import Config, load_config, lora_config, recipe_args
 from harness.errors import HarnessError
 from harness.tools.sizing import GIB, ModelShape, activation_terms, model_shape, moe_line, sp_sizes, with_overrides
-from harness.tools.state_bytes import QUANT_BYTES, frozen_bytes, host_bytes, weight_bytes  # noqa: F401 - (also here)
+from harness.tools.state_bytes import QUANT_BYTES, frozen_bytes, host_bytes, state_lines, weight_bytes  # noqa: F401
 from harness.distributed.zero import planned_weights
 from harness.model import load_run_tokenizer
+from harness.config.modes import facts
 from harness.tools import rl_plan
+from harness.tools.distill_plan import TeacherPlan
 OPTIONS = ["0", "1", "2", "3", "3-offload"]
 ACCELERATE_CONFIG = {"0": "multi_gpu", "1": "zero1", "2": "zero2", "3": "zero3", "3-offload": "zero3_offload"}
 
@@ -101,10 +107,11 @@ class Row:
     supported: bool = True  # False: QLoRA under ZeRO-3 (bitsandbytes' weights cannot be partitioned)
     generation: float = 0.0  # loss.mode=rl: the engine's KV cache, kept through the training pass (+ reference copy)
     gen_peak: float = 0.0  # loss.mode=rl, while generating in place of extra + activations (harness/tools/rl_plan.py)
+    teacher: float = 0.0  # loss.mode=distill: the frozen teacher's weights (harness/tools/distill_plan.py)
 
     @property
     def total(self) -> float:
-        return (self.weights + self.grads + self.optim + self.overhead + self.generation
+        return (self.weights + self.grads + self.optim + self.overhead + self.generation + self.teacher
                 + max(self.extra + self.activations, self.gen_peak))
 
 
@@ -150,51 +157,6 @@ def lora_row(option: str, shape: ModelShape, hw: Hardware, activations: float, o
                working if stage == 3 else 0, activations, overhead)
 
 
-def _states(w: int) -> str:
-    return (f"{'16-bit' if w == 2 else 'fp32'} weights {w} + grads {w} + "
-            + ("fp32 master 4 + Adam m 4 + v 4" if w == 2 else "Adam m 4 + v 4"))
-
-
-def _state_lines(cfg: Config, shape: ModelShape, hw: Hardware, weights: str) -> list[str]:
-    """The model-state arithmetic lines: 16 B/param for a full fine-tune; LoRA/QLoRA: trainable vs frozen.
-    `weights`: the parameters' dtype under DeepSpeed (train.weights; stage 0 is DDP in fp32 unless it is bf16)."""
-    w, w0 = weight_bytes("1", weights)[0], weight_bytes("0", weights)[0]
-    zero0 = "stage 0 (DeepSpeed without ZeRO, train.weights=bf16)" if w0 == 2 else "stage 0 (DDP)"
-    if shape.trainable is None:
-        return [
-            f"model states, 16 B/param: {_states(w)} (train.weights={cfg.train.weights})"
-            + f"; {zero0}: {_states(w0)}" + (f" + gradient buckets {w0}" if hw.world > 1 else ""),
-            f"partitioned over N={hw.world}: stage 1 optimizer states ({16 - 2 * w}), stage 2 + gradients ({w}), "
-            f"stage 3 + weights ({w}); ZeRO-3 working set = 2 x {max(shape.layer_params, shape.embed_params):,} "
-            f"(largest layer or embedding) x {w} B",
-        ]
-    q = cfg.model.quantization
-    lc = lora_config(cfg.model)
-    T, F = shape.trainable, shape.frozen
-    targets = lc.target_modules if isinstance(lc.target_modules, str) else ",".join(lc.target_modules)
-    out = [f"{'QLoRA' if q != 'none' else 'LoRA'} (r={lc.r}, target_modules={targets}): trainable T = {T:,} "
-           f"(adapters r x (in + out) per targeted Linear, plus added token rows), frozen base F = {F:,}"]
-    out.append(f"trainable states, 16 B/param of T: {_states(w)} (train.weights={cfg.train.weights}); {zero0}: "
-               f"{_states(w0)}" + (f" + gradient buckets {w0}" if hw.world > 1 else "")
-               + f" = {16 * T / GIB:.2f} GiB unpartitioned")
-    if q == "none":
-        out.append(f"frozen base (no gradients, no optimizer states): F x {w} B = {F * w / GIB:.2f} GiB under DeepSpeed "
-                   f"(stage 0: F x {w0} B = {F * w0 / GIB:.2f} GiB), partitioned over N={hw.world} only under ZeRO-3")
-    else:
-        qb = QUANT_BYTES[q]
-        what = ("nf4 + double quantisation: 0.5 + 1/64 (8-bit absmax per 64) + 4/16384 (fp32 per 256 blocks)"
-                if q == "4bit" else "LLM.int8: 1 (row scales left out)")
-        rest = F - shape.linear_params
-        out.append(f"frozen base, {q}: Linear weights {shape.linear_params:,} x {qb:.4f} B ({what}) = "
-                   f"{shape.linear_params * qb / GIB:.2f} GiB + the rest (embeddings, head, norms) {rest:,} x {w} B = "
-                   f"{rest * w / GIB:.2f} GiB (stage 0: x {w0} = {rest * w0 / GIB:.2f} GiB); not partitioned; "
-                   f"ZeRO-3 not supported with quantization")
-    out.append(f"partitioned over N={hw.world}: stage 1 optimizer states of T, stage 2 + gradients of T, stage 3 + "
-               f"weights (frozen base too); ZeRO-3 working set = 2 x {max(shape.layer_params, shape.embed_params):,} "
-               f"(largest layer or embedding) x {w} B")
-    return out
-
-
 class Budget(NamedTuple):
     """What each option is sized against: hardware, bytes an activation, usable and overhead GiB a GPU, weights."""
     hw: Hardware
@@ -204,8 +166,10 @@ class Budget(NamedTuple):
     weights: str = "fp32"
 
 
-def _table(cfg: Config, shape: ModelShape, budget: Budget, gen=None) -> tuple[list[str], list[Row], Optional[str]]:
-    """Activation lines (budget.w: bytes per activation value), the table rows and the lowest option that fits."""
+def _table(cfg: Config, shape: ModelShape, budget: Budget, gen=None,
+           teacher=None) -> tuple[list[str], list[Row], Optional[str]]:
+    """Activation lines (budget.w: bytes per activation value), the table rows and the lowest option that fits;
+    `gen`: loss.mode=rl's GenerationPlan, `teacher`: loss.mode=distill's TeacherPlan (what each adds to a row)."""
     hw, w, usable, overhead_gb, weights = budget
     out = [f"activations ({'16-bit' if w == 2 else 'fp32'}, micro-batch {cfg.train.micro_batch_size}, "
            f"max_len {cfg.data.max_len}, gradient checkpointing {'on' if cfg.model.gradient_checkpointing else 'off'}):"]
@@ -214,10 +178,12 @@ def _table(cfg: Config, shape: ModelShape, budget: Budget, gen=None) -> tuple[li
     out.append(f"fixed overhead per GPU (CUDA context, NCCL, workspaces): {overhead_gb:g} GiB; extra = DDP gradient "
                "buckets (stage 0) or the ZeRO-3 working set")
     rows = [state_row(o, shape, hw, act, overhead_gb * GIB, cfg.model.quantization, weights) for o in OPTIONS]
-    for r in rows if gen else ():  # loss.mode=rl: the generation's cache beside the training state
-        gen.apply(r, weight_bytes(r.option.split("-")[0], weights)[0])
+    for r in rows:  # loss.mode=rl: the generation's cache beside the training state; distill: the teacher too
+        for part in (p for p in (gen, teacher) if p is not None):
+            part.apply(r, weight_bytes(r.option.split("-")[0], weights)[0])
     out += ["", f"{'stage':<10}{'weights':>9}{'grads':>9}{'optim':>9}{'extra':>9}{'activ':>9}"
-            + (f"{'gen':>9}" if gen else "") + f"{'overhead':>9}{'total':>9}  GiB per GPU"]
+            + (f"{'gen':>9}" if gen or teacher else "") + (f"{'teacher':>9}" if teacher else "")
+            + f"{'overhead':>9}{'total':>9}  GiB per GPU"]
     choice = None
     for r in rows:
         if not r.supported:
@@ -234,7 +200,8 @@ def _table(cfg: Config, shape: ModelShape, budget: Budget, gen=None) -> tuple[li
             if not host_ok:
                 note += " too big"
         out.append(f"{r.option:<10}" + "".join(f"{x / GIB:>9.1f}" for x in (
-            r.weights, r.grads, r.optim, r.extra, r.activations, *((r.generation,) if gen else ()), r.overhead, r.total))
+            r.weights, r.grads, r.optim, r.extra, r.activations, *((r.generation,) if gen or teacher else ()),
+            *((r.teacher,) if teacher else ()), r.overhead, r.total))
             + f"  {note}")
         if fits and choice is None and not (r.option == "0" and cfg.train.sequence_parallel > 1):
             choice = r.option  # (sequence parallelism runs under ZeRO 1-3)
@@ -282,7 +249,7 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
         f"intermediate i={shape.intermediate}, {shape.layers} layers, {shape.heads} heads ({shape.kv_heads} kv), "
         f"vocab {shape.vocab}" + moe_line(shape),
     ]
-    out += _state_lines(cfg, shape, hw, weights)
+    out += state_lines(cfg, shape, hw.world, weights)
     gen = None
     if cfg.loss.mode == "rl":  # the training pass is the answers' rows; the generation's cache sits beside it
         tokenizer = load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
@@ -290,16 +257,21 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
                                      hw.world, lora_config(cfg.model).enabled)
         out += gen.lines(weight_bytes("3", weights)[0])
         cfg = rl_plan.training_view(cfg, hw.world, gen.memory(w).width)
+    seq = cfg.data.max_len if cfg.data.max_len != "auto" else \
+        int(cfg.model.config.get("max_position_embeddings", 0) or 4096)  # (activation_terms' bound under auto)
+    teacher = TeacherPlan(cfg.distill, cfg.model, (cfg.train.micro_batch_size, seq), shape, compute, hw) \
+        if "distill" in facts(cfg.loss.mode).sections else None
+    out += teacher.lines(weight_bytes("3", weights)[0]) if teacher else []
     budget = Budget(hw, w, usable, overhead_gb, weights)
-    table, rows, choice = _table(cfg, shape, budget, gen)
+    table, rows, choice = _table(cfg, shape, budget, gen, teacher)
     out += table
     proposal: Optional[str] = None
     proposal_args: tuple = ()
     if choice not in OPTIONS[:4]:
         # what makes a stage 0-3 fit without CPU offload, cheapest first (docstring: "Proposals")
-        for sp, ckpt in _proposals(cfg, shape, budget, gen):
+        for sp, ckpt in _proposals(cfg, shape, budget, gen, teacher):
             trial = with_overrides(cfg, sp, ckpt)
-            _, t_rows, t_choice = _table(trial, shape, budget, gen)
+            _, t_rows, t_choice = _table(trial, shape, budget, gen, teacher)
             if t_choice not in OPTIONS[:4]:
                 continue
             r = t_rows[OPTIONS.index(t_choice)]
@@ -317,12 +289,12 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
     if choice not in OPTIONS[:4]:
         room = usable - (rows[3].total - rows[3].weights - rows[3].grads - rows[3].optim) / GIB
         wd = weight_bytes("3", weights)[0]
-        states = 16 * shape.params if shape.trainable is None else \
-            16 * shape.trainable + frozen_bytes(shape, "none", wd)
+        states = (16 * shape.params if shape.trainable is None else
+                  16 * shape.trainable + frozen_bytes(shape, "none", wd)) + (teacher.weights if teacher else 0)
         need = math.ceil(states / GIB / room) if room > 0 and rows[3].supported else None
         out.append(("no stage fits" if choice is None else "ZeRO-3 without offload does not fit") + ": " + (
             f"it needs at least {need} GPUs of {hw.gpu_mem_gb:g} GiB ({math.ceil(need / hw.gpus_per_node)} nodes of "
-            f"{hw.gpus_per_node}): " + ("16 x P" if shape.trainable is None else f"16 x T + {wd} x F")
+            f"{hw.gpus_per_node}): " + ("16 x P" if shape.trainable is None else f"16 x T + {wd} x F") + (" + the teacher" if teacher else "")
             + f" = {states / GIB:.1f} GiB over {room:.1f} GiB left per GPU"
             if need else "the activations alone exceed a GPU: lower train.micro_batch_size or data.max_len, set "
             "model.gradient_checkpointing=true, or share each row over GPUs (train.sequence_parallel)" if gen is None
@@ -343,7 +315,7 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
     return Plan("\n".join(out), choice, rows, shape, usable, proposal, proposal_args)
 
 
-def _proposals(cfg: Config, shape: ModelShape, budget: Budget, gen=None) -> list[tuple[int, bool]]:
+def _proposals(cfg: Config, shape: ModelShape, budget: Budget, gen=None, teacher=None) -> list[tuple[int, bool]]:
     """(sequence_parallel, checkpointing) to try, cheapest first. A row of data.max_len tokens that does not fit a
     GPU even one to a micro-batch is a long-sequence problem: sequence parallelism (no recomputation, an all-to-all
     inside each node) comes before activation checkpointing (the forward computed twice: about a third more
@@ -354,7 +326,7 @@ def _proposals(cfg: Config, shape: ModelShape, budget: Budget, gen=None) -> list
     sizes = sp_sizes(cfg, shape, hw.gpus_per_node) if gen is None else []  # (loss.mode=rl: no sequence parallelism)
     if sizes:
         one_row = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1))
-        if _table(one_row, shape, budget)[2] in OPTIONS[:4]:
+        if _table(one_row, shape, budget, None, teacher)[2] in OPTIONS[:4]:
             sizes = []  # one row fits: the micro-batch is too large, not the row
     return [(n, False) for n in sizes] + ([(1, True)] if ckpt else []) + ([(n, True) for n in sizes] if ckpt else [])
 
