@@ -6,6 +6,8 @@ See README.md for the quickstarts and docs/multi-gpu.md for CPU, single-GPU, mul
 """
 
 import logging
+import os
+import sys
 
 __version__ = "0.1.0"
 
@@ -21,7 +23,20 @@ QUIET = {
     "DeepSpeed": ("Setting accelerator to CPU",),  # DeepSpeed's import on a machine without a GPU
     "accelerate.utils.other": ("Removed shared tensor",),  # tied weights saved once, as intended
     "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),  # `import peft` on a CPU machine
+    # the kernel hub's note on every LoRA run under HF_HUB_OFFLINE (bitsandbytes' kernel read from the local cache)
+    "kernels._internals.hf_hub": ("Skipping publisher trust check for ",),
+    # accelerate's launcher on a CPU when its one default is the threads per process (launch/train.sh, every run); the
+    # message with any other default left out is left as it is
+    "accelerate.commands.launch": ("had defaults used instead:\n\t`--num_cpu_threads_per_process` was set to",),
+    # torch elastic's banner on every launch of several processes per node (launch/train.sh, accelerate's launcher)
+    "torch.distributed.run": ("Setting OMP_NUM_THREADS environment variable for each process to be 1 in default",),
 }
+
+# Progress bars of the libraries (transformers' "Writing model shards" at every export, the hub's downloads) only where
+# someone watches them, on a terminal (or a notebook): in a log file or launch/train.sh's train.log every redraw is
+# another run of carriage returns. The harness's own bar follows the same rule (harness.observe.metrics.progress_bar).
+if not (getattr(sys.stderr, "isatty", lambda: False)() or "ipykernel" in sys.modules):
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 class _KnownNoise(logging.Filter):

@@ -13,26 +13,11 @@ from __future__ import annotations
 import torch
 
 from harness.config import LossConfig
+from harness.config.derived import AUTO_MIN_LOGITS_BYTES, LOGIT_TRANSFORMS, chunked_ce_asked  # noqa: F401 - (light: the plans' too)
 from harness import IGNORE_INDEX
 from harness.errors import ConfigError
 from harness.lora import is_peft
 from harness.model import unwrap
-
-# loss.chunked_ce=auto turns the chunked loss on from this size of a micro-batch's fp32 logits (see resolve_chunked_ce)
-AUTO_MIN_LOGITS_BYTES = 256 * 2**20
-
-
-def chunked_ce_asked(loss: LossConfig, compile_mode: str, positions: int, vocab: int | None) -> bool:
-    """The config's part of `resolve_chunked_ce` (the head is checked apart; harness.tools.zero_plan plans with this too):
-    off with loss.chunked_ce=false or no generative positions; auto: on when positions x vocab x 4 bytes >=
-    AUTO_MIN_LOGITS_BYTES and train.compile (`compile_mode`) is not full (vocab None: unknown, off)."""
-    setting = loss.chunked_ce
-    if setting is False or positions <= 0:
-        return False
-    if setting == "auto":
-        return compile_mode != "full" and vocab is not None and positions * vocab * 4 >= AUTO_MIN_LOGITS_BYTES
-    return True
-
 
 def resolve_chunked_ce(loss: LossConfig, compile_mode: str, model, positions: int, say=print) -> int | None:
     """loss.chunked_ce -> positions per chunk for the generative loss, or None for the full logits.
@@ -73,7 +58,6 @@ def _vocab_size(model) -> int | None:
 
 # Config attributes by which some families transform the head's output after it (Cohere multiplies by logit_scale,
 # Granite divides by logits_scaling, HyperCLOVA X multiplies by it, ...): refused, their meanings differ by family.
-LOGIT_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
 def output_head(model) -> tuple[torch.nn.Linear, float | None, object]:
     """(output head, final-logit softcap or None, HF config) of a causal LM, through DDP/DeepSpeed/compile wrappers
     and peft (the head of the base model; tied to the input embedding or not, the same Parameter either way).

@@ -31,14 +31,13 @@ from harness.config import ModelConfig
 from harness.config.modes import facts
 from harness.errors import ConfigError
 from harness.lora import apply_lora, keep_4bit_training_layout, quantization_kwargs
-from harness.data.chat import resolve_template, uses_markers
+from harness.data.chat import CHAT_MARKERS, resolve_template, uses_markers
 from harness.data import vision
 from harness.losses import pool
 from harness import moe
 from harness.config.shape import pretrained_shape
 
 BUNDLED_TOKENIZER = Path(__file__).parent / "assets" / "tokenizer"
-CHAT_MARKERS = ["<|system|>", "<|user|>", "<|assistant|>", "<|embed|>"]
 
 
 def _tokenizer_source(cfg: ModelConfig) -> str:
@@ -186,8 +185,10 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, dtype: tor
         what = cfg.name_or_path or cfg.config.get("model_type")
         raise ConfigError(f"config key 'model.name_or_path': cannot build model '{what}': {str(e).splitlines()[0]}")
     base_vocab = model.get_input_embeddings().num_embeddings
-    if base_vocab < len(tokenizer):
-        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+    if base_vocab < len(tokenizer):  # (mean_resizing: the new rows from the old ones' statistics, none on the meta
+        # device, where harness zero-plan counts the shape)
+        meta = model.get_input_embeddings().weight.device.type == "meta"
+        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64, mean_resizing=not meta)
     text_config = model.config.get_text_config()  # a vision-language model: its language model's
     if getattr(text_config, "pad_token_id", None) is None:
         text_config.pad_token_id = tokenizer.pad_token_id

@@ -336,6 +336,29 @@ def test_a_copied_lora_run_folder_loads_with_peft_from_another_folder(tmp_path, 
             gen = model.generate(input_ids=ids[:1, :8], max_new_tokens=6, do_sample=False)
             assert gen.shape == (1, 14) and torch.equal(gen, want_gen)
 
+    # final/ alone, copied into another tree and loaded from a third folder (issue 74): with the call its model card
+    # (final/README.md) and docs/run-folder.md give, base/ read from the adapter's folder; and with harness's own
+    # loader (`harness chat`), which resolves the stored base relative to the adapter, also without merged/
+    alone = tmp_path / "elsewhere" / "adapter"
+    shutil.copytree(copied, alone)
+    shutil.rmtree(alone / "merged")
+    shutil.rmtree(tmp_path / "copy")
+    (tmp_path / "third").mkdir()
+    monkeypatch.chdir(tmp_path / "third")
+    card = (alone / "README.md").read_text()
+    assert '/base")\nmodel = PeftModel.from_pretrained(base' in card and "wherever the folder was copied" in card, card
+    from harness.checkpoint.export import adapter_base
+    from harness.tools.chat import load_model
+
+    assert adapter_base(alone) == str(alone / "base")
+    with pytest.raises((OSError, ValueError)):  # peft's one-liner reads runs/lora/final/base from here
+        AutoPeftModelForCausalLM.from_pretrained(str(alone))
+    card_call = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(f"{alone}/base"), str(alone)).eval()
+    with torch.no_grad():
+        for model in (card_call, load_model(str(alone), "cpu")):
+            assert (model(input_ids=ids).logits - want).abs().max().item() <= 1e-5
+            assert torch.equal(model.generate(input_ids=ids[:1, :8], max_new_tokens=6, do_sample=False), want_gen)
+
 
 def test_a_pretrained_base_trains_in_train_mode(tmp_path):
     """from_pretrained returns a model in eval mode; the harness trained it so (dropout off) until the first

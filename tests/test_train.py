@@ -37,11 +37,42 @@ def test_the_libraries_start_up_quietly():
     peft`) were printed by every command: importing them after harness prints nothing, while a warning of the same
     libraries that the harness does not know of still gets through."""
     code = ("import logging, harness, torchao, deepspeed, accelerate.utils.other, peft\n"
-            "logging.getLogger('torchao').warning('another torchao warning')\n")
+            "import accelerate.commands.launch, torch.distributed.run\n"
+            "logging.getLogger('torchao').warning('another torchao warning')\n"
+            # issue 74: the launchers' messages on every launch (launch/train.sh's train.log), said as they say them
+            "logging.getLogger('accelerate.commands.launch').warning('The following values were not passed to "
+            "`accelerate launch` and had defaults used instead:\\n\\t`--num_cpu_threads_per_process` was set to `2` "
+            "to improve out-of-box performance when training on CPUs\\nTo avoid this warning pass in values')\n"
+            "logging.getLogger('torch.distributed.run').warning('\\n****\\nSetting OMP_NUM_THREADS environment "
+            "variable for each process to be 1 in default, to avoid your system being overloaded\\n****')\n"
+            "logging.getLogger('kernels._internals.hf_hub').warning(\"Skipping publisher trust check for 'a/b' "
+            "because Hugging Face Hub is in offline mode.\")\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert third_party_lines(proc.stdout + proc.stderr) == ["another torchao warning"], proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_train_log_holds_no_library_line_and_no_bar_redraw(tmp_path):
+    """Issue 74: launch/train.sh's train.log (the run's output through tee: no terminal) of a LoRA run with the
+    progress bar left on held tqdm's redraws, transformers' "Writing model shards" bars (two exports: final/ and
+    merged/), accelerate's launcher defaults and the kernel hub's offline note. Bars now only on a terminal
+    (harness.observe.metrics.on_a_terminal; HF_HUB_DISABLE_PROGRESS_BARS for the libraries, harness/__init__.py), the
+    two messages in harness/__init__.py's QUIET: not one carriage return, no line but the harness's."""
+    from harness.observe.metrics import on_a_terminal, progress_bar
+
+    assert not on_a_terminal() and progress_bar(3, 0, True).disable  # (pytest captures stderr: no terminal here)
+    out = tmp_path / "run"
+    proc = subprocess.run(["bash", "launch/train.sh", "configs/default.yaml", f"train.output_dir={out}",
+                           "train.max_steps=2", "model.lora.enabled=true", "data.max_len=64", "train.summary=false",
+                           "train.eval_at_start=false"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
+                               "TOKENIZERS_PARALLELISM": "false"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    log = (out / "train.log").read_text()
+    assert "[harness] done" in log and "\r" not in log and (out / "final" / "merged").is_dir()
+    assert [ln for ln in third_party_lines(log) if not ln.startswith("=== ")] == [], log[-3000:]
 
 
 @pytest.mark.slow

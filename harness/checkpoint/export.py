@@ -91,6 +91,17 @@ def base_reference(base: Path, cwd: Optional[Path] = None) -> str:
     return full.relative_to(here).as_posix() if full.is_relative_to(here) else str(full)
 
 
+def adapter_base(final: str | Path) -> str:
+    """The base an adapter folder loads on, from wherever the folder was copied: the name adapter_config.json stores
+    where it loads from the current folder (a hub id, a folder that is there), else the folder's own base/ (a
+    random-init base, written beside the adapter: base_reference's relative path read from the adapter instead of
+    the current folder). harness's loaders take this; peft's AutoPeftModelForCausalLM takes the stored name as is."""
+    final = Path(final)
+    name = json.loads((final / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    own = final / "base"
+    return str(own) if not (name and Path(name).is_dir()) and (own / "config.json").is_file() else name
+
+
 def _write_export(accelerator, model, preprocessing, state_dict: dict, tmp: Path, extra: Optional[dict],
                   random_base_dest: Optional[Path] = None) -> None:
     """`preprocessing`: the tokenizer, or a vision-language model's processor (which holds the tokenizer)."""

@@ -26,6 +26,8 @@ from pathlib import Path
 from harness import IGNORE_INDEX
 from harness.errors import ConfigError, DataError
 
+# the GritLM layout's markers, added to a tokenizer that lacks them as special tokens (harness.model.load_tokenizer)
+CHAT_MARKERS = ["<|system|>", "<|user|>", "<|assistant|>", "<|embed|>"]
 GRITLM_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"

@@ -31,6 +31,7 @@ import torch
 
 from harness import IGNORE_INDEX
 from harness.errors import ConfigError
+from harness.config.derived import attention_heads, check_heads  # noqa: F401 - (light: the plans' too)
 
 KERNELS = ("sdpa", "flash_attention_2", "flash_attention_3")
 
@@ -66,29 +67,6 @@ def check_stage(size: int, zero_stage: int) -> None:
     if size > 1 and zero_stage not in (1, 2, 3):
         raise ConfigError(f"config key 'train.sequence_parallel': {size} needs DeepSpeed ZeRO 1-3, this launch runs "
                           f"ZeRO stage {zero_stage}; launch with --zero 1, 2 or 3")
-
-
-def attention_heads(config) -> tuple:
-    """(query heads, key/value heads, head size) of a transformers config; a family without grouped key/value heads
-    (gpt_neox, gpt2: no num_key_value_heads) has as many as query heads, one without head_dim hidden_size / heads.
-    Also the RFT engine's key/value cache shape (harness.rft.engine)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None)
-    kv = getattr(text, "num_key_value_heads", None) or heads
-    hidden = getattr(text, "hidden_size", None)
-    head_dim = getattr(text, "head_dim", None) or (hidden // heads if hidden and heads else None)
-    return heads, kv, head_dim
-
-
-def check_heads(size: int, config) -> None:
-    """N divides the model's attention heads (Ulysses gives each process 1/N of them)."""
-    heads, kv, _ = attention_heads(config)
-    if size > 1 and heads and heads % size:
-        raise ConfigError(f"config key 'train.sequence_parallel': {size} does not divide the model's {heads} "
-                          f"attention heads; use a divisor of {heads}")
-    if size > 1 and kv and kv % size and size % kv:
-        raise ConfigError(f"config key 'train.sequence_parallel': {size} and the model's {kv} key/value heads do "
-                          f"not divide one another; use a divisor or a multiple of {kv}")
 
 
 @dataclass(frozen=True)

@@ -10,15 +10,8 @@ from typing import Callable, Optional
 
 import torch
 
+from harness.config.derived import planned_weights  # noqa: F401 - (the build imports it from here)
 from harness.moe import register_zero3_leaves
-
-
-def planned_weights(precision: str, weights: str, deepspeed: bool) -> str:
-    """The dtype the trained parameters will have: train.weights in bf16 runs, fp16 under DeepSpeed's fp16 mode,
-    otherwise fp32 (autocast over fp32 weights)."""
-    if precision == "bf16":
-        return weights
-    return "fp16" if precision == "fp16" and deepspeed else "fp32"
 
 
 def apply_weights(ds: dict, weights: str, mixed_precision: str) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from harness.errors import ConfigError
+from harness.config.derived import mlp_width  # noqa: F401 - (light: the plans' too)
 from harness.moe.router import ROUTER_NAMES, base_model, experts_of
 
 
@@ -49,19 +50,6 @@ def active_matmul_params(model, linear: int) -> int:
 
 def _routed(name: str) -> bool:
     return ".experts." in f".{name}." and "shared" not in name
-
-
-def mlp_width(config, default: int) -> int:
-    """The MLP width a token's activations see, for the memory arithmetic: a mixture of experts' top-k experts' widths
-    (moe_intermediate_size, else intermediate_size: the expert's own) plus its shared experts'; a dense model's
-    intermediate_size (`default` without one)."""
-    n, k = experts_of(config)
-    dense = getattr(config, "intermediate_size", None) or default
-    if not n:
-        return dense
-    expert = getattr(config, "moe_intermediate_size", None) or dense
-    shared = getattr(config, "shared_expert_intermediate_size", None) or 0
-    return k * expert + shared
 
 
 def expert_targets(model) -> list[str]:

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import torch
 
-# The families' names for the per-token expert count and the expert count (transformers' configs).
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
+from harness.config.derived import EXPERT_COUNT_KEYS, TOP_K_KEYS, experts_of  # noqa: F401 - (light: the plans' too)
+
 CPU_EXPERTS = "grouped_mm"  # model.experts_implementation=auto without CUDA (docs/bench/moe-experts-cpu.json)
 ROUTER_NAMES = ("gate", "router")  # the router module's name inside a MoE block (mlp.gate, mlp.router)
 
@@ -35,20 +34,6 @@ def base_model(model):
             model = model.get_base_model()
         else:
             return model
-
-
-def _first(config, keys, default=0):
-    for k in keys:
-        v = getattr(config, k, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return default
-
-
-def experts_of(config) -> tuple[int, int]:
-    """(experts per MoE layer, experts per token) of a transformers config; (0, 0) for a dense model."""
-    n = _first(config, EXPERT_COUNT_KEYS)
-    return (n, _first(config, TOP_K_KEYS, 1)) if n > 1 else (0, 0)
 
 
 def is_moe(config) -> bool:

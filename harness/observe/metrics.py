@@ -243,11 +243,22 @@ def eta_seconds(elapsed_s: float, steps_done: int, steps_total: int) -> Optional
     return elapsed_s / steps_done * (steps_total - steps_done)
 
 
+def on_a_terminal() -> bool:
+    """Whether a progress bar has someone to show itself to: stderr is a terminal, or a notebook runs the code. In a
+    log file (launch/train.sh's train.log, a redirect, CI) each redraw would be another run of carriage returns; the
+    `[harness] step` lines say the same every train.log_every steps."""
+    import sys
+
+    return bool(getattr(sys.stderr, "isatty", lambda: False)()) or "ipykernel" in sys.modules
+
+
 def progress_bar(total: int, initial: int, enabled: bool):
-    """A tqdm bar (main process only); its postfix carries loss and tokens/s, tqdm itself shows the ETA."""
+    """A tqdm bar (main process only, on a terminal: `on_a_terminal`); its postfix carries loss and tokens/s, tqdm
+    itself shows the ETA."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, disable=not (enabled and on_a_terminal()), desc="train", unit="step",
+                dynamic_ncols=True)
 
 
 def retrieval_metrics(queries: torch.Tensor, corpus: torch.Tensor, positives: list[list[int]]) -> dict:

@@ -105,14 +105,18 @@ def _batch(micro, accum: int, world: int) -> str:
     return str(micro * accum * world) if isinstance(micro, int) else str(micro)
 
 
-def usage(repo: str, embeds: bool, lora: bool, base: Optional[str], chat: bool) -> str:
-    """How to load the model (transformers / peft), and for embeddings harness's encoder."""
+def usage(repo: str, embeds: bool, lora: bool, base: Optional[str], chat: bool, own_base: bool = False) -> str:
+    """How to load the model (transformers / peft), and for embeddings harness's encoder. own_base: a LoRA adapter
+    over a random-init base, which only its base/ subfolder holds (loaded from the folder, wherever it was copied)."""
     if lora:
+        # (a path, not subfolder=: transformers takes a folder holding adapter_config.json for the adapter itself)
+        merged = f"\"{repo}/merged\"" if own_base else f"\"{repo}\", subfolder=\"merged\""
+        base_path = f"{repo}/base" if own_base else base or "BASE_MODEL"
         load = (f"from peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
-                f"base = AutoModelForCausalLM.from_pretrained(\"{base or 'BASE_MODEL'}\")\n"
+                f"base = AutoModelForCausalLM.from_pretrained(\"{base_path}\")\n"
                 f"model = PeftModel.from_pretrained(base, \"{repo}\")\n"
                 f"tokenizer = AutoTokenizer.from_pretrained(\"{repo}\")\n"
-                f"# or the merged model: AutoModelForCausalLM.from_pretrained(\"{repo}\", subfolder=\"merged\")\n")
+                f"# or the merged model: AutoModelForCausalLM.from_pretrained({merged})\n")
     else:
         load = (f"from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
                 f"model = AutoModelForCausalLM.from_pretrained(\"{repo}\")\n"
@@ -122,6 +126,11 @@ def usage(repo: str, embeds: bool, lora: bool, base: Optional[str], chat: bool) 
                  "ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\")\n"
                  "print(tokenizer.decode(model.generate(ids, max_new_tokens=64)[0, ids.shape[1]:]))\n")
     text = f"```python\n{load}```\n\nOr chat in a terminal: `harness chat {repo}` (a local folder).\n"
+    if own_base:
+        text += ("\nThe base is the run's random initialisation, kept in `base/` inside this folder: load it by this "
+                 "folder's path as above, wherever the folder was copied. peft's one-line `AutoPeftModelForCausalLM` "
+                 f"reads adapter_config.json's `base_model_name_or_path` (`{base}`) from the current folder: it loads "
+                 "from the folder the run was started in only (docs/run-folder.md).\n")
     if embeds:
         text += ("\nEmbeddings as in training (pooling, attention and templates from harness.json), with harness:\n\n"
                  "```python\nfrom harness.encode import GritModel\n\n"
@@ -154,7 +163,8 @@ def render(cfg: dict, report: dict, config_text: str, final: Path, repo: Optiona
              "## Data", "", *(data or ["(none listed)"]), "",
              "## Training", "", *[f"- {s}" for s in settings(cfg, report)], "",
              "## Results", "", "| figure | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in figures(report)], "",
-             "## How to use", "", usage(repo or str(final), facts(mode).embeds, lora, base, chat),
+             "## How to use", "", usage(repo or str(final), facts(mode).embeds, lora, base, chat,
+                                       lora and (final / "base").is_dir()),
              "## Full config", "", "<details><summary>config.yaml</summary>", "", "```yaml", config_text.rstrip(),
              "```", "", "</details>", ""]
     return "\n".join(parts)

@@ -12,7 +12,6 @@ chat template. `/reset` clears the conversation, `/exit` or end of input stops.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -58,8 +57,9 @@ def load_model(folder: str, device: str):
         elif adapter.is_file():
             from peft import PeftModel
 
-            base_name = json.loads(adapter.read_text())["base_model_name_or_path"]
-            base = AutoModelForCausalLM.from_pretrained(base_name, dtype=dtype)
+            from harness.checkpoint.export import adapter_base  # lazy: start-up time (torch)
+
+            base = AutoModelForCausalLM.from_pretrained(adapter_base(path), dtype=dtype)
             model = PeftModel.from_pretrained(base, folder)
         else:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)

@@ -1,61 +1,41 @@
-"""What the memory plan (harness/tools/zero_plan.py) sizes from a recipe: the model's shape, counted on the meta
+"""What the memory plan (harness/tools/zero_plan.py) sizes from a recipe: the model's shape, by arithmetic on its
+config where that is enough (harness/tools/config_shape.py: no torch, under a second), else counted on the meta
 device the way harness.model.build_model builds it, and the activation bytes of one micro-batch (the arithmetic is
 written out in zero_plan's docstring and checked against the tensors torch saves in tests/test_memory.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from harness import moe
 from harness.config import Config, LossConfig, ModelConfig, lora_config
 from harness.config.modes import facts
-from harness.distributed.sequence import attention_heads
-from harness.model import build_model, load_tokenizer
+from harness.config.derived import attention_heads, check_heads, chunked_ce_asked
 from harness.errors import ConfigError
-from harness.chunked_loss import output_head
-from harness.chunked_loss import chunked_ce_asked
 from harness.config.checks import check_sequence_parallel
-from harness.distributed.sequence import check_heads
+from harness.tools.config_shape import ModelShape, shape_from_config
 
 GIB = 2**30
 
 
-@dataclass
-class ModelShape:
-    params: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    model_type: str
-    layer_params: int  # parameters of the largest decoder layer
-    embed_params: int  # parameters of the input embedding
-    trainable: Optional[int] = None  # LoRA: adapter (+ added token rows) parameters; None: full fine-tune, all of P
-    linear_params: int = 0  # weights of the frozen base's Linear layers but the output head (what bitsandbytes
-    # quantizes under model.quantization)
-    note: str = ""  # how the shape was obtained when not from the recipe as is (offline sizing)
-    chunkable_head: bool = True  # the chunked loss can take the output head (chunked_loss.resolve_chunked_ce)
-    head_dim: int = 0  # per attention head (the config's head_dim, else hidden / heads: the KV cache's size)
-    active: int = 0  # parameters a token goes through (a mixture of experts: top-k of its experts); 0: all of P
-
-    @property
-    def frozen(self) -> int:
-        return 0 if self.trainable is None else self.params - self.trainable
-
-
 def model_shape(cfg: Config) -> ModelShape:
-    """Parameter count and shape of the recipe's model, built on the meta device (nothing allocated)."""
+    """Parameter count and shape of the recipe's model (`shape_of`)."""
     return shape_of(cfg.model)
 
 
 def shape_of(m: ModelConfig) -> ModelShape:
-    """Parameter count and shape of the model `m` (a model section) describes, built on the meta device."""
+    """Parameter count and shape of the model `m` (a model section) describes: by arithmetic on its config
+    (shape_from_config), else built on the meta device (meta_shape: another family, LoRA on the experts, ...)."""
+    return shape_from_config(m) or meta_shape(m)
+
+
+def meta_shape(m: ModelConfig) -> ModelShape:
+    """Parameter count and shape of the model `m` describes, built on the meta device (nothing allocated)."""
     import torch
+
+    from harness import moe  # lazy: start-up time (torch; zero-plan's arithmetic path loads none)
+    from harness.model import build_model, load_tokenizer  # lazy: start-up time (torch and transformers)
 
     note = ""
     # quantization is left out: the meta model is built in full precision and bitsandbytes' bytes are counted per
@@ -74,6 +54,7 @@ def shape_of(m: ModelConfig) -> ModelShape:
     lora = lora_config(m).enabled
     head = model.get_output_embeddings()
     head = getattr(getattr(head, "token_adapter", None), "base_layer", head)  # (under peft's trainable tokens)
+    head = getattr(head, "base_layer", head)  # (LoRA on the head: bitsandbytes leaves it unquantized all the same)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad) if lora else None
     linear_params = sum(mod.weight.numel() for name, mod in model.named_modules()
                         if isinstance(mod, torch.nn.Linear) and mod is not head and not mod.weight.requires_grad
@@ -109,6 +90,8 @@ def shape_of(m: ModelConfig) -> ModelShape:
 def _chunkable_head(model) -> bool:
     """Whether the chunked loss can use this model's head (chunked_loss.output_head; LoRA's trainable tokens on the
     head of a base whose tokenizer gets the chat markers included)."""
+    from harness.chunked_loss import output_head  # lazy: start-up time (torch)
+
     try:
         output_head(model)
     except ConfigError:

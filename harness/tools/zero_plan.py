@@ -5,8 +5,8 @@
 
 The arithmetic, printed line by line (GiB = 2**30 bytes):
 
-* Parameters P are counted from the recipe's model on the `meta` device (no weights are allocated), the same way
-  harness.model.build_model builds it (tokenizer-sized embeddings included).
+* Parameters P are counted by arithmetic on the model's config (harness/tools/config_shape.py, no torch), else on
+  the `meta` device as harness.model.build_model builds it (tokenizer-sized embeddings included either way).
 * Model states take 16 bytes per parameter. With fp32 weights (train.weights=fp32, the default: autocast over fp32
   weights on every path, DeepSpeed's torch_autocast under ZeRO): fp32 weights 4 + fp32 gradients 4 + Adam m 4 +
   Adam v 4; partitioned over the N data-parallel processes: stage 1 the optimizer states (8), stage 2 also the
@@ -38,7 +38,7 @@ and with model.quantization its Linear weights (output head excepted) at 0.5 + 1
 with double quantisation) or 1 B/param (8bit), the rest (embeddings, head, norms) at the stage's weight bytes. The
 frozen base is partitioned only under ZeRO-3, which refuses quantized weights (the rows say "not supported").
 A recipe with a hub model.name_or_path and the architecture in model.config (with model_type) is sized offline from
-model.config.
+model.config; without it from the config.json of the folder, or of the hub id in the local hub cache.
 
 loss.mode=rl (GRPO): the training pass is a micro-batch of sampled answers (rows of longest prompt +
 rft.max_new_tokens positions), and the generation engine's KV cache sits beside the training state, kept through the
@@ -73,8 +73,7 @@ from harness.config import Config, load_config, lora_config, recipe_args
 from harness.errors import HarnessError
 from harness.tools.sizing import GIB, ModelShape, activation_terms, model_shape, moe_line, sp_sizes, with_overrides
 from harness.tools.state_bytes import QUANT_BYTES, frozen_bytes, host_bytes, state_lines, weight_bytes  # noqa: F401
-from harness.distributed.zero import planned_weights
-from harness.model import load_run_tokenizer
+from harness.config.derived import planned_weights
 from harness.config.modes import facts
 from harness.tools import rl_plan
 from harness.tools.distill_plan import TeacherPlan
@@ -118,7 +117,7 @@ class Row:
 def state_row(option: str, shape: ModelShape, hw: Hardware, activations: float, overhead: float,
               quantization: str = "none", weights: str = "fp32") -> Row:
     """Model-state bytes per GPU for one option (see the module docstring for the byte counts). `weights`: the
-    parameters' dtype under DeepSpeed (fp32, bf16, fp16: harness.distributed.zero.planned_weights)."""
+    parameters' dtype under DeepSpeed (fp32, bf16, fp16: harness.config.derived.planned_weights)."""
     if shape.trainable is not None:
         return lora_row(option, shape, hw, activations, overhead, quantization, weights)
     P, N = shape.params, hw.world
@@ -252,6 +251,7 @@ def plan(cfg: Config, hw: Hardware, margin: float = 0.10, overhead_gb: float = 2
     out += state_lines(cfg, shape, hw.world, weights)
     gen = None
     if cfg.loss.mode == "rl":  # the training pass is the answers' rows; the generation's cache sits beside it
+        from harness.model import load_run_tokenizer  # lazy: start-up time (torch: rl's prompts' tokens alone)
         tokenizer = load_run_tokenizer(cfg.model, cfg.data.chat_template, cfg.loss.mode)
         gen = rl_plan.GenerationPlan(cfg.rl, cfg.rft, cfg.train, shape, rl_plan.prompt_tokens(cfg.rft, tokenizer),
                                      hw.world, lora_config(cfg.model).enabled)
