@@ -2,7 +2,7 @@
 submit; a question is a sum, a product of a sum, or a product of two sums (episodes of 2, 3 or 4 tool calls); the
 reward (get_reward) is 1 when the submitted answer is right, else 0.
 
-    python -m harness.rl.calculator --prompts data/sample/calculator.jsonl --transcripts data/sample/calculator-sft.jsonl
+    python -m harness.rl.calculator --prompts data/agents/calculator.jsonl --transcripts data/agents/calculator-sft.jsonl
 """
 
 from __future__ import annotations
