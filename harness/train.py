@@ -39,7 +39,7 @@ from harness.build import Job, build_run, check_machine
 from harness.checkpoint.export import export_final
 from harness.checkpoint.store import Checkpointer
 from harness.config import Config, describe, load_config, preflight, recipe_args
-from harness.config.objects import reward_overrides
+from harness.config.objects import agent_overrides, reward_overrides
 from harness.data import loaders, streaming
 from harness.distributed import collectives
 from harness.encode import embedding_settings
@@ -381,10 +381,13 @@ def _main(args: argparse.Namespace) -> int:
 
 
 class _TrainModule(type(sys)):
-    def __call__(self, config, overrides=(), *, reward_funcs=None, reward_weights=None) -> dict:
-        """The Python API, `import harness; harness.train(config, overrides, reward_funcs=[fn])`: the run `harness
-        train` makes (main), with the functions given in this process (config/objects.py); returns report.json."""
-        overrides = [*map(str, overrides), *reward_overrides(reward_funcs, reward_weights)]
+    def __call__(self, config, overrides=(), *, reward_funcs=None, reward_weights=None, tools=None,
+                 environment=None) -> dict:
+        """The Python API, `import harness; harness.train(config, overrides, reward_funcs=[fn], environment=Class)`:
+        the run `harness train` makes (main), with the functions and classes given in this process
+        (config/objects.py); returns report.json."""
+        overrides = [*map(str, overrides), *reward_overrides(reward_funcs, reward_weights),
+                     *agent_overrides(tools, environment)]
         status = main(["--config", str(config), *overrides])
         if status:
             raise RunFailed(status)

@@ -94,3 +94,46 @@ def test_a_recipe_names_a_reward_file_from_its_own_folder(tmp_path, monkeypatch)
     (tmp_path / "rewards" / "broken.py").write_text("raise RuntimeError('needs a GPU')\n")
     with pytest.raises(ConfigError, match=r"broken.py raised RuntimeError: needs a GPU"):
         load(f"{tmp_path / 'rewards' / 'broken.py'}:fn", "rl.rewards[0].function")
+
+
+# TRL's environment_factory as a class in the user's own script (a subclass of the shipped calculator, renamed so
+# that its reward is logged under its own name), given to harness.train(environment=...)
+AGENT_SCRIPT = """
+import json, sys
+import harness
+from harness.rl.calculator import Calculator
+
+class MyCalculator(Calculator):
+    pass
+
+report = harness.train("configs/agent-tiny.yaml", json.loads(sys.argv[1]), environment=MyCalculator)
+print("steps", report["steps"])
+"""
+AGENT_RUN = ["model.config={model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+             "num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 512}", "train.max_steps=1",
+             "rl.num_generations=2", "rft.max_new_tokens=24", "train.progress_bar=false", "train.save_final=false"]
+
+
+def test_python_api_takes_an_environment_class_as_trl_takes_environment_factory(tmp_path):
+    """harness.train(config, overrides, environment=Class) (issue 74; TRL's environment_factory): the class defined
+    in the caller's script runs the episodes, its get_reward() logged under its name, config.yaml names it; the step
+    equals the CLI run with the shipped class as a spec (the subclass changes nothing: the same draws, 1e-6)."""
+    import json
+
+    from harness.config.objects import agent_overrides, load
+    from harness.rl.calculator import Calculator
+
+    assert load(json.loads(agent_overrides(None, Calculator)[0].partition("=")[2]), "rl.environment") is Calculator
+    cli, api = tmp_path / "cli", tmp_path / "api"
+    run_train([*AGENT_RUN, f"train.output_dir={cli}"], config=str(ROOT / "configs/agent-tiny.yaml"), timeout=300)
+    with cpu_slots(1):
+        proc = subprocess.run([sys.executable, "-c", AGENT_SCRIPT, json.dumps([*AGENT_RUN, f"train.output_dir={api}"])],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600,
+                              env={**{k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"},
+                                   "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    assert proc.returncode == 0 and "steps 1" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (ours,), (theirs,) = metrics(api), metrics(cli)
+    assert "reward/MyCalculator" in ours and "reward/Calculator" in theirs
+    assert ours["loss"] == pytest.approx(theirs["loss"], abs=1e-6)
+    assert ours["reward/MyCalculator"] == pytest.approx(theirs["reward/Calculator"], abs=1e-6)
+    assert "environment: __main__:MyCalculator" in (api / "config.yaml").read_text()

@@ -54,6 +54,25 @@ def reward_overrides(fns: Optional[Sequence], weights: Optional[Sequence[float]]
     return ["rl.rewards=" + json.dumps(entries)]
 
 
+def agent_overrides(tools: Optional[Sequence], environment: Any) -> list[str]:
+    """harness.train(tools=[...], environment=Class or {name: Class}) as the overrides `rl.tools=[...]` and
+    `rl.environment=...` (TRL's tools= and environment_factory=): objects given in this process are kept (`give`),
+    specs (module:name, file.py:name) are named as they are."""
+    def named(obj: Any) -> str:
+        return obj if isinstance(obj, str) else give(obj)
+
+    out = []
+    if tools is not None:
+        if isinstance(tools, (str, bytes)) or callable(tools):
+            raise ConfigError("harness.train: tools must be a list of functions (or specs)")
+        out.append("rl.tools=" + json.dumps([named(t) for t in tools]))
+    if environment is not None:
+        value = {str(k): named(v) for k, v in environment.items()} if isinstance(environment, dict) else \
+            named(environment)
+        out.append("rl.environment=" + json.dumps(value))
+    return out
+
+
 SPEC_KEYS = ("rl.reward", "rl.rewards", "rl.tools", "rl.environment")  # the config keys whose values name Python objects
 
 
