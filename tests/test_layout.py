@@ -65,6 +65,7 @@ LAYERS = [
      "harness.losses", "harness.chunked_loss", "harness.optim",
      "harness.objective",
      "harness.evaluation", "harness.encode", "harness.auto_batch", "harness.data.samples", "harness.data.loaders", "harness.data.streaming",
+     "harness.data.vision",
      "harness.data.stream_sources",
      "harness.checkpoint", "harness.rundir", "harness.observe.reporting", "harness.data.pairs",
      "harness.preference", "harness.rl", "harness.distill", "harness.modes", "harness.rft.tasks", "harness.rft.engine",

@@ -26,6 +26,7 @@ from harness import IGNORE_INDEX
 from harness.config import DataConfig, ModelConfig
 from harness.config.modes import ModeFacts
 from harness.data import chat, sources
+from harness.data.samples import GenerativeCollator
 from harness.errors import ConfigError, DataError
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
@@ -332,21 +333,14 @@ class VisionCollator:
 
     def __init__(self, processor):
         self.processor = processor
-        self.pad = processor.tokenizer.pad_token_id
+        self.text = GenerativeCollator(processor.tokenizer.pad_token_id)  # the text rows, padded as every run's
 
     def __call__(self, samples: list[dict]) -> dict:
-        width, n = max(len(s["input_ids"]) for s in samples), len(samples)
-        input_ids = torch.full((n, width), self.pad, dtype=torch.long)
-        labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        types = torch.zeros((n, width), dtype=torch.long)
+        batch = self.text(samples)
+        types = torch.zeros_like(batch["input_ids"])
         for i, s in enumerate(samples):
-            k = len(s["input_ids"])
-            input_ids[i, :k] = torch.tensor(s["input_ids"])
-            labels[i, :k] = torch.tensor(s["labels"])
-            mask[i, :k] = 1
-            types[i, :k] = torch.tensor(self.processor.create_mm_token_type_ids([s["input_ids"]])[0])
-        batch = {"input_ids": input_ids, "labels": labels, "attention_mask": mask, "mm_token_type_ids": types}
+            types[i, :len(s["input_ids"])] = torch.tensor(self.processor.create_mm_token_type_ids([s["input_ids"]])[0])
+        batch["mm_token_type_ids"] = types
         paths = [p for s in samples for p in s["images"]]
         if paths:
             images = [open_image(Path(p), s["origin"], Path(p).name) for s in samples for p in s["images"]]
